@@ -1,0 +1,116 @@
+"""Argument validation shared by every public entry point.
+
+Errors name the argument, the expected and the actual value, and are raised before any byte of a cache is
+written. ``TypeError`` for a wrong type, ``ValueError`` for a wrong value (shape, dtype, device, range,
+layout). Never ``assert``: it is gone under ``python -O``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+# Storage dtypes of KV caches. fp8 is stored bytes: scales belong to attention.
+KV_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+# Same-width integer dtypes used to move bytes without touching their values (no NaN canonicalisation).
+_BITS_DTYPES: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fmt_shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_ndim(name: str, t: torch.Tensor, ndim: int, what: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d tensor {what}, got shape {fmt_shape(t.shape)}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: Sequence[int]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {fmt_shape(shape)}, got {fmt_shape(t.shape)}")
+
+
+def check_dtype(name: str, t: torch.Tensor, dtypes: torch.dtype | Sequence[torch.dtype]) -> None:
+    allowed = (dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)
+    if t.dtype not in allowed:
+        want = " or ".join(str(d) for d in allowed)
+        raise ValueError(f"{name}: expected dtype {want}, got {t.dtype}")
+
+
+def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise ValueError(f"{name}: expected dtype {ref.dtype} (the dtype of {ref_name}), got {t.dtype}")
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device, ref_name: str) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of {ref_name}), got {t.device}")
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())} for shape "
+            f"{fmt_shape(t.shape)}"
+        )
+
+
+def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
+    """Check an integer in ``[lo, hi]`` (inclusive bounds; None = unbounded)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a Python int, got a tensor (pass int(x) explicitly)")
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name}: expected an int <= {hi}, got {value}")
+    return value
+
+
+def check_kv_dtype(name: str, dtype: object) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name}: expected a torch.dtype, got {type(dtype).__name__}")
+    if dtype not in KV_DTYPES:
+        want = ", ".join(str(d) for d in KV_DTYPES)
+        raise ValueError(f"{name}: expected one of {want}, got {dtype}")
+    return dtype
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Same memory viewed as the integer dtype of the same width (copies move bits, not values)."""
+    target = _BITS_DTYPES.get(t.element_size())
+    if target is None:
+        raise TypeError(f"unsupported element size {t.element_size()} bytes for dtype {t.dtype}")
+    if t.dtype == target:
+        return t
+    return t.view(target)
+
+
+def check_bits_dtype(name: str, t: torch.Tensor) -> None:
+    if t.element_size() not in _BITS_DTYPES or t.is_complex():
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported (element size must be 1, 2, 4 or 8 bytes)")
+
+
+def vec_elems(element_size: int, values: Sequence[int]) -> int:
+    """Largest power-of-two number of elements, at most 16 bytes, that divides every value in ``values``.
+
+    Used as a divisibility hint (``tl.multiple_of``) so that rows start on 16-byte boundaries whenever they
+    really do; the hint is only ever as large as what the values prove.
+    """
+    vec = max(1, 16 // element_size)
+    g = 0
+    for v in values:
+        g = math.gcd(g, int(v))
+    while vec > 1 and g % vec != 0:
+        vec //= 2
+    return vec

@@ -1,0 +1,582 @@
+"""Batch eviction: mapping construction and in-place compaction (TensorRT Edge-LLM ``compact*``).
+
+After some sequences of a running batch finish, the kept ones are moved down so that they occupy slots
+``0 .. new_active - 1`` in their original order. ``build_batch_mapping`` makes the mapping
+(``mapping[i]`` = new slot of old slot ``i``, or ``-1``); the compaction kernels move the data.
+
+Why in-place compaction is race-free
+------------------------------------
+Every mapping that :func:`build_batch_mapping` makes is *order-preserving*: kept slots are numbered in
+order, so ``mapping[i] <= i`` and ``mapping`` is strictly increasing over kept slots. A program of the
+compaction kernels owns one block of element positions (one chunk of one (layer, kv, head) row) and walks
+the old slots ``i = 0, 1, ..., old_active - 1`` in ascending order, copying that block of slot ``i`` to slot
+``mapping[i]``. Different programs touch disjoint positions, so they never conflict. Inside a program, slot
+``j`` is written only at step ``i`` with ``mapping[i] = j``, and ``j = mapping[i] <= i``; if ``j`` is itself a
+kept slot that moves, it was read at step ``j < i``, before that write (program order; a compiler may move
+a load earlier, never a store earlier than a load it follows). If ``j`` was evicted or never read, nothing
+is lost. Loads issued ahead of time only read slots ``> i``, which no step ``<= i`` writes. The same thread
+handles the same element positions at every step, so no barrier is needed.
+
+The kernels skip any ``mapping[i]`` with ``mapping[i] > i`` (in place) or ``>= new_active``: a malformed
+mapping cannot write outside the compacted range or race. ``check=True`` (syncs) rejects it with an error.
+
+The lengths are compacted by a second, single-program launch after the data kernel, because the data
+kernel reads ``lengths[i]`` while it runs (compacting them in the same launch is a race).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import kernel, use_triton
+from .._validate import (
+    bits,
+    check_bits_dtype,
+    check_contiguous,
+    check_device,
+    check_dtype,
+    check_int,
+    check_ndim,
+    check_same_dtype,
+    check_tensor,
+    fmt_shape,
+    vec_elems,
+)
+from ._layers import LayerTable, TableMemo, check_kv_layer, check_kv_layers
+from .lengths import _MAX_BATCH, _check_lengths_args, compact_lengths
+
+__all__ = [
+    "build_batch_mapping",
+    "build_batch_mapping_reference",
+    "compact_kv_layer",
+    "compact_kv_layers",
+    "compact_batch",
+    "compact_batch_reference",
+    "compact_kv_layer_reference",
+    "check_batch_mapping",
+    "compact_slots_strided",
+    "compact_slots_table",
+]
+
+_MAX_BLOCK = 4096
+
+
+def _block(n: int) -> int:
+    return min(_MAX_BLOCK, max(128, triton.next_power_of_2(n)))
+
+
+# --------------------------------------------------------------------------------------------------------
+# mapping
+
+
+@kernel
+def _batch_mapping_kernel(
+    finished,  # uint8 [n]: 1 = evict
+    mapping,  # int32 [>= n], written
+    count,  # int32 [1]: new active batch size, written
+    n,
+    BLOCK: tl.constexpr,
+):
+    i = tl.arange(0, BLOCK)
+    m = i < n
+    keep = ((tl.load(finished + i, mask=m, other=1) == 0) & m).to(tl.int32)
+    new_index = tl.cumsum(keep, axis=0) - 1
+    tl.store(mapping + i, tl.where(keep > 0, new_index, -1), mask=m)
+    tl.store(count, tl.sum(keep, axis=0))
+
+
+def build_batch_mapping_reference(finished: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Pure-torch reference of :func:`build_batch_mapping` (returns a new mapping tensor)."""
+    keep = ~finished.to(torch.bool)
+    mapping = torch.where(keep, torch.cumsum(keep.to(torch.int32), 0, dtype=torch.int32) - 1, -1)
+    return mapping.to(torch.int32), int(keep.sum())
+
+
+def build_batch_mapping(
+    finished: torch.Tensor | Sequence[bool],
+    *,
+    out: torch.Tensor | None = None,
+    new_active_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """Number the sequences that are not finished ``0, 1, ...`` in order; finished ones get ``-1``.
+
+    Parameters
+    ----------
+    finished : torch.Tensor | sequence of bool
+        shape ``[old_active]``, dtype bool, any device (a Python sequence is taken as a CPU tensor).
+    out : torch.Tensor, optional
+        shape ``[>= old_active]``, dtype int32, on ``finished``' device: the mapping is written to
+        ``out[:old_active]`` (no allocation).
+    new_active_out : torch.Tensor, optional
+        shape ``[1]``, dtype int32, on ``finished``' device. When given, the new active batch size is
+        written there and returned instead of an int: no host sync (CUDA-graph capturable).
+
+    Returns
+    -------
+    (batch_mapping, new_active)
+        ``batch_mapping``: int32 ``[old_active]``, ``mapping[i]`` = new index of sequence ``i`` or ``-1``.
+        ``new_active``: int (reading it from a CUDA ``finished`` syncs once), or ``new_active_out``.
+
+    Note
+    ----
+    The mapping is order-preserving (``mapping[i] <= i``, increasing over kept sequences): the precondition
+    of in-place compaction.
+    """
+    if not isinstance(finished, torch.Tensor):
+        if isinstance(finished, (str, bytes)) or not isinstance(finished, Sequence):
+            raise TypeError(f"finished: expected a bool tensor or a sequence of bool, got {type(finished).__name__}")
+        for i, f in enumerate(finished):
+            if not isinstance(f, bool):
+                raise TypeError(f"finished[{i}]: expected a bool, got {type(f).__name__}")
+        finished = torch.tensor(list(finished), dtype=torch.bool)
+    check_ndim("finished", finished, 1, "of bool [old_active]")
+    check_dtype("finished", finished, torch.bool)
+    n = finished.shape[0]
+    if n > _MAX_BATCH:
+        raise ValueError(f"finished: expected at most {_MAX_BATCH} sequences, got {n}")
+    device = finished.device
+    if out is not None:
+        check_tensor("out", out)
+        check_ndim("out", out, 1, "of int32")
+        check_dtype("out", out, torch.int32)
+        check_device("out", out, device, "finished")
+        if out.shape[0] < n or out.stride(0) != 1:
+            raise ValueError(f"out: expected a contiguous tensor of at least {n} entries, got shape {fmt_shape(out.shape)}")
+        mapping = out[:n]
+    else:
+        mapping = torch.empty(n, dtype=torch.int32, device=device)
+    if new_active_out is not None:
+        check_tensor("new_active_out", new_active_out)
+        check_dtype("new_active_out", new_active_out, torch.int32)
+        check_device("new_active_out", new_active_out, device, "finished")
+        if new_active_out.numel() != 1:
+            raise ValueError(f"new_active_out: expected shape [1], got {fmt_shape(new_active_out.shape)}")
+    if not use_triton(device):
+        ref, count = build_batch_mapping_reference(finished)
+        mapping.copy_(ref)
+        if new_active_out is not None:
+            new_active_out.fill_(count)
+            return mapping, new_active_out
+        return mapping, count
+    count_t = new_active_out if new_active_out is not None else torch.empty(1, dtype=torch.int32, device=device)
+    if n > 0:
+        if not finished.is_contiguous():
+            raise ValueError(f"finished: expected a contiguous tensor, got stride {finished.stride(0)}")
+        _batch_mapping_kernel.launch(
+            device, (1,), finished.view(torch.uint8), mapping, count_t, n, BLOCK=max(16, triton.next_power_of_2(n))
+        )
+    else:
+        count_t.fill_(0)
+    if new_active_out is not None:
+        return mapping, new_active_out
+    return mapping, int(count_t.item())
+
+
+def check_batch_mapping(batch_mapping: torch.Tensor, old_active: int, new_active: int) -> None:
+    """Debug check (syncs): ``batch_mapping[:old_active]`` numbers exactly ``new_active`` kept sequences
+    ``0 .. new_active - 1`` in order and marks the others ``-1``. Raises ValueError otherwise."""
+    m = batch_mapping[:old_active].cpu().tolist()
+    kept = [j for j in m if j != -1]
+    if kept != list(range(new_active)) or any(j < -1 for j in m):
+        raise ValueError(
+            f"batch_mapping: expected an order-preserving mapping of {old_active} sequences onto {new_active} "
+            f"(kept numbered 0..{new_active - 1} in order, evicted -1), got {m}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------------
+# kernels
+
+
+@kernel
+def _compact_strided_kernel(
+    src,  # bits
+    dst,  # bits (src itself when IN_PLACE)
+    mapping,  # int32 [>= old_active]
+    lengths,  # int32 [>= old_active] when HAS_LENGTHS
+    old_active,
+    new_active,
+    src_layer_stride,
+    src_row_stride,
+    src_batch_stride,
+    dst_layer_stride,
+    dst_row_stride,
+    dst_batch_stride,
+    token_elems,  # elements per token (head_dim) when HAS_LENGTHS
+    row_elems,  # elements per row when not HAS_LENGTHS
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+):
+    # grid: (cdiv(max row elements, BLOCK), rows per layer, layers)
+    # row (l, r) of slot b: l * layer_stride + r * row_stride + b * batch_stride; valid elements:
+    # lengths[b] * token_elems (HAS_LENGTHS) or row_elems. Walks old slots in ascending order (module doc).
+    chunk = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    layer = tl.program_id(2).to(tl.int64)
+    start = chunk * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    src_row = layer * src_layer_stride + r * src_row_stride
+    dst_row = layer * dst_layer_stride + r * dst_row_stride
+    for i in range(0, old_active):
+        j = tl.load(mapping + i)
+        if HAS_LENGTHS:
+            n = tl.load(lengths + i).to(tl.int64) * token_elems
+        else:
+            n = row_elems
+        move = (j >= 0) & (j < new_active) & (start < n)
+        if IN_PLACE:
+            move = move & (j < i)
+        if move:
+            mask = offs < tl.multiple_of(n, VEC)
+            s = tl.multiple_of(src_row + i * src_batch_stride, VEC)
+            d = tl.multiple_of(dst_row + j.to(tl.int64) * dst_batch_stride, VEC)
+            x = tl.load(src + s + offs, mask=mask)
+            tl.store(dst + d + offs, x, mask=mask)
+
+
+@kernel
+def _compact_table_kernel(
+    data,  # bits of the first layer (table offsets are relative to it)
+    table,  # int64 [L, 8], see kvcache.ops._layers
+    mapping,  # int32 [>= old_active]
+    lengths,  # int32 [>= old_active]
+    old_active,
+    new_active,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    # grid: (cdiv(max S_i * D_i, BLOCK), max 2 * H_i, L); in place, ascending old slots (module doc).
+    chunk = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    layer = tl.program_id(2).to(tl.int64)
+    row = table + layer * 8
+    rows = tl.load(row + 3)
+    if r < rows:
+        layer_off = tl.load(row + 0)
+        batch_stride = tl.load(row + 1)
+        row_start = layer_off + r * tl.load(row + 2)
+        head_dim = tl.load(row + 4)
+        start = chunk * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        for i in range(0, old_active):
+            j = tl.load(mapping + i)
+            n = tl.load(lengths + i).to(tl.int64) * head_dim
+            if (j >= 0) & (j < i) & (j < new_active) & (start < n):
+                mask = offs < tl.multiple_of(n, VEC)
+                s = tl.multiple_of(row_start + i * batch_stride, VEC)
+                d = tl.multiple_of(row_start + j.to(tl.int64) * batch_stride, VEC)
+                x = tl.load(data + s + offs, mask=mask)
+                tl.store(data + d + offs, x, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------------
+# launchers (no validation: callers validated)
+
+
+def _moves(batch_mapping: torch.Tensor, old_active: int, new_active: int, in_place: bool) -> list[tuple[int, int]]:
+    """Host list of (old, new) moves in ascending order, with the kernels' guards (reference path)."""
+    out = []
+    for i, j in enumerate(batch_mapping[:old_active].tolist()):
+        if 0 <= j < new_active and (j < i or not in_place):
+            out.append((i, j))
+    return out
+
+
+def compact_slots_strided(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    batch_mapping: torch.Tensor,
+    lengths: torch.Tensor | None,
+    old_active: int,
+    new_active: int,
+    *,
+    num_layers: int,
+    rows: int,
+    row_capacity: int,
+    src_strides: tuple[int, int, int],
+    dst_strides: tuple[int, int, int],
+    token_elems: int = 1,
+) -> None:
+    """Launch the strided compaction. ``*_strides`` are (layer, row, batch) element strides; a row holds
+    ``row_capacity`` elements, of which ``lengths[b] * token_elems`` (or all, without lengths) are valid."""
+    if old_active == 0 or row_capacity == 0:
+        return
+    in_place = src.data_ptr() == dst.data_ptr()
+    sb, db = bits(src), bits(dst)
+    if not use_triton(src.device):
+        s_flat, d_flat = sb.reshape(-1), db.reshape(-1)
+        lens = lengths[:old_active].tolist() if lengths is not None else None
+        for i, j in _moves(batch_mapping, old_active, new_active, in_place):
+            n = lens[i] * token_elems if lens is not None else row_capacity
+            for layer in range(num_layers):
+                for r in range(rows):
+                    a = layer * src_strides[0] + r * src_strides[1] + i * src_strides[2]
+                    b = layer * dst_strides[0] + r * dst_strides[1] + j * dst_strides[2]
+                    d_flat[b : b + n].copy_(s_flat[a : a + n])
+        return
+    vec = vec_elems(src.element_size(), [*src_strides, *dst_strides, token_elems if lengths is not None else row_capacity])
+    block = _block(row_capacity)
+    _compact_strided_kernel.launch(
+        src.device,
+        (triton.cdiv(row_capacity, block), rows, num_layers),
+        sb,
+        db,
+        batch_mapping,
+        lengths if lengths is not None else batch_mapping,
+        old_active,
+        new_active,
+        *src_strides,
+        *dst_strides,
+        token_elems,
+        row_capacity,
+        BLOCK=block,
+        VEC=vec,
+        HAS_LENGTHS=lengths is not None,
+        IN_PLACE=in_place,
+    )
+
+
+def compact_slots_table(
+    layers: Sequence[torch.Tensor],
+    table: LayerTable | None,
+    batch_mapping: torch.Tensor,
+    lengths: torch.Tensor,
+    old_active: int,
+    new_active: int,
+) -> None:
+    """Launch the table-driven in-place compaction of KV layers ``[B, 2, H_i, S_i, D_i]``."""
+    if old_active == 0:
+        return
+    if not use_triton(layers[0].device):
+        for layer in layers:
+            compact_kv_layer_reference(layer, batch_mapping, lengths, old_active, new_active)
+        return
+    assert table is not None
+    row_capacity = max(int(t.shape[3]) * int(t.shape[4]) for t in layers)
+    block = _block(row_capacity)
+    _compact_table_kernel.launch(
+        layers[0].device,
+        (triton.cdiv(row_capacity, block), table.max_rows, table.num_layers),
+        bits(layers[0]),
+        table.table,
+        batch_mapping,
+        lengths,
+        old_active,
+        new_active,
+        BLOCK=block,
+        VEC=table.vec,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# references
+
+
+def compact_kv_layer_reference(
+    layer: torch.Tensor, batch_mapping: torch.Tensor, lengths: torch.Tensor, old_active: int, new_active: int
+) -> None:
+    """Pure-torch reference of the data part of :func:`compact_kv_layer` (in place, ascending order)."""
+    lens = lengths[:old_active].tolist()
+    for i, j in _moves(batch_mapping, old_active, new_active, in_place=True):
+        layer[j, :, :, : lens[i]] = layer[i, :, :, : lens[i]]
+
+
+def compact_batch_reference(
+    src: torch.Tensor, batch_mapping: torch.Tensor, dst: torch.Tensor, old_active: int, new_active: int
+) -> None:
+    """Pure-torch reference of :func:`compact_batch`."""
+    in_place = src.data_ptr() == dst.data_ptr()
+    for i, j in _moves(batch_mapping, old_active, new_active, in_place):
+        dst[j] = src[i]
+
+
+# --------------------------------------------------------------------------------------------------------
+# public ops
+
+
+def compact_kv_layer(
+    layer: torch.Tensor,
+    batch_mapping: torch.Tensor,
+    lengths: torch.Tensor,
+    old_active: int,
+    new_active: int,
+    dst_lengths: torch.Tensor | None = None,
+    *,
+    check: bool = False,
+) -> None:
+    """Compact one layer in place: slot ``batch_mapping[i]`` receives the first ``lengths[i]`` tokens of
+    slot ``i`` for every kept ``i < old_active``.
+
+    Parameters
+    ----------
+    layer : torch.Tensor
+        shape ``[B, 2, H, S, D]``, dtype float16 / bfloat16 / float8_e4m3fn, contiguous. In/out.
+    batch_mapping : torch.Tensor
+        shape ``[>= old_active]``, dtype int32, same device: new slot of each old slot, ``-1`` = evicted.
+    lengths : torch.Tensor
+        shape ``[>= old_active]``, dtype int32, same device: tokens held by each old slot (``<= S``).
+    old_active, new_active : int
+        ``0 <= new_active <= old_active <= B``.
+    dst_lengths : torch.Tensor, optional
+        shape ``[>= new_active]``, int32. When given, the compacted lengths are written there by a second
+        launch after the data kernel; it may be ``lengths`` itself. With a per-layer loop, pass it on the
+        **last** layer only (earlier layers must still read the old lengths), or use
+        :func:`compact_kv_layers`.
+    check : bool
+        Debug mode: verify the mapping (syncs) and raise ValueError before writing if it is not
+        order-preserving.
+
+    Note
+    ----
+    Precondition: the mapping is order-preserving, as :func:`build_batch_mapping` makes it; the module
+    docstring explains why that makes the in-place walk race-free. Only the valid prefix of each moved slot
+    is copied; slots past a length and evicted slots keep stale data. No allocation, no host sync.
+    """
+    check_kv_layer("layer", layer)
+    check_tensor("batch_mapping", batch_mapping)
+    check_tensor("lengths", lengths)
+    dst = lengths if dst_lengths is None else check_tensor("dst_lengths", dst_lengths)
+    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst, max_batch=layer.shape[0])
+    check_device("batch_mapping", batch_mapping, layer.device, "layer")
+    if check:
+        check_batch_mapping(batch_mapping, old_active, new_active)
+        _check_length_values(lengths, old_active, layer.shape[3])
+    b, _, h, s, d = layer.shape
+    compact_slots_strided(
+        layer, layer, batch_mapping, lengths, old_active, new_active,
+        num_layers=1, rows=2 * h, row_capacity=s * d,
+        src_strides=(0, s * d, 2 * h * s * d), dst_strides=(0, s * d, 2 * h * s * d), token_elems=d,
+    )
+    if dst_lengths is not None:
+        compact_lengths(lengths, batch_mapping, old_active, new_active, dst_lengths)
+
+
+_TABLES = TableMemo()
+
+
+def compact_kv_layers(
+    layers: Sequence[torch.Tensor],
+    batch_mapping: torch.Tensor,
+    lengths: torch.Tensor,
+    old_active: int,
+    new_active: int,
+    dst_lengths: torch.Tensor | None = None,
+    *,
+    check: bool = False,
+) -> None:
+    """Compact every layer in one launch, then the lengths (a second, one-program launch).
+
+    Parameters
+    ----------
+    layers : list of torch.Tensor
+        Layer ``i``: shape ``[B, 2, H_i, S_i, D_i]`` (heads, max length, head size may differ), one dtype
+        and device, contiguous. In/out.
+    batch_mapping, lengths, old_active, new_active, check
+        As in :func:`compact_kv_layer`; ``lengths[i] <= min(S_i)``.
+    dst_lengths : torch.Tensor, optional
+        Where the compacted lengths go (may be ``lengths``); ``None`` leaves the lengths alone.
+
+    Note
+    ----
+    The lengths are compacted only after every layer was read (stream order). The layer address table is
+    built on the first call with a set of layers and reused after; the caches build theirs at construction.
+    """
+    layers = check_kv_layers("layers", layers)
+    check_tensor("batch_mapping", batch_mapping)
+    check_tensor("lengths", lengths)
+    dst = lengths if dst_lengths is None else check_tensor("dst_lengths", dst_lengths)
+    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst, max_batch=layers[0].shape[0])
+    check_device("batch_mapping", batch_mapping, layers[0].device, "layers[0]")
+    if check:
+        check_batch_mapping(batch_mapping, old_active, new_active)
+        _check_length_values(lengths, old_active, min(t.shape[3] for t in layers))
+    table = _TABLES.get(layers) if use_triton(layers[0].device) else None
+    compact_slots_table(layers, table, batch_mapping, lengths, old_active, new_active)
+    if dst_lengths is not None:
+        compact_lengths(lengths, batch_mapping, old_active, new_active, dst_lengths)
+
+
+def compact_batch(
+    src: torch.Tensor,
+    batch_mapping: torch.Tensor,
+    dst: torch.Tensor,
+    old_active: int,
+    new_active: int,
+    *,
+    check: bool = False,
+) -> None:
+    """Compact any tensor along dim 0: ``dst[batch_mapping[i]] = src[i]`` for every kept ``i < old_active``.
+
+    Parameters
+    ----------
+    src : torch.Tensor
+        shape ``[B, ...]``, any dtype of 1, 2, 4 or 8 bytes; each ``src[i]`` must be contiguous (dim 0 may
+        have any stride).
+    batch_mapping : torch.Tensor
+        shape ``[>= old_active]``, int32, same device.
+    dst : torch.Tensor
+        shape ``[B', ...]`` with ``B' >= new_active`` and the same trailing shape, dtype and device,
+        contiguous; or ``src`` itself (in place: rows that stay where they are are not copied).
+    old_active, new_active : int
+        ``0 <= new_active <= old_active <= B``.
+    check : bool
+        Debug mode: verify the mapping (syncs).
+    """
+    check_tensor("src", src)
+    check_tensor("dst", dst)
+    check_tensor("batch_mapping", batch_mapping)
+    if src.dim() < 1:
+        raise ValueError(f"src: expected at least 1 dimension (the batch), got shape {fmt_shape(src.shape)}")
+    check_bits_dtype("src", src)
+    check_same_dtype("dst", dst, "src", src)
+    check_device("dst", dst, src.device, "src")
+    check_device("batch_mapping", batch_mapping, src.device, "src")
+    check_ndim("batch_mapping", batch_mapping, 1, "of int32")
+    check_dtype("batch_mapping", batch_mapping, torch.int32)
+    if batch_mapping.stride(0) != 1:
+        raise ValueError(f"batch_mapping: expected a contiguous tensor, got stride {batch_mapping.stride(0)}")
+    check_int("old_active", old_active, 0, src.shape[0])
+    check_int("new_active", new_active, 0, old_active)
+    if batch_mapping.shape[0] < old_active:
+        raise ValueError(f"batch_mapping: expected at least {old_active} entries, got shape [{batch_mapping.shape[0]}]")
+    if dst.dim() != src.dim() or dst.shape[1:] != src.shape[1:] or dst.shape[0] < new_active:
+        raise ValueError(
+            f"dst: expected shape [>= {new_active}, {', '.join(str(s) for s in src.shape[1:])}], got "
+            f"{fmt_shape(dst.shape)}"
+        )
+    row = src[0] if src.shape[0] > 0 else src
+    if not row.is_contiguous():
+        raise ValueError(f"src: each src[i] must be contiguous, got strides {tuple(src.stride())}")
+    in_place = dst.data_ptr() == src.data_ptr() and dst.stride() == src.stride() and dst.shape == src.shape
+    if not in_place:
+        check_contiguous("dst", dst)
+        s0, s1 = src.data_ptr(), src.data_ptr() + (src.shape[0] - 1) * src.stride(0) * src.element_size() + (
+            row.numel() * src.element_size()
+        )
+        d0, d1 = dst.data_ptr(), dst.data_ptr() + dst.numel() * dst.element_size()
+        if src.numel() and dst.numel() and s0 < d1 and d0 < s1:
+            raise ValueError("dst: must be src itself (in place) or not overlap src in memory")
+    if check:
+        check_batch_mapping(batch_mapping, old_active, new_active)
+    n = row.numel() if src.shape[0] > 0 else 0
+    if not use_triton(src.device):
+        if old_active:
+            compact_batch_reference(src, batch_mapping, dst, old_active, new_active)
+        return
+    compact_slots_strided(
+        src, dst, batch_mapping, None, old_active, new_active,
+        num_layers=1, rows=1, row_capacity=n,
+        src_strides=(0, 0, src.stride(0)), dst_strides=(0, 0, dst.stride(0) if dst.dim() else 1),
+    )
+
+
+def _check_length_values(lengths: torch.Tensor, old_active: int, max_len: int) -> None:
+    vals = lengths[:old_active].cpu()
+    if old_active and (int(vals.min()) < 0 or int(vals.max()) > max_len):
+        raise ValueError(f"lengths: expected values in [0, {max_len}], got {vals.tolist()}")

@@ -1,0 +1,251 @@
+"""Sequence-length kernels: increment (decode / prefill commit) and compaction after eviction.
+
+Both kernels run as one program over the whole active batch, which makes them all-or-nothing (increment)
+and race-free in place (compaction): every length is loaded before any is stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import kernel, use_triton
+from .._validate import check_device, check_dtype, check_int, check_ndim, check_tensor
+
+__all__ = [
+    "increment_lengths",
+    "increment_lengths_reference",
+    "compact_lengths",
+    "compact_lengths_reference",
+]
+
+_INT32_MAX = 2**31 - 1
+_MAX_BATCH = 1 << 20  # one program holds the whole batch in registers
+
+
+@kernel
+def _increment_lengths_kernel(
+    lengths,  # int32 [n], in/out
+    increment,  # int32 [n] when HAS_TENSOR, else unused
+    overflow,  # int32 [1] when HAS_FLAG, else unused
+    n,
+    scalar_increment,
+    max_len,
+    HAS_TENSOR: tl.constexpr,
+    CHECK: tl.constexpr,
+    HAS_FLAG: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program: load every length, decide, then store, so a rejected increment changes nothing.
+    i = tl.arange(0, BLOCK)
+    m = i < n
+    old = tl.load(lengths + i, mask=m, other=0)
+    if HAS_TENSOR:
+        new = old + tl.load(increment + i, mask=m, other=0)
+    else:
+        new = old + scalar_increment
+    if CHECK:
+        bad = m & ((new > max_len) | (new < 0))
+        nbad = tl.sum(bad.to(tl.int32), axis=0)
+        tl.store(lengths + i, new, mask=m & (nbad == 0))
+        if HAS_FLAG:
+            if nbad > 0:
+                tl.store(overflow, 1)
+    else:
+        tl.store(lengths + i, new, mask=m)
+
+
+def increment_lengths_reference(
+    lengths: torch.Tensor,
+    increment: int | torch.Tensor,
+    *,
+    max_len: int | None = None,
+    overflow: torch.Tensor | None = None,
+) -> None:
+    """Pure-torch reference of :func:`increment_lengths` (same arguments, same semantics)."""
+    new = lengths.to(torch.int64) + (increment.to(torch.int64) if isinstance(increment, torch.Tensor) else increment)
+    if max_len is not None and lengths.numel() > 0 and bool(((new > max_len) | (new < 0)).any()):
+        if overflow is not None:
+            overflow.fill_(1)
+        return
+    lengths.copy_(new.to(torch.int32))
+
+
+def increment_lengths(
+    lengths: torch.Tensor,
+    increment: int | torch.Tensor,
+    *,
+    max_len: int | None = None,
+    overflow: torch.Tensor | None = None,
+) -> None:
+    """Add ``increment`` to every sequence length, in place.
+
+    Parameters
+    ----------
+    lengths : torch.Tensor
+        shape: ``[n]``, dtype: int32, any device. Updated in place.
+    increment : int | torch.Tensor
+        An int added to every length (decode: 1), or per-sequence counts (prefill), shape ``[n]``,
+        dtype int32, on ``lengths``' device.
+    max_len : int, optional
+        Bound checked on the device without a host sync: if any new length would be ``> max_len`` or
+        ``< 0``, **no** length changes (all or nothing) and ``overflow[0]`` is set to 1.
+    overflow : torch.Tensor, optional
+        shape ``[1]``, dtype int32, on ``lengths``' device; set to 1 when ``max_len`` rejects the update,
+        never cleared. Only with ``max_len``.
+
+    Note
+    ----
+    No allocation, no host sync: capturable in a CUDA graph (an int increment is baked into the graph).
+    """
+    lengths = check_tensor("lengths", lengths)
+    check_ndim("lengths", lengths, 1, "of sequence lengths [n]")
+    check_dtype("lengths", lengths, torch.int32)
+    if not lengths.is_contiguous():
+        raise ValueError(f"lengths: expected a contiguous tensor, got strides {tuple(lengths.stride())}")
+    n = lengths.shape[0]
+    if isinstance(increment, torch.Tensor):
+        check_ndim("increment", increment, 1, "of per-sequence counts [n]")
+        check_dtype("increment", increment, torch.int32)
+        check_device("increment", increment, lengths.device, "lengths")
+        if increment.shape[0] != n:
+            raise ValueError(f"increment: expected shape [{n}] (the shape of lengths), got [{increment.shape[0]}]")
+        if not increment.is_contiguous():
+            raise ValueError(f"increment: expected a contiguous tensor, got strides {tuple(increment.stride())}")
+    else:
+        check_int("increment", increment, -_INT32_MAX, _INT32_MAX)
+    if max_len is not None:
+        check_int("max_len", max_len, 0, _INT32_MAX)
+    if overflow is not None:
+        if max_len is None:
+            raise ValueError("overflow: expected None when max_len is None (nothing is checked)")
+        check_tensor("overflow", overflow)
+        check_dtype("overflow", overflow, torch.int32)
+        check_device("overflow", overflow, lengths.device, "lengths")
+        if overflow.numel() != 1:
+            raise ValueError(f"overflow: expected shape [1], got {list(overflow.shape)}")
+    if n > _MAX_BATCH:
+        raise ValueError(f"lengths: expected at most {_MAX_BATCH} sequences, got {n}")
+    if n == 0:
+        return
+    if not use_triton(lengths.device):
+        increment_lengths_reference(lengths, increment, max_len=max_len, overflow=overflow)
+        return
+    has_tensor = isinstance(increment, torch.Tensor)
+    _increment_lengths_kernel.launch(
+        lengths.device,
+        (1,),
+        lengths,
+        increment if has_tensor else lengths,
+        overflow if overflow is not None else lengths,
+        n,
+        0 if has_tensor else increment,
+        max_len if max_len is not None else 0,
+        HAS_TENSOR=has_tensor,
+        CHECK=max_len is not None,
+        HAS_FLAG=overflow is not None,
+        BLOCK=max(16, triton.next_power_of_2(n)),
+    )
+
+
+@kernel
+def _compact_lengths_kernel(
+    lengths,  # int32 [>= old_active]
+    mapping,  # int32 [>= old_active]: new index or -1
+    dst,  # int32 [>= new_active]; may alias lengths
+    old_active,
+    new_active,
+    BLOCK: tl.constexpr,
+):
+    i = tl.arange(0, BLOCK)
+    m = i < old_active
+    j = tl.load(mapping + i, mask=m, other=-1)
+    length = tl.load(lengths + i, mask=m, other=0)
+    # Every thread has loaded before any stores: dst may alias lengths.
+    tl.debug_barrier()
+    keep = m & (j >= 0) & (j < new_active)
+    tl.store(dst + j, length, mask=keep)
+
+
+def compact_lengths_reference(
+    lengths: torch.Tensor, batch_mapping: torch.Tensor, old_active: int, new_active: int, dst: torch.Tensor
+) -> None:
+    """Pure-torch reference of :func:`compact_lengths`."""
+    src = lengths[:old_active].clone()
+    mapping = batch_mapping[:old_active]
+    keep = (mapping >= 0) & (mapping < new_active)
+    dst[mapping[keep].long()] = src[keep]
+
+
+def compact_lengths(
+    lengths: torch.Tensor,
+    batch_mapping: torch.Tensor,
+    old_active: int,
+    new_active: int,
+    dst_lengths: torch.Tensor | None = None,
+) -> None:
+    """``dst_lengths[batch_mapping[i]] = lengths[i]`` for every kept ``i < old_active``.
+
+    Parameters
+    ----------
+    lengths : torch.Tensor
+        shape ``[>= old_active]``, dtype int32.
+    batch_mapping : torch.Tensor
+        shape ``[>= old_active]``, dtype int32: new batch index, or ``-1`` for evicted (see
+        :func:`~kvcache.ops.build_batch_mapping`).
+    old_active, new_active : int
+        Active batch size before and after eviction.
+    dst_lengths : torch.Tensor, optional
+        shape ``[>= new_active]``, dtype int32; defaults to ``lengths`` (in place, race-free: one program
+        loads every length before storing any).
+
+    Note
+    ----
+    Run it after every layer was compacted: the layer kernels read ``lengths``.
+    """
+    check_tensor("lengths", lengths)
+    check_tensor("batch_mapping", batch_mapping)
+    dst = lengths if dst_lengths is None else check_tensor("dst_lengths", dst_lengths)
+    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst)
+    if old_active == 0:
+        return
+    if not use_triton(lengths.device):
+        compact_lengths_reference(lengths, batch_mapping, old_active, new_active, dst)
+        return
+    _compact_lengths_kernel.launch(
+        lengths.device,
+        (1,),
+        lengths,
+        batch_mapping,
+        dst,
+        old_active,
+        new_active,
+        BLOCK=max(16, triton.next_power_of_2(old_active)),
+    )
+
+
+def _check_lengths_args(
+    lengths: torch.Tensor,
+    batch_mapping: torch.Tensor,
+    old_active: int,
+    new_active: int,
+    dst: torch.Tensor,
+    max_batch: int | None = None,
+) -> None:
+    """Validation shared by the compaction entry points (lengths, mapping, batch sizes)."""
+    check_int("old_active", old_active, 0, _MAX_BATCH if max_batch is None else max_batch)
+    check_int("new_active", new_active, 0, old_active)
+    for name, t, need in (
+        ("lengths", lengths, old_active),
+        ("batch_mapping", batch_mapping, old_active),
+        ("dst_lengths", dst, new_active),
+    ):
+        check_ndim(name, t, 1, "of int32")
+        check_dtype(name, t, torch.int32)
+        check_device(name, t, batch_mapping.device if name != "batch_mapping" else lengths.device,
+                     "batch_mapping" if name != "batch_mapping" else "lengths")
+        if t.shape[0] < need:
+            raise ValueError(f"{name}: expected at least {need} entries, got shape [{t.shape[0]}]")
+        if t.stride(0) != 1:
+            raise ValueError(f"{name}: expected a contiguous tensor, got stride {t.stride(0)}")
