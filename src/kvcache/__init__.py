@@ -2,7 +2,19 @@
 
 from . import ops
 from .config import CacheConfig, KVLayerConfig, ManagerConfig
+from .linear import LinearKVCache
+from .manager import KVCacheManager
+from .snapshot import KVSnapshot
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "CacheConfig", "KVLayerConfig", "ManagerConfig", "__version__"]
+__all__ = [
+    "ops",
+    "CacheConfig",
+    "KVLayerConfig",
+    "ManagerConfig",
+    "LinearKVCache",
+    "KVCacheManager",
+    "KVSnapshot",
+    "__version__",
+]

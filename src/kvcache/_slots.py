@@ -1,0 +1,427 @@
+"""What LinearKVCache and KVCacheManager share: the layer storage and the per-sequence state.
+
+``LayerStore`` owns the memory of all layers (one allocation) and moves slots: save, restore, compaction.
+Uniform layers are one tensor ``[L, B, 2, H, S, D]`` addressed by strides; layers that differ in heads or
+head size are views of one flat buffer addressed through a static per-layer table built once here, so every
+multi-layer op is one launch with no per-call host-to-device work (CUDA-graph capturable).
+
+``SlotCache`` holds the lengths, the active batch size and the eviction / save / restore API. The lengths
+live on the device; a host mirror of them is kept while it is exact (after ``reset_for_new_sequences`` and
+integer commits), which lets most bound checks run on the host without a sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import ops
+from ._validate import check_dtype, check_int, check_ndim, check_tensor, fmt_shape
+from .ops._layers import build_layer_table
+from .ops.compact import compact_slots_strided, compact_slots_table
+from .ops.copy import copy_slot_strided, copy_slot_table
+from .ops.lengths import compact_lengths, increment_lengths
+from .snapshot import KVSnapshot
+
+
+class LayerStore:
+    """Memory of ``L`` layers ``[B, 2, H_i, S, D_i]`` in one allocation, zero-initialised."""
+
+    def __init__(
+        self,
+        specs: Sequence[tuple[int, int]],
+        max_batch: int,
+        max_seq: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.specs = tuple((int(h), int(d)) for h, d in specs)
+        self.max_batch = max_batch
+        self.max_seq = max_seq
+        self.dtype = dtype
+        self.device = device
+        self.uniform = len(set(self.specs)) == 1
+        if self.uniform:
+            h, d = self.specs[0]
+            self.buffer: torch.Tensor | None = torch.zeros(
+                (len(self.specs), max_batch, 2, h, max_seq, d), dtype=dtype, device=device
+            )
+            self.layers: tuple[torch.Tensor, ...] = tuple(self.buffer.unbind(0))
+            self.table = None
+        else:
+            sizes = [max_batch * 2 * h * max_seq * d for h, d in self.specs]
+            flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+            layers, off = [], 0
+            for (h, d), n in zip(self.specs, sizes):
+                layers.append(flat[off : off + n].view(max_batch, 2, h, max_seq, d))
+                off += n
+            self.buffer = None
+            self.flat = flat
+            self.layers = tuple(layers)
+            # Packed snapshots put layer i at seq_len * sum_{j<i} 2 * H_j * D_j elements.
+            per_token, acc = [], 0
+            for h, d in self.specs:
+                per_token.append(acc)
+                acc += 2 * h * d
+            self.table = build_layer_table(self.layers, snap_packed_per_token=per_token)
+
+    # ------------------------------------------------------------------------------------------ slots
+
+    def save(self, snap: KVSnapshot, batch_idx: int) -> None:
+        s = snap.seq_len
+        if snap.flat is None:
+            ops.save_kv_layers(list(self.layers), list(snap.layers), batch_idx, s)
+        elif self.uniform:
+            h, d = self.specs[0]
+            S = self.max_seq
+            copy_slot_strided(
+                self.buffer, snap.flat, num_layers=len(self.specs), rows=2 * h, n=s * d,  # type: ignore[arg-type]
+                src_off=batch_idx * 2 * h * S * d, dst_off=0,
+                src_layer_stride=self.max_batch * 2 * h * S * d, src_row_stride=S * d,
+                dst_layer_stride=2 * h * s * d, dst_row_stride=s * d,
+            )
+        else:
+            copy_slot_table(self.layers[0], snap.flat, self.table, batch_idx, s, save=True,  # type: ignore[arg-type]
+                            cache_layers=self.layers, snap_layers=snap.layers)
+
+    def restore(self, snap: KVSnapshot, batch_idx: int) -> None:
+        s = snap.seq_len
+        if snap.flat is None:
+            ops.restore_kv_layers(list(snap.layers), list(self.layers), batch_idx, s)
+        elif self.uniform:
+            h, d = self.specs[0]
+            S = self.max_seq
+            copy_slot_strided(
+                snap.flat, self.buffer, num_layers=len(self.specs), rows=2 * h, n=s * d,  # type: ignore[arg-type]
+                src_off=0, dst_off=batch_idx * 2 * h * S * d,
+                src_layer_stride=2 * h * s * d, src_row_stride=s * d,
+                dst_layer_stride=self.max_batch * 2 * h * S * d, dst_row_stride=S * d,
+            )
+        else:
+            copy_slot_table(self.layers[0], snap.flat, self.table, batch_idx, s, save=False,  # type: ignore[arg-type]
+                            cache_layers=self.layers, snap_layers=snap.layers)
+
+    def compact(self, mapping: torch.Tensor, lengths: torch.Tensor, old_active: int, new_active: int) -> None:
+        if self.uniform:
+            h, d = self.specs[0]
+            S, B = self.max_seq, self.max_batch
+            strides = (B * 2 * h * S * d, S * d, 2 * h * S * d)
+            compact_slots_strided(
+                self.buffer, self.buffer, mapping, lengths, old_active, new_active,  # type: ignore[arg-type]
+                num_layers=len(self.specs), rows=2 * h, row_capacity=S * d,
+                src_strides=strides, dst_strides=strides, token_elems=d,
+            )
+        else:
+            compact_slots_table(self.layers, self.table, mapping, lengths, old_active, new_active)
+
+
+class SlotCache:
+    """Sequence state and slot operations shared by :class:`~kvcache.LinearKVCache` and
+    :class:`~kvcache.KVCacheManager`."""
+
+    _store: LayerStore
+
+    def _init_state(self, store: LayerStore) -> None:
+        self._store = store
+        dev = store.device
+        B = store.max_batch
+        self._lengths = torch.zeros(B, dtype=torch.int32, device=dev)
+        self._mapping = torch.full((B,), -1, dtype=torch.int32, device=dev)
+        self._overflow = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._active = 0
+        self._all_empty = True
+        self._host_lengths: list[int] | None = []  # exact copy of lengths[:active] when known
+
+    # ------------------------------------------------------------------------------------------ state
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._store.max_batch
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._store.max_seq
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._store.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._store.device
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Tokens held by each active sequence: int32 ``[active_batch_size]`` on the cache's device (a view of
+        static storage: its address never changes, so it can be used inside CUDA graphs)."""
+        return self._lengths[: self._active]
+
+    @property
+    def lengths_buffer(self) -> torch.Tensor:
+        """The static int32 ``[max_batch_size]`` storage behind :attr:`lengths`."""
+        return self._lengths
+
+    @property
+    def active_batch_size(self) -> int:
+        return self._active
+
+    @active_batch_size.setter
+    def active_batch_size(self, value: int) -> None:
+        check_int("active_batch_size", value, 0, self._store.max_batch)
+        if self._host_lengths is not None:
+            if value <= self._active:
+                self._host_lengths = self._host_lengths[:value]
+            else:
+                self._host_lengths = None  # lengths of newly active slots are on the device only
+        self._active = value
+
+    @property
+    def all_empty(self) -> bool:
+        """True while no active sequence holds a token (after a reset with all-zero reuse lengths, before a
+        commit)."""
+        return self._all_empty
+
+    def host_lengths(self) -> list[int]:
+        """Lengths of the active sequences on the host (syncs when the host mirror is not exact)."""
+        if self._host_lengths is None:
+            self._host_lengths = self.lengths.tolist()
+        return list(self._host_lengths)
+
+    def _check_layer_index(self, i: int) -> int:
+        return check_int("i", i, 0, len(self._store.specs) - 1)
+
+    # ------------------------------------------------------------------------------------------ lengths
+
+    def reset_for_new_sequences(self, reuse_lengths: Sequence[int]) -> None:
+        """Start a new batch of ``len(reuse_lengths)`` sequences; sequence ``b`` starts with
+        ``reuse_lengths[b]`` tokens already in its slot (0, or a restored prefix: see :meth:`restore`).
+
+        Parameters
+        ----------
+        reuse_lengths : sequence of int
+            Host ints, ``0 <= reuse_lengths[b] <= max_seq_len``, at most ``max_batch_size`` of them.
+        """
+        if isinstance(reuse_lengths, torch.Tensor):
+            if reuse_lengths.device.type != "cpu":
+                raise ValueError(f"reuse_lengths: expected host ints, got a tensor on {reuse_lengths.device}")
+            check_ndim("reuse_lengths", reuse_lengths, 1, "of host ints")
+            reuse_lengths = [int(x) for x in reuse_lengths.tolist()]
+        if isinstance(reuse_lengths, (str, bytes)) or not isinstance(reuse_lengths, Sequence):
+            raise TypeError(f"reuse_lengths: expected a sequence of int, got {type(reuse_lengths).__name__}")
+        n = len(reuse_lengths)
+        if n > self._store.max_batch:
+            raise ValueError(f"reuse_lengths: expected at most {self._store.max_batch} sequences, got {n}")
+        values = [check_int(f"reuse_lengths[{b}]", v, 0, self._store.max_seq) for b, v in enumerate(reuse_lengths)]
+        if n:
+            self._lengths[:n].copy_(torch.tensor(values, dtype=torch.int32))
+        self._active = n
+        self._host_lengths = values
+        self._all_empty = not any(values)
+
+    def commit(self, new_lengths: torch.Tensor | int, *, check: bool = False) -> None:
+        """Add tokens to the active sequences: an int to every one (decode), or per-sequence counts.
+
+        Parameters
+        ----------
+        new_lengths : int | torch.Tensor
+            int: added to every active length. Tensor: int32 ``[active_batch_size]`` counts, on the host or on
+            the cache's device.
+        check : bool
+            When the bound cannot be checked on the host (a device tensor, or after one), the kernel still
+            refuses an update that would take any length past ``max_seq_len`` (all or nothing) and raises a
+            device flag; ``check=True`` syncs, reads the flag and raises ValueError.
+
+        Raises
+        ------
+        ValueError
+            A length would pass ``max_seq_len`` or go below 0 (nothing changed), when checkable on the host.
+        """
+        S = self._store.max_seq
+        n = self._active
+        if isinstance(new_lengths, torch.Tensor):
+            check_ndim("new_lengths", new_lengths, 1, "of per-sequence counts [active_batch_size]")
+            check_dtype("new_lengths", new_lengths, torch.int32)
+            if new_lengths.shape[0] != n:
+                raise ValueError(f"new_lengths: expected shape [{n}] (active_batch_size), got {fmt_shape(new_lengths.shape)}")
+            if new_lengths.device.type == "cpu" and self.device.type != "cpu":
+                counts = [int(x) for x in new_lengths.tolist()]
+                self._commit_host(counts)
+                if n:
+                    increment_lengths(self.lengths, new_lengths.to(self.device), max_len=S, overflow=self._overflow)
+                self._after_commit(counts)
+                return
+            if new_lengths.device != self.device:
+                raise ValueError(f"new_lengths: expected device {self.device} or cpu, got {new_lengths.device}")
+            if self.device.type == "cpu":
+                counts = [int(x) for x in new_lengths.tolist()]
+                self._commit_host(counts)
+                if n:
+                    increment_lengths(self.lengths, new_lengths.contiguous(), max_len=S, overflow=self._overflow)
+                self._after_commit(counts)
+                return
+            if n:
+                increment_lengths(self.lengths, new_lengths.contiguous(), max_len=S, overflow=self._overflow)
+            self._host_lengths = None
+            self._all_empty = False
+            if check:
+                self._raise_on_overflow()
+            return
+        inc = check_int("new_lengths", new_lengths, -(2**31 - 1), 2**31 - 1)
+        if self._host_lengths is not None:
+            self._commit_host([inc] * n)
+        if n:
+            increment_lengths(self.lengths, inc, max_len=S, overflow=self._overflow)
+        if self._host_lengths is not None:
+            self._after_commit([inc] * n)
+        else:
+            if inc != 0:
+                self._all_empty = False
+            if check:
+                self._raise_on_overflow()
+
+    def _commit_host(self, counts: list[int]) -> None:
+        """Host-side bound check (before anything is written) when the host mirror is exact."""
+        if self._host_lengths is None:
+            return
+        S = self._store.max_seq
+        for b, (old, c) in enumerate(zip(self._host_lengths, counts)):
+            if not 0 <= old + c <= S:
+                raise ValueError(
+                    f"new_lengths: sequence {b} would hold {old + c} tokens, expected 0..{S} (max_seq_len); "
+                    "nothing was changed"
+                )
+
+    def _after_commit(self, counts: list[int]) -> None:
+        if self._host_lengths is not None:
+            self._host_lengths = [old + c for old, c in zip(self._host_lengths, counts)]
+            self._all_empty = not any(self._host_lengths)
+        elif any(counts):
+            self._all_empty = False
+
+    def _raise_on_overflow(self) -> None:
+        if int(self._overflow.item()):
+            self._overflow.zero_()
+            raise ValueError(
+                f"new_lengths: a sequence would have passed max_seq_len={self._store.max_seq} (or gone below 0); "
+                "the commit was refused on the device and nothing was changed"
+            )
+
+    # ------------------------------------------------------------------------------------------ eviction
+
+    def evict(self, finished: torch.Tensor | Sequence[bool], *, check: bool = False) -> torch.Tensor:
+        """Drop finished sequences and compact every layer and the lengths in place.
+
+        Parameters
+        ----------
+        finished : torch.Tensor | sequence of bool
+            bool ``[active_batch_size]``, on the host or on the cache's device (then reading the new batch size
+            syncs once).
+        check : bool
+            Debug mode: verify the mapping and lengths (syncs).
+
+        Returns
+        -------
+        torch.Tensor
+            The mapping, int32 ``[old active_batch_size]`` on the cache's device: new index of each old
+            sequence or ``-1``. Use it with :func:`kvcache.ops.compact_batch` for the engine's own
+            per-sequence tensors.
+        """
+        old = self._active
+        host_finished: list[bool] | None = None
+        if isinstance(finished, torch.Tensor):
+            check_tensor("finished", finished)
+            check_ndim("finished", finished, 1, "of bool [active_batch_size]")
+            check_dtype("finished", finished, torch.bool)
+            if finished.shape[0] != old:
+                raise ValueError(f"finished: expected shape [{old}] (active_batch_size), got {fmt_shape(finished.shape)}")
+            if finished.device.type == "cpu":
+                host_finished = [bool(x) for x in finished.tolist()]
+            elif finished.device != self.device:
+                raise ValueError(f"finished: expected device {self.device} or cpu, got {finished.device}")
+        else:
+            if isinstance(finished, (str, bytes)) or not isinstance(finished, Sequence):
+                raise TypeError(f"finished: expected a bool tensor or a sequence of bool, got {type(finished).__name__}")
+            if len(finished) != old:
+                raise ValueError(f"finished: expected {old} flags (active_batch_size), got {len(finished)}")
+            for i, f in enumerate(finished):
+                if not isinstance(f, bool):
+                    raise TypeError(f"finished[{i}]: expected a bool, got {type(f).__name__}")
+            host_finished = list(finished)
+        mapping = self._mapping[:old]
+        if host_finished is not None:
+            kept = [i for i, f in enumerate(host_finished) if not f]
+            new = len(kept)
+            host_map = [-1] * old
+            for j, i in enumerate(kept):
+                host_map[i] = j
+            if old:
+                mapping.copy_(torch.tensor(host_map, dtype=torch.int32))
+        else:
+            _, new = ops.build_batch_mapping(finished, out=self._mapping)
+            kept = None
+        if check:
+            ops.check_batch_mapping(mapping, old, new)  # type: ignore[arg-type]
+            self.host_lengths()
+            if any(not 0 <= x <= self._store.max_seq for x in self._host_lengths or []):
+                raise ValueError(f"lengths: expected values in [0, {self._store.max_seq}], got {self._host_lengths}")
+        if old and new != old:
+            self._store.compact(mapping, self._lengths, old, new)  # type: ignore[arg-type]
+            compact_lengths(self._lengths, mapping, old, new)  # type: ignore[arg-type]
+        if self._host_lengths is not None:
+            if kept is None:
+                self._host_lengths = None
+            else:
+                self._host_lengths = [self._host_lengths[i] for i in kept]
+        self._active = new  # type: ignore[assignment]
+        return mapping.clone()
+
+    # ------------------------------------------------------------------------------------------ snapshots
+
+    def save(self, batch_idx: int, seq_len: int) -> KVSnapshot:
+        """Copy the first ``seq_len`` tokens of active sequence ``batch_idx`` of every layer (one launch).
+
+        Returns
+        -------
+        KVSnapshot
+            Packed, on the cache's device, layer ``i`` ``[2, H_i, seq_len, D_i]``.
+        """
+        check_int("batch_idx", batch_idx, 0, self._active - 1 if self._active else -1)
+        held = self._host_lengths[batch_idx] if self._host_lengths is not None else self._store.max_seq
+        check_int("seq_len", seq_len, 0, held)
+        snap = KVSnapshot.empty(self._store.specs, seq_len, dtype=self._store.dtype, device=self.device)
+        self._store.save(snap, batch_idx)
+        return snap
+
+    def restore(self, snapshot: KVSnapshot, batch_idx: int) -> None:
+        """Copy a saved prefix into the first ``snapshot.seq_len`` tokens of slot ``batch_idx`` of every layer.
+
+        Lengths are not changed. The system-prompt recipe: restore ``N`` tokens into slot ``b``, then
+        ``reset_for_new_sequences`` with ``N - 1`` for ``b`` and prefill from token ``N - 1``, so that the
+        last prompt token's logits are recomputed.
+
+        Parameters
+        ----------
+        snapshot : KVSnapshot
+            From :meth:`save` of a cache with the same layer shapes and dtype, on this cache's device
+            (``snapshot.to(cache.device)`` first if needed).
+        batch_idx : int
+            ``0 <= batch_idx < max_batch_size`` (active or not).
+        """
+        if not isinstance(snapshot, KVSnapshot):
+            raise TypeError(f"snapshot: expected a KVSnapshot, got {type(snapshot).__name__}")
+        check_int("batch_idx", batch_idx, 0, self._store.max_batch - 1)
+        if snapshot.layer_specs != self._store.specs:
+            raise ValueError(
+                f"snapshot: expected layers of (num_kv_heads, head_dim) {list(self._store.specs)}, got "
+                f"{list(snapshot.layer_specs)}"
+            )
+        if snapshot.dtype != self._store.dtype:
+            raise ValueError(f"snapshot: expected dtype {self._store.dtype}, got {snapshot.dtype}")
+        if snapshot.device != self.device:
+            raise ValueError(
+                f"snapshot: expected device {self.device}, got {snapshot.device} (use snapshot.to(cache.device))"
+            )
+        if snapshot.seq_len > self._store.max_seq:
+            raise ValueError(f"snapshot: expected seq_len <= {self._store.max_seq}, got {snapshot.seq_len}")
+        self._store.restore(snapshot, batch_idx)
