@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -71,29 +72,88 @@ def _interpreting() -> Iterator[None]:
 class Kernel:
     """A Triton kernel in both forms: compiled (CUDA) and interpreted (CPU).
 
-    Use as a decorator in place of ``@triton.jit``; launch with ``kernel.launch(device, grid, *args, **kw)``.
+    Use as a decorator in place of ``@triton.jit``: ``@kernel(ints=("n", ...))`` where ``ints`` names the
+    integer parameters. Launch with ``kernel.launch(device, grid, *runtime_args, **constexprs)``; runtime
+    arguments come first in the signature, ``tl.constexpr`` parameters last.
+
+    Launch path on CUDA. ``JITFunction.run`` re-binds and re-keys every argument on every call (tens of
+    microseconds in triton 3.6). Here integer parameters are not value-specialised (``do_not_specialize``;
+    the kernels state their own divisibility with ``tl.multiple_of``), so a compiled kernel depends only on
+    the pointer dtypes, the 16-byte alignment of each pointer, whether each int fits in 32 bits, and the
+    constexpr values. That key is computed here; the first launch of a key goes through ``JITFunction.run``
+    (compiling if needed) and later launches call the compiled kernel's launcher directly. Launch hooks
+    (profilers) or ``KVCACHE_SLOW_LAUNCH=1`` disable the direct path.
     """
 
-    def __init__(self, fn: Callable[..., Any], **jit_kwargs: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], ints: tuple[str, ...] = ()) -> None:
         self.fn = fn
-        self.compiled = triton.jit(fn, **jit_kwargs)
+        params = list(inspect.signature(fn).parameters.values())
+        is_const = ["constexpr" in str(p.annotation) for p in params]
+        n_rt = is_const.index(True) if True in is_const else len(params)
+        if any(is_const[:n_rt]) or not all(is_const[n_rt:]):
+            raise TypeError(f"{fn.__name__}: constexpr parameters must come last")
+        names = [p.name for p in params]
+        unknown = set(ints) - set(names[:n_rt])
+        if unknown:
+            raise TypeError(f"{fn.__name__}: ints {sorted(unknown)} are not runtime parameters")
+        self._const_names = tuple(names[n_rt:])
+        self._ptr_pos = tuple(i for i in range(n_rt) if names[i] not in ints)
+        self._int_pos = tuple(i for i in range(n_rt) if names[i] in ints)
+        self.compiled = triton.jit(fn, do_not_specialize=list(ints))
+        self._fast: dict[tuple, tuple] = {}
+        self._allow_fast = os.environ.get("KVCACHE_SLOW_LAUNCH", "0") != "1"
         functools.update_wrapper(self, fn)
 
-    def launch(self, device: torch.device, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        if device.type == "cuda":
-            index = device.index
-            if index is None or index == torch.cuda.current_device():
-                self.compiled[grid](*args, **kwargs)
-            else:
-                with torch.cuda.device(index):
-                    self.compiled[grid](*args, **kwargs)
-        else:
+    def launch(self, device: torch.device, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
+        if device.type != "cuda":
             with _interpreting():
-                _interpreted(self.fn)[grid](*args, **kwargs)
+                _interpreted(self.fn)[grid](*args, **constexprs)
+            return
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (
+            index,
+            tuple([(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in self._ptr_pos]),
+            tuple([-2147483648 <= args[i] <= 2147483647 for i in self._int_pos]),
+            tuple(constexprs.items()),
+        )
+        entry = self._fast.get(key)
+        switch = torch.cuda.current_device() != index
+        if entry is None or not self._allow_fast or _hooks_active():
+            with torch.cuda.device(index) if switch else contextlib.nullcontext():
+                compiled = self.compiled.run(*args, grid=grid, warmup=False, **constexprs)
+            if entry is None and compiled is not None and self._allow_fast:
+                try:
+                    consts = tuple(constexprs[n] for n in self._const_names)
+                    self._fast[key] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
+                except Exception:  # a triton without these attributes: stay on the slow path
+                    self._allow_fast = False
+            return
+        run, function, packed, consts = entry
+        gx = grid[0]
+        gy = grid[1] if len(grid) > 1 else 1
+        gz = grid[2] if len(grid) > 2 else 1
+        if switch:
+            with torch.cuda.device(index):
+                run(gx, gy, gz, _current_stream(index), function, packed, None, None, None, *args, *consts)
+        else:
+            run(gx, gy, gz, _current_stream(index), function, packed, None, None, None, *args, *consts)
 
 
-def kernel(fn: Callable[..., Any] | None = None, **jit_kwargs: Any) -> Any:
-    """Decorator: ``@kernel`` or ``@kernel(do_not_specialize=[...])`` makes a :class:`Kernel`."""
+def _hooks_active() -> bool:
+    rt = triton.knobs.runtime
+    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+
+
+try:
+    from torch._C import _cuda_getCurrentRawStream as _current_stream
+except ImportError:  # pragma: no cover
+
+    def _current_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def kernel(fn: Callable[..., Any] | None = None, *, ints: tuple[str, ...] = ()) -> Any:
+    """Decorator: ``@kernel`` or ``@kernel(ints=("n", ...))`` makes a :class:`Kernel`."""
     if fn is None:
-        return lambda f: Kernel(f, **jit_kwargs)
-    return Kernel(fn, **jit_kwargs)
+        return lambda f: Kernel(f, ints=ints)
+    return Kernel(fn, ints=ints)

@@ -21,7 +21,7 @@ from ._validate import check_dtype, check_int, check_ndim, check_tensor, fmt_sha
 from .ops._layers import build_layer_table
 from .ops.compact import compact_slots_strided, compact_slots_table
 from .ops.copy import copy_slot_strided, copy_slot_table
-from .ops.lengths import compact_lengths, increment_lengths
+from .ops.lengths import compact_lengths, launch_increment
 from .snapshot import KVSnapshot
 
 
@@ -129,9 +129,31 @@ class SlotCache:
         self._lengths = torch.zeros(B, dtype=torch.int32, device=dev)
         self._mapping = torch.full((B,), -1, dtype=torch.int32, device=dev)
         self._overflow = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._active = 0
         self._all_empty = True
-        self._host_lengths: list[int] | None = []  # exact copy of lengths[:active] when known
+        self._set_active(0)
+        self._set_mirror([])
+
+    # Host mirror of lengths[:active]: base values + a pending integer offset (so a decode-step commit is
+    # O(1) on the host), with the min and max of the real values. None when only the device knows them.
+
+    def _set_mirror(self, values: list[int] | None) -> None:
+        self._mirror = values
+        self._mirror_off = 0
+        if values:
+            self._mirror_min, self._mirror_max = min(values), max(values)
+        else:
+            self._mirror_min = self._mirror_max = 0
+
+    def _mirror_values(self) -> list[int] | None:
+        if self._mirror is not None and self._mirror_off:
+            off = self._mirror_off
+            self._mirror = [v + off for v in self._mirror]
+            self._mirror_off = 0
+        return self._mirror
+
+    def _set_active(self, n: int) -> None:
+        self._active = n
+        self._lengths_view = self._lengths[:n]
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -155,7 +177,7 @@ class SlotCache:
     def lengths(self) -> torch.Tensor:
         """Tokens held by each active sequence: int32 ``[active_batch_size]`` on the cache's device (a view of
         static storage: its address never changes, so it can be used inside CUDA graphs)."""
-        return self._lengths[: self._active]
+        return self._lengths_view
 
     @property
     def lengths_buffer(self) -> torch.Tensor:
@@ -169,12 +191,11 @@ class SlotCache:
     @active_batch_size.setter
     def active_batch_size(self, value: int) -> None:
         check_int("active_batch_size", value, 0, self._store.max_batch)
-        if self._host_lengths is not None:
-            if value <= self._active:
-                self._host_lengths = self._host_lengths[:value]
-            else:
-                self._host_lengths = None  # lengths of newly active slots are on the device only
-        self._active = value
+        values = self._mirror_values()
+        if values is not None:
+            # lengths of newly active slots are on the device only
+            self._set_mirror(values[:value] if value <= self._active else None)
+        self._set_active(value)
 
     @property
     def all_empty(self) -> bool:
@@ -184,9 +205,11 @@ class SlotCache:
 
     def host_lengths(self) -> list[int]:
         """Lengths of the active sequences on the host (syncs when the host mirror is not exact)."""
-        if self._host_lengths is None:
-            self._host_lengths = self.lengths.tolist()
-        return list(self._host_lengths)
+        values = self._mirror_values()
+        if values is None:
+            values = self._lengths_view.tolist()
+            self._set_mirror(values)
+        return list(values)
 
     def _check_layer_index(self, i: int) -> int:
         return check_int("i", i, 0, len(self._store.specs) - 1)
@@ -215,8 +238,8 @@ class SlotCache:
         values = [check_int(f"reuse_lengths[{b}]", v, 0, self._store.max_seq) for b, v in enumerate(reuse_lengths)]
         if n:
             self._lengths[:n].copy_(torch.tensor(values, dtype=torch.int32))
-        self._active = n
-        self._host_lengths = values
+        self._set_active(n)
+        self._set_mirror(values)
         self._all_empty = not any(values)
 
     def commit(self, new_lengths: torch.Tensor | int, *, check: bool = False) -> None:
@@ -239,65 +262,65 @@ class SlotCache:
         """
         S = self._store.max_seq
         n = self._active
-        if isinstance(new_lengths, torch.Tensor):
-            check_ndim("new_lengths", new_lengths, 1, "of per-sequence counts [active_batch_size]")
-            check_dtype("new_lengths", new_lengths, torch.int32)
-            if new_lengths.shape[0] != n:
-                raise ValueError(f"new_lengths: expected shape [{n}] (active_batch_size), got {fmt_shape(new_lengths.shape)}")
-            if new_lengths.device.type == "cpu" and self.device.type != "cpu":
-                counts = [int(x) for x in new_lengths.tolist()]
-                self._commit_host(counts)
-                if n:
-                    increment_lengths(self.lengths, new_lengths.to(self.device), max_len=S, overflow=self._overflow)
-                self._after_commit(counts)
-                return
-            if new_lengths.device != self.device:
-                raise ValueError(f"new_lengths: expected device {self.device} or cpu, got {new_lengths.device}")
-            if self.device.type == "cpu":
-                counts = [int(x) for x in new_lengths.tolist()]
-                self._commit_host(counts)
-                if n:
-                    increment_lengths(self.lengths, new_lengths.contiguous(), max_len=S, overflow=self._overflow)
-                self._after_commit(counts)
-                return
+        if type(new_lengths) is int:
+            inc = new_lengths
+            if not -(2**31 - 1) <= inc <= 2**31 - 1:
+                check_int("new_lengths", inc, -(2**31 - 1), 2**31 - 1)
+            if self._mirror is not None:
+                if n and not (self._mirror_min + inc >= 0 and self._mirror_max + inc <= S):
+                    self._raise_host_bound([v + inc for v in self._mirror_values()])  # type: ignore[union-attr]
+                self._mirror_off += inc
+                self._mirror_min += inc
+                self._mirror_max += inc
             if n:
-                increment_lengths(self.lengths, new_lengths.contiguous(), max_len=S, overflow=self._overflow)
-            self._host_lengths = None
-            self._all_empty = False
-            if check:
+                launch_increment(self._lengths_view, inc, S, self._overflow)
+                if inc:
+                    self._all_empty = False
+            if self._mirror is None and check:
                 self._raise_on_overflow()
             return
-        inc = check_int("new_lengths", new_lengths, -(2**31 - 1), 2**31 - 1)
-        if self._host_lengths is not None:
-            self._commit_host([inc] * n)
-        if n:
-            increment_lengths(self.lengths, inc, max_len=S, overflow=self._overflow)
-        if self._host_lengths is not None:
-            self._after_commit([inc] * n)
-        else:
-            if inc != 0:
+        if not isinstance(new_lengths, torch.Tensor):
+            check_int("new_lengths", new_lengths)  # raises TypeError
+        check_ndim("new_lengths", new_lengths, 1, "of per-sequence counts [active_batch_size]")
+        check_dtype("new_lengths", new_lengths, torch.int32)
+        if new_lengths.shape[0] != n:
+            raise ValueError(
+                f"new_lengths: expected shape [{n}] (active_batch_size), got {fmt_shape(new_lengths.shape)}"
+            )
+        on_host = new_lengths.device.type == "cpu"
+        if not on_host and new_lengths.device != self.device:
+            raise ValueError(f"new_lengths: expected device {self.device} or cpu, got {new_lengths.device}")
+        if on_host:
+            counts = [int(x) for x in new_lengths.tolist()]
+            values = self._mirror_values()
+            if values is not None:
+                new_values = [v + c for v, c in zip(values, counts)]
+                if n and not (min(new_values) >= 0 and max(new_values) <= S):
+                    self._raise_host_bound(new_values)
+            if n:
+                launch_increment(self._lengths_view, new_lengths.to(self.device).contiguous(), S, self._overflow)
+            if values is not None:
+                self._set_mirror(new_values)
+                self._all_empty = not any(new_values)
+            elif any(counts):
                 self._all_empty = False
-            if check:
+            if values is None and check:
                 self._raise_on_overflow()
-
-    def _commit_host(self, counts: list[int]) -> None:
-        """Host-side bound check (before anything is written) when the host mirror is exact."""
-        if self._host_lengths is None:
             return
-        S = self._store.max_seq
-        for b, (old, c) in enumerate(zip(self._host_lengths, counts)):
-            if not 0 <= old + c <= S:
-                raise ValueError(
-                    f"new_lengths: sequence {b} would hold {old + c} tokens, expected 0..{S} (max_seq_len); "
-                    "nothing was changed"
-                )
+        if n:
+            launch_increment(self._lengths_view, new_lengths.contiguous(), S, self._overflow)
+        self._set_mirror(None)
+        self._all_empty = False
+        if check:
+            self._raise_on_overflow()
 
-    def _after_commit(self, counts: list[int]) -> None:
-        if self._host_lengths is not None:
-            self._host_lengths = [old + c for old, c in zip(self._host_lengths, counts)]
-            self._all_empty = not any(self._host_lengths)
-        elif any(counts):
-            self._all_empty = False
+    def _raise_host_bound(self, new_values: list[int]) -> None:
+        S = self._store.max_seq
+        b = next(i for i, v in enumerate(new_values) if not 0 <= v <= S)
+        raise ValueError(
+            f"new_lengths: sequence {b} would hold {new_values[b]} tokens, expected 0..{S} (max_seq_len); "
+            "nothing was changed"
+        )
 
     def _raise_on_overflow(self) -> None:
         if int(self._overflow.item()):
@@ -334,14 +357,18 @@ class SlotCache:
             check_ndim("finished", finished, 1, "of bool [active_batch_size]")
             check_dtype("finished", finished, torch.bool)
             if finished.shape[0] != old:
-                raise ValueError(f"finished: expected shape [{old}] (active_batch_size), got {fmt_shape(finished.shape)}")
+                raise ValueError(
+                    f"finished: expected shape [{old}] (active_batch_size), got {fmt_shape(finished.shape)}"
+                )
             if finished.device.type == "cpu":
                 host_finished = [bool(x) for x in finished.tolist()]
             elif finished.device != self.device:
                 raise ValueError(f"finished: expected device {self.device} or cpu, got {finished.device}")
         else:
             if isinstance(finished, (str, bytes)) or not isinstance(finished, Sequence):
-                raise TypeError(f"finished: expected a bool tensor or a sequence of bool, got {type(finished).__name__}")
+                raise TypeError(
+                    f"finished: expected a bool tensor or a sequence of bool, got {type(finished).__name__}"
+                )
             if len(finished) != old:
                 raise ValueError(f"finished: expected {old} flags (active_batch_size), got {len(finished)}")
             for i, f in enumerate(finished):
@@ -362,36 +389,68 @@ class SlotCache:
             kept = None
         if check:
             ops.check_batch_mapping(mapping, old, new)  # type: ignore[arg-type]
-            self.host_lengths()
-            if any(not 0 <= x <= self._store.max_seq for x in self._host_lengths or []):
-                raise ValueError(f"lengths: expected values in [0, {self._store.max_seq}], got {self._host_lengths}")
+            held = self.host_lengths()
+            if any(not 0 <= x <= self._store.max_seq for x in held):
+                raise ValueError(f"lengths: expected values in [0, {self._store.max_seq}], got {held}")
         if old and new != old:
             self._store.compact(mapping, self._lengths, old, new)  # type: ignore[arg-type]
             compact_lengths(self._lengths, mapping, old, new)  # type: ignore[arg-type]
-        if self._host_lengths is not None:
-            if kept is None:
-                self._host_lengths = None
-            else:
-                self._host_lengths = [self._host_lengths[i] for i in kept]
-        self._active = new  # type: ignore[assignment]
+        values = self._mirror_values()
+        if values is not None:
+            self._set_mirror(None if kept is None else [values[i] for i in kept])
+        self._set_active(new)  # type: ignore[arg-type]
         return mapping.clone()
 
     # ------------------------------------------------------------------------------------------ snapshots
 
-    def save(self, batch_idx: int, seq_len: int) -> KVSnapshot:
+    def save(self, batch_idx: int, seq_len: int, *, out: KVSnapshot | None = None) -> KVSnapshot:
         """Copy the first ``seq_len`` tokens of active sequence ``batch_idx`` of every layer (one launch).
+
+        Parameters
+        ----------
+        batch_idx : int
+            An active sequence, ``0 <= batch_idx < active_batch_size``.
+        seq_len : int
+            ``0 <= seq_len <=`` the sequence's length (checked when the host knows the lengths; otherwise
+            ``<= max_seq_len``).
+        out : KVSnapshot, optional
+            A snapshot of this cache's layer shapes, dtype and device with ``out.seq_len == seq_len`` to
+            write into (no allocation; capturable in a CUDA graph). Default: a new packed snapshot.
 
         Returns
         -------
         KVSnapshot
-            Packed, on the cache's device, layer ``i`` ``[2, H_i, seq_len, D_i]``.
+            ``out``, or a new packed snapshot on the cache's device, layer ``i`` ``[2, H_i, seq_len, D_i]``.
         """
         check_int("batch_idx", batch_idx, 0, self._active - 1 if self._active else -1)
-        held = self._host_lengths[batch_idx] if self._host_lengths is not None else self._store.max_seq
+        values = self._mirror_values()
+        held = values[batch_idx] if values is not None else self._store.max_seq
         check_int("seq_len", seq_len, 0, held)
-        snap = KVSnapshot.empty(self._store.specs, seq_len, dtype=self._store.dtype, device=self.device)
-        self._store.save(snap, batch_idx)
-        return snap
+        if out is None:
+            out = KVSnapshot.empty(self._store.specs, seq_len, dtype=self._store.dtype, device=self.device)
+        else:
+            self._check_snapshot("out", out)
+            if out.seq_len != seq_len:
+                raise ValueError(f"out: expected seq_len {seq_len}, got {out.seq_len}")
+        self._store.save(out, batch_idx)
+        return out
+
+    def _check_snapshot(self, name: str, snapshot: object) -> None:
+        if not isinstance(snapshot, KVSnapshot):
+            raise TypeError(f"{name}: expected a KVSnapshot, got {type(snapshot).__name__}")
+        if snapshot.layer_specs != self._store.specs:
+            raise ValueError(
+                f"{name}: expected layers of (num_kv_heads, head_dim) {list(self._store.specs)}, got "
+                f"{list(snapshot.layer_specs)}"
+            )
+        if snapshot.dtype != self._store.dtype:
+            raise ValueError(f"{name}: expected dtype {self._store.dtype}, got {snapshot.dtype}")
+        if snapshot.device != self.device:
+            raise ValueError(
+                f"{name}: expected device {self.device}, got {snapshot.device} (use snapshot.to(cache.device))"
+            )
+        if snapshot.seq_len > self._store.max_seq:
+            raise ValueError(f"{name}: expected seq_len <= {self._store.max_seq}, got {snapshot.seq_len}")
 
     def restore(self, snapshot: KVSnapshot, batch_idx: int) -> None:
         """Copy a saved prefix into the first ``snapshot.seq_len`` tokens of slot ``batch_idx`` of every layer.
@@ -408,20 +467,6 @@ class SlotCache:
         batch_idx : int
             ``0 <= batch_idx < max_batch_size`` (active or not).
         """
-        if not isinstance(snapshot, KVSnapshot):
-            raise TypeError(f"snapshot: expected a KVSnapshot, got {type(snapshot).__name__}")
+        self._check_snapshot("snapshot", snapshot)
         check_int("batch_idx", batch_idx, 0, self._store.max_batch - 1)
-        if snapshot.layer_specs != self._store.specs:
-            raise ValueError(
-                f"snapshot: expected layers of (num_kv_heads, head_dim) {list(self._store.specs)}, got "
-                f"{list(snapshot.layer_specs)}"
-            )
-        if snapshot.dtype != self._store.dtype:
-            raise ValueError(f"snapshot: expected dtype {self._store.dtype}, got {snapshot.dtype}")
-        if snapshot.device != self.device:
-            raise ValueError(
-                f"snapshot: expected device {self.device}, got {snapshot.device} (use snapshot.to(cache.device))"
-            )
-        if snapshot.seq_len > self._store.max_seq:
-            raise ValueError(f"snapshot: expected seq_len <= {self._store.max_seq}, got {snapshot.seq_len}")
         self._store.restore(snapshot, batch_idx)

@@ -7,7 +7,6 @@ layout). Never ``assert``: it is gone under ``python -O``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -110,7 +109,15 @@ def vec_elems(element_size: int, values: Sequence[int]) -> int:
     vec = max(1, 16 // element_size)
     g = 0
     for v in values:
-        g = math.gcd(g, int(v))
-    while vec > 1 and g % vec != 0:
-        vec //= 2
-    return vec
+        g |= v  # the lowest set bit of the OR is the largest power of two dividing every value
+    return vec if g == 0 else min(vec, g & -g)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints (plain Python: ``triton.cdiv`` is slow to call from the host)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()

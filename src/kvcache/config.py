@@ -145,4 +145,5 @@ class ManagerConfig:
     @property
     def nbytes(self) -> int:
         elt = torch.empty((), dtype=self.dtype).element_size()
-        return sum(self.max_batch_size * 2 * lc.num_kv_heads * self.max_seq_len * lc.head_dim for lc in self.layers) * elt
+        per_slot_token = sum(2 * lc.num_kv_heads * lc.head_dim for lc in self.layers)
+        return self.max_batch_size * self.max_seq_len * per_slot_token * elt

@@ -158,7 +158,8 @@ class KVSnapshot:
         if other.seq_len != self.seq_len or other.dtype != self.dtype:
             return False
         return all(
-            torch.equal(a.view(torch.uint8), b.to(a.device).view(torch.uint8)) for a, b in zip(self.layers, other.layers)
+            torch.equal(a.view(torch.uint8), b.to(a.device).view(torch.uint8))
+            for a, b in zip(self.layers, other.layers)
         )
 
     # ---------------------------------------------------------------------------------------------- files

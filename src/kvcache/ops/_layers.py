@@ -136,11 +136,15 @@ def check_kv_layers(name: str, layers: object, *, allow_any_dtype: bool = False)
 
 
 def check_kv_layer(name: str, t: object, *, allow_any_dtype: bool = False) -> torch.Tensor:
-    t = check_tensor(name, t)
-    check_ndim(name, t, 5, "[max_batch, 2, num_kv_heads, max_seq_len, head_dim]")
-    if t.shape[1] != 2:
-        raise ValueError(f"{name}: expected shape [B, 2, H, S, D] (dim 1 = K and V), got {fmt_shape(t.shape)}")
-    if not allow_any_dtype:
-        check_dtype(name, t, KV_DTYPES)
-    check_contiguous(name, t)
-    return t
+    if not isinstance(t, torch.Tensor):
+        check_tensor(name, t)
+    shape = t.shape  # type: ignore[union-attr]
+    if len(shape) != 5:
+        check_ndim(name, t, 5, "[max_batch, 2, num_kv_heads, max_seq_len, head_dim]")  # type: ignore[arg-type]
+    if shape[1] != 2:
+        raise ValueError(f"{name}: expected shape [B, 2, H, S, D] (dim 1 = K and V), got {fmt_shape(shape)}")
+    if not allow_any_dtype and t.dtype not in KV_DTYPES:  # type: ignore[union-attr]
+        check_dtype(name, t, KV_DTYPES)  # type: ignore[arg-type]
+    if not t.is_contiguous():  # type: ignore[union-attr]
+        check_contiguous(name, t)  # type: ignore[arg-type]
+    return t  # type: ignore[return-value]

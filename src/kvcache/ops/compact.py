@@ -29,12 +29,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
 import triton.language as tl
 
 from .._backend import kernel, use_triton
 from .._validate import (
     bits,
+    cdiv,
     check_bits_dtype,
     check_contiguous,
     check_device,
@@ -44,6 +44,7 @@ from .._validate import (
     check_same_dtype,
     check_tensor,
     fmt_shape,
+    next_pow2,
     vec_elems,
 )
 from ._layers import LayerTable, TableMemo, check_kv_layer, check_kv_layers
@@ -66,14 +67,14 @@ _MAX_BLOCK = 4096
 
 
 def _block(n: int) -> int:
-    return min(_MAX_BLOCK, max(128, triton.next_power_of_2(n)))
+    return min(_MAX_BLOCK, max(128, next_pow2(n)))
 
 
 # --------------------------------------------------------------------------------------------------------
 # mapping
 
 
-@kernel
+@kernel(ints=("n",))
 def _batch_mapping_kernel(
     finished,  # uint8 [n]: 1 = evict
     mapping,  # int32 [>= n], written
@@ -145,7 +146,9 @@ def build_batch_mapping(
         check_dtype("out", out, torch.int32)
         check_device("out", out, device, "finished")
         if out.shape[0] < n or out.stride(0) != 1:
-            raise ValueError(f"out: expected a contiguous tensor of at least {n} entries, got shape {fmt_shape(out.shape)}")
+            raise ValueError(
+                f"out: expected a contiguous tensor of at least {n} entries, got shape {fmt_shape(out.shape)}"
+            )
         mapping = out[:n]
     else:
         mapping = torch.empty(n, dtype=torch.int32, device=device)
@@ -167,7 +170,7 @@ def build_batch_mapping(
         if not finished.is_contiguous():
             raise ValueError(f"finished: expected a contiguous tensor, got stride {finished.stride(0)}")
         _batch_mapping_kernel.launch(
-            device, (1,), finished.view(torch.uint8), mapping, count_t, n, BLOCK=max(16, triton.next_power_of_2(n))
+            device, (1,), finished.view(torch.uint8), mapping, count_t, n, BLOCK=max(16, next_pow2(n))
         )
     else:
         count_t.fill_(0)
@@ -192,7 +195,8 @@ def check_batch_mapping(batch_mapping: torch.Tensor, old_active: int, new_active
 # kernels
 
 
-@kernel
+@kernel(ints=("old_active", "new_active", "src_layer_stride", "src_row_stride", "src_batch_stride",
+              "dst_layer_stride", "dst_row_stride", "dst_batch_stride", "token_elems", "row_elems"))
 def _compact_strided_kernel(
     src,  # bits
     dst,  # bits (src itself when IN_PLACE)
@@ -223,6 +227,7 @@ def _compact_strided_kernel(
     offs = start + tl.arange(0, BLOCK)
     src_row = layer * src_layer_stride + r * src_row_stride
     dst_row = layer * dst_layer_stride + r * dst_row_stride
+    zero = layer * 0  # int64 zero: slot offsets are computed in 64 bits
     for i in range(0, old_active):
         j = tl.load(mapping + i)
         if HAS_LENGTHS:
@@ -234,13 +239,13 @@ def _compact_strided_kernel(
             move = move & (j < i)
         if move:
             mask = offs < tl.multiple_of(n, VEC)
-            s = tl.multiple_of(src_row + i * src_batch_stride, VEC)
+            s = tl.multiple_of(src_row + (zero + i) * src_batch_stride, VEC)
             d = tl.multiple_of(dst_row + j.to(tl.int64) * dst_batch_stride, VEC)
             x = tl.load(src + s + offs, mask=mask)
             tl.store(dst + d + offs, x, mask=mask)
 
 
-@kernel
+@kernel(ints=("old_active", "new_active"))
 def _compact_table_kernel(
     data,  # bits of the first layer (table offsets are relative to it)
     table,  # int64 [L, 8], see kvcache.ops._layers
@@ -269,7 +274,7 @@ def _compact_table_kernel(
             n = tl.load(lengths + i).to(tl.int64) * head_dim
             if (j >= 0) & (j < i) & (j < new_active) & (start < n):
                 mask = offs < tl.multiple_of(n, VEC)
-                s = tl.multiple_of(row_start + i * batch_stride, VEC)
+                s = tl.multiple_of(row_start + (layer * 0 + i) * batch_stride, VEC)
                 d = tl.multiple_of(row_start + j.to(tl.int64) * batch_stride, VEC)
                 x = tl.load(data + s + offs, mask=mask)
                 tl.store(data + d + offs, x, mask=mask)
@@ -308,7 +313,7 @@ def compact_slots_strided(
     if old_active == 0 or row_capacity == 0:
         return
     in_place = src.data_ptr() == dst.data_ptr()
-    sb, db = bits(src), bits(dst)
+    sb, db = src, dst
     if not use_triton(src.device):
         s_flat, d_flat = sb.reshape(-1), db.reshape(-1)
         lens = lengths[:old_active].tolist() if lengths is not None else None
@@ -320,11 +325,12 @@ def compact_slots_strided(
                     b = layer * dst_strides[0] + r * dst_strides[1] + j * dst_strides[2]
                     d_flat[b : b + n].copy_(s_flat[a : a + n])
         return
-    vec = vec_elems(src.element_size(), [*src_strides, *dst_strides, token_elems if lengths is not None else row_capacity])
+    row_unit = token_elems if lengths is not None else row_capacity
+    vec = vec_elems(src.element_size(), [*src_strides, *dst_strides, row_unit])
     block = _block(row_capacity)
     _compact_strided_kernel.launch(
         src.device,
-        (triton.cdiv(row_capacity, block), rows, num_layers),
+        (cdiv(row_capacity, block), rows, num_layers),
         sb,
         db,
         batch_mapping,
@@ -362,8 +368,8 @@ def compact_slots_table(
     block = _block(row_capacity)
     _compact_table_kernel.launch(
         layers[0].device,
-        (triton.cdiv(row_capacity, block), table.max_rows, table.num_layers),
-        bits(layers[0]),
+        (cdiv(row_capacity, block), table.max_rows, table.num_layers),
+        layers[0],
         table.table,
         batch_mapping,
         lengths,
@@ -570,7 +576,7 @@ def compact_batch(
             compact_batch_reference(src, batch_mapping, dst, old_active, new_active)
         return
     compact_slots_strided(
-        src, dst, batch_mapping, None, old_active, new_active,
+        bits(src), bits(dst), batch_mapping, None, old_active, new_active,
         num_layers=1, rows=1, row_capacity=n,
         src_strides=(0, 0, src.stride(0)), dst_strides=(0, 0, dst.stride(0) if dst.dim() else 1),
     )

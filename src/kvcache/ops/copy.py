@@ -18,20 +18,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
 import triton.language as tl
 
 from .._backend import kernel, use_triton
 from .._validate import (
-    bits,
+    cdiv,
     check_contiguous,
     check_device,
     check_int,
-    check_ndim,
     check_same_dtype,
     check_shape,
     check_tensor,
     fmt_shape,
+    next_pow2,
     vec_elems,
 )
 from ._layers import LayerTable, TableMemo, check_kv_layer, check_kv_layers
@@ -51,13 +50,14 @@ _MAX_BLOCK = 4096  # elements per program: 8 KiB of fp16
 
 
 def _block(n: int) -> int:
-    return min(_MAX_BLOCK, max(128, triton.next_power_of_2(n)))
+    return min(_MAX_BLOCK, max(128, next_pow2(n)))
 
 
-@kernel
+@kernel(ints=("src_off", "dst_off", "src_layer_stride", "src_row_stride", "dst_layer_stride",
+              "dst_row_stride", "n"))
 def _copy_strided_kernel(
-    src,  # bits of the source tensor
-    dst,  # bits of the destination tensor
+    src,  # source tensor (any dtype: values are moved by load/store, never converted)
+    dst,  # destination tensor, same dtype
     src_off,  # element offset of (layer 0, row 0) of the source slot (batch offset included)
     dst_off,
     src_layer_stride,
@@ -81,10 +81,10 @@ def _copy_strided_kernel(
     tl.store(dst + d + offs, x, mask=mask)
 
 
-@kernel
+@kernel(ints=("batch_idx", "seq_len"))
 def _copy_table_kernel(
-    cache,  # bits of the first cache layer (table offsets are relative to it)
-    snap,  # bits of the first snapshot layer
+    cache,  # first cache layer (table offsets are relative to it)
+    snap,  # first snapshot layer
     table,  # int64 [L, 8], see kvcache.ops._layers
     batch_idx,
     seq_len,
@@ -132,7 +132,7 @@ def copy_slot_strided(
     """Launcher of the strided row-prefix copy (no validation: callers validated). Bits are copied."""
     if n == 0 or num_layers == 0 or rows == 0:
         return
-    sb, db = bits(src), bits(dst)
+    sb, db = src, dst
     if not use_triton(src.device):
         s = sb.reshape(-1)
         d = db.reshape(-1)
@@ -149,7 +149,7 @@ def copy_slot_strided(
     block = _block(n)
     _copy_strided_kernel.launch(
         src.device,
-        (triton.cdiv(n, block), rows, num_layers),
+        (cdiv(n, block), rows, num_layers),
         sb,
         db,
         src_off,
@@ -189,9 +189,9 @@ def copy_slot_table(
     block = _block(n_max)
     _copy_table_kernel.launch(
         cache_base.device,
-        (triton.cdiv(n_max, block), table.max_rows, table.num_layers),
-        bits(cache_base),
-        bits(snap_base),
+        (cdiv(n_max, block), table.max_rows, table.num_layers),
+        cache_base,
+        snap_base,
         table.table,
         batch_idx,
         seq_len,
@@ -213,26 +213,26 @@ def restore_kv_layer_reference(src: torch.Tensor, dst: torch.Tensor, batch_idx: 
 
 def _check_slot_pair(layer_name: str, layer: torch.Tensor, snap_name: str, snap: torch.Tensor) -> int:
     """Validate a layer ``[B, 2, H, S, D]`` against its saved prefix ``[2, H, s, D]``; returns ``s``."""
-    check_tensor(snap_name, snap)
-    check_ndim(snap_name, snap, 4, "[2, num_kv_heads, seq_len, head_dim]")
-    check_same_dtype(snap_name, snap, layer_name, layer)
-    check_device(snap_name, snap, layer.device, layer_name)
-    _, two, h, s_max, d = layer.shape
-    s = snap.shape[2]
-    if snap.shape[0] != two or snap.shape[1] != h or snap.shape[3] != d or s > s_max:
+    if not isinstance(snap, torch.Tensor):
+        check_tensor(snap_name, snap)
+    shape = snap.shape
+    _, _, h, s_max, d = layer.shape
+    if len(shape) != 4 or shape[0] != 2 or shape[1] != h or shape[3] != d or shape[2] > s_max:
         raise ValueError(
             f"{snap_name}: expected shape [2, {h}, s, {d}] with s <= {s_max} (from {layer_name} "
-            f"{fmt_shape(layer.shape)}), got {fmt_shape(snap.shape)}"
+            f"{fmt_shape(layer.shape)}), got {fmt_shape(shape)}"
         )
-    check_contiguous(snap_name, snap)
-    return s
-
-
-def _check_overlap(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
-    if a0 < b1 and b0 < a1 and a.numel() and b.numel():
-        raise ValueError(f"{b_name}: must not overlap {a_name} in memory")
+    if snap.dtype != layer.dtype:
+        check_same_dtype(snap_name, snap, layer_name, layer)
+    if snap.device != layer.device:
+        check_device(snap_name, snap, layer.device, layer_name)
+    if not snap.is_contiguous():
+        check_contiguous(snap_name, snap)
+    a0, b0 = layer.data_ptr(), snap.data_ptr()
+    elt = layer.element_size()
+    if a0 < b0 + snap.numel() * elt and b0 < a0 + layer.numel() * elt and snap.numel():
+        raise ValueError(f"{snap_name}: must not overlap {layer_name} in memory")
+    return shape[2]
 
 
 def save_kv_layer(src: torch.Tensor, dst: torch.Tensor, batch_idx: int) -> None:
@@ -254,7 +254,6 @@ def save_kv_layer(src: torch.Tensor, dst: torch.Tensor, batch_idx: int) -> None:
     check_kv_layer("src", src)
     s = _check_slot_pair("src", src, "dst", dst)
     check_int("batch_idx", batch_idx, 0, src.shape[0] - 1)
-    _check_overlap("src", src, "dst", dst)
     b, _, h, s_max, d = src.shape
     copy_slot_strided(
         src, dst, num_layers=1, rows=2 * h, n=s * d, src_off=batch_idx * 2 * h * s_max * d, dst_off=0,
@@ -284,7 +283,6 @@ def restore_kv_layer(src: torch.Tensor, dst: torch.Tensor, batch_idx: int) -> No
     check_kv_layer("dst", dst)
     s = _check_slot_pair("dst", dst, "src", src)
     check_int("batch_idx", batch_idx, 0, dst.shape[0] - 1)
-    _check_overlap("dst", dst, "src", src)
     b, _, h, s_max, d = dst.shape
     copy_slot_strided(
         src, dst, num_layers=1, rows=2 * h, n=s * d, src_off=0, dst_off=batch_idx * 2 * h * s_max * d,
@@ -302,7 +300,9 @@ def _check_layer_lists(
     if isinstance(snap, torch.Tensor) or not isinstance(snap, Sequence):
         raise TypeError(f"{snap_name}: expected a list of tensors [2, H_i, seq_len, D_i], got {type(snap).__name__}")
     if len(snap) != len(layers):
-        raise ValueError(f"{snap_name}: expected {len(layers)} tensors (one per layer of {cache_name}), got {len(snap)}")
+        raise ValueError(
+            f"{snap_name}: expected {len(layers)} tensors (one per layer of {cache_name}), got {len(snap)}"
+        )
     check_int("batch_idx", batch_idx, 0, layers[0].shape[0] - 1)
     max_s = min(t.shape[3] for t in layers)
     check_int("seq_len", seq_len, 0, max_s)

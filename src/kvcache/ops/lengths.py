@@ -7,13 +7,13 @@ and race-free in place (compaction): every length is loaded before any is stored
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from .._backend import kernel, use_triton
-from .._validate import check_device, check_dtype, check_int, check_ndim, check_tensor
+from .._validate import check_device, check_dtype, check_int, check_ndim, check_tensor, next_pow2
 
 __all__ = [
+    "launch_increment",
     "increment_lengths",
     "increment_lengths_reference",
     "compact_lengths",
@@ -24,7 +24,7 @@ _INT32_MAX = 2**31 - 1
 _MAX_BATCH = 1 << 20  # one program holds the whole batch in registers
 
 
-@kernel
+@kernel(ints=("n", "scalar_increment", "max_len"))
 def _increment_lengths_kernel(
     lengths,  # int32 [n], in/out
     increment,  # int32 [n] when HAS_TENSOR, else unused
@@ -129,9 +129,17 @@ def increment_lengths(
         raise ValueError(f"lengths: expected at most {_MAX_BATCH} sequences, got {n}")
     if n == 0:
         return
+    launch_increment(lengths, increment, max_len, overflow)
+
+
+def launch_increment(
+    lengths: torch.Tensor, increment: int | torch.Tensor, max_len: int | None, overflow: torch.Tensor | None
+) -> None:
+    """Launcher of :func:`increment_lengths` without validation (callers validated; ``lengths`` non-empty)."""
     if not use_triton(lengths.device):
         increment_lengths_reference(lengths, increment, max_len=max_len, overflow=overflow)
         return
+    n = lengths.shape[0]
     has_tensor = isinstance(increment, torch.Tensor)
     _increment_lengths_kernel.launch(
         lengths.device,
@@ -145,11 +153,11 @@ def increment_lengths(
         HAS_TENSOR=has_tensor,
         CHECK=max_len is not None,
         HAS_FLAG=overflow is not None,
-        BLOCK=max(16, triton.next_power_of_2(n)),
+        BLOCK=max(16, next_pow2(n)),
     )
 
 
-@kernel
+@kernel(ints=("old_active", "new_active"))
 def _compact_lengths_kernel(
     lengths,  # int32 [>= old_active]
     mapping,  # int32 [>= old_active]: new index or -1
@@ -221,7 +229,7 @@ def compact_lengths(
         dst,
         old_active,
         new_active,
-        BLOCK=max(16, triton.next_power_of_2(old_active)),
+        BLOCK=max(16, next_pow2(old_active)),
     )
 
 

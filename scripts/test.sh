@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the test suite. Without a GPU every kernel runs twice: through its
+# pure-torch reference and through Triton's interpreter. Long sweeps are marked `slow` and skipped here
+# unless KVCACHE_TEST_SLOW=1. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test,io
+# shellcheck disable=SC1091
+. .venv/bin/activate
+MARK=(-m "not slow")
+if [ "${KVCACHE_TEST_SLOW:-0}" = "1" ]; then MARK=(); fi
+exec python -m pytest -n "${KVCACHE_TEST_WORKERS:-auto}" --timeout=900 "${MARK[@]}" "$@"
