@@ -96,7 +96,8 @@ class TableMemo:
     def get(
         self, cache_layers: Sequence[torch.Tensor], snap_layers: Sequence[torch.Tensor] | None = None
     ) -> LayerTable:
-        key = tuple((t.data_ptr(), t.shape) for t in cache_layers)
+        # offsets are in elements: the same addresses viewed as another dtype need another table
+        key = (cache_layers[0].dtype, cache_layers[0].device) + tuple((t.data_ptr(), t.shape) for t in cache_layers)
         if snap_layers is not None:
             key = key + tuple((t.data_ptr(), t.shape) for t in snap_layers)
         hit = self._items.get(key)

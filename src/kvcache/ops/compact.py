@@ -74,17 +74,18 @@ def _block(n: int) -> int:
 # mapping
 
 
-@kernel(ints=("n",))
+@kernel(ints=("n", "stride"))
 def _batch_mapping_kernel(
-    finished,  # uint8 [n]: 1 = evict
+    finished,  # uint8 [n] with element stride `stride`: nonzero = evict
     mapping,  # int32 [>= n], written
     count,  # int32 [1]: new active batch size, written
     n,
+    stride,
     BLOCK: tl.constexpr,
 ):
     i = tl.arange(0, BLOCK)
     m = i < n
-    keep = ((tl.load(finished + i, mask=m, other=1) == 0) & m).to(tl.int32)
+    keep = ((tl.load(finished + i * stride, mask=m, other=1) == 0) & m).to(tl.int32)
     new_index = tl.cumsum(keep, axis=0) - 1
     tl.store(mapping + i, tl.where(keep > 0, new_index, -1), mask=m)
     tl.store(count, tl.sum(keep, axis=0))
@@ -167,10 +168,9 @@ def build_batch_mapping(
         return mapping, count
     count_t = new_active_out if new_active_out is not None else torch.empty(1, dtype=torch.int32, device=device)
     if n > 0:
-        if not finished.is_contiguous():
-            raise ValueError(f"finished: expected a contiguous tensor, got stride {finished.stride(0)}")
         _batch_mapping_kernel.launch(
-            device, (1,), finished.view(torch.uint8), mapping, count_t, n, BLOCK=max(16, next_pow2(n))
+            device, (1,), finished.view(torch.uint8), mapping, count_t, n, finished.stride(0),
+            BLOCK=max(16, next_pow2(n)),
         )
     else:
         count_t.fill_(0)
@@ -448,8 +448,8 @@ def compact_kv_layer(
     check_tensor("batch_mapping", batch_mapping)
     check_tensor("lengths", lengths)
     dst = lengths if dst_lengths is None else check_tensor("dst_lengths", dst_lengths)
-    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst, max_batch=layer.shape[0])
-    check_device("batch_mapping", batch_mapping, layer.device, "layer")
+    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst, max_batch=layer.shape[0],
+                        ref=("layer", layer.device))
     if check:
         check_batch_mapping(batch_mapping, old_active, new_active)
         _check_length_values(lengths, old_active, layer.shape[3])
@@ -497,8 +497,8 @@ def compact_kv_layers(
     check_tensor("batch_mapping", batch_mapping)
     check_tensor("lengths", lengths)
     dst = lengths if dst_lengths is None else check_tensor("dst_lengths", dst_lengths)
-    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst, max_batch=layers[0].shape[0])
-    check_device("batch_mapping", batch_mapping, layers[0].device, "layers[0]")
+    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst, max_batch=layers[0].shape[0],
+                        ref=("layers[0]", layers[0].device))
     if check:
         check_batch_mapping(batch_mapping, old_active, new_active)
         _check_length_values(lengths, old_active, min(t.shape[3] for t in layers))

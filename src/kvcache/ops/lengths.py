@@ -215,7 +215,11 @@ def compact_lengths(
     check_tensor("lengths", lengths)
     check_tensor("batch_mapping", batch_mapping)
     dst = lengths if dst_lengths is None else check_tensor("dst_lengths", dst_lengths)
-    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst)
+    # blame the odd one out: lengths' device unless a separate dst agrees with batch_mapping against it
+    ref = ("lengths", lengths.device)
+    if dst_lengths is not None and dst.device == batch_mapping.device != lengths.device:
+        ref = ("batch_mapping", batch_mapping.device)
+    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst, ref=ref)
     if old_active == 0:
         return
     if not use_triton(lengths.device):
@@ -240,8 +244,11 @@ def _check_lengths_args(
     new_active: int,
     dst: torch.Tensor,
     max_batch: int | None = None,
+    *,
+    ref: tuple[str, torch.device],
 ) -> None:
-    """Validation shared by the compaction entry points (lengths, mapping, batch sizes)."""
+    """Validation shared by the compaction entry points (lengths, mapping, batch sizes); every tensor must be
+    on ``ref``'s device (``ref`` = (name, device) of the argument the others are compared with)."""
     check_int("old_active", old_active, 0, _MAX_BATCH if max_batch is None else max_batch)
     check_int("new_active", new_active, 0, old_active)
     for name, t, need in (
@@ -251,8 +258,7 @@ def _check_lengths_args(
     ):
         check_ndim(name, t, 1, "of int32")
         check_dtype(name, t, torch.int32)
-        check_device(name, t, batch_mapping.device if name != "batch_mapping" else lengths.device,
-                     "batch_mapping" if name != "batch_mapping" else "lengths")
+        check_device(name, t, ref[1], ref[0])
         if t.shape[0] < need:
             raise ValueError(f"{name}: expected at least {need} entries, got shape [{t.shape[0]}]")
         if t.stride(0) != 1:
