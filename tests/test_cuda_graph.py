@@ -32,8 +32,8 @@ def test_decode_step_graph_commit_and_compaction(heterogeneous: bool) -> None:
     dev = torch.device("cuda")
     B, S = 8, 64
     if heterogeneous:
-        cache = KVCacheManager(ManagerConfig(max_batch_size=B, max_seq_len=S, device=dev,
-                                             layers=[KVLayerConfig(2, 96), KVLayerConfig(3, 80), KVLayerConfig(1, 128)]))
+        layer_cfgs = [KVLayerConfig(2, 96), KVLayerConfig(3, 80), KVLayerConfig(1, 128)]
+        cache = KVCacheManager(ManagerConfig(max_batch_size=B, max_seq_len=S, device=dev, layers=layer_cfgs))
     else:
         cache = LinearKVCache(CacheConfig(num_layers=3, max_batch_size=B, max_seq_len=S, num_kv_heads=2,
                                           head_dim=96, device=dev))
