@@ -262,6 +262,10 @@ class SlotCache:
         """
         S = self._store.max_seq
         n = self._active
+        if self._mirror is None and self.device.type == "cpu":
+            self._set_mirror(self._lengths_view.tolist())  # on the CPU reading the lengths costs no sync
+        if check and self._mirror is None:
+            self._overflow.zero_()  # report only this commit's refusal
         if type(new_lengths) is int:
             inc = new_lengths
             if not -(2**31 - 1) <= inc <= 2**31 - 1:
@@ -274,7 +278,9 @@ class SlotCache:
                 self._mirror_max += inc
             if n:
                 launch_increment(self._lengths_view, inc, S, self._overflow)
-                if inc:
+                if self._mirror is not None:
+                    self._all_empty = self._mirror_min == 0 and self._mirror_max == 0
+                elif inc:
                     self._all_empty = False
             if self._mirror is None and check:
                 self._raise_on_overflow()
@@ -398,6 +404,8 @@ class SlotCache:
         values = self._mirror_values()
         if values is not None:
             self._set_mirror(None if kept is None else [values[i] for i in kept])
+            if self._mirror is not None:
+                self._all_empty = not any(self._mirror)
         self._set_active(new)  # type: ignore[arg-type]
         return mapping.clone()
 
