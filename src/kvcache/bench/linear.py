@@ -233,11 +233,22 @@ def _small_ops(cache: LinearKVCache) -> list[Row]:
         (f"compact_batch [{B}, 4096] fp32", "kvcache ops.compact_batch (in place)",
          lambda: ops.compact_batch(x, mapping, x, B, new), True),
     ]
-    return [
+    rows = [
         Row(case, impl, eager_us=time_eager(fn, 200), graph_us=time_graph(fn, 20) if graphable else None,
             host_us=time_host(fn))
         for case, impl, fn, graphable in cases
     ]
+    # the same op through triton's own JITFunction.run launch path, for comparison
+    from ..ops.lengths import _increment_lengths_kernel
+
+    _increment_lengths_kernel._allow_fast = False
+    try:
+        fn = cases[0][2]
+        rows.insert(1, Row(inc, "kvcache ops.increment_lengths (triton JIT launch path)",
+                           eager_us=time_eager(fn, 200), host_us=time_host(fn)))
+    finally:
+        _increment_lengths_kernel._allow_fast = True
+    return rows
 
 
 def main(quick: bool = False, json_path: str | None = None) -> int:
