@@ -140,8 +140,15 @@ class Kernel:
 
 
 def _hooks_active() -> bool:
+    """True when a launch hook is installed (a profiler): such launches take triton's own path."""
     rt = triton.knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is None:
+            continue
+        calls = getattr(hook, "calls", None)  # triton >= 3.5: a HookChain, empty when no hook is installed
+        if calls is None or calls:
+            return True
+    return False
 
 
 try:

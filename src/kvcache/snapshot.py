@@ -28,7 +28,7 @@ class KVSnapshot:
         one device, contiguous.
     """
 
-    __slots__ = ("_layers", "_seq_len", "_flat")
+    __slots__ = ("_layers", "_seq_len", "_flat", "_specs")
 
     def __init__(self, layers: Sequence[torch.Tensor]) -> None:
         if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
@@ -55,6 +55,7 @@ class KVSnapshot:
             out.append(t)
         self._layers = tuple(out)
         self._seq_len = int(out[0].shape[2])
+        self._specs = tuple((int(t.shape[1]), int(t.shape[3])) for t in out)
         self._flat = self._packed_base(self._layers)
 
     @staticmethod
@@ -121,7 +122,7 @@ class KVSnapshot:
     @property
     def layer_specs(self) -> tuple[tuple[int, int], ...]:
         """``(num_kv_heads, head_dim)`` of each layer."""
-        return tuple((int(t.shape[1]), int(t.shape[3])) for t in self._layers)
+        return self._specs
 
     @property
     def nbytes(self) -> int:

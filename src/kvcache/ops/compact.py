@@ -196,7 +196,7 @@ def check_batch_mapping(batch_mapping: torch.Tensor, old_active: int, new_active
 
 
 @kernel(ints=("old_active", "new_active", "src_layer_stride", "src_row_stride", "src_batch_stride",
-              "dst_layer_stride", "dst_row_stride", "dst_batch_stride", "token_elems", "row_elems"))
+              "dst_layer_stride", "dst_row_stride", "dst_batch_stride", "token_elems", "row_vecs"))
 def _compact_strided_kernel(
     src,  # bits
     dst,  # bits (src itself when IN_PLACE)
@@ -211,7 +211,7 @@ def _compact_strided_kernel(
     dst_row_stride,
     dst_batch_stride,
     token_elems,  # elements per token (head_dim) when HAS_LENGTHS
-    row_elems,  # elements per row when not HAS_LENGTHS
+    row_vecs,  # elements per row divided by VEC, when not HAS_LENGTHS (a product proves divisibility)
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
     HAS_LENGTHS: tl.constexpr,
@@ -219,7 +219,7 @@ def _compact_strided_kernel(
 ):
     # grid: (cdiv(max row elements, BLOCK), rows per layer, layers)
     # row (l, r) of slot b: l * layer_stride + r * row_stride + b * batch_stride; valid elements:
-    # lengths[b] * token_elems (HAS_LENGTHS) or row_elems. Walks old slots in ascending order (module doc).
+    # lengths[b] * token_elems (HAS_LENGTHS) or row_vecs * VEC. Walks old slots in ascending order (module doc).
     chunk = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     layer = tl.program_id(2).to(tl.int64)
@@ -233,7 +233,7 @@ def _compact_strided_kernel(
         if HAS_LENGTHS:
             n = tl.load(lengths + i).to(tl.int64) * token_elems
         else:
-            n = row_elems
+            n = row_vecs * VEC
         move = (j >= 0) & (j < new_active) & (start < n)
         if IN_PLACE:
             move = move & (j < i)
@@ -340,7 +340,7 @@ def compact_slots_strided(
         *src_strides,
         *dst_strides,
         token_elems,
-        row_capacity,
+        row_capacity // vec,
         BLOCK=block,
         VEC=vec,
         HAS_LENGTHS=lengths is not None,

@@ -54,7 +54,7 @@ def _block(n: int) -> int:
 
 
 @kernel(ints=("src_off", "dst_off", "src_layer_stride", "src_row_stride", "dst_layer_stride",
-              "dst_row_stride", "n"))
+              "dst_row_stride", "n_vecs"))
 def _copy_strided_kernel(
     src,  # source tensor (any dtype: values are moved by load/store, never converted)
     dst,  # destination tensor, same dtype
@@ -64,7 +64,7 @@ def _copy_strided_kernel(
     src_row_stride,
     dst_layer_stride,
     dst_row_stride,
-    n,  # elements to copy per row: seq_len * head_dim
+    n_vecs,  # elements to copy per row (seq_len * head_dim) divided by VEC
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
 ):
@@ -73,8 +73,11 @@ def _copy_strided_kernel(
     chunk = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     layer = tl.program_id(2).to(tl.int64)
+    # n is passed divided by VEC: a product with the constexpr proves the divisibility to the compiler
+    # (tl.multiple_of on a kernel argument is dropped), so masked loads and stores stay 16 bytes wide.
+    n = n_vecs * VEC
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < tl.multiple_of(n, VEC)
+    mask = offs < n
     s = tl.multiple_of(src_off + layer * src_layer_stride + r * src_row_stride, VEC)
     d = tl.multiple_of(dst_off + layer * dst_layer_stride + r * dst_row_stride, VEC)
     x = tl.load(src + s + offs, mask=mask)
@@ -158,7 +161,7 @@ def copy_slot_strided(
         src_row_stride,
         dst_layer_stride,
         dst_row_stride,
-        n,
+        n // vec,
         BLOCK=block,
         VEC=vec,
     )
