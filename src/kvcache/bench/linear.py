@@ -69,7 +69,7 @@ def time_host(fn: Callable[[], object], iters: int = 50, trials: int = 7) -> flo
     return statistics.median(out)
 
 
-def time_graph(fn: Callable[[], object], calls: int, replays: int = 7) -> float:
+def time_graph(fn: Callable[[], object], calls: int, replays: int = 15) -> float:
     """Microseconds per call inside a CUDA graph of ``calls`` calls (median over replays, CUDA events)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -115,7 +115,7 @@ def _save_restore(cache: LinearKVCache, s: int) -> list[Row]:
     ref = torch.empty(L, 2, H, s, D, dtype=dtype, device=dev)
     nbytes = 2 * L * 2 * H * s * D * buf.element_size()
     big = s >= 512
-    iters, calls = (5, 1) if big else (200, 20)
+    iters, calls = (10, 3) if big else (200, 20)
     rows: list[Row] = []
 
     def save_loop() -> None:
@@ -196,7 +196,7 @@ def _compaction(cache: LinearKVCache) -> list[Row]:
     ]
     return [
         Row(f"compact {old}->{new} x {L} layers", impl, eager_us=time_eager(fn, 3, trials=5),
-            graph_us=time_graph(fn, 1, replays=5), bytes=nbytes)
+            graph_us=time_graph(fn, 2, replays=5), bytes=nbytes)
         for impl, fn, nbytes in cases
     ]
 

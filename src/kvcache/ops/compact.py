@@ -141,7 +141,17 @@ def build_batch_mapping(
     if n > _MAX_BATCH:
         raise ValueError(f"finished: expected at most {_MAX_BATCH} sequences, got {n}")
     device = finished.device
-    if out is not None:
+    if (
+        out is not None
+        and type(out) is torch.Tensor
+        and out.dtype is torch.int32
+        and out.dim() == 1
+        and out.shape[0] == n
+        and out.stride(0) == 1
+        and out.device == device
+    ):
+        mapping = out  # fast path: exactly the right buffer
+    elif out is not None:
         check_tensor("out", out)
         check_ndim("out", out, 1, "of int32")
         check_dtype("out", out, torch.int32)
@@ -153,12 +163,16 @@ def build_batch_mapping(
         mapping = out[:n]
     else:
         mapping = torch.empty(n, dtype=torch.int32, device=device)
-    if new_active_out is not None:
+    if new_active_out is not None and not (
+        type(new_active_out) is torch.Tensor
+        and new_active_out.dtype is torch.int32
+        and new_active_out.numel() == 1
+        and new_active_out.device == device
+    ):
         check_tensor("new_active_out", new_active_out)
         check_dtype("new_active_out", new_active_out, torch.int32)
         check_device("new_active_out", new_active_out, device, "finished")
-        if new_active_out.numel() != 1:
-            raise ValueError(f"new_active_out: expected shape [1], got {fmt_shape(new_active_out.shape)}")
+        raise ValueError(f"new_active_out: expected shape [1], got {fmt_shape(new_active_out.shape)}")
     if not use_triton(device):
         ref, count = build_batch_mapping_reference(finished)
         mapping.copy_(ref)
@@ -556,30 +570,50 @@ def compact_batch(
             f"dst: expected shape [>= {new_active}, {', '.join(str(s) for s in src.shape[1:])}], got "
             f"{fmt_shape(dst.shape)}"
         )
-    row = src[0] if src.shape[0] > 0 else src
-    if not row.is_contiguous():
+    row_shape = src.shape[1:]
+    n = 1
+    for size in row_shape:
+        n *= size
+    if src.dim() > 1 and n > 1 and not _rows_contiguous(src):
         raise ValueError(f"src: each src[i] must be contiguous, got strides {tuple(src.stride())}")
     in_place = dst.data_ptr() == src.data_ptr() and dst.stride() == src.stride() and dst.shape == src.shape
     if not in_place:
         check_contiguous("dst", dst)
-        s0, s1 = src.data_ptr(), src.data_ptr() + (src.shape[0] - 1) * src.stride(0) * src.element_size() + (
-            row.numel() * src.element_size()
-        )
+        s0, s1 = src.data_ptr(), src.data_ptr() + ((src.shape[0] - 1) * src.stride(0) + n) * src.element_size()
         d0, d1 = dst.data_ptr(), dst.data_ptr() + dst.numel() * dst.element_size()
         if src.numel() and dst.numel() and s0 < d1 and d0 < s1:
             raise ValueError("dst: must be src itself (in place) or not overlap src in memory")
     if check:
         check_batch_mapping(batch_mapping, old_active, new_active)
-    n = row.numel() if src.shape[0] > 0 else 0
+    if src.shape[0] == 0:
+        n = 0
     if not use_triton(src.device):
         if old_active:
             compact_batch_reference(src, batch_mapping, dst, old_active, new_active)
         return
+    if src.dtype not in _NATIVE_DTYPES:  # Triton moves these as they are; others as same-width integers
+        src, dst = bits(src), bits(dst)
     compact_slots_strided(
-        bits(src), bits(dst), batch_mapping, None, old_active, new_active,
+        src, dst, batch_mapping, None, old_active, new_active,
         num_layers=1, rows=1, row_capacity=n,
         src_strides=(0, 0, src.stride(0)), dst_strides=(0, 0, dst.stride(0) if dst.dim() else 1),
     )
+
+
+_NATIVE_DTYPES = frozenset({
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+    torch.int64, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2,
+})
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether every ``t[i]`` is contiguous (dim 0 may have any stride)."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _check_length_values(lengths: torch.Tensor, old_active: int, max_len: int) -> None:

@@ -249,6 +249,16 @@ def _check_lengths_args(
 ) -> None:
     """Validation shared by the compaction entry points (lengths, mapping, batch sizes); every tensor must be
     on ``ref``'s device (``ref`` = (name, device) of the argument the others are compared with)."""
+    dev = ref[1]
+    if (
+        type(old_active) is int
+        and type(new_active) is int
+        and 0 <= new_active <= old_active <= (_MAX_BATCH if max_batch is None else max_batch)
+        and _ok_int32(lengths, old_active, dev)
+        and _ok_int32(batch_mapping, old_active, dev)
+        and _ok_int32(dst, new_active, dev)
+    ):
+        return  # fast path: everything valid
     check_int("old_active", old_active, 0, _MAX_BATCH if max_batch is None else max_batch)
     check_int("new_active", new_active, 0, old_active)
     for name, t, need in (
@@ -263,3 +273,14 @@ def _check_lengths_args(
             raise ValueError(f"{name}: expected at least {need} entries, got shape [{t.shape[0]}]")
         if t.stride(0) != 1:
             raise ValueError(f"{name}: expected a contiguous tensor, got stride {t.stride(0)}")
+
+
+def _ok_int32(t: torch.Tensor, need: int, device: torch.device) -> bool:
+    return (
+        type(t) is torch.Tensor
+        and t.dtype is torch.int32
+        and t.dim() == 1
+        and t.shape[0] >= need
+        and t.stride(0) == 1
+        and t.device == device
+    )
