@@ -109,7 +109,7 @@ class Kernel:
             with _interpreting():
                 _interpreted(self.fn)[grid](*args, **constexprs)
             return
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = device.index if device.index is not None else _current_device()
         key = (
             index,
             tuple([(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in self._ptr_pos]),
@@ -117,7 +117,7 @@ class Kernel:
             tuple(constexprs.items()),
         )
         entry = self._fast.get(key)
-        switch = torch.cuda.current_device() != index
+        switch = _current_device() != index
         if entry is None or not self._allow_fast or _hooks_active():
             with torch.cuda.device(index) if switch else contextlib.nullcontext():
                 compiled = self.compiled.run(*args, grid=grid, warmup=False, **constexprs)
@@ -151,12 +151,16 @@ def _hooks_active() -> bool:
     return False
 
 
-try:
+try:  # the C entry points torch.cuda and triton use (a fraction of a microsecond each)
     from torch._C import _cuda_getCurrentRawStream as _current_stream
+    from torch._C import _cuda_getDevice as _current_device
 except ImportError:  # pragma: no cover
 
     def _current_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
+
+    def _current_device() -> int:
+        return torch.cuda.current_device()
 
 
 def kernel(fn: Callable[..., Any] | None = None, *, ints: tuple[str, ...] = ()) -> Any:

@@ -48,7 +48,8 @@ def _increment_lengths_kernel(
     if CHECK:
         bad = m & ((new > max_len) | (new < 0))
         nbad = tl.sum(bad.to(tl.int32), axis=0)
-        tl.store(lengths + i, new, mask=m & (nbad == 0))
+        # (i * 0 + nbad) makes the condition a vector: triton 3.9's interpreter rejects vector & scalar masks
+        tl.store(lengths + i, new, mask=m & ((i * 0 + nbad) == 0))
         if HAS_FLAG:
             if nbad > 0:
                 tl.store(overflow, 1)
@@ -99,6 +100,19 @@ def increment_lengths(
     ----
     No allocation, no host sync: capturable in a CUDA graph (an int increment is baked into the graph).
     """
+    if (
+        type(lengths) is torch.Tensor
+        and lengths.dtype is torch.int32
+        and lengths.dim() == 1
+        and lengths.stride(0) == 1
+        and type(increment) is int
+        and -_INT32_MAX <= increment <= _INT32_MAX
+        and max_len is None
+        and overflow is None
+        and 0 < lengths.shape[0] <= _MAX_BATCH
+    ):
+        launch_increment(lengths, increment, None, None)  # fast path: the decode-step call
+        return
     lengths = check_tensor("lengths", lengths)
     check_ndim("lengths", lengths, 1, "of sequence lengths [n]")
     check_dtype("lengths", lengths, torch.int32)
