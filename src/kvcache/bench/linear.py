@@ -4,7 +4,8 @@ bandwidth and against the plain PyTorch a user would write, in one run.
 Shapes (issue 2): 32 layers, 8 KV heads, head_dim 128, fp16, max batch 64, max seq 4096 (34.4 GB).
 Bytes are what must be read + written. Times: median of CUDA-event-timed trials; "eager" is wall time per
 call over back-to-back calls (what an engine sees without graphs), "graph" is per call inside a replayed
-CUDA graph, "host" is the CPU time of one call (launch path + validation), measured without syncing.
+CUDA graph, "host" is the CPU time of one call (launch path + validation), measured without syncing (minimum
+over trials).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def time_eager(fn: Callable[[], object], iters: int, trials: int = 7) -> float:
     return statistics.median(out)
 
 
-def time_host(fn: Callable[[], object], iters: int = 50, trials: int = 7) -> float:
-    """CPU microseconds per call, without waiting for the GPU (the queue absorbs the launches)."""
+def time_host(fn: Callable[[], object], iters: int = 50, trials: int = 15) -> float:
+    """CPU microseconds per call, without waiting for the GPU (the queue absorbs the launches): the minimum
+    over trials, since noise from a shared host only ever adds to it."""
     fn()
     _sync()
     out = []
@@ -66,7 +68,7 @@ def time_host(fn: Callable[[], object], iters: int = 50, trials: int = 7) -> flo
             fn()
         out.append((time.perf_counter() - t0) / iters * 1e6)
         _sync()
-    return statistics.median(out)
+    return min(out)
 
 
 def time_graph(fn: Callable[[], object], calls: int, replays: int = 15) -> float:
