@@ -1,0 +1,636 @@
+"""Rotary position embedding (RoPE) configuration: frequencies, cos/sin and a pure-torch reference.
+
+:class:`RopeConfig` holds everything needed to reproduce Hugging Face transformers' rotary embeddings
+(rope types ``default``, ``linear``, ``dynamic`` (dynamic NTK), ``llama3`` and ``yarn``; partial rotary
+dims; rotate-half (Llama / GPT-NeoX) and interleaved (GPT-J / Cohere) pairing) bit for bit: ``cos_sin``
+equals (``torch.equal``, float32) what transformers 5.17's rotary embedding modules return for the same
+config and positions, before their cast to the model dtype.
+
+Exactness comes from performing the same float32 operations in the same order as transformers: the
+frequency formulas below are written so that every rounding step matches (``1.0 / t`` is
+``reciprocal(t) * 1.0``, the Python scalars are rounded to float32 where transformers' are, the dynamic NTK
+base is computed in float32 tensor arithmetic when the length grows past ``max_position_embeddings``, as
+transformers does at run time). Each step is commented with the rounding it mirrors.
+
+What a kernel needs (:meth:`RopeConfig.kernel_params`): the float32 ``inv_freq`` ``[rotary_dim // 2]``, the
+float ``attention_scaling``, ``rotary_dim`` and the pairing. A kernel that computes, in float32,
+``angle = float(position) * inv_freq[i]``, then ``cos(angle) * attention_scaling`` and
+``sin(angle) * attention_scaling``, computes the same angle transformers does: its ``inv_freq @ positions``
+matmul has an inner dimension of 1, so every element is one correctly rounded float32 product (tested).
+Only the cos/sin implementation itself (libdevice vs. torch's CPU/CUDA code) may then differ by an ulp.
+
+transformers is never imported here: :meth:`RopeConfig.from_hf` reads a config object's attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from ._validate import check_int, check_tensor, fmt_shape
+
+__all__ = ["ROPE_TYPES", "RopeConfig", "RopeKernelParams", "apply_rope_reference"]
+
+#: Rope types reproduced exactly (see :class:`RopeConfig`).
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
+
+# transformers models whose attention pairs dims (2i, 2i + 1) (GPT-J style). The pairing is not in the
+# config: it is fixed in each model's modeling code (rotate_every_two / interleaved rotate_half), so
+# `from_hf` needs this table. Each entry was read in transformers 5.17's modeling files; pass
+# `interleaved=` explicitly to override (e.g. for a model not listed).
+_INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "glm", "glm4"})
+
+# Integer positions are exact in float32 up to 2**24; beyond that transformers' float cast rounds them.
+_MAX_EXACT_POSITION = 1 << 24
+
+_INT_POSITION_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+class RopeKernelParams(NamedTuple):
+    """What a fused RoPE kernel needs to rotate like transformers.
+
+    Attributes
+    ----------
+    inv_freq : torch.Tensor
+        ``shape: [rotary_dim // 2]``, float32, on the requested device. Pair ``i`` rotates by the angle
+        ``float32(position) * inv_freq[i]`` (one float32 product, no FMA with other terms).
+    attention_scaling : float
+        Multiply cos and sin by this (as a float32) after computing them; 1.0 except for yarn.
+    rotary_dim : int
+        Rotate dims ``[0, rotary_dim)`` of each head; dims ``[rotary_dim, head_dim)`` pass through.
+    interleaved : bool
+        False: pair ``i`` is dims ``(i, i + rotary_dim // 2)`` (rotate-half). True: dims ``(2i, 2i + 1)``.
+    """
+
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    rotary_dim: int
+    interleaved: bool
+
+
+def _check_float(name: str, value: object, *, positive: bool = False, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        want = "a float or None" if allow_none else "a float"
+        raise TypeError(f"{name}: expected {want}, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite float, got {value}")
+    if positive and value <= 0.0:
+        raise ValueError(f"{name}: expected a float > 0, got {value}")
+    return value
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    # Same expression (and so the same double rounding) as transformers' yarn `get_mscale`.
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one attention layer, as Hugging Face transformers computes it.
+
+    Parameters
+    ----------
+    head_dim : int
+        Size of each head (>= 2).
+    rotary_dim : int | None
+        Number of leading dims of each head that are rotated (even, 2..head_dim); the rest pass through
+        unchanged. ``None``: ``head_dim``. transformers: ``int(head_dim * partial_rotary_factor)``.
+    base : float
+        ``rope_theta`` (> 0).
+    rope_type : str
+        One of :data:`ROPE_TYPES`:
+
+        * ``"default"``: ``inv_freq[i] = 1 / base ** (2i / rotary_dim)``.
+        * ``"linear"``: default ``inv_freq / factor`` (position interpolation).
+        * ``"dynamic"``: dynamic NTK. While the current length ``seq_len`` (max position + 1) is at most
+          ``max_position_embeddings`` the default frequencies; beyond it the base grows to
+          ``base * (factor * seq_len / max_position_embeddings - (factor - 1)) ** (d / (d - 2))``.
+        * ``"llama3"``: Llama 3.1 frequency-dependent scaling (``factor``, ``low_freq_factor``,
+          ``high_freq_factor``, ``original_max_position_embeddings``).
+        * ``"yarn"``: YaRN ramp between interpolated and extrapolated frequencies (``factor``,
+          ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``truncate``) and cos/sin
+          scaled by :attr:`attention_scaling`.
+    factor : float
+        Scaling factor (> 0); must be 1.0 for ``"default"``.
+    original_max_position_embeddings : int | None
+        Pre-training context length; required by ``"llama3"`` and ``"yarn"``.
+    max_position_embeddings : int | None
+        Required by ``"dynamic"`` (the length above which the base grows); informational otherwise.
+    low_freq_factor, high_freq_factor : float | None
+        ``"llama3"`` only (required there; ``high_freq_factor > low_freq_factor``).
+    beta_fast, beta_slow : float | None
+        ``"yarn"`` only; ``None`` means transformers' defaults 32 and 1. ``beta_fast > beta_slow > 0``.
+    mscale, mscale_all_dim : float | None
+        ``"yarn"`` only (DeepSeek style): when both are non-zero and ``attention_factor`` is None,
+        ``attention_scaling = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)``.
+    attention_factor : float | None
+        ``"yarn"`` only: explicit cos/sin scaling (> 0); ``None`` infers it from ``factor`` (and mscale).
+    truncate : bool
+        ``"yarn"`` only: round the correction range outwards to whole dims (transformers' default True;
+        gpt-oss uses False). Ignored by the other types.
+    interleaved : bool
+        False: rotate-half pairing (Llama, GPT-NeoX, HF default): pairs ``(i, i + rotary_dim // 2)``.
+        True: GPT-J pairing: pairs ``(2i, 2i + 1)``.
+
+    Raises
+    ------
+    TypeError
+        A field of the wrong type (the message names the field).
+    ValueError
+        A field out of range, an unknown ``rope_type``, a field required by ``rope_type`` missing, or a
+        field that only another rope type uses set.
+
+    Note
+    ----
+    Instances are frozen and hashable. Numeric fields are stored as Python floats.
+    """
+
+    head_dim: int
+    rotary_dim: int | None = None
+    base: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    interleaved: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        check_int("head_dim", self.head_dim, 2)
+        rotary_dim = self.head_dim if self.rotary_dim is None else self.rotary_dim
+        check_int("rotary_dim", rotary_dim, 2, self.head_dim)
+        if rotary_dim % 2:
+            raise ValueError(f"rotary_dim: expected an even int (dims are rotated in pairs), got {rotary_dim}")
+        set_("rotary_dim", rotary_dim)
+        set_("base", _check_float("base", self.base, positive=True))
+        if not isinstance(self.rope_type, str):
+            raise TypeError(f"rope_type: expected a str, got {type(self.rope_type).__name__}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type: expected one of {', '.join(map(repr, ROPE_TYPES))}, got {self.rope_type!r}")
+        set_("factor", _check_float("factor", self.factor, positive=True))
+        for name in ("original_max_position_embeddings", "max_position_embeddings"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            set_(name, _check_float(name, getattr(self, name), allow_none=True))
+        set_("attention_factor", _check_float("attention_factor", self.attention_factor, positive=True, allow_none=True))
+        for name in ("truncate", "interleaved"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
+
+        rope_type = self.rope_type
+        if rope_type == "default" and self.factor != 1.0:
+            raise ValueError(
+                f"factor: rope_type 'default' does not scale, expected 1.0, got {self.factor} "
+                "(use rope_type 'linear', 'dynamic', 'llama3' or 'yarn')"
+            )
+        only = {
+            "low_freq_factor": "llama3",
+            "high_freq_factor": "llama3",
+            "beta_fast": "yarn",
+            "beta_slow": "yarn",
+            "mscale": "yarn",
+            "mscale_all_dim": "yarn",
+            "attention_factor": "yarn",
+        }
+        for name, owner in only.items():
+            if getattr(self, name) is not None and rope_type != owner:
+                raise ValueError(
+                    f"{name}: only used by rope_type {owner!r}, expected None with rope_type {rope_type!r}, "
+                    f"got {getattr(self, name)}"
+                )
+        if rope_type == "dynamic" and self.max_position_embeddings is None:
+            raise ValueError("max_position_embeddings: required by rope_type 'dynamic', got None")
+        if rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+            raise ValueError(f"original_max_position_embeddings: required by rope_type {rope_type!r}, got None")
+        if rope_type == "llama3":
+            for name in ("low_freq_factor", "high_freq_factor"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"{name}: required by rope_type 'llama3', got None")
+            if self.low_freq_factor <= 0.0:
+                raise ValueError(f"low_freq_factor: expected a float > 0, got {self.low_freq_factor}")
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise ValueError(
+                    f"high_freq_factor: expected a float > low_freq_factor ({self.low_freq_factor}), "
+                    f"got {self.high_freq_factor}"
+                )
+        if rope_type == "yarn":
+            beta_fast, beta_slow = self._yarn_betas()
+            if beta_slow <= 0.0:
+                raise ValueError(f"beta_slow: expected a float > 0, got {beta_slow}")
+            if beta_fast <= beta_slow:
+                raise ValueError(f"beta_fast: expected a float > beta_slow ({beta_slow}), got {beta_fast}")
+
+    # ------------------------------------------------------------------------------------------------
+    # Construction from transformers
+
+    @classmethod
+    def from_hf(cls, config: Any, *, layer_type: str | None = None, interleaved: bool | None = None) -> RopeConfig:
+        """Build from a transformers ``PretrainedConfig`` (or any object with the same attributes).
+
+        Reads ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` + ``rope_theta`` (4.x),
+        ``partial_rotary_factor`` (or GPT-J's ``rotary_dim``), ``head_dim`` (else
+        ``hidden_size // num_attention_heads``), ``max_position_embeddings`` and
+        ``original_max_position_embeddings``, resolving defaults the way transformers 5.17 does (yarn:
+        ``factor`` None -> ``max_position_embeddings / original_max_position_embeddings``, ``beta_fast`` /
+        ``beta_slow`` None or 0 -> 32 / 1, ``truncate`` read from the top-level ``rope_parameters``).
+
+        Parameters
+        ----------
+        config : transformers.PretrainedConfig
+            The model (or text sub-model) config. transformers is not imported.
+        layer_type : str | None
+            For configs with one rope per layer type (Gemma 3: ``"full_attention"``,
+            ``"sliding_attention"``): which one. Required there, must be None otherwise.
+        interleaved : bool | None
+            Pairing. ``None``: True for the model types whose modeling code pairs ``(2i, 2i + 1)``
+            (gptj, codegen, cohere, cohere2, glm, glm4), else False (rotate-half).
+
+        Returns
+        -------
+        RopeConfig
+
+        Raises
+        ------
+        ValueError
+            An unsupported rope type (longrope, proportional, multimodal ``mrope_section``...), a missing
+            ``layer_type``, or parameters that :class:`RopeConfig` rejects.
+        """
+        params = _hf_rope_params(config, layer_type)
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"config.rope_parameters['rope_type']: expected one of {', '.join(map(repr, ROPE_TYPES))}, "
+                f"got {rope_type!r}"
+            )
+        if params.get("mrope_section") is not None:
+            raise ValueError(
+                "config.rope_parameters['mrope_section']: multimodal (3-d position) rope is not supported, "
+                f"got {params['mrope_section']!r}"
+            )
+
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+        gptj_rotary_dim = getattr(config, "rotary_dim", None)
+        if partial is not None:
+            rotary_dim = int(head_dim * partial)
+        elif isinstance(gptj_rotary_dim, int) and not isinstance(gptj_rotary_dim, bool):
+            rotary_dim = gptj_rotary_dim  # GPT-J / CodeGen
+        else:
+            rotary_dim = head_dim
+
+        base = params.get("rope_theta", getattr(config, "rope_theta", None))
+        if base is None:
+            base = getattr(config, "default_theta", 10000.0)
+        max_pos = getattr(config, "max_position_embeddings", None)
+
+        if interleaved is None:
+            interleaved = getattr(config, "model_type", None) in _INTERLEAVED_MODEL_TYPES
+
+        kwargs: dict[str, Any] = {
+            "head_dim": head_dim,
+            "rotary_dim": rotary_dim,
+            "base": base,
+            "rope_type": rope_type,
+            "max_position_embeddings": max_pos,
+            "interleaved": interleaved,
+        }
+        if rope_type in ("linear", "dynamic", "llama3"):
+            kwargs["factor"] = params["factor"]
+        if rope_type in ("llama3", "yarn"):
+            # transformers' standardize_rope_params: a top-level config attribute wins (Phi-3 style),
+            # then the rope dict, then max_position_embeddings.
+            original = getattr(config, "original_max_position_embeddings", None)
+            if original is None:
+                original = params.get("original_max_position_embeddings") or max_pos
+            kwargs["original_max_position_embeddings"] = original
+        if rope_type == "llama3":
+            kwargs["low_freq_factor"] = params["low_freq_factor"]
+            kwargs["high_freq_factor"] = params["high_freq_factor"]
+        if rope_type == "yarn":
+            factor = params.get("factor")
+            if factor is None:  # DeepSeek-V3 style: the ratio of the context lengths
+                factor = max_pos / kwargs["original_max_position_embeddings"]
+            kwargs["factor"] = factor
+            kwargs["beta_fast"] = params.get("beta_fast") or 32.0
+            kwargs["beta_slow"] = params.get("beta_slow") or 1.0
+            kwargs["mscale"] = params.get("mscale")
+            kwargs["mscale_all_dim"] = params.get("mscale_all_dim")
+            kwargs["attention_factor"] = params.get("attention_factor")
+            # transformers 5.17 reads `truncate` from the top-level rope_parameters even for per-layer-type
+            # dicts (where it is then always missing, so True).
+            top = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+            kwargs["truncate"] = bool(top.get("truncate", True))
+        return cls(**kwargs)
+
+    # ------------------------------------------------------------------------------------------------
+    # Frequencies
+
+    @property
+    def is_dynamic(self) -> bool:
+        """True when the frequencies depend on the current sequence length (``"dynamic"``)."""
+        return self.rope_type == "dynamic"
+
+    @property
+    def attention_scaling(self) -> float:
+        """Factor that multiplies cos and sin: yarn's mscale (or ``attention_factor``), 1.0 otherwise."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:  # truthiness, as transformers (0 means unset)
+            return float(_yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim))
+        return _yarn_mscale(self.factor)
+
+    def _yarn_betas(self) -> tuple[float, float]:
+        return (32.0 if self.beta_fast is None else self.beta_fast, 1.0 if self.beta_slow is None else self.beta_slow)
+
+    def _uses_grown_base(self, seq_len: int | None) -> bool:
+        return self.rope_type == "dynamic" and seq_len is not None and seq_len > self.max_position_embeddings
+
+    def inv_freq(self, seq_len: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+        """Inverse frequencies, equal to the ``inv_freq`` buffer of transformers' rotary embedding.
+
+        Parameters
+        ----------
+        seq_len : int | None
+            Current sequence length (max position in the batch + 1); used by ``"dynamic"`` only. ``None``
+            or ``<= max_position_embeddings``: the unscaled frequencies (what transformers holds after
+            construction).
+        device : torch.device | str | None
+            Where the result lives (default CPU). Static types are computed on the CPU and moved, as
+            transformers does at construction; a grown dynamic base is computed on ``device``, as
+            transformers does in the forward pass.
+
+        Returns
+        -------
+        torch.Tensor
+            ``shape: [rotary_dim // 2]``, float32.
+        """
+        if seq_len is not None:
+            check_int("seq_len", seq_len, 1)
+        if self._uses_grown_base(seq_len):
+            return self._dynamic_inv_freq(seq_len, torch.device("cpu") if device is None else torch.device(device))
+        out = {
+            "default": self._default_inv_freq,
+            "linear": self._linear_inv_freq,
+            "dynamic": self._dynamic_initial_inv_freq,
+            "llama3": self._llama3_inv_freq,
+            "yarn": self._yarn_inv_freq,
+        }[self.rope_type]()
+        return out if device is None else out.to(device)
+
+    def _exponents(self, device: torch.device | None = None) -> torch.Tensor:
+        # float32 (2i / d); exact integers divided once, like arange(0, d, 2).float() / d in transformers.
+        d = self.rotary_dim
+        return torch.arange(0, d, 2, dtype=torch.int64).to(device=device, dtype=torch.float32) / d
+
+    def _default_inv_freq(self) -> torch.Tensor:
+        # float32(base) ** exponent, then Tensor.__rtruediv__: reciprocal(t) * 1.0 (exact).
+        return 1.0 / (self.base ** self._exponents())
+
+    def _linear_inv_freq(self) -> torch.Tensor:
+        return self._default_inv_freq() / self.factor  # divided by float32(factor)
+
+    def _dynamic_initial_inv_freq(self) -> torch.Tensor:
+        # transformers at construction: seq_len = max_position_embeddings, base scaled in Python doubles
+        # (a factor of 1 up to double rounding), then rounded to float32 by the pow.
+        d, m, f = self.rotary_dim, self.max_position_embeddings, self.factor
+        base = self.base * ((f * m / m) - (f - 1)) ** (d / (d - 2))
+        return 1.0 / (base ** self._exponents())
+
+    def _dynamic_inv_freq(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        # transformers in the forward pass: seq_len is a 0-d integer tensor (max(position_ids) + 1), so the
+        # new base is computed in float32 tensor arithmetic, one rounding per operation, on the input's device.
+        d, m, f = self.rotary_dim, self.max_position_embeddings, self.factor
+        length = torch.tensor(seq_len, dtype=torch.int64, device=device)
+        base = self.base * ((f * length / m) - (f - 1)) ** (d / (d - 2))  # 0-d float32 tensor
+        return 1.0 / (base ** self._exponents(device))
+
+    def _llama3_inv_freq(self) -> torch.Tensor:
+        inv_freq = self._default_inv_freq()
+        old_len = self.original_max_position_embeddings
+        low, high, factor = self.low_freq_factor, self.high_freq_factor, self.factor
+        low_freq_wavelen = old_len / low  # Python doubles, compared as float32
+        high_freq_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq  # reciprocal(inv_freq) * float32(2 pi)
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+
+    def _yarn_inv_freq(self) -> torch.Tensor:
+        d, base, factor = self.rotary_dim, self.base, self.factor
+        beta_fast, beta_slow = self._yarn_betas()
+        original = self.original_max_position_embeddings
+
+        def correction_dim(num_rotations: float) -> float:
+            # dim index at which a wavelength makes `num_rotations` turns over the original context
+            return (d * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+
+        pos_freqs = base ** self._exponents()
+        extrapolation = 1.0 / pos_freqs
+        interpolation = 1.0 / (factor * pos_freqs)
+        extrapolation_weight = 1 - ramp
+        return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+
+    # ------------------------------------------------------------------------------------------------
+    # cos / sin
+
+    def kernel_params(
+        self, seq_len: int | None = None, device: torch.device | str | None = None
+    ) -> RopeKernelParams:
+        """Parameters for a fused RoPE kernel (see :class:`RopeKernelParams`).
+
+        Parameters
+        ----------
+        seq_len : int | None
+            ``"dynamic"`` only: the current length, ``max(positions in the batch) + 1`` (transformers' rule;
+            the frequencies then apply to every token of that forward pass). Ignored by the other types.
+        device : torch.device | str | None
+            Device of ``inv_freq`` (default CPU).
+
+        Returns
+        -------
+        RopeKernelParams
+
+        Note
+        ----
+        Allocates ``inv_freq``: call it once (static types) or once per step (``"dynamic"``), outside a
+        CUDA graph.
+        """
+        return RopeKernelParams(self.inv_freq(seq_len, device), self.attention_scaling, self.rotary_dim, self.interleaved)
+
+    def cos_sin(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables, equal to transformers' rotary embedding output before its dtype cast.
+
+        Parameters
+        ----------
+        positions : torch.Tensor
+            ``shape: [n]``, an integer dtype, any device. Positions below 2**24 are exact (transformers
+            casts them to float32).
+        seq_len : int | None
+            ``"dynamic"`` only; ``None``: ``max(positions) + 1``, as transformers does per forward pass.
+
+        Returns
+        -------
+        cos, sin : torch.Tensor
+            ``shape: [n, rotary_dim]``, float32, on ``positions.device``, multiplied by
+            :attr:`attention_scaling`. Layout: ``cat(freqs, freqs)`` (rotate-half) or
+            ``repeat_interleave(freqs, 2)`` (interleaved), with ``freqs = positions * inv_freq``.
+
+        Note
+        ----
+        Stateless. transformers' ``"dynamic"`` module is stateful: after a length above
+        ``max_position_embeddings`` it keeps the grown frequencies for shorter lengths that are still above
+        it. This equals a freshly built module, or one fed non-decreasing lengths (generation).
+        """
+        return self._cos_sin(positions, seq_len, self.attention_scaling)
+
+    def _cos_sin(
+        self, positions: torch.Tensor, seq_len: int | None, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_positions("positions", positions)
+        if seq_len is None and self.is_dynamic and positions.numel() > 0:
+            seq_len = int(positions.max()) + 1
+        inv_freq = self.inv_freq(seq_len, positions.device)
+        # transformers: (inv_freq[:, None] @ positions[None, :].float()).T, a matmul with an inner dimension
+        # of 1, i.e. one float32 product per element (tested equal).
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        if self.interleaved:
+            emb = torch.repeat_interleave(freqs, 2, dim=-1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _hf_rope_params(config: Any, layer_type: str | None) -> dict[str, Any]:
+    """The rope dict of a transformers config (5.x ``rope_parameters``; 4.x ``rope_scaling`` + attributes)."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = getattr(config, "rope_scaling", None)
+    params = dict(params or {})
+    layer_types = getattr(config, "layer_types", None)
+    nested = bool(params) and layer_types is not None and not set(params).isdisjoint(set(layer_types))
+    if nested:
+        if layer_type is None:
+            raise ValueError(
+                f"layer_type: this config has one rope per layer type ({', '.join(sorted(params))}), "
+                "expected one of them, got None"
+            )
+        if layer_type not in params:
+            raise ValueError(f"layer_type: expected one of {', '.join(sorted(params))}, got {layer_type!r}")
+        if params[layer_type] is None:
+            raise ValueError(f"layer_type: layer type {layer_type!r} has no rotary embedding (NoPE)")
+        return dict(params[layer_type])
+    if layer_type is not None:
+        raise ValueError(f"layer_type: this config has a single rope, expected None, got {layer_type!r}")
+    return params
+
+
+def _check_positions(name: str, positions: object) -> torch.Tensor:
+    positions = check_tensor(name, positions)
+    if positions.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-d tensor [n], got shape {fmt_shape(positions.shape)}")
+    if positions.dtype not in _INT_POSITION_DTYPES:
+        raise ValueError(f"{name}: expected an integer dtype (int64 or int32), got {positions.dtype}")
+    return positions
+
+
+def _rotate_pairs(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """For each pair (a, b): (-b, a), in the pair layout of ``interleaved``."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope_reference(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    config: RopeConfig,
+    seq_len: int | None = None,
+    *,
+    inverse: bool = False,
+) -> torch.Tensor:
+    """Rotate (or un-rotate) the first ``config.rotary_dim`` dims of every head; pure torch, float32 math.
+
+    Forward: ``y = x * cos + rotate(x) * sin`` with ``cos``, ``sin`` from :meth:`RopeConfig.cos_sin`
+    (attention scaling included), the same float32 expression as transformers' ``apply_rotary_pos_emb``.
+    Inverse: ``x = (y * cos - rotate(y) * sin) / attention_scaling`` with unscaled ``cos``, ``sin``, so
+    ``apply_rope_reference(apply_rope_reference(x, p, c), p, c, inverse=True)`` returns ``x`` up to float32
+    rounding (and the output dtype's rounding).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``shape: [n, num_heads, head_dim]``, any floating dtype, any device.
+    positions : torch.Tensor
+        ``shape: [n]``, integer dtype, same device as ``x``: the position of each token.
+    config : RopeConfig
+        ``config.head_dim`` must equal ``x.shape[-1]``.
+    seq_len : int | None
+        ``"dynamic"`` only; ``None``: ``max(positions) + 1``.
+    inverse : bool
+        Undo the rotation and the attention scaling.
+
+    Returns
+    -------
+    torch.Tensor
+        ``shape: [n, num_heads, head_dim]``, ``x.dtype``. Dims ``[rotary_dim, head_dim)`` are copied
+        unchanged (bit-identical).
+    """
+    if not isinstance(config, RopeConfig):
+        raise TypeError(f"config: expected a RopeConfig, got {type(config).__name__}")
+    x = check_tensor("x", x)
+    if x.dim() != 3 or x.shape[-1] != config.head_dim:
+        raise ValueError(f"x: expected shape [n, num_heads, {config.head_dim}], got {fmt_shape(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x: expected a floating dtype, got {x.dtype}")
+    _check_positions("positions", positions)
+    if positions.shape[0] != x.shape[0]:
+        raise ValueError(f"positions: expected shape [{x.shape[0]}] (one per token of x), got {fmt_shape(positions.shape)}")
+    if positions.device != x.device:
+        raise ValueError(f"positions: expected device {x.device} (the device of x), got {positions.device}")
+    if not isinstance(inverse, bool):
+        raise TypeError(f"inverse: expected a bool, got {type(inverse).__name__}")
+
+    rd = config.rotary_dim
+    scaling = config.attention_scaling
+    cos, sin = config._cos_sin(positions, seq_len, 1.0 if inverse else scaling)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rot = x[..., :rd].float()
+    if inverse:
+        out = rot * cos - _rotate_pairs(rot, config.interleaved) * sin
+        if scaling != 1.0:
+            out = out / scaling
+    else:
+        out = rot * cos + _rotate_pairs(rot, config.interleaved) * sin
+    if rd == config.head_dim:
+        return out.to(x.dtype)
+    return torch.cat((out.to(x.dtype), x[..., rd:]), dim=-1)
