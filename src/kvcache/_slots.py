@@ -17,10 +17,11 @@ from collections.abc import Sequence
 import torch
 
 from . import ops
-from ._validate import check_dtype, check_int, check_ndim, check_tensor, fmt_shape
+from ._backend import use_triton
+from ._validate import check_dtype, check_int, check_ndim, check_tensor, fmt_shape, next_pow2, vec_elems
 from .ops._layers import build_layer_table
 from .ops.compact import compact_slots_strided, compact_slots_table
-from .ops.copy import copy_slot_strided, copy_slot_table
+from .ops.copy import _copy_strided_kernel, copy_slot_strided, copy_slot_table
 from .ops.lengths import compact_lengths, launch_increment
 from .snapshot import KVSnapshot
 
@@ -49,6 +50,7 @@ class LayerStore:
             )
             self.layers: tuple[torch.Tensor, ...] = tuple(self.buffer.unbind(0))
             self.table = None
+            self._vec = vec_elems(self.buffer.element_size(), [d])
         else:
             sizes = [max_batch * 2 * h * max_seq * d for h, d in self.specs]
             flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
@@ -75,12 +77,8 @@ class LayerStore:
         elif self.uniform:
             h, d = self.specs[0]
             S = self.max_seq
-            copy_slot_strided(
-                self.buffer, snap.flat, num_layers=len(self.specs), rows=2 * h, n=s * d,  # type: ignore[arg-type]
-                src_off=batch_idx * 2 * h * S * d, dst_off=0,
-                src_layer_stride=self.max_batch * 2 * h * S * d, src_row_stride=S * d,
-                dst_layer_stride=2 * h * s * d, dst_row_stride=s * d,
-            )
+            self._copy_uniform(self.buffer, snap.flat, s, batch_idx * 2 * h * S * d, 0,  # type: ignore[arg-type]
+                               self.max_batch * 2 * h * S * d, S * d, 2 * h * s * d, s * d)
         else:
             copy_slot_table(self.layers[0], snap.flat, self.table, batch_idx, s, save=True,  # type: ignore[arg-type]
                             cache_layers=self.layers, snap_layers=snap.layers)
@@ -92,15 +90,35 @@ class LayerStore:
         elif self.uniform:
             h, d = self.specs[0]
             S = self.max_seq
-            copy_slot_strided(
-                snap.flat, self.buffer, num_layers=len(self.specs), rows=2 * h, n=s * d,  # type: ignore[arg-type]
-                src_off=0, dst_off=batch_idx * 2 * h * S * d,
-                src_layer_stride=2 * h * s * d, src_row_stride=s * d,
-                dst_layer_stride=self.max_batch * 2 * h * S * d, dst_row_stride=S * d,
-            )
+            self._copy_uniform(snap.flat, self.buffer, s, 0, batch_idx * 2 * h * S * d,  # type: ignore[arg-type]
+                               2 * h * s * d, s * d, self.max_batch * 2 * h * S * d, S * d)
         else:
             copy_slot_table(self.layers[0], snap.flat, self.table, batch_idx, s, save=False,  # type: ignore[arg-type]
                             cache_layers=self.layers, snap_layers=snap.layers)
+
+    def _copy_uniform(
+        self, src: torch.Tensor, dst: torch.Tensor, s: int, src_off: int, dst_off: int,
+        src_layer_stride: int, src_row_stride: int, dst_layer_stride: int, dst_row_stride: int,
+    ) -> None:
+        """Row-prefix copy between the uniform buffer and a packed snapshot (the per-call hot path: the
+        vector width is fixed at construction, every offset and stride being a multiple of head_dim)."""
+        h, d = self.specs[0]
+        n = s * d
+        if n == 0:
+            return
+        if not use_triton(self.device):
+            copy_slot_strided(
+                src, dst, num_layers=len(self.specs), rows=2 * h, n=n, src_off=src_off, dst_off=dst_off,
+                src_layer_stride=src_layer_stride, src_row_stride=src_row_stride,
+                dst_layer_stride=dst_layer_stride, dst_row_stride=dst_row_stride,
+            )
+            return
+        vec = self._vec
+        block = min(4096, max(128, next_pow2(n)))
+        _copy_strided_kernel.launch(
+            self.device, (-(-n // block), 2 * h, len(self.specs)), src, dst, src_off, dst_off,
+            src_layer_stride, src_row_stride, dst_layer_stride, dst_row_stride, n // vec, BLOCK=block, VEC=vec,
+        )
 
     def compact(self, mapping: torch.Tensor, lengths: torch.Tensor, old_active: int, new_active: int) -> None:
         if self.uniform:
@@ -446,7 +464,7 @@ class SlotCache:
     def _check_snapshot(self, name: str, snapshot: object) -> None:
         if not isinstance(snapshot, KVSnapshot):
             raise TypeError(f"{name}: expected a KVSnapshot, got {type(snapshot).__name__}")
-        if snapshot.layer_specs != self._store.specs:
+        if snapshot.layer_specs is not self._store.specs and snapshot.layer_specs != self._store.specs:
             raise ValueError(
                 f"{name}: expected layers of (num_kv_heads, head_dim) {list(self._store.specs)}, got "
                 f"{list(snapshot.layer_specs)}"
