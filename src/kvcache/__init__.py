@@ -4,6 +4,8 @@ from . import ops
 from .config import CacheConfig, KVLayerConfig, ManagerConfig
 from .linear import LinearKVCache
 from .manager import KVCacheManager
+from .paged import BlockAllocator, PagedConfig, PagedKVCache, cache_block_bytes
+from .rope import RopeConfig
 from .snapshot import KVSnapshot
 
 __version__ = "0.1.0"
@@ -16,5 +18,10 @@ __all__ = [
     "LinearKVCache",
     "KVCacheManager",
     "KVSnapshot",
+    "PagedConfig",
+    "PagedKVCache",
+    "BlockAllocator",
+    "cache_block_bytes",
+    "RopeConfig",
     "__version__",
 ]

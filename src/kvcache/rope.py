@@ -17,7 +17,9 @@ float ``attention_scaling``, ``rotary_dim`` and the pairing. A kernel that compu
 ``angle = float(position) * inv_freq[i]``, then ``cos(angle) * attention_scaling`` and
 ``sin(angle) * attention_scaling``, computes the same angle transformers does: its ``inv_freq @ positions``
 matmul has an inner dimension of 1, so every element is one correctly rounded float32 product (tested).
-Only the cos/sin implementation itself (libdevice vs. torch's CPU/CUDA code) may then differ by an ulp.
+Seen on an H100 (torch 2.11, triton 3.6): such a Triton kernel (``tl.cos`` / ``tl.sin`` or libdevice) equals
+transformers' rotary module run on CUDA bit for bit, for every type here. CPU (torch's vectorised cos) and
+CUDA results may differ from each other by an ulp; compare each device with itself.
 
 transformers is never imported here: :meth:`RopeConfig.from_hf` reads a config object's attributes.
 """
@@ -43,8 +45,6 @@ ROPE_TYPES: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn")
 # `interleaved=` explicitly to override (e.g. for a model not listed).
 _INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "glm", "glm4"})
 
-# Integer positions are exact in float32 up to 2**24; beyond that transformers' float cast rounds them.
-_MAX_EXACT_POSITION = 1 << 24
 
 _INT_POSITION_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -189,7 +189,9 @@ class RopeConfig:
                 check_int(name, getattr(self, name), 1)
         for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
             set_(name, _check_float(name, getattr(self, name), allow_none=True))
-        set_("attention_factor", _check_float("attention_factor", self.attention_factor, positive=True, allow_none=True))
+        set_(
+            "attention_factor", _check_float("attention_factor", self.attention_factor, positive=True, allow_none=True)
+        )
         for name in ("truncate", "interleaved"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
@@ -260,7 +262,9 @@ class RopeConfig:
             ``"sliding_attention"``): which one. Required there, must be None otherwise.
         interleaved : bool | None
             Pairing. ``None``: True for the model types whose modeling code pairs ``(2i, 2i + 1)``
-            (gptj, codegen, cohere, cohere2, glm, glm4), else False (rotate-half).
+            (gptj, codegen, cohere, cohere2, glm, glm4), else False (rotate-half). Not detected: DeepSeek-V2/V3
+            (``rope_interleave=True``) rotate pairs ``(2i, 2i + 1)`` but write the result in rotate-half order
+            (a permutation of the dims); ``interleaved=True`` rotates the same pairs in place.
 
         Returns
         -------
@@ -287,6 +291,8 @@ class RopeConfig:
 
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+        if partial is None:
+            partial = getattr(config, "rotary_pct", None)  # GPT-NeoX in transformers 4.x
         gptj_rotary_dim = getattr(config, "rotary_dim", None)
         if partial is not None:
             rotary_dim = int(head_dim * partial)
@@ -296,6 +302,8 @@ class RopeConfig:
             rotary_dim = head_dim
 
         base = params.get("rope_theta", getattr(config, "rope_theta", None))
+        if base is None:
+            base = getattr(config, "rotary_emb_base", None)  # GPT-NeoX in transformers 4.x
         if base is None:
             base = getattr(config, "default_theta", 10000.0)
         max_pos = getattr(config, "max_position_embeddings", None)
@@ -462,9 +470,7 @@ class RopeConfig:
     # ------------------------------------------------------------------------------------------------
     # cos / sin
 
-    def kernel_params(
-        self, seq_len: int | None = None, device: torch.device | str | None = None
-    ) -> RopeKernelParams:
+    def kernel_params(self, seq_len: int | None = None, device: torch.device | str | None = None) -> RopeKernelParams:
         """Parameters for a fused RoPE kernel (see :class:`RopeKernelParams`).
 
         Parameters
@@ -484,7 +490,9 @@ class RopeConfig:
         Allocates ``inv_freq``: call it once (static types) or once per step (``"dynamic"``), outside a
         CUDA graph.
         """
-        return RopeKernelParams(self.inv_freq(seq_len, device), self.attention_scaling, self.rotary_dim, self.interleaved)
+        return RopeKernelParams(
+            self.inv_freq(seq_len, device), self.attention_scaling, self.rotary_dim, self.interleaved
+        )
 
     def cos_sin(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables, equal to transformers' rotary embedding output before its dtype cast.
@@ -614,7 +622,9 @@ def apply_rope_reference(
         raise ValueError(f"x: expected a floating dtype, got {x.dtype}")
     _check_positions("positions", positions)
     if positions.shape[0] != x.shape[0]:
-        raise ValueError(f"positions: expected shape [{x.shape[0]}] (one per token of x), got {fmt_shape(positions.shape)}")
+        raise ValueError(
+            f"positions: expected shape [{x.shape[0]}] (one per token of x), got {fmt_shape(positions.shape)}"
+        )
     if positions.device != x.device:
         raise ValueError(f"positions: expected device {x.device} (the device of x), got {positions.device}")
     if not isinstance(inverse, bool):

@@ -24,6 +24,7 @@ from .copy import (
     save_kv_layers,
 )
 from .lengths import compact_lengths, compact_lengths_reference, increment_lengths, increment_lengths_reference
+from .paged import append_paged_kv, copy_blocks, gather_paged_kv
 
 __all__ = [
     "increment_lengths",
@@ -44,4 +45,7 @@ __all__ = [
     "compact_batch_reference",
     "compact_lengths",
     "compact_lengths_reference",
+    "append_paged_kv",
+    "gather_paged_kv",
+    "copy_blocks",
 ]

@@ -1,0 +1,1106 @@
+"""Paged KV kernels: append new K/V into blocks (LMDeploy TurboMind ``ProcessKV``: RoPE on K and
+quantization fused into the write), gather blocks back to contiguous K/V (``FlattenKV``), copy blocks
+(copy-on-write).
+
+The byte format (layouts, int8 / int4 / fp8 quantization, int4 nibble order) is documented in
+:mod:`kvcache.paged.config`. Which tokens go where:
+
+* ragged batch: sequence ``b`` owns rows ``cu_q_lens[b] .. cu_q_lens[b + 1]`` of ``k`` / ``v``; its first new
+  token has position ``kv_lens[b]`` (tokens already cached), or ``total_b - q_len_b`` with
+  ``total_b = cu_k_lens[b + 1] - cu_k_lens[b]`` (TurboMind's cumulative lengths after the append). Token at
+  position ``p`` goes to block ``block_tables[b, p // block_size]``, offset ``p % block_size``.
+* context parallel (``cp_size > 1``): token ``p`` lives on rank ``p % cp_size`` at local position
+  ``p // cp_size``; a rank writes only its tokens, and RoPE uses the global position ``p``.
+* slot mapping: row ``n`` goes to slot ``slot_mapping[n]`` (``block * block_size + offset``), ``-1`` = skip;
+  RoPE positions come from ``positions``.
+
+Rows whose block index falls outside the block table, whose block id is out of range, and padding rows
+past ``cu_q_lens[-1]`` are skipped on the device (``check=True`` on the cache syncs and raises instead).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .._backend import kernel, use_triton
+from .._validate import cdiv, next_pow2
+
+__all__ = [
+    "append_paged_kv",
+    "gather_paged_kv",
+    "copy_blocks",
+    "QUANT_CODES",
+    "append_paged_kv_launch",
+    "gather_paged_kv_launch",
+    "copy_blocks_launch",
+    "append_paged_kv_reference",
+    "gather_paged_kv_reference",
+    "quantize_rows_reference",
+    "dequantize_rows_reference",
+]
+
+QUANT_CODES = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3}
+_FP8_MAX = 448.0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _rne(y):
+    # round half to even for 0 <= y < 2**22 (exact in float32): the same formula on every backend
+    r = tl.floor(y + 0.5)
+    tie = (r - y) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _fp8_grid(y):
+    # y (float32, |y| <= 448) rounded half-to-even onto the float8 e4m3 grid, in float32 arithmetic. Used
+    # under the CPU interpreter, whose float32 -> fp8 conversion drops the carry into the next binade
+    # (-0.49 -> -0.25); converting an exactly representable value is exact there.
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |y|) for normal floats
+    qe = tl.maximum(e, -6) - 3  # e4m3: 3 mantissa bits, smallest normal exponent -6
+    quantum = ((qe + 127) << 23).to(tl.float32, bitcast=True)
+    r = _rne(a / quantum) * quantum  # division by a power of two: exact
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _div(a, b, LIBDEVICE: tl.constexpr):
+    # IEEE round-to-nearest division (triton's `/` on float32 is an approximation on the GPU)
+    if LIBDEVICE:
+        return libdevice.div_rn(a, b)
+    else:
+        return a / b
+
+
+@triton.jit
+def _cos_sin(angle, LIBDEVICE: tl.constexpr):
+    # accurate cos / sin with full range reduction (positions reach 1e5+ radians); tl.cos may be approximate
+    if LIBDEVICE:
+        return libdevice.cos(angle), libdevice.sin(angle)
+    else:
+        return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _load_rotated(
+    src, hh, e, mask, pos_f, inv_freq, attn_scale,
+    ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+    LIBDEVICE: tl.constexpr, STRIDE_H,
+):
+    # float32 values of src[h, e] (row pointer src, head stride STRIDE_H), rotated by RoPE when ROPE:
+    # rotate-half pairs (i, i + ROT/2), interleaved pairs (2i, 2i+1); dims >= ROT pass through.
+    x = tl.load(src + hh * STRIDE_H + e, mask=mask, other=0.0).to(tl.float32)
+    if ROPE:
+        half: tl.constexpr = ROT // 2
+        rmask = mask & (e < ROT)
+        if INTERLEAVED:
+            partner = e ^ 1
+            j = e // 2
+            first = (e % 2) == 0
+        else:
+            first = e < half
+            partner = tl.where(first, e + half, e - half)
+            j = tl.where(first, e, e - half)
+        xp = tl.load(src + hh * STRIDE_H + partner, mask=rmask, other=0.0).to(tl.float32)
+        f = tl.load(inv_freq + j, mask=e < ROT, other=0.0)
+        c, s = _cos_sin(pos_f * f, LIBDEVICE)
+        c = c * attn_scale
+        s = s * attn_scale
+        if INVERSE:
+            s = -s
+        rot = tl.where(first, x * c - xp * s, x * c + xp * s)
+        x = tl.where(e < ROT, rot, x)
+    return x
+
+
+@triton.jit
+def _write_row(
+    src, dst, par, pos_f, inv_freq, attn_scale, fp8_scale,
+    QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    SRC_STRIDE_H, DST_STRIDE_H: tl.constexpr, PAR_STRIDE_H: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    # One token's H x D values from src (model dtype) into one (block, kv, offset) of the pool.
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    hm = hh < H
+    dd = tl.arange(0, BLOCK_D)[None, :]
+    if QUANT == 3:
+        e0 = dd * 2
+        e1 = dd * 2 + 1
+    else:
+        e0 = dd
+        e1 = dd
+    m0 = hm & (e0 < D)
+    if (QUANT == 0) and (not ROPE):
+        tl.store(dst + hh * DST_STRIDE_H + e0, tl.load(src + hh * SRC_STRIDE_H + e0, mask=m0), mask=m0)
+    else:
+        x0 = _load_rotated(src, hh, e0, m0, pos_f, inv_freq, attn_scale, ROPE, ROT, INTERLEAVED, False,
+                           LIBDEVICE, SRC_STRIDE_H)
+        if QUANT == 0:
+            tl.store(dst + hh * DST_STRIDE_H + e0, x0.to(dst.dtype.element_ty), mask=m0)
+        elif QUANT == 1:
+            y = tl.minimum(tl.maximum(_div(x0, fp8_scale, LIBDEVICE), -448.0), 448.0)
+            if not LIBDEVICE:
+                y = _fp8_grid(y)
+            tl.store(dst + hh * DST_STRIDE_H + e0, y.to(dst.dtype.element_ty), mask=m0)
+        else:
+            # per (token, head) asymmetric: masked lanes never take part in min / max
+            mn = tl.min(tl.where(m0, x0, float("inf")), axis=1)
+            mx = tl.max(tl.where(m0, x0, float("-inf")), axis=1)
+            if QUANT == 3:
+                m1 = hm & (e1 < D)
+                x1 = _load_rotated(src, hh, e1, m1, pos_f, inv_freq, attn_scale, ROPE, ROT, INTERLEAVED, False,
+                                   LIBDEVICE, SRC_STRIDE_H)
+                mn = tl.minimum(mn, tl.min(tl.where(m1, x1, float("inf")), axis=1))
+                mx = tl.maximum(mx, tl.max(tl.where(m1, x1, float("-inf")), axis=1))
+                qmax = 15.0
+            else:
+                qmax = 255.0
+            hrow = tl.arange(0, BLOCK_H) < H
+            mn = tl.where(hrow, mn, 0.0)
+            mx = tl.where(hrow, mx, 0.0)
+            scale = _div(mx - mn, tl.zeros_like(mn) + qmax, LIBDEVICE)  # IEEE division, as the reference
+            safe = tl.where(scale > 0.0, scale, 1.0)[:, None]
+            zero = mn[:, None]
+            q0 = tl.where(scale[:, None] > 0.0, _rne(_div(x0 - zero, safe, LIBDEVICE)), 0.0)
+            q0 = tl.minimum(tl.maximum(q0, 0.0), qmax)
+            if QUANT == 3:
+                q1 = tl.where(scale[:, None] > 0.0, _rne(_div(x1 - zero, safe, LIBDEVICE)), 0.0)
+                q1 = tl.minimum(tl.maximum(q1, 0.0), qmax)
+                byte = q0.to(tl.int32) | (q1.to(tl.int32) << 4)
+                tl.store(dst + hh * DST_STRIDE_H + dd, byte.to(tl.uint8), mask=hm & (dd < D // 2))
+            else:
+                tl.store(dst + hh * DST_STRIDE_H + e0, q0.to(tl.uint8), mask=m0)
+            hp = tl.arange(0, BLOCK_H)
+            tl.store(par + hp * PAR_STRIDE_H, scale, mask=hrow)
+            tl.store(par + hp * PAR_STRIDE_H + 1, mn, mask=hrow)
+
+
+@kernel(ints=("stride_kn", "stride_kh", "stride_vn", "stride_vh", "bt_stride", "table_width", "n_seqs"))
+def _append_kernel(
+    k, v,  # model dtype [N, H, D], head_dim contiguous
+    pool,  # storage dtype, one layer (see kvcache.paged.config)
+    params,  # float32 (scale, zero) pool when QUANT >= 2, else unused
+    block_tables,  # int32 [B, table_width] (MODE 0 / 1)
+    cu_q,  # int32 [B + 1] (MODE 0 / 1)
+    kv_info,  # int32 kv_lens [B] (MODE 0) or cu_k_lens [B + 1] (MODE 1)
+    slots,  # int64 [N] (MODE 2)
+    positions,  # int32 / int64 [N] (MODE 2 with ROPE)
+    inv_freq,  # float32 [ROT // 2] (ROPE)
+    fp8_scales,  # float32 [2]: k_scale, v_scale (QUANT == 1)
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    bt_stride, table_width, n_seqs,
+    MODE: tl.constexpr,  # 0: cu_q_lens + kv_lens, 1: cu_q_lens + cu_k_lens, 2: slot mapping
+    QUANT: tl.constexpr,  # 0 none, 1 fp8, 2 int8, 3 int4
+    ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,  # DP: stored elements per row (D or D // 2)
+    BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, HND: tl.constexpr,
+    CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr, LOG_B: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    # grid: (N,) one program per new token, all heads, K and V.
+    n = tl.program_id(0)
+    pos = n.to(tl.int64) * 0
+    if MODE == 2:
+        slot = tl.load(slots + n).to(tl.int64)
+        valid = slot >= 0
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        if ROPE:
+            pos = tl.load(positions + n).to(tl.int64)
+    else:
+        lo = n * 0
+        hi = lo + n_seqs
+        for _ in tl.static_range(LOG_B):  # largest b with cu_q[b] <= n
+            mid = (lo + hi) // 2
+            go = tl.load(cu_q + mid) <= n
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        b = lo
+        q0 = tl.load(cu_q + b)
+        q1 = tl.load(cu_q + b + 1)
+        if MODE == 0:
+            start = tl.load(kv_info + b)
+        else:
+            start = (tl.load(kv_info + b + 1) - tl.load(kv_info + b)) - (q1 - q0)
+        pos = (start + (n - q0)).to(tl.int64)
+        valid = (n < q1) & (pos >= 0)
+        if CP_SIZE > 1:
+            valid = valid & ((pos % CP_SIZE) == CP_RANK)
+            lpos = pos // CP_SIZE
+        else:
+            lpos = pos
+        bi = lpos // BLOCK_SIZE
+        valid = valid & (bi < table_width)
+        blk = tl.load(block_tables + b.to(tl.int64) * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
+        off = lpos % BLOCK_SIZE
+    valid = valid & (blk >= 0) & (blk < NUM_BLOCKS)
+    if valid:
+        if HND:
+            s_tok: tl.constexpr = DP
+            s_head: tl.constexpr = BLOCK_SIZE * DP
+            p_tok: tl.constexpr = 2
+            p_head: tl.constexpr = BLOCK_SIZE * 2
+        else:
+            s_tok: tl.constexpr = H * DP
+            s_head: tl.constexpr = DP
+            p_tok: tl.constexpr = H * 2
+            p_head: tl.constexpr = 2
+        s_kv: tl.constexpr = BLOCK_SIZE * H * DP
+        p_kv: tl.constexpr = BLOCK_SIZE * H * 2
+        base = blk * (2 * s_kv) + off * s_tok
+        pbase = blk * (2 * p_kv) + off * p_tok
+        pos_f = pos.to(tl.float32)
+        k_scale = 1.0
+        v_scale = 1.0
+        if QUANT == 1:
+            k_scale = tl.load(fp8_scales)
+            v_scale = tl.load(fp8_scales + 1)
+        nn = n.to(tl.int64)
+        _write_row(k + nn * stride_kn, pool + base, params + pbase, pos_f, inv_freq, ATTN_SCALE, k_scale,
+                   QUANT, ROPE, ROT, INTERLEAVED, H, D, BLOCK_H, BLOCK_D, stride_kh, s_head, p_head, LIBDEVICE)
+        _write_row(v + nn * stride_vn, pool + base + s_kv, params + pbase + p_kv, pos_f, inv_freq, ATTN_SCALE,
+                   v_scale, QUANT, False, ROT, INTERLEAVED, H, D, BLOCK_H, BLOCK_D, stride_vh, s_head, p_head,
+                   LIBDEVICE)
+
+
+@triton.jit
+def _read_row(
+    pool_row, par, dst, valid, pos_f, inv_freq, attn_scale, fp8_scale,
+    QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    S_HEAD: tl.constexpr, P_HEAD: tl.constexpr, OUT_STRIDE_H, LIBDEVICE: tl.constexpr,
+):
+    # One token of one of K / V: dequantize (and rotate) H x D values into dst (model dtype); zeros when
+    # not valid (padded tail).
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    dd = tl.arange(0, BLOCK_D)[None, :]
+    m = (hh < H) & (dd < D)
+    out_ptr = dst + hh * OUT_STRIDE_H + dd
+    if valid:
+        if QUANT == 0:
+            if ROPE:
+                x = _load_rotated(pool_row, hh, dd, m, pos_f, inv_freq, attn_scale, True, ROT, INTERLEAVED, False,
+                                  LIBDEVICE, S_HEAD)
+                tl.store(out_ptr, x.to(dst.dtype.element_ty), mask=m)
+            else:
+                tl.store(out_ptr, tl.load(pool_row + hh * S_HEAD + dd, mask=m).to(dst.dtype.element_ty), mask=m)
+        else:
+            if QUANT == 1:
+                x = tl.load(pool_row + hh * S_HEAD + dd, mask=m, other=0.0).to(tl.float32) * fp8_scale
+            else:
+                if QUANT == 3:
+                    byte = tl.load(pool_row + hh * S_HEAD + dd // 2, mask=m, other=0).to(tl.int32)
+                    q = tl.where((dd % 2) == 0, byte & 15, (byte >> 4) & 15).to(tl.float32)
+                else:
+                    q = tl.load(pool_row + hh * S_HEAD + dd, mask=m, other=0).to(tl.float32)
+                hp = tl.arange(0, BLOCK_H)
+                scale = tl.load(par + hp * P_HEAD, mask=hp < H, other=0.0)
+                zero = tl.load(par + hp * P_HEAD + 1, mask=hp < H, other=0.0)
+                x = q * scale[:, None] + zero[:, None]
+            if ROPE:
+                # rotate the dequantized values: partner lanes come from the same registers via a second
+                # dequantized load, so the rotation is exact in float32
+                if INTERLEAVED:
+                    partner = dd ^ 1
+                    first = (dd % 2) == 0
+                    j = dd // 2
+                else:
+                    half: tl.constexpr = ROT // 2
+                    first = dd < half
+                    partner = tl.where(first, dd + half, dd - half)
+                    j = tl.where(first, dd, dd - half)
+                pm = m & (dd < ROT)
+                if QUANT == 1:
+                    xp = tl.load(pool_row + hh * S_HEAD + partner, mask=pm, other=0.0).to(tl.float32) * fp8_scale
+                else:
+                    if QUANT == 3:
+                        pb = tl.load(pool_row + hh * S_HEAD + partner // 2, mask=pm, other=0).to(tl.int32)
+                        qp = tl.where((partner % 2) == 0, pb & 15, (pb >> 4) & 15).to(tl.float32)
+                    else:
+                        qp = tl.load(pool_row + hh * S_HEAD + partner, mask=pm, other=0).to(tl.float32)
+                    xp = qp * scale[:, None] + zero[:, None]
+                f = tl.load(inv_freq + j, mask=dd < ROT, other=0.0)
+                c, s = _cos_sin(pos_f * f, LIBDEVICE)
+                c = c * attn_scale
+                s = s * attn_scale
+                rot = tl.where(first, x * c - xp * s, x * c + xp * s)
+                x = tl.where(dd < ROT, rot, x)
+            tl.store(out_ptr, x.to(dst.dtype.element_ty), mask=m)
+    else:
+        tl.store(out_ptr, tl.zeros([BLOCK_H, BLOCK_D], dtype=dst.dtype.element_ty), mask=m)
+
+
+@kernel(ints=("sk_b", "sk_h", "sk_s", "sv_b", "sv_h", "sv_s", "bt_stride", "table_width"))
+def _gather_kernel(
+    k_out, v_out,  # model dtype [B, H, S_out, D] (any strides, head_dim contiguous)
+    pool, params, block_tables, kv_info, inv_freq, fp8_scales,
+    sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, bt_stride, table_width,
+    MODE: tl.constexpr,  # 0: kv_lens [B], 1: cu_k_lens [B + 1]
+    QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+    HND: tl.constexpr, CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    # grid: (S_out, B): one program per output (local) token of a sequence, all heads, K and V.
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    if MODE == 0:
+        total = tl.load(kv_info + b).to(tl.int64)
+    else:
+        total = (tl.load(kv_info + b + 1) - tl.load(kv_info + b)).to(tl.int64)
+    local = tl.maximum(total - CP_RANK + CP_SIZE - 1, 0) // CP_SIZE  # tokens of this rank
+    bi = t // BLOCK_SIZE
+    valid = (t < local) & (bi < table_width)
+    blk = tl.load(block_tables + b * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
+    valid = valid & (blk >= 0) & (blk < NUM_BLOCKS)
+    blk = tl.where(valid, blk, 0)
+    off = t % BLOCK_SIZE
+    if HND:
+        s_tok: tl.constexpr = DP
+        s_head: tl.constexpr = BLOCK_SIZE * DP
+        p_tok: tl.constexpr = 2
+        p_head: tl.constexpr = BLOCK_SIZE * 2
+    else:
+        s_tok: tl.constexpr = H * DP
+        s_head: tl.constexpr = DP
+        p_tok: tl.constexpr = H * 2
+        p_head: tl.constexpr = 2
+    s_kv: tl.constexpr = BLOCK_SIZE * H * DP
+    p_kv: tl.constexpr = BLOCK_SIZE * H * 2
+    base = blk * (2 * s_kv) + off * s_tok
+    pbase = blk * (2 * p_kv) + off * p_tok
+    pos_f = (t * CP_SIZE + CP_RANK).to(tl.float32)
+    k_scale = 1.0
+    v_scale = 1.0
+    if QUANT == 1:
+        k_scale = tl.load(fp8_scales)
+        v_scale = tl.load(fp8_scales + 1)
+    _read_row(pool + base, params + pbase, k_out + b * sk_b + t * sk_s, valid, pos_f, inv_freq, ATTN_SCALE,
+              k_scale, QUANT, ROPE, ROT, INTERLEAVED, H, D, BLOCK_H, BLOCK_D, s_head, p_head, sk_h, LIBDEVICE)
+    _read_row(pool + base + s_kv, params + pbase + p_kv, v_out + b * sv_b + t * sv_s, valid, pos_f, inv_freq,
+              ATTN_SCALE, v_scale, QUANT, False, ROT, INTERLEAVED, H, D, BLOCK_H, BLOCK_D, s_head, p_head, sv_h,
+              LIBDEVICE)
+
+
+@kernel(ints=("n_pairs", "layer_stride", "elems"))
+def _copy_blocks_kernel(
+    buf,  # [L, num_blocks, elems] (any dtype)
+    pairs,  # int64 [n_pairs, 2]: (src block, dst block)
+    n_pairs, layer_stride, elems,
+    BLOCK: tl.constexpr,
+):
+    # grid: (cdiv(elems, BLOCK), n_pairs, L)
+    c = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1).to(tl.int64)
+    layer = tl.program_id(2).to(tl.int64)
+    src = tl.load(pairs + p * 2)
+    dst = tl.load(pairs + p * 2 + 1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    m = offs < elems
+    x = tl.load(buf + layer * layer_stride + src * elems + offs, mask=m)
+    tl.store(buf + layer * layer_stride + dst * elems + offs, x, mask=m)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# launchers (validated by the callers: kvcache.paged.PagedKVCache)
+
+
+def _rope_args(rope, device):  # type: ignore[no-untyped-def]
+    if rope is None:
+        return False, 2, False, 1.0, None
+    return True, int(rope.rotary_dim), bool(rope.interleaved), float(rope.attention_scaling), rope.inv_freq
+
+
+def append_paged_kv_launch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    params: torch.Tensor | None,
+    *,
+    kv_dtype: str,
+    layout: str,
+    block_tables: torch.Tensor | None,
+    cu_q_lens: torch.Tensor | None,
+    kv_lens: torch.Tensor | None,
+    cu_k_lens: torch.Tensor | None,
+    slot_mapping: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    rope,  # RopeKernelParams | None, inv_freq on the pool's device
+    fp8_scales: torch.Tensor | None,
+    cp_rank: int,
+    cp_size: int,
+) -> None:
+    """Launch the append kernel (arguments already validated)."""
+    n_tokens, H, D = k.shape
+    if n_tokens == 0:
+        return
+    if not use_triton(pool.device):
+        append_paged_kv_reference(
+            k, v, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, cu_q_lens=cu_q_lens,
+            kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping, positions=positions, rope=rope,
+            fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size,
+        )
+        return
+    quant = QUANT_CODES[kv_dtype]
+    hnd = layout == "HND"
+    num_blocks = pool.shape[0]
+    bs = pool.shape[3] if hnd else pool.shape[2]
+    if slot_mapping is not None:
+        mode, n_seqs = 2, 0
+    else:
+        mode = 0 if kv_lens is not None else 1
+        n_seqs = cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
+    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
+    dummy = pool
+    _append_kernel.launch(
+        pool.device, (n_tokens,),
+        k, v, pool, params if params is not None else dummy,
+        block_tables if block_tables is not None else dummy,
+        cu_q_lens if cu_q_lens is not None else dummy,
+        kv_lens if kv_lens is not None else (cu_k_lens if cu_k_lens is not None else dummy),
+        slot_mapping if slot_mapping is not None else dummy,
+        positions if positions is not None else dummy,
+        inv_freq if inv_freq is not None else dummy,
+        fp8_scales if fp8_scales is not None else dummy,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        block_tables.stride(0) if block_tables is not None else 0,
+        block_tables.shape[1] if block_tables is not None else 0,
+        n_seqs,
+        MODE=mode, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale,
+        H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=num_blocks, HND=hnd,
+        CP_RANK=cp_rank, CP_SIZE=cp_size, LOG_B=max(n_seqs - 1, 0).bit_length(),
+        BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D // 2 if quant == 3 else D),
+        LIBDEVICE=pool.device.type == "cuda",
+        num_warps=4 if H * D <= 2048 else 8,
+    )
+
+
+def gather_paged_kv_launch(
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    pool: torch.Tensor,
+    params: torch.Tensor | None,
+    *,
+    kv_dtype: str,
+    layout: str,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor | None,
+    cu_k_lens: torch.Tensor | None,
+    rope,  # RopeKernelParams | None
+    fp8_scales: torch.Tensor | None,
+    cp_rank: int,
+    cp_size: int,
+) -> None:
+    """Launch the gather kernel (arguments already validated). ``k_out`` / ``v_out``: ``[B, H, S_out, D]``."""
+    B, H, s_out, D = k_out.shape
+    if B == 0 or s_out == 0:
+        return
+    if not use_triton(pool.device):
+        gather_paged_kv_reference(
+            k_out, v_out, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables,
+            kv_lens=kv_lens, cu_k_lens=cu_k_lens, rope=rope, fp8_scales=fp8_scales, cp_rank=cp_rank,
+            cp_size=cp_size,
+        )
+        return
+    quant = QUANT_CODES[kv_dtype]
+    hnd = layout == "HND"
+    bs = pool.shape[3] if hnd else pool.shape[2]
+    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
+    dummy = pool
+    _gather_kernel.launch(
+        pool.device, (s_out, B),
+        k_out, v_out, pool, params if params is not None else dummy, block_tables,
+        kv_lens if kv_lens is not None else cu_k_lens,
+        inv_freq if inv_freq is not None else dummy,
+        fp8_scales if fp8_scales is not None else dummy,
+        k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1), v_out.stride(2),
+        block_tables.stride(0), block_tables.shape[1],
+        MODE=0 if kv_lens is not None else 1, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter,
+        ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0], HND=hnd,
+        CP_RANK=cp_rank, CP_SIZE=cp_size, BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D),
+        LIBDEVICE=pool.device.type == "cuda",
+        num_warps=4 if H * D <= 2048 else 8,
+    )
+
+
+def copy_blocks_launch(buf: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Copy whole blocks ``pairs[i, 0] -> pairs[i, 1]`` in every layer of ``buf`` ``[L, num_blocks, ...]``."""
+    n_pairs = pairs.shape[0]
+    if n_pairs == 0:
+        return
+    L, nb = buf.shape[0], buf.shape[1]
+    elems = buf[0, 0].numel()
+    if not use_triton(buf.device):
+        for src, dst in pairs.tolist():
+            buf[:, dst] = buf[:, src]
+        return
+    block = min(4096, max(128, next_pow2(elems)))
+    _copy_blocks_kernel.launch(buf.device, (cdiv(elems, block), n_pairs, L), buf, pairs, n_pairs, nb * elems,
+                               elems, BLOCK=block)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# pure-torch references (the CPU backend)
+
+
+def quantize_rows_reference(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization of the last dim: returns (codes uint8 [..., D], scale f32 [...], zero f32 [...])."""
+    x = x.float()
+    qmax = float(2**bits - 1)
+    mn = x.amin(dim=-1)
+    mx = x.amax(dim=-1)
+    scale = (mx - mn) / qmax
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((x - mn[..., None]) / safe[..., None])  # round half to even
+    q = torch.where(scale[..., None] > 0, q, torch.zeros_like(q)).clamp(0, qmax)
+    return q.to(torch.uint8), scale, mn
+
+
+def dequantize_rows_reference(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``q * scale + zero`` in float32."""
+    return q.float() * scale[..., None] + zero[..., None]
+
+
+def _rope_rows(x: torch.Tensor, pos: torch.Tensor, rope, inverse: bool = False) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Rotate float32 rows x [n, H, D] at positions [n] the way the kernels do (float32)."""
+    rot, inter, scale = int(rope.rotary_dim), bool(rope.interleaved), float(rope.attention_scaling)
+    inv = rope.inv_freq.to(device=x.device, dtype=torch.float32)
+    ang = pos.to(torch.float32)[:, None] * inv[None, :]  # [n, rot / 2]
+    c = torch.cos(ang) * scale
+    s = torch.sin(ang) * scale
+    if inverse:
+        s = -s
+    out = x.clone()
+    if inter:
+        x1, x2 = x[..., 0:rot:2], x[..., 1:rot:2]
+        out[..., 0:rot:2] = x1 * c[:, None] - x2 * s[:, None]
+        out[..., 1:rot:2] = x2 * c[:, None] + x1 * s[:, None]
+    else:
+        half = rot // 2
+        x1, x2 = x[..., :half], x[..., half:rot]
+        out[..., :half] = x1 * c[:, None] - x2 * s[:, None]
+        out[..., half:rot] = x2 * c[:, None] + x1 * s[:, None]
+    return out
+
+
+def _token_targets(
+    n_tokens: int, block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, block_size: int,
+    num_blocks: int, cp_rank: int, cp_size: int,
+) -> list[tuple[int, int, int, int]]:  # type: ignore[no-untyped-def]
+    """(row, block, offset, global position) of every row that is written."""
+    out = []
+    if slot_mapping is not None:
+        slots = slot_mapping.tolist()
+        pos = positions.tolist() if positions is not None else [0] * n_tokens
+        for n, slot in enumerate(slots):
+            if slot >= 0 and slot // block_size < num_blocks:
+                out.append((n, slot // block_size, slot % block_size, int(pos[n])))
+        return out
+    cu = cu_q_lens.tolist()
+    tables = block_tables.tolist()
+    width = block_tables.shape[1]
+    if kv_lens is not None:
+        starts = kv_lens.tolist()
+    else:
+        ck = cu_k_lens.tolist()
+        starts = [(ck[b + 1] - ck[b]) - (cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
+    for b in range(len(cu) - 1):
+        for n in range(cu[b], min(cu[b + 1], n_tokens)):
+            p = starts[b] + (n - cu[b])
+            if p < 0 or p % cp_size != cp_rank:
+                continue
+            lp = p // cp_size
+            bi = lp // block_size
+            if bi >= width:
+                continue
+            blk = tables[b][bi]
+            if 0 <= blk < num_blocks:
+                out.append((n, blk, lp % block_size, p))
+    return out
+
+
+def append_paged_kv_reference(
+    k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, params: torch.Tensor | None, *, kv_dtype: str, layout: str,
+    block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, rope, fp8_scales, cp_rank: int,
+    cp_size: int,
+) -> None:  # type: ignore[no-untyped-def]
+    """Pure-torch reference of the append kernel (same arguments as :func:`append_paged_kv_launch`)."""
+    hnd = layout == "HND"
+    bs = pool.shape[3] if hnd else pool.shape[2]
+    targets = _token_targets(k.shape[0], block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, bs,
+                             pool.shape[0], cp_rank, cp_size)
+    if not targets:
+        return
+    rows = torch.tensor([t[0] for t in targets], dtype=torch.long, device=k.device)
+    blks = torch.tensor([t[1] for t in targets], dtype=torch.long, device=k.device)
+    offs = torch.tensor([t[2] for t in targets], dtype=torch.long, device=k.device)
+    pos = torch.tensor([t[3] for t in targets], dtype=torch.long, device=k.device)
+    for kv, src in ((0, k), (1, v)):
+        x = src[rows]  # [n, H, D]
+        if kv == 0 and rope is not None:
+            x = _rope_rows(x.float(), pos, rope)
+        if kv_dtype == "auto":
+            data = x.to(pool.dtype)
+        elif kv_dtype == "fp8":
+            scale = fp8_scales[kv].float()
+            data = (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(pool.dtype)
+        else:
+            q, scale, zero = quantize_rows_reference(x, 8 if kv_dtype == "int8" else 4)
+            if kv_dtype == "int4":
+                q = (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+            data = q
+            par = torch.stack([scale, zero], dim=-1)  # [n, H, 2]
+            if hnd:
+                params[blks, kv, :, offs] = par
+            else:
+                params[blks, kv, offs] = par
+        if hnd:
+            pool[blks, kv, :, offs] = data
+        else:
+            pool[blks, kv, offs] = data
+
+
+def gather_paged_kv_reference(
+    k_out: torch.Tensor, v_out: torch.Tensor, pool: torch.Tensor, params: torch.Tensor | None, *, kv_dtype: str,
+    layout: str, block_tables, kv_lens, cu_k_lens, rope, fp8_scales, cp_rank: int, cp_size: int,
+) -> None:  # type: ignore[no-untyped-def]
+    """Pure-torch reference of the gather kernel."""
+    hnd = layout == "HND"
+    bs = pool.shape[3] if hnd else pool.shape[2]
+    B, H, s_out, D = k_out.shape
+    totals = kv_lens.tolist() if kv_lens is not None else [
+        b - a for a, b in zip(cu_k_lens.tolist()[:-1], cu_k_lens.tolist()[1:])
+    ]
+    tables = block_tables.tolist()
+    width = block_tables.shape[1]
+    k_out.zero_()
+    v_out.zero_()
+    for b in range(B):
+        local = max(totals[b] - cp_rank + cp_size - 1, 0) // cp_size
+        ts = [t for t in range(min(local, s_out)) if t // bs < width and 0 <= tables[b][t // bs] < pool.shape[0]]
+        if not ts:
+            continue
+        t_idx = torch.tensor(ts, dtype=torch.long, device=pool.device)
+        blks = torch.tensor([tables[b][t // bs] for t in ts], dtype=torch.long, device=pool.device)
+        offs = t_idx % bs
+        for kv, out in ((0, k_out), (1, v_out)):
+            data = pool[blks, kv, :, offs] if hnd else pool[blks, kv, offs]  # [n, H, DP]
+            if kv_dtype == "auto":
+                x = data.float()
+            elif kv_dtype == "fp8":
+                x = data.float() * fp8_scales[kv].float()
+            else:
+                par = params[blks, kv, :, offs] if hnd else params[blks, kv, offs]  # [n, H, 2]
+                if kv_dtype == "int4":
+                    q = torch.stack([data & 15, (data >> 4) & 15], dim=-1).reshape(*data.shape[:-1], D)
+                else:
+                    q = data
+                x = dequantize_rows_reference(q, par[..., 0], par[..., 1])
+            if kv == 0 and rope is not None:
+                x = _rope_rows(x, t_idx * cp_size + cp_rank, rope)
+            if kv_dtype == "auto" and not (kv == 0 and rope is not None):
+                x = data  # exact copy
+            out[b].index_copy_(1, t_idx, x.to(out.dtype).transpose(0, 1))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# public ops (validate, then launch)
+
+_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _fmt(shape) -> str:  # type: ignore[no-untyped-def]
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def _need(name: str, t: object, *, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d tensor, got shape {_fmt(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of pool), got {t.device}")
+    return t
+
+
+def _pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> tuple[int, int, int, int]:
+    """Validate a layer pool (and params); returns (num_blocks, block_size, num_kv_heads, stored row elems)."""
+    if kv_dtype not in QUANT_CODES:
+        raise ValueError(f"kv_dtype: expected one of {tuple(QUANT_CODES)}, got {kv_dtype!r}")
+    if layout not in ("NHD", "HND"):
+        raise ValueError(f"layout: expected 'NHD' or 'HND', got {layout!r}")
+    if not isinstance(pool, torch.Tensor):
+        raise TypeError(f"pool: expected a torch.Tensor, got {type(pool).__name__}")
+    if pool.dim() != 5 or pool.shape[1] != 2:
+        want = "[num_blocks, 2, block_size, H, D]" if layout == "NHD" else "[num_blocks, 2, H, block_size, D]"
+        raise ValueError(f"pool: expected shape {want} ({layout}), got {_fmt(pool.shape)}")
+    if not pool.is_contiguous():
+        raise ValueError(f"pool: expected a contiguous tensor, got strides {tuple(pool.stride())}")
+    want_dtype = {"fp8": (torch.float8_e4m3fn,), "int8": (torch.uint8,), "int4": (torch.uint8,)}.get(
+        kv_dtype, _MODEL_DTYPES)
+    if pool.dtype not in want_dtype:
+        raise ValueError(f"pool: expected dtype {' or '.join(str(d) for d in want_dtype)} for kv_dtype "
+                         f"{kv_dtype!r}, got {pool.dtype}")
+    nb = pool.shape[0]
+    bs, h = (pool.shape[2], pool.shape[3]) if layout == "NHD" else (pool.shape[3], pool.shape[2])
+    if kv_dtype in ("int8", "int4"):
+        if not isinstance(params, torch.Tensor):
+            raise TypeError(f"params: expected a float32 tensor of scales and zeros for kv_dtype {kv_dtype!r}, "
+                            f"got {type(params).__name__}")
+        want = (*pool.shape[:4], 2)
+        if tuple(params.shape) != want or params.dtype != torch.float32 or not params.is_contiguous():
+            raise ValueError(f"params: expected a contiguous float32 tensor of shape {_fmt(want)}, got "
+                             f"{params.dtype} {_fmt(params.shape)}")
+        if params.device != pool.device:
+            raise ValueError(f"params: expected device {pool.device} (the device of pool), got {params.device}")
+    elif params is not None:
+        raise ValueError(f"params: expected None for kv_dtype {kv_dtype!r}")
+    return nb, bs, h, pool.shape[4]
+
+
+def _check_kv_rows(k: object, v: object, pool: torch.Tensor, kv_dtype: str, h: int, dp: int, names=("k", "v")):  # type: ignore[no-untyped-def]
+    _need(names[0], k, dtypes=_MODEL_DTYPES, ndim=3, device=pool.device)
+    _need(names[1], v, dtypes=_MODEL_DTYPES, ndim=3, device=pool.device)
+    d = k.shape[2]  # type: ignore[union-attr]
+    if tuple(v.shape) != tuple(k.shape) or v.dtype != k.dtype:  # type: ignore[union-attr]
+        raise ValueError(f"{names[1]}: expected {k.dtype} {_fmt(k.shape)} (as {names[0]}), got "  # type: ignore[union-attr]
+                         f"{v.dtype} {_fmt(v.shape)}")  # type: ignore[union-attr]
+    want_dp = d // 2 if kv_dtype == "int4" else d
+    if k.shape[1] != h or dp != want_dp or (kv_dtype == "int4" and d % 2):  # type: ignore[union-attr]
+        raise ValueError(f"{names[0]}: expected [n, {h}, D] matching pool {_fmt(pool.shape)} "
+                         f"(kv_dtype {kv_dtype!r}), got {_fmt(k.shape)}")  # type: ignore[union-attr]
+    if kv_dtype == "auto" and pool.dtype != k.dtype:  # type: ignore[union-attr]
+        raise ValueError(f"{names[0]}: expected dtype {pool.dtype} (the pool's, kv_dtype 'auto'), got {k.dtype}")  # type: ignore[union-attr]
+    for name, t in zip(names, (k, v)):
+        if t.stride(2) != 1:  # type: ignore[union-attr]
+            raise ValueError(f"{name}: expected head_dim to be contiguous (stride 1), got strides {tuple(t.stride())}")  # type: ignore[union-attr]
+    return d
+
+
+def _check_rope(rope, d: int, device: torch.device):  # type: ignore[no-untyped-def]
+    if rope is None:
+        return None
+    for attr in ("inv_freq", "attention_scaling", "rotary_dim", "interleaved"):
+        if not hasattr(rope, attr):
+            raise TypeError(
+                f"rope: expected RopeKernelParams (RopeConfig.kernel_params(...)), got {type(rope).__name__}"
+            )
+    rot = rope.rotary_dim
+    if not isinstance(rot, int) or rot < 2 or rot % 2 or rot > d:
+        raise ValueError(f"rope: expected an even rotary_dim in [2, {d}], got {rot}")
+    inv = rope.inv_freq
+    if not isinstance(inv, torch.Tensor) or inv.dtype != torch.float32 or tuple(inv.shape) != (rot // 2,):
+        raise ValueError(f"rope: expected inv_freq float32 [{rot // 2}], got {getattr(inv, 'dtype', None)} "
+                         f"{_fmt(getattr(inv, 'shape', ()))}")
+    if inv.device != device:
+        raise ValueError(f"rope: expected inv_freq on {device} (the device of pool), got {inv.device}")
+    if not inv.is_contiguous():
+        raise ValueError("rope: expected a contiguous inv_freq")
+    return rope
+
+
+def _check_int_vec(name: str, t: object, n: int | None, device: torch.device, dtypes=(torch.int32,)) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    _need(name, t, dtypes=dtypes, ndim=1, device=device)
+    if n is not None and t.shape[0] != n:  # type: ignore[union-attr]
+        raise ValueError(f"{name}: expected shape [{n}], got {_fmt(t.shape)}")  # type: ignore[union-attr]
+    if t.stride(0) != 1 and t.shape[0] > 1:  # type: ignore[union-attr]
+        raise ValueError(f"{name}: expected a contiguous tensor")
+    return t  # type: ignore[return-value]
+
+
+def _check_cp(cp_rank: object, cp_size: object) -> tuple[int, int]:
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int):
+        raise TypeError(f"cp_size: expected an int, got {type(cp_size).__name__}")
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int):
+        raise TypeError(f"cp_rank: expected an int, got {type(cp_rank).__name__}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_size={cp_size}, got {cp_rank}")
+    return cp_rank, cp_size
+
+
+def _check_fp8_scales(fp8_scales: object, kv_dtype: str, device: torch.device) -> torch.Tensor | None:
+    if kv_dtype != "fp8":
+        return None
+    if fp8_scales is None:
+        raise ValueError("fp8_scales: expected a float32 tensor [2] (k_scale, v_scale) for kv_dtype 'fp8'")
+    t = _need("fp8_scales", fp8_scales, dtypes=(torch.float32,), ndim=1, device=device)
+    if t.shape[0] != 2 or not t.is_contiguous():
+        raise ValueError(f"fp8_scales: expected a contiguous float32 tensor [2], got {_fmt(t.shape)}")
+    return t
+
+
+def append_paged_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    params: torch.Tensor | None = None,
+    *,
+    kv_dtype: str = "auto",
+    layout: str = "NHD",
+    block_tables: torch.Tensor | None = None,
+    cu_q_lens: torch.Tensor | None = None,
+    kv_lens: torch.Tensor | None = None,
+    cu_k_lens: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    rope=None,  # RopeKernelParams | None
+    fp8_scales: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    check: bool = False,
+) -> None:
+    """Write new keys and values into paged blocks in one pass: RoPE on K and quantization fused.
+
+    Parameters
+    ----------
+    k, v : torch.Tensor
+        shape ``[num_tokens, H, D]``, float16 / bfloat16 / float32, head_dim contiguous (token and head
+        strides free: e.g. views into a fused QKV projection). Keys are un-rotated when ``rope`` is given.
+    pool : torch.Tensor
+        One layer's data pool (layout and dtype in :mod:`kvcache.paged.config`), written in place.
+    params : torch.Tensor, optional
+        float32 scale / zero pool, required for ``kv_dtype`` int8 / int4.
+    kv_dtype, layout : str
+        The pool's format: ``"auto" | "fp8" | "int8" | "int4"`` and ``"NHD" | "HND"``.
+    block_tables : torch.Tensor
+        int32 ``[B, max_blocks]``: block ids of each sequence, in order (ragged mode).
+    cu_q_lens : torch.Tensor
+        int32 ``[B + 1]``, ``cu_q_lens[0] == 0``: rows of ``k`` / ``v`` per sequence (ragged mode; prefill
+        chunks and decode tokens mixed). Rows past ``cu_q_lens[B]`` are padding and skipped.
+    kv_lens : torch.Tensor
+        int32 ``[B]``: tokens each sequence already holds (position of its first new token). Or:
+    cu_k_lens : torch.Tensor
+        int32 ``[B + 1]``: cumulative total lengths *after* this append (TurboMind).
+    slot_mapping : torch.Tensor
+        int64 or int32 ``[num_tokens]``: instead of the ragged description, the pool slot
+        ``block * block_size + offset`` of every row; ``-1`` skips the row.
+    positions : torch.Tensor
+        int32 / int64 ``[num_tokens]``: RoPE positions in slot-mapping mode (required there with ``rope``).
+    rope : RopeKernelParams, optional
+        ``RopeConfig.kernel_params(...)`` with ``inv_freq`` on the pool's device: rotate keys before storing.
+    fp8_scales : torch.Tensor
+        float32 ``[2]`` (k_scale, v_scale), required for ``kv_dtype="fp8"``.
+    cp_rank, cp_size : int
+        Context parallelism: token ``p`` is stored only by rank ``p % cp_size``, at local position
+        ``p // cp_size`` of the rank's block table; RoPE uses the global position.
+    check : bool
+        Debug mode (syncs): verify lengths, block-table capacity and block ids on the host and raise
+        ValueError before writing. Without it, such rows are skipped on the device.
+
+    Note
+    ----
+    One kernel launch, no allocation, no host sync: capturable in a CUDA graph.
+    """
+    nb, bs, h, dp = _pool_geometry(pool, params, kv_dtype, layout)
+    d = _check_kv_rows(k, v, pool, kv_dtype, h, dp)
+    n = k.shape[0]
+    dev = pool.device
+    cp_rank, cp_size = _check_cp(cp_rank, cp_size)
+    rope = _check_rope(rope, d, dev)
+    fp8_scales = _check_fp8_scales(fp8_scales, kv_dtype, dev)
+    if slot_mapping is not None:
+        if any(x is not None for x in (block_tables, cu_q_lens, kv_lens, cu_k_lens)):
+            raise ValueError("slot_mapping: expected alone, without block_tables / cu_q_lens / kv_lens / cu_k_lens")
+        _check_int_vec("slot_mapping", slot_mapping, n, dev, (torch.int64, torch.int32))
+        if cp_size != 1:
+            raise ValueError(f"cp_size: slot mapping addresses local slots directly; expected 1, got {cp_size}")
+        if rope is not None:
+            if positions is None:
+                raise ValueError("positions: expected int32/int64 [num_tokens] with rope in slot-mapping mode")
+            _check_int_vec("positions", positions, n, dev, (torch.int64, torch.int32))
+        if check:
+            s = slot_mapping.tolist()
+            bad = [x for x in s if x < -1 or x >= nb * bs]
+            if bad:
+                raise ValueError(f"slot_mapping: expected -1 or slots in [0, {nb * bs}), got {bad[:8]}")
+    else:
+        if cu_q_lens is None or block_tables is None or (kv_lens is None) == (cu_k_lens is None):
+            raise ValueError("cu_q_lens: expected block_tables, cu_q_lens and exactly one of kv_lens / cu_k_lens "
+                             "(or slot_mapping alone)")
+        if positions is not None:
+            raise ValueError("positions: expected None in ragged mode (positions follow from kv_lens / cu_k_lens)")
+        _check_int_vec("cu_q_lens", cu_q_lens, None, dev)
+        b = cu_q_lens.shape[0] - 1
+        if b < 0:
+            raise ValueError("cu_q_lens: expected B + 1 >= 1 entries, got 0")
+        _need("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev)
+        if block_tables.shape[0] != b or (block_tables.stride(1) != 1 and block_tables.shape[1] > 1):
+            raise ValueError(f"block_tables: expected int32 [{b}, max_blocks] with contiguous rows, got "
+                             f"{_fmt(block_tables.shape)} strides {tuple(block_tables.stride())}")
+        if kv_lens is not None:
+            _check_int_vec("kv_lens", kv_lens, b, dev)
+        else:
+            _check_int_vec("cu_k_lens", cu_k_lens, b + 1, dev)
+        if check:
+            _host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp_size)
+    append_paged_kv_launch(
+        k, v, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, cu_q_lens=cu_q_lens,
+        kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping, positions=positions, rope=rope,
+        fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size,
+    )
+
+
+def _host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp_size) -> None:  # type: ignore[no-untyped-def]
+    cu = cu_q_lens.tolist()
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > n:
+        raise ValueError(f"cu_q_lens: expected non-decreasing from 0 to at most {n} (rows of k), got {cu}")
+    b = len(cu) - 1
+    if kv_lens is not None:
+        starts = kv_lens.tolist()
+        if any(s < 0 for s in starts):
+            raise ValueError(f"kv_lens: expected values >= 0, got {starts}")
+        totals = [starts[i] + cu[i + 1] - cu[i] for i in range(b)]
+    else:
+        ck = cu_k_lens.tolist()
+        totals = [ck[i + 1] - ck[i] for i in range(b)]
+        if ck[0] != 0 or any(totals[i] < cu[i + 1] - cu[i] for i in range(b)):
+            raise ValueError(f"cu_k_lens: expected from 0 with every total >= its new tokens, got {ck}")
+    width = block_tables.shape[1]
+    tables = block_tables.tolist()
+    for i in range(b):
+        local = -(-totals[i] // cp_size)
+        need = -(-local // bs)
+        if need > width:
+            raise ValueError(f"block_tables: sequence {i} needs {need} blocks for {totals[i]} tokens, the table holds "
+                             f"{width}")
+        bad = [x for x in tables[i][:need] if not 0 <= x < nb]
+        if bad:
+            raise ValueError(f"block_tables: sequence {i} uses block ids {bad} outside [0, {nb})")
+
+
+def gather_paged_kv(
+    pool: torch.Tensor,
+    params: torch.Tensor | None = None,
+    *,
+    kv_dtype: str = "auto",
+    layout: str = "NHD",
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor | None = None,
+    cu_k_lens: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+    v_out: torch.Tensor | None = None,
+    max_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    rope=None,  # RopeKernelParams | None
+    fp8_scales: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read sequences' blocks back into contiguous, dequantized K and V (TurboMind ``FlattenKV``).
+
+    Parameters
+    ----------
+    pool, params, kv_dtype, layout
+        One layer's pool, as in :func:`append_paged_kv`.
+    block_tables : torch.Tensor
+        int32 ``[B, max_blocks]`` of the requested sequences.
+    kv_lens : torch.Tensor
+        int32 ``[B]``: tokens each sequence holds (global count; with context parallelism the rank holds
+        ``ceil((kv_lens - cp_rank) / cp_size)`` of them). Or ``cu_k_lens`` int32 ``[B + 1]``.
+    k_out, v_out : torch.Tensor, optional
+        shape ``[B, H, S_out, D]`` (any strides, head_dim contiguous) of the model dtype: filled, token ``t``
+        at index ``t``, zeros past each sequence's (local) length. Default: new contiguous tensors with
+        ``S_out = max_len``.
+    max_len : int, optional
+        ``S_out`` when the outputs are allocated here; default: the longest sequence (reads ``kv_lens``:
+        one sync).
+    dtype : torch.dtype, optional
+        Output dtype when allocating (default: the pool's model dtype; required for quantized pools).
+    rope : RopeKernelParams, optional
+        Apply RoPE to the keys while reading (for caches that store keys un-rotated); position of local
+        token ``t`` is ``t * cp_size + cp_rank``.
+    fp8_scales : torch.Tensor
+        float32 ``[2]`` for ``kv_dtype="fp8"``.
+
+    Returns
+    -------
+    (k, v) : ``[B, H, S_out, D]`` each.
+    """
+    nb, bs, h, dp = _pool_geometry(pool, params, kv_dtype, layout)
+    dev = pool.device
+    cp_rank, cp_size = _check_cp(cp_rank, cp_size)
+    fp8_scales = _check_fp8_scales(fp8_scales, kv_dtype, dev)
+    _need("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev)
+    b = block_tables.shape[0]
+    if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:
+        raise ValueError("block_tables: expected contiguous rows")
+    if (kv_lens is None) == (cu_k_lens is None):
+        raise ValueError("kv_lens: expected exactly one of kv_lens / cu_k_lens")
+    if kv_lens is not None:
+        _check_int_vec("kv_lens", kv_lens, b, dev)
+    else:
+        _check_int_vec("cu_k_lens", cu_k_lens, b + 1, dev)
+    d = dp * 2 if kv_dtype == "int4" else dp
+    rope = _check_rope(rope, d, dev)
+    if (k_out is None) != (v_out is None):
+        raise ValueError("k_out: expected both k_out and v_out, or neither")
+    if k_out is None:
+        if dtype is None:
+            if kv_dtype != "auto":
+                raise ValueError(f"dtype: expected the model dtype for a {kv_dtype!r} pool")
+            dtype = pool.dtype
+        if dtype not in _MODEL_DTYPES:
+            raise ValueError(f"dtype: expected one of {_MODEL_DTYPES}, got {dtype}")
+        if max_len is None:
+            lens = kv_lens if kv_lens is not None else cu_k_lens[1:] - cu_k_lens[:-1]  # type: ignore[index]
+            max_len = int(lens.max().item()) if b else 0
+            max_len = max(max_len - cp_rank + cp_size - 1, 0) // cp_size
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0:
+            raise ValueError(f"max_len: expected an int >= 0, got {max_len!r}")
+        k_out = torch.empty((b, h, max_len, d), dtype=dtype, device=dev)
+        v_out = torch.empty((b, h, max_len, d), dtype=dtype, device=dev)
+    else:
+        _need("k_out", k_out, dtypes=_MODEL_DTYPES, ndim=4, device=dev)
+        _need("v_out", v_out, dtypes=_MODEL_DTYPES, ndim=4, device=dev)
+        for name, t in (("k_out", k_out), ("v_out", v_out)):
+            if t.shape[0] != b or t.shape[1] != h or t.shape[3] != d or t.stride(3) != 1:
+                raise ValueError(f"{name}: expected [{b}, {h}, S_out, {d}] with head_dim contiguous, got "
+                                 f"{_fmt(t.shape)} strides {tuple(t.stride())}")
+        if v_out.shape != k_out.shape or v_out.dtype != k_out.dtype:
+            raise ValueError(f"v_out: expected {k_out.dtype} {_fmt(k_out.shape)} (as k_out), got {v_out.dtype} "
+                             f"{_fmt(v_out.shape)}")
+        if kv_dtype == "auto" and k_out.dtype != pool.dtype:
+            raise ValueError(f"k_out: expected dtype {pool.dtype} (the pool's), got {k_out.dtype}")
+    gather_paged_kv_launch(
+        k_out, v_out, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, kv_lens=kv_lens,
+        cu_k_lens=cu_k_lens, rope=rope, fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size,
+    )
+    return k_out, v_out
+
+
+def copy_blocks(buffers: list[torch.Tensor], pairs: torch.Tensor) -> None:
+    """Copy whole blocks ``pairs[i, 0] -> pairs[i, 1]`` in every layer (copy-on-write of shared blocks).
+
+    Parameters
+    ----------
+    buffers : list of torch.Tensor
+        Each ``[L, num_blocks, ...]`` contiguous (the data pool of all layers, and the params pool if any).
+    pairs : torch.Tensor
+        int64 ``[n, 2]`` on the buffers' device: (source block, destination block). Destinations must be
+        distinct and not sources of other pairs.
+    """
+    if not isinstance(pairs, torch.Tensor):
+        raise TypeError(f"pairs: expected an int64 tensor [n, 2], got {type(pairs).__name__}")
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, torch.Tensor) or buf.dim() < 3 or not buf.is_contiguous():
+            raise ValueError(f"buffers[{i}]: expected a contiguous tensor [L, num_blocks, ...]")
+        if pairs.device != buf.device:
+            raise ValueError(f"pairs: expected device {buf.device} (of buffers[{i}]), got {pairs.device}")
+    if pairs.dtype != torch.int64 or pairs.dim() != 2 or pairs.shape[1] != 2 or not pairs.is_contiguous():
+        raise ValueError(f"pairs: expected a contiguous int64 tensor [n, 2], got {pairs.dtype} {_fmt(pairs.shape)}")
+    for buf in buffers:
+        copy_blocks_launch(buf, pairs)

@@ -1,0 +1,8 @@
+"""Paged KV caches: block pools (FlashInfer / FlashAttention layouts, fp8 / int8 / int4), fused
+RoPE + quantize + append, gather, and a block allocator with prefix caching."""
+
+from .allocator import BlockAllocator
+from .cache import PagedKVCache, SwappedBlocks
+from .config import PagedConfig, cache_block_bytes
+
+__all__ = ["BlockAllocator", "PagedConfig", "PagedKVCache", "SwappedBlocks", "cache_block_bytes"]

@@ -1,0 +1,285 @@
+"""PagedKVCache: per-layer block pools with fused RoPE + quantize + append, gather, copy-on-write, swap."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from .._validate import check_int
+from ..ops import paged as paged_ops
+from ..rope import RopeConfig, RopeKernelParams
+from .config import PagedConfig
+
+__all__ = ["PagedKVCache", "SwappedBlocks"]
+
+
+@dataclasses.dataclass
+class SwappedBlocks:
+    """Blocks copied to page-locked host memory by :meth:`PagedKVCache.swap_out`.
+
+    ``data`` ``[n, L, *block]`` (and ``params`` for int8 / int4) hold the blocks in the order given;
+    ``event`` completes when the copy has (wait on it, or pass the object to ``swap_in``, which orders itself
+    after it on the device).
+    """
+
+    data: torch.Tensor
+    params: torch.Tensor | None
+    event: torch.cuda.Event | None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class PagedKVCache:
+    """Per-layer block pools (pages) for every attention layer.
+
+    ``pool(layer)`` is ``[num_blocks, 2, block_size, H, D]`` (NHD) or ``[num_blocks, 2, H, block_size, D]``
+    (HND) in the storage dtype of ``config.kv_dtype``; for ``"auto"`` and ``"fp8"`` it is FlashInfer's
+    single-tensor paged KV cache, and ``kv(layer)`` returns the ``[num_blocks, block_size, H, D]`` K / V views
+    FlashAttention's paged ``flash_attn_with_kvcache`` takes (NHD). int8 / int4 pools keep float32
+    (scale, zero) per token and head in ``params(layer)``. All layers share one allocation,
+    ``[L, *pool_shape]``, zero-initialised. Byte format: :mod:`kvcache.paged.config`.
+
+    Blocks are owned by a :class:`~kvcache.paged.BlockAllocator` (or any scheduler); this class only moves
+    bytes: :meth:`append`, :meth:`gather`, :meth:`copy_blocks`, :meth:`swap_out` / :meth:`swap_in`.
+
+    Parameters
+    ----------
+    config : PagedConfig
+    rope : RopeConfig, optional
+        Default RoPE applied to keys by :meth:`append` (``rope=`` per call overrides; ``rope=False``
+        disables). Its kernel parameters are kept on the device, so appends stay capturable in CUDA graphs
+        (except ``"dynamic"`` scaling, whose frequencies depend on the sequence length).
+    """
+
+    def __init__(self, config: PagedConfig, *, rope: RopeConfig | None = None) -> None:
+        if not isinstance(config, PagedConfig):
+            raise TypeError(f"config: expected a PagedConfig, got {type(config).__name__}")
+        if rope is not None and not isinstance(rope, RopeConfig):
+            raise TypeError(f"rope: expected a RopeConfig, got {type(rope).__name__}")
+        if rope is not None and rope.head_dim != config.head_dim:
+            raise ValueError(f"rope: expected head_dim {config.head_dim} (the cache's), got {rope.head_dim}")
+        self._config = config
+        dev = config.device
+        L = config.num_layers
+        self.buffer = torch.zeros((L, *config.pool_shape()), dtype=config.storage_dtype, device=dev)
+        self.params_buffer = (
+            torch.zeros((L, *config.params_shape()), dtype=torch.float32, device=dev) if config.quantized else None
+        )
+        self.kv_scales = torch.ones((L, 2), dtype=torch.float32, device=dev)
+        self._rope = rope
+        self._rope_params = None
+        if rope is not None and not rope.is_dynamic:
+            self._rope_params = rope.kernel_params(device=dev)
+
+    # ------------------------------------------------------------------------------------------ views
+
+    @property
+    def config(self) -> PagedConfig:
+        return self._config
+
+    @property
+    def device(self) -> torch.device:
+        return self._config.device  # type: ignore[return-value]
+
+    @property
+    def num_layers(self) -> int:
+        return self._config.num_layers
+
+    @property
+    def nbytes(self) -> int:
+        n = self.buffer.numel() * self.buffer.element_size()
+        if self.params_buffer is not None:
+            n += self.params_buffer.numel() * 4
+        return n
+
+    def _layer(self, layer: int) -> int:
+        return check_int("layer", layer, 0, self._config.num_layers - 1)
+
+    def pool(self, layer: int) -> torch.Tensor:
+        """Data pool of ``layer``: NHD ``[num_blocks, 2, block_size, H, D]`` / HND ``[num_blocks, 2, H, block_size, D]``
+        (``D // 2`` bytes per row for int4)."""
+        return self.buffer[self._layer(layer)]
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views of ``pool(layer)``: NHD ``[num_blocks, block_size, H, D]`` each (FlashAttention's
+        paged ``k_cache`` / ``v_cache``), HND ``[num_blocks, H, block_size, D]``."""
+        p = self.pool(layer)
+        return p[:, 0], p[:, 1]
+
+    def params(self, layer: int) -> torch.Tensor | None:
+        """float32 (scale, zero) pool of ``layer`` for int8 / int4, else None."""
+        return None if self.params_buffer is None else self.params_buffer[self._layer(layer)]
+
+    # ------------------------------------------------------------------------------------------ append / gather
+
+    def _rope_for(self, rope: RopeConfig | RopeKernelParams | bool | None, seq_len: int | None):  # type: ignore[no-untyped-def]
+        if rope is False:
+            return None
+        if rope is None or rope is True:
+            if self._rope is None:
+                if rope is True:
+                    raise ValueError("rope: True needs a RopeConfig given to the cache")
+                return None
+            if self._rope_params is not None:
+                return self._rope_params
+            return self._rope.kernel_params(seq_len, device=self.device)
+        if isinstance(rope, RopeConfig):
+            return rope.kernel_params(seq_len, device=self.device)
+        return rope
+
+    def append(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        block_tables: torch.Tensor | None = None,
+        cu_q_lens: torch.Tensor | None = None,
+        kv_lens: torch.Tensor | None = None,
+        cu_k_lens: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        rope: RopeConfig | RopeKernelParams | bool | None = None,
+        rope_seq_len: int | None = None,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        check: bool = False,
+    ) -> None:
+        """Write new K / V of one layer into the blocks: see :func:`kvcache.ops.append_paged_kv`.
+
+        ``rope``: None uses the cache's RopeConfig (if any), False disables, or a RopeConfig /
+        RopeKernelParams for this call; ``rope_seq_len`` is the current length for ``"dynamic"`` scaling.
+        """
+        i = self._layer(layer)
+        paged_ops.append_paged_kv(
+            k, v, self.buffer[i], None if self.params_buffer is None else self.params_buffer[i],
+            kv_dtype=self._config.kv_dtype, layout=self._config.layout, block_tables=block_tables,
+            cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping,
+            positions=positions, rope=self._rope_for(rope, rope_seq_len), fp8_scales=self.kv_scales[i],
+            cp_rank=cp_rank, cp_size=cp_size, check=check,
+        )
+
+    def gather(
+        self,
+        layer: int,
+        block_tables: torch.Tensor,
+        *,
+        kv_lens: torch.Tensor | None = None,
+        cu_k_lens: torch.Tensor | None = None,
+        k_out: torch.Tensor | None = None,
+        v_out: torch.Tensor | None = None,
+        max_len: int | None = None,
+        rope: RopeConfig | RopeKernelParams | bool | None = False,
+        rope_seq_len: int | None = None,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks of the requested sequences back to contiguous ``[B, H, S_out, D]`` K and V in the model
+        dtype, dequantized, zero-padded: see :func:`kvcache.ops.gather_paged_kv`. ``rope`` (default off)
+        rotates keys that were stored un-rotated."""
+        i = self._layer(layer)
+        return paged_ops.gather_paged_kv(
+            self.buffer[i], None if self.params_buffer is None else self.params_buffer[i],
+            kv_dtype=self._config.kv_dtype, layout=self._config.layout, block_tables=block_tables,
+            kv_lens=kv_lens, cu_k_lens=cu_k_lens, k_out=k_out, v_out=v_out, max_len=max_len,
+            dtype=self._config.dtype, rope=self._rope_for(rope, rope_seq_len), fp8_scales=self.kv_scales[i],
+            cp_rank=cp_rank, cp_size=cp_size,
+        )
+
+    # ------------------------------------------------------------------------------------------ blocks
+
+    def _block_ids(self, name: str, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{name}: expected a 1-d int tensor of block ids, got {ids.dtype} {list(ids.shape)}")
+            vals = ids.tolist()
+        else:
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+                raise TypeError(f"{name}: expected a sequence of block ids, got {type(ids).__name__}")
+            vals = [check_int(f"{name}[{j}]", x) for j, x in enumerate(ids)]
+        nb = self._config.num_blocks
+        bad = [x for x in vals if not 0 <= x < nb]
+        if bad:
+            raise ValueError(f"{name}: expected block ids in [0, {nb}), got {bad[:8]}")
+        return torch.tensor(vals, dtype=torch.int64)
+
+    def copy_blocks(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
+        """Copy blocks ``src[i] -> dst[i]`` in every layer (data and params): the device half of
+        copy-on-write (``BlockAllocator.copy_on_write`` gives the pairs). One launch per pool."""
+        s = self._block_ids("src", src)
+        d = self._block_ids("dst", dst)
+        if s.shape != d.shape:
+            raise ValueError(f"dst: expected {s.shape[0]} block ids (as src), got {d.shape[0]}")
+        if len(set(d.tolist())) != d.shape[0] or set(d.tolist()) & set(s.tolist()):
+            raise ValueError("dst: expected distinct block ids that are not also sources")
+        pairs = torch.stack([s, d], dim=1).contiguous().to(self.device)
+        bufs = [self.buffer] + ([self.params_buffer] if self.params_buffer is not None else [])
+        paged_ops.copy_blocks(bufs, pairs)
+
+    def swap_out(self, block_ids: Sequence[int] | torch.Tensor, *, stream: torch.cuda.Stream | None = None,
+                 pin_memory: bool = True) -> SwappedBlocks:
+        """Copy blocks of every layer to page-locked host memory, asynchronously on ``stream``.
+
+        The blocks are gathered on the device (``index_select``) and copied with one non-blocking transfer;
+        the returned :class:`SwappedBlocks` records an event when done. The device blocks may be reused
+        once ``stream`` has passed that point (the caller orders later writes after it).
+        """
+        ids = self._block_ids("block_ids", block_ids).to(self.device)
+        cuda = self.device.type == "cuda"
+        ctx = torch.cuda.stream(stream) if (cuda and stream is not None) else _null()
+        with ctx:
+            if cuda and stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            data = self.buffer.index_select(1, ids).transpose(0, 1).contiguous()
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=pin_memory and cuda)
+            host.copy_(data, non_blocking=cuda)
+            hparams = None
+            if self.params_buffer is not None:
+                p = self.params_buffer.index_select(1, ids).transpose(0, 1).contiguous()
+                hparams = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin_memory and cuda)
+                hparams.copy_(p, non_blocking=cuda)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+                data.record_stream(torch.cuda.current_stream(self.device))
+        return SwappedBlocks(host, hparams, event)
+
+    def swap_in(self, swapped: SwappedBlocks, block_ids: Sequence[int] | torch.Tensor, *,
+                stream: torch.cuda.Stream | None = None) -> None:
+        """Copy swapped-out blocks back into blocks ``block_ids`` of every layer, asynchronously on
+        ``stream`` (after the swap-out's event)."""
+        if not isinstance(swapped, SwappedBlocks):
+            raise TypeError(f"swapped: expected SwappedBlocks, got {type(swapped).__name__}")
+        ids = self._block_ids("block_ids", block_ids)
+        if ids.shape[0] != swapped.num_blocks:
+            raise ValueError(f"block_ids: expected {swapped.num_blocks} ids (the swapped blocks), got {ids.shape[0]}")
+        if tuple(swapped.data.shape[1:]) != tuple(self.buffer.shape[:1]) + tuple(self.buffer.shape[2:]):
+            raise ValueError("swapped: blocks of another cache shape")
+        ids = ids.to(self.device)
+        cuda = self.device.type == "cuda"
+        ctx = torch.cuda.stream(stream) if (cuda and stream is not None) else _null()
+        with ctx:
+            if swapped.event is not None:
+                torch.cuda.current_stream(self.device).wait_event(swapped.event)
+            data = swapped.data.to(self.device, non_blocking=cuda).transpose(0, 1)
+            self.buffer.index_copy_(1, ids, data)
+            if self.params_buffer is not None and swapped.params is not None:
+                p = swapped.params.to(self.device, non_blocking=cuda).transpose(0, 1)
+                self.params_buffer.index_copy_(1, ids, p)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None

@@ -1,0 +1,184 @@
+"""Paged-cache configuration and byte format.
+
+Byte format of one layer's pool (``L`` layers share one allocation ``[L, ...]``):
+
+==========  ============================================================  ==============================
+kv_dtype    data, per layer                                                stored element
+==========  ============================================================  ==============================
+"auto"      NHD ``[num_blocks, 2, block_size, H, D]`` / HND ``[num_blocks,  the model dtype (fp16 / bf16)
+            2, H, block_size, D]``
+"fp8"       same shapes                                                    float8_e4m3fn of ``x / scale``
+"int8"      same shapes                                                    uint8 code
+"int4"      same shapes with ``D // 2`` bytes per row                      two uint4 codes per byte
+==========  ============================================================  ==============================
+
+``[:, 0]`` holds keys, ``[:, 1]`` values: the single-tensor paged layout of FlashInfer (``NHD``: ``[pages, 2,
+page_size, heads, head_dim]``; ``HND``: ``[pages, 2, heads, page_size, head_dim]``), so ``auto`` and ``fp8``
+pools are handed to FlashInfer as they are, and ``pool[:, 0]`` / ``pool[:, 1]`` (NHD) are the
+``[num_blocks, block_size, H, D]`` K / V caches of FlashAttention's ``flash_attn_with_kvcache``.
+
+Quantization (TurboMind's, per token and head, asymmetric):
+
+* int8 / int4 (``b`` = 8 / 4 bits): over the ``D`` values of one (token, head) — keys after RoPE —
+  ``scale = (max - min) / (2^b - 1)``, ``zero = min``, ``q = clamp(round_half_even((x - zero) / scale),
+  0, 2^b - 1)`` (``q = 0`` when ``scale == 0``: a constant vector round-trips exactly), dequantized as
+  ``q * scale + zero``; all in float32. ``scale`` and ``zero`` are float32, stored beside the data in a
+  params pool of the data's layout with a last dim of 2: NHD ``[num_blocks, 2, block_size, H, 2]``,
+  HND ``[num_blocks, 2, H, block_size, 2]``. Padded lanes (head_dim not a power of two) never take part in
+  min / max. Error bound: ``|x - dequant(q)| <= scale / 2`` (plus float32 rounding).
+* int4 nibble order: element ``2i`` of a row in the low nibble of byte ``i``, element ``2i + 1`` in the
+  high nibble (``byte = q[2i] | q[2i+1] << 4``). ``head_dim`` must be even.
+* fp8: ``float8_e4m3fn(clamp(x / scale, -448, 448))`` with one float32 scale per layer for K and one for V
+  (``PagedKVCache.kv_scales[layer] = (k_scale, v_scale)``, default 1.0), as vLLM's ``fp8`` cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .._validate import check_int
+from ..config import resolve_device
+
+__all__ = ["PagedConfig", "cache_block_bytes", "KV_DTYPES", "LAYOUTS"]
+
+KV_DTYPES = ("auto", "fp8", "int8", "int4")
+LAYOUTS = ("NHD", "HND")
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected one of {choices}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+    return value
+
+
+def _check_model_dtype(name: str, dtype: object) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name}: expected a torch.dtype, got {type(dtype).__name__}")
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"{name}: expected one of {[str(d) for d in MODEL_DTYPES]}, got {dtype}")
+    return dtype
+
+
+def storage_dtype(dtype: torch.dtype, kv_dtype: str) -> torch.dtype:
+    """torch dtype of the data pool for a model dtype and kv_dtype."""
+    return {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.uint8, "int4": torch.uint8}[kv_dtype]
+
+
+def row_elems(head_dim: int, kv_dtype: str) -> int:
+    """Stored elements per (token, head) row: ``head_dim``, or ``head_dim // 2`` bytes for int4."""
+    return head_dim // 2 if kv_dtype == "int4" else head_dim
+
+
+def cache_block_bytes(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float16,
+    kv_dtype: str = "auto",
+) -> int:
+    """Bytes of one block over all layers, K and V, quantization parameters included (TurboMind's
+    ``get_cache_block_size``). Equals what :class:`~kvcache.paged.PagedKVCache` allocates per block.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim, block_size : int
+    dtype : torch.dtype
+        Model dtype (float16, bfloat16, float32): the stored element for ``kv_dtype="auto"``.
+    kv_dtype : str
+        ``"auto"``, ``"fp8"``, ``"int8"`` or ``"int4"``.
+    """
+    check_int("num_layers", num_layers, 1)
+    check_int("num_kv_heads", num_kv_heads, 1)
+    check_int("head_dim", head_dim, 1)
+    check_int("block_size", block_size, 1)
+    _check_model_dtype("dtype", dtype)
+    _check_choice("kv_dtype", kv_dtype, KV_DTYPES)
+    if kv_dtype == "int4" and head_dim % 2:
+        raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {head_dim}")
+    elt = torch.empty((), dtype=storage_dtype(dtype, kv_dtype)).element_size()
+    per_row = row_elems(head_dim, kv_dtype) * elt
+    if kv_dtype in ("int8", "int4"):
+        per_row += 2 * 4  # float32 scale and zero
+    return num_layers * 2 * block_size * num_kv_heads * per_row
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedConfig:
+    """Shape and format of a :class:`~kvcache.paged.PagedKVCache`.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+        Any head_dim (even for int4).
+    block_size : int
+        Tokens per block (page), any positive int (16 and 64 are common).
+    num_blocks : int
+        Blocks in the pool of every layer.
+    dtype : torch.dtype
+        The model dtype: of K / V given to ``append`` and returned by ``gather``.
+    kv_dtype : str
+        ``"auto"`` (store ``dtype``), ``"fp8"``, ``"int8"``, ``"int4"`` (see the module docstring).
+    layout : str
+        ``"NHD"`` (token-major inside a block) or ``"HND"`` (head-major).
+    device : torch.device | str | int | None
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype: torch.dtype = torch.float16
+    kv_dtype: str = "auto"
+    layout: str = "NHD"
+    device: torch.device | str | int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("num_layers", self.num_layers, 1)
+        check_int("num_kv_heads", self.num_kv_heads, 1)
+        check_int("head_dim", self.head_dim, 1)
+        check_int("block_size", self.block_size, 1)
+        check_int("num_blocks", self.num_blocks, 1)
+        _check_model_dtype("dtype", self.dtype)
+        _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        _check_choice("layout", self.layout, LAYOUTS)
+        if self.kv_dtype == "int4" and self.head_dim % 2:
+            raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {self.head_dim}")
+        object.__setattr__(self, "device", resolve_device(self.device))
+
+    @property
+    def quantized(self) -> bool:
+        """True for int8 / int4 (scale and zero per token and head)."""
+        return self.kv_dtype in ("int8", "int4")
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return storage_dtype(self.dtype, self.kv_dtype)
+
+    @property
+    def row_elems(self) -> int:
+        return row_elems(self.head_dim, self.kv_dtype)
+
+    def pool_shape(self) -> tuple[int, ...]:
+        """Shape of one layer's data pool."""
+        if self.layout == "NHD":
+            return (self.num_blocks, 2, self.block_size, self.num_kv_heads, self.row_elems)
+        return (self.num_blocks, 2, self.num_kv_heads, self.block_size, self.row_elems)
+
+    def params_shape(self) -> tuple[int, ...]:
+        """Shape of one layer's (scale, zero) pool (int8 / int4 only)."""
+        if self.layout == "NHD":
+            return (self.num_blocks, 2, self.block_size, self.num_kv_heads, 2)
+        return (self.num_blocks, 2, self.num_kv_heads, self.block_size, 2)
+
+    @property
+    def block_bytes(self) -> int:
+        """:func:`cache_block_bytes` of this config."""
+        return cache_block_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype,
+                                 self.kv_dtype)
