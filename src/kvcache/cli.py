@@ -159,6 +159,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .bench.linear import main as bench_main
 
         return bench_main(quick=args.quick, json_path=args.json)
+    if args.suite == "paged":
+        from .bench.paged import main as paged_main
+
+        return paged_main(quick=args.quick, json_path=args.json)
     raise SystemExit(f"unknown bench suite {args.suite!r}")
 
 
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p_info = sub.add_parser("info", help="backends, devices and a smoke run of every op")
     p_info.set_defaults(fn=cmd_info)
     p_bench = sub.add_parser("bench", help="GPU benchmarks against copy bandwidth and plain PyTorch")
-    p_bench.add_argument("suite", choices=["linear"])
+    p_bench.add_argument("suite", choices=["linear", "paged"])
     p_bench.add_argument("--quick", action="store_true", help="smaller shapes (a smoke test of the bench)")
     p_bench.add_argument("--json", default=None, help="also write the results to this JSON file")
     p_bench.set_defaults(fn=cmd_bench)

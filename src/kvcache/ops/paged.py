@@ -51,25 +51,15 @@ _FP8_MAX = 448.0
 
 
 @triton.jit
-def _rne(y):
-    # round half to even for 0 <= y < 2**22 (exact in float32): the same formula on every backend
-    r = tl.floor(y + 0.5)
-    tie = (r - y) == 0.5
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(tie & odd, r - 1.0, r)
-
-
-@triton.jit
-def _fp8_grid(y):
-    # y (float32, |y| <= 448) rounded half-to-even onto the float8 e4m3 grid, in float32 arithmetic. Used
-    # under the CPU interpreter, whose float32 -> fp8 conversion drops the carry into the next binade
-    # (-0.49 -> -0.25); converting an exactly representable value is exact there.
-    a = tl.abs(y)
-    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |y|) for normal floats
-    qe = tl.maximum(e, -6) - 3  # e4m3: 3 mantissa bits, smallest normal exponent -6
-    quantum = ((qe + 127) << 23).to(tl.float32, bitcast=True)
-    r = _rne(a / quantum) * quantum  # division by a power of two: exact
-    return tl.where(y < 0, -r, r)
+def _round_even(y, LIBDEVICE: tl.constexpr):
+    # round half to even (0 <= y < 2**22): cvt.rni on the GPU, the same result by formula elsewhere
+    if LIBDEVICE:
+        return libdevice.rint(y)
+    else:
+        r = tl.floor(y + 0.5)
+        tie = (r - y) == 0.5
+        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+        return tl.where(tie & odd, r - 1.0, r)
 
 
 @triton.jit
@@ -82,50 +72,61 @@ def _div(a, b, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _cos_sin(angle, LIBDEVICE: tl.constexpr):
-    # accurate cos / sin with full range reduction (positions reach 1e5+ radians); tl.cos may be approximate
-    if LIBDEVICE:
-        return libdevice.cos(angle), libdevice.sin(angle)
-    else:
-        return tl.cos(angle), tl.sin(angle)
+def _fp8_grid(y, LIBDEVICE: tl.constexpr):
+    # y (float32, |y| <= 448) rounded half-to-even onto the float8 e4m3 grid, in float32 arithmetic. Used
+    # under the CPU interpreter, whose float32 -> fp8 conversion drops the carry into the next binade
+    # (-0.49 -> -0.25); converting an exactly representable value is exact there.
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 |y|) for normal floats
+    qe = tl.maximum(e, -6) - 3  # e4m3: 3 mantissa bits, smallest normal exponent -6
+    quantum = ((qe + 127) << 23).to(tl.float32, bitcast=True)
+    r = _round_even(a / quantum, LIBDEVICE) * quantum  # division by a power of two: exact
+    return tl.where(y < 0, -r, r)
 
 
 @triton.jit
-def _load_rotated(
-    src, hh, e, mask, pos_f, inv_freq, attn_scale,
-    ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-    LIBDEVICE: tl.constexpr, STRIDE_H,
-):
-    # float32 values of src[h, e] (row pointer src, head stride STRIDE_H), rotated by RoPE when ROPE:
-    # rotate-half pairs (i, i + ROT/2), interleaved pairs (2i, 2i+1); dims >= ROT pass through.
+def _rope_table(e, pos_f, inv_freq, attn_scale, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                LIBDEVICE: tl.constexpr):
+    # For element indices e ([1, BLOCK]: shared by all heads of a token) the cos, the signed sin, the partner
+    # element and whether e is rotated: rotated x[e] = x[e] * c + x[partner] * s. Rotate-half pairs
+    # (i, i + ROT/2) and interleaved pairs (2i, 2i + 1), as transformers' apply_rotary_pos_emb.
+    in_rot = e < ROT
+    if INTERLEAVED:
+        partner = e ^ 1
+        j = e // 2
+        first = (e % 2) == 0
+    else:
+        half: tl.constexpr = ROT // 2
+        first = e < half
+        partner = tl.where(first, e + half, e - half)
+        j = tl.where(first, e, e - half)
+    f = tl.load(inv_freq + j, mask=in_rot, other=0.0)
+    angle = pos_f * f
+    if LIBDEVICE:  # accurate, full range reduction (angles reach 1e5 radians)
+        c = libdevice.cos(angle)
+        sn = libdevice.sin(angle)
+    else:
+        c = tl.cos(angle)
+        sn = tl.sin(angle)
+    c = c * attn_scale
+    sn = sn * attn_scale
+    return c, tl.where(first, -sn, sn), partner, in_rot
+
+
+@triton.jit
+def _load_row(src, hh, e, mask, STRIDE_H, ROPE: tl.constexpr, c, sn, partner, in_rot):
+    # float32 values of src[h, e] (head stride STRIDE_H), rotated when ROPE (tables from _rope_table)
     x = tl.load(src + hh * STRIDE_H + e, mask=mask, other=0.0).to(tl.float32)
     if ROPE:
-        half: tl.constexpr = ROT // 2
-        rmask = mask & (e < ROT)
-        if INTERLEAVED:
-            partner = e ^ 1
-            j = e // 2
-            first = (e % 2) == 0
-        else:
-            first = e < half
-            partner = tl.where(first, e + half, e - half)
-            j = tl.where(first, e, e - half)
-        xp = tl.load(src + hh * STRIDE_H + partner, mask=rmask, other=0.0).to(tl.float32)
-        f = tl.load(inv_freq + j, mask=e < ROT, other=0.0)
-        c, s = _cos_sin(pos_f * f, LIBDEVICE)
-        c = c * attn_scale
-        s = s * attn_scale
-        if INVERSE:
-            s = -s
-        rot = tl.where(first, x * c - xp * s, x * c + xp * s)
-        x = tl.where(e < ROT, rot, x)
+        xp = tl.load(src + hh * STRIDE_H + partner, mask=mask & in_rot, other=0.0).to(tl.float32)
+        x = tl.where(in_rot, x * c + xp * sn, x)
     return x
 
 
 @triton.jit
 def _write_row(
-    src, dst, par, pos_f, inv_freq, attn_scale, fp8_scale,
-    QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+    src, dst, par, inv_fp8, c0, s0, p0, r0, c1, s1, p1, r1,
+    QUANT: tl.constexpr, ROPE: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     SRC_STRIDE_H, DST_STRIDE_H: tl.constexpr, PAR_STRIDE_H: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
@@ -143,14 +144,13 @@ def _write_row(
     if (QUANT == 0) and (not ROPE):
         tl.store(dst + hh * DST_STRIDE_H + e0, tl.load(src + hh * SRC_STRIDE_H + e0, mask=m0), mask=m0)
     else:
-        x0 = _load_rotated(src, hh, e0, m0, pos_f, inv_freq, attn_scale, ROPE, ROT, INTERLEAVED, False,
-                           LIBDEVICE, SRC_STRIDE_H)
+        x0 = _load_row(src, hh, e0, m0, SRC_STRIDE_H, ROPE, c0, s0, p0, r0)
         if QUANT == 0:
             tl.store(dst + hh * DST_STRIDE_H + e0, x0.to(dst.dtype.element_ty), mask=m0)
         elif QUANT == 1:
-            y = tl.minimum(tl.maximum(_div(x0, fp8_scale, LIBDEVICE), -448.0), 448.0)
+            y = tl.minimum(tl.maximum(x0 * inv_fp8, -448.0), 448.0)
             if not LIBDEVICE:
-                y = _fp8_grid(y)
+                y = _fp8_grid(y, LIBDEVICE)
             tl.store(dst + hh * DST_STRIDE_H + e0, y.to(dst.dtype.element_ty), mask=m0)
         else:
             # per (token, head) asymmetric: masked lanes never take part in min / max
@@ -158,8 +158,7 @@ def _write_row(
             mx = tl.max(tl.where(m0, x0, float("-inf")), axis=1)
             if QUANT == 3:
                 m1 = hm & (e1 < D)
-                x1 = _load_rotated(src, hh, e1, m1, pos_f, inv_freq, attn_scale, ROPE, ROT, INTERLEAVED, False,
-                                   LIBDEVICE, SRC_STRIDE_H)
+                x1 = _load_row(src, hh, e1, m1, SRC_STRIDE_H, ROPE, c1, s1, p1, r1)
                 mn = tl.minimum(mn, tl.min(tl.where(m1, x1, float("inf")), axis=1))
                 mx = tl.maximum(mx, tl.max(tl.where(m1, x1, float("-inf")), axis=1))
                 qmax = 15.0
@@ -168,14 +167,13 @@ def _write_row(
             hrow = tl.arange(0, BLOCK_H) < H
             mn = tl.where(hrow, mn, 0.0)
             mx = tl.where(hrow, mx, 0.0)
-            scale = _div(mx - mn, tl.zeros_like(mn) + qmax, LIBDEVICE)  # IEEE division, as the reference
-            safe = tl.where(scale > 0.0, scale, 1.0)[:, None]
+            scale = _div(mx - mn, tl.zeros_like(mn) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
+            inv = tl.where(scale > 0.0, _div(tl.zeros_like(scale) + 1.0, tl.where(scale > 0.0, scale, 1.0),
+                                             LIBDEVICE), 0.0)[:, None]  # scale == 0: every code 0
             zero = mn[:, None]
-            q0 = tl.where(scale[:, None] > 0.0, _rne(_div(x0 - zero, safe, LIBDEVICE)), 0.0)
-            q0 = tl.minimum(tl.maximum(q0, 0.0), qmax)
+            q0 = tl.minimum(tl.maximum(_round_even((x0 - zero) * inv, LIBDEVICE), 0.0), qmax)
             if QUANT == 3:
-                q1 = tl.where(scale[:, None] > 0.0, _rne(_div(x1 - zero, safe, LIBDEVICE)), 0.0)
-                q1 = tl.minimum(tl.maximum(q1, 0.0), qmax)
+                q1 = tl.minimum(tl.maximum(_round_even((x1 - zero) * inv, LIBDEVICE), 0.0), qmax)
                 byte = q0.to(tl.int32) | (q1.to(tl.int32) << 4)
                 tl.store(dst + hh * DST_STRIDE_H + dd, byte.to(tl.uint8), mask=hm & (dd < D // 2))
             else:
@@ -189,7 +187,8 @@ def _write_row(
 def _append_kernel(
     k, v,  # model dtype [N, H, D], head_dim contiguous
     pool,  # storage dtype, one layer (see kvcache.paged.config)
-    params,  # float32 (scale, zero) pool when QUANT >= 2, else unused
+    qparams,  # float32 (scale, zero) pool when QUANT >= 2, else unused (not `params`: triton's binder
+    # uses that name for a local)
     block_tables,  # int32 [B, table_width] (MODE 0 / 1)
     cu_q,  # int32 [B + 1] (MODE 0 / 1)
     kv_info,  # int32 kv_lens [B] (MODE 0) or cu_k_lens [B + 1] (MODE 1)
@@ -260,17 +259,52 @@ def _append_kernel(
         base = blk * (2 * s_kv) + off * s_tok
         pbase = blk * (2 * p_kv) + off * p_tok
         pos_f = pos.to(tl.float32)
-        k_scale = 1.0
-        v_scale = 1.0
-        if QUANT == 1:
-            k_scale = tl.load(fp8_scales)
-            v_scale = tl.load(fp8_scales + 1)
+        inv_k = 1.0
+        inv_v = 1.0
+        if QUANT == 1:  # one IEEE reciprocal per token, then multiplies (as the reference)
+            one = tl.full((), 1.0, tl.float32)
+            inv_k = _div(one, tl.load(fp8_scales), LIBDEVICE)
+            inv_v = _div(one, tl.load(fp8_scales + 1), LIBDEVICE)
+        # RoPE tables for the element indices of the row tile(s): shared by every head of the token
+        dd = tl.arange(0, BLOCK_D)[None, :]
+        if not ROPE:
+            c0 = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+            s0 = c0
+            p0 = dd
+            r0 = dd < 0
+            c1, s1, p1, r1 = c0, s0, p0, r0
+        elif QUANT == 3:
+            c0, s0, p0, r0 = _rope_table(dd * 2, pos_f, inv_freq, ATTN_SCALE, ROT, INTERLEAVED, LIBDEVICE)
+            c1, s1, p1, r1 = _rope_table(dd * 2 + 1, pos_f, inv_freq, ATTN_SCALE, ROT, INTERLEAVED, LIBDEVICE)
+        else:
+            c0, s0, p0, r0 = _rope_table(dd, pos_f, inv_freq, ATTN_SCALE, ROT, INTERLEAVED, LIBDEVICE)
+            c1, s1, p1, r1 = c0, s0, p0, r0
         nn = n.to(tl.int64)
-        _write_row(k + nn * stride_kn, pool + base, params + pbase, pos_f, inv_freq, ATTN_SCALE, k_scale,
-                   QUANT, ROPE, ROT, INTERLEAVED, H, D, BLOCK_H, BLOCK_D, stride_kh, s_head, p_head, LIBDEVICE)
-        _write_row(v + nn * stride_vn, pool + base + s_kv, params + pbase + p_kv, pos_f, inv_freq, ATTN_SCALE,
-                   v_scale, QUANT, False, ROT, INTERLEAVED, H, D, BLOCK_H, BLOCK_D, stride_vh, s_head, p_head,
-                   LIBDEVICE)
+        _write_row(k + nn * stride_kn, pool + base, qparams + pbase, inv_k, c0, s0, p0, r0, c1, s1, p1, r1,
+                   QUANT, ROPE, H, D, BLOCK_H, BLOCK_D, stride_kh, s_head, p_head, LIBDEVICE)
+        _write_row(v + nn * stride_vn, pool + base + s_kv, qparams + pbase + p_kv, inv_v, c0, s0, p0, r0, c1, s1,
+                   p1, r1, QUANT, False, H, D, BLOCK_H, BLOCK_D, stride_vh, s_head, p_head, LIBDEVICE)
+
+
+@triton.jit
+def _deq(pool_row, par, hh, e, mask, fp8_scale, QUANT: tl.constexpr, BLOCK_H: tl.constexpr, H: tl.constexpr,
+         S_HEAD: tl.constexpr, P_HEAD: tl.constexpr):
+    # float32 values of elements e of every head of one stored row (dequantized)
+    if QUANT == 0:
+        x = tl.load(pool_row + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32)
+    elif QUANT == 1:
+        x = tl.load(pool_row + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32) * fp8_scale
+    else:
+        if QUANT == 3:
+            byte = tl.load(pool_row + hh * S_HEAD + e // 2, mask=mask, other=0).to(tl.int32)
+            q = tl.where((e % 2) == 0, byte & 15, (byte >> 4) & 15).to(tl.float32)
+        else:
+            q = tl.load(pool_row + hh * S_HEAD + e, mask=mask, other=0).to(tl.float32)
+        hp = tl.arange(0, BLOCK_H)
+        scale = tl.load(par + hp * P_HEAD, mask=hp < H, other=0.0)
+        zero = tl.load(par + hp * P_HEAD + 1, mask=hp < H, other=0.0)
+        x = q * scale[:, None] + zero[:, None]
+    return x
 
 
 @triton.jit
@@ -287,54 +321,14 @@ def _read_row(
     m = (hh < H) & (dd < D)
     out_ptr = dst + hh * OUT_STRIDE_H + dd
     if valid:
-        if QUANT == 0:
-            if ROPE:
-                x = _load_rotated(pool_row, hh, dd, m, pos_f, inv_freq, attn_scale, True, ROT, INTERLEAVED, False,
-                                  LIBDEVICE, S_HEAD)
-                tl.store(out_ptr, x.to(dst.dtype.element_ty), mask=m)
-            else:
-                tl.store(out_ptr, tl.load(pool_row + hh * S_HEAD + dd, mask=m).to(dst.dtype.element_ty), mask=m)
+        if (QUANT == 0) and (not ROPE):
+            tl.store(out_ptr, tl.load(pool_row + hh * S_HEAD + dd, mask=m).to(dst.dtype.element_ty), mask=m)
         else:
-            if QUANT == 1:
-                x = tl.load(pool_row + hh * S_HEAD + dd, mask=m, other=0.0).to(tl.float32) * fp8_scale
-            else:
-                if QUANT == 3:
-                    byte = tl.load(pool_row + hh * S_HEAD + dd // 2, mask=m, other=0).to(tl.int32)
-                    q = tl.where((dd % 2) == 0, byte & 15, (byte >> 4) & 15).to(tl.float32)
-                else:
-                    q = tl.load(pool_row + hh * S_HEAD + dd, mask=m, other=0).to(tl.float32)
-                hp = tl.arange(0, BLOCK_H)
-                scale = tl.load(par + hp * P_HEAD, mask=hp < H, other=0.0)
-                zero = tl.load(par + hp * P_HEAD + 1, mask=hp < H, other=0.0)
-                x = q * scale[:, None] + zero[:, None]
+            x = _deq(pool_row, par, hh, dd, m, fp8_scale, QUANT, BLOCK_H, H, S_HEAD, P_HEAD)
             if ROPE:
-                # rotate the dequantized values: partner lanes come from the same registers via a second
-                # dequantized load, so the rotation is exact in float32
-                if INTERLEAVED:
-                    partner = dd ^ 1
-                    first = (dd % 2) == 0
-                    j = dd // 2
-                else:
-                    half: tl.constexpr = ROT // 2
-                    first = dd < half
-                    partner = tl.where(first, dd + half, dd - half)
-                    j = tl.where(first, dd, dd - half)
-                pm = m & (dd < ROT)
-                if QUANT == 1:
-                    xp = tl.load(pool_row + hh * S_HEAD + partner, mask=pm, other=0.0).to(tl.float32) * fp8_scale
-                else:
-                    if QUANT == 3:
-                        pb = tl.load(pool_row + hh * S_HEAD + partner // 2, mask=pm, other=0).to(tl.int32)
-                        qp = tl.where((partner % 2) == 0, pb & 15, (pb >> 4) & 15).to(tl.float32)
-                    else:
-                        qp = tl.load(pool_row + hh * S_HEAD + partner, mask=pm, other=0).to(tl.float32)
-                    xp = qp * scale[:, None] + zero[:, None]
-                f = tl.load(inv_freq + j, mask=dd < ROT, other=0.0)
-                c, s = _cos_sin(pos_f * f, LIBDEVICE)
-                c = c * attn_scale
-                s = s * attn_scale
-                rot = tl.where(first, x * c - xp * s, x * c + xp * s)
-                x = tl.where(dd < ROT, rot, x)
+                c, sn, partner, in_rot = _rope_table(dd, pos_f, inv_freq, attn_scale, ROT, INTERLEAVED, LIBDEVICE)
+                xp = _deq(pool_row, par, hh, partner, m & in_rot, fp8_scale, QUANT, BLOCK_H, H, S_HEAD, P_HEAD)
+                x = tl.where(in_rot, x * c + xp * sn, x)
             tl.store(out_ptr, x.to(dst.dtype.element_ty), mask=m)
     else:
         tl.store(out_ptr, tl.zeros([BLOCK_H, BLOCK_D], dtype=dst.dtype.element_ty), mask=m)
@@ -343,7 +337,7 @@ def _read_row(
 @kernel(ints=("sk_b", "sk_h", "sk_s", "sv_b", "sv_h", "sv_s", "bt_stride", "table_width"))
 def _gather_kernel(
     k_out, v_out,  # model dtype [B, H, S_out, D] (any strides, head_dim contiguous)
-    pool, params, block_tables, kv_info, inv_freq, fp8_scales,
+    pool, qparams, block_tables, kv_info, inv_freq, fp8_scales,
     sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, bt_stride, table_width,
     MODE: tl.constexpr,  # 0: kv_lens [B], 1: cu_k_lens [B + 1]
     QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
@@ -385,9 +379,9 @@ def _gather_kernel(
     if QUANT == 1:
         k_scale = tl.load(fp8_scales)
         v_scale = tl.load(fp8_scales + 1)
-    _read_row(pool + base, params + pbase, k_out + b * sk_b + t * sk_s, valid, pos_f, inv_freq, ATTN_SCALE,
+    _read_row(pool + base, qparams + pbase, k_out + b * sk_b + t * sk_s, valid, pos_f, inv_freq, ATTN_SCALE,
               k_scale, QUANT, ROPE, ROT, INTERLEAVED, H, D, BLOCK_H, BLOCK_D, s_head, p_head, sk_h, LIBDEVICE)
-    _read_row(pool + base + s_kv, params + pbase + p_kv, v_out + b * sv_b + t * sv_s, valid, pos_f, inv_freq,
+    _read_row(pool + base + s_kv, qparams + pbase + p_kv, v_out + b * sv_b + t * sv_s, valid, pos_f, inv_freq,
               ATTN_SCALE, v_scale, QUANT, False, ROT, INTERLEAVED, H, D, BLOCK_H, BLOCK_D, s_head, p_head, sv_h,
               LIBDEVICE)
 
@@ -560,9 +554,8 @@ def quantize_rows_reference(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, t
     mn = x.amin(dim=-1)
     mx = x.amax(dim=-1)
     scale = (mx - mn) / qmax
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((x - mn[..., None]) / safe[..., None])  # round half to even
-    q = torch.where(scale[..., None] > 0, q, torch.zeros_like(q)).clamp(0, qmax)
+    inv = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(scale))
+    q = torch.round((x - mn[..., None]) * inv[..., None]).clamp(0, qmax)  # round half to even
     return q.to(torch.uint8), scale, mn
 
 
@@ -652,8 +645,8 @@ def append_paged_kv_reference(
         if kv_dtype == "auto":
             data = x.to(pool.dtype)
         elif kv_dtype == "fp8":
-            scale = fp8_scales[kv].float()
-            data = (x.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(pool.dtype)
+            inv = 1.0 / fp8_scales[kv].float()
+            data = (x.float() * inv).clamp(-_FP8_MAX, _FP8_MAX).to(pool.dtype)
         else:
             q, scale, zero = quantize_rows_reference(x, 8 if kv_dtype == "int8" else 4)
             if kv_dtype == "int4":

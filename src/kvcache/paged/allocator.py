@@ -683,7 +683,7 @@ class BlockAllocator:
         if not self._enable_prefix_caching:
             return
         for b, h in zip(ids, hashes):
-            if self._hash[b] is None and h not in self._hash_to_block:
+            if self._hash[b] is None:
                 self._hash[b] = h
                 self._hash_to_block[h] = b
 
