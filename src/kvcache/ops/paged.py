@@ -128,7 +128,7 @@ def _write_row(
     src, dst, par, inv_fp8, c0, s0, p0, r0, c1, s1, p1, r1,
     QUANT: tl.constexpr, ROPE: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    SRC_STRIDE_H, DST_STRIDE_H: tl.constexpr, PAR_STRIDE_H: tl.constexpr, LIBDEVICE: tl.constexpr,
+    SRC_STRIDE_H: tl.constexpr, DST_STRIDE_H: tl.constexpr, PAR_STRIDE_H: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     # One token's H x D values from src (model dtype) into one (block, kv, offset) of the pool.
     hh = tl.arange(0, BLOCK_H)[:, None]
@@ -183,7 +183,7 @@ def _write_row(
             tl.store(par + hp * PAR_STRIDE_H + 1, mn, mask=hrow)
 
 
-@kernel(ints=("stride_kn", "stride_kh", "stride_vn", "stride_vh", "bt_stride", "table_width", "n_seqs"))
+@kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs"))
 def _append_kernel(
     k, v,  # model dtype [N, H, D], head_dim contiguous
     pool,  # storage dtype, one layer (see kvcache.paged.config)
@@ -196,14 +196,14 @@ def _append_kernel(
     positions,  # int32 / int64 [N] (MODE 2 with ROPE)
     inv_freq,  # float32 [ROT // 2] (ROPE)
     fp8_scales,  # float32 [2]: k_scale, v_scale (QUANT == 1)
-    stride_kn, stride_kh, stride_vn, stride_vh,
-    bt_stride, table_width, n_seqs,
+    stride_kn, stride_vn, bt_stride, table_width, n_seqs,
     MODE: tl.constexpr,  # 0: cu_q_lens + kv_lens, 1: cu_q_lens + cu_k_lens, 2: slot mapping
     QUANT: tl.constexpr,  # 0 none, 1 fp8, 2 int8, 3 int4
     ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,  # DP: stored elements per row (D or D // 2)
     BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, HND: tl.constexpr,
     CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr, LOG_B: tl.constexpr,
+    STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,  # head strides of k / v (fixed per model)
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     # grid: (N,) one program per new token, all heads, K and V.
@@ -281,9 +281,9 @@ def _append_kernel(
             c1, s1, p1, r1 = c0, s0, p0, r0
         nn = n.to(tl.int64)
         _write_row(k + nn * stride_kn, pool + base, qparams + pbase, inv_k, c0, s0, p0, r0, c1, s1, p1, r1,
-                   QUANT, ROPE, H, D, BLOCK_H, BLOCK_D, stride_kh, s_head, p_head, LIBDEVICE)
+                   QUANT, ROPE, H, D, BLOCK_H, BLOCK_D, STRIDE_KH, s_head, p_head, LIBDEVICE)
         _write_row(v + nn * stride_vn, pool + base + s_kv, qparams + pbase + p_kv, inv_v, c0, s0, p0, r0, c1, s1,
-                   p1, r1, QUANT, False, H, D, BLOCK_H, BLOCK_D, stride_vh, s_head, p_head, LIBDEVICE)
+                   p1, r1, QUANT, False, H, D, BLOCK_H, BLOCK_D, STRIDE_VH, s_head, p_head, LIBDEVICE)
 
 
 @triton.jit
@@ -466,13 +466,14 @@ def append_paged_kv_launch(
         positions if positions is not None else dummy,
         inv_freq if inv_freq is not None else dummy,
         fp8_scales if fp8_scales is not None else dummy,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k.stride(0), v.stride(0),
         block_tables.stride(0) if block_tables is not None else 0,
         block_tables.shape[1] if block_tables is not None else 0,
         n_seqs,
         MODE=mode, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale,
         H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=num_blocks, HND=hnd,
         CP_RANK=cp_rank, CP_SIZE=cp_size, LOG_B=max(n_seqs - 1, 0).bit_length(),
+        STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1),
         BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D // 2 if quant == 3 else D),
         LIBDEVICE=pool.device.type == "cuda",
         num_warps=4 if H * D <= 2048 else 8,

@@ -446,7 +446,7 @@ class BlockAllocator:
         """One block for a new holder: a free block, else the least recently used cached one (evicted)."""
         if self._free:
             return self._free.popleft()
-        b, _ = self._evictable.popitem(last=False)
+        b, _ = self._evictable.popitem(last=True)
         del self._hash_to_block[self._hash[b]]
         self._hash[b] = None
         self._stats.evictions += 1
@@ -683,7 +683,7 @@ class BlockAllocator:
         if not self._enable_prefix_caching:
             return
         for b, h in zip(ids, hashes):
-            if self._hash[b] is None:
+            if self._hash[b] is None and h not in self._hash_to_block:
                 self._hash[b] = h
                 self._hash_to_block[h] = b
 

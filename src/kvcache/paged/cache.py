@@ -74,6 +74,10 @@ class PagedKVCache:
             torch.zeros((L, *config.params_shape()), dtype=torch.float32, device=dev) if config.quantized else None
         )
         self.kv_scales = torch.ones((L, 2), dtype=torch.float32, device=dev)
+        # per-layer views, made once (a view costs about a microsecond per call on the hot path)
+        self._pools = list(self.buffer.unbind(0))
+        self._params = list(self.params_buffer.unbind(0)) if self.params_buffer is not None else [None] * L
+        self._scales = list(self.kv_scales.unbind(0))
         self._rope = rope
         self._rope_params = None
         if rope is not None and not rope.is_dynamic:
@@ -158,6 +162,26 @@ class PagedKVCache:
         ``rope``: None uses the cache's RopeConfig (if any), False disables, or a RopeConfig /
         RopeKernelParams for this call; ``rope_seq_len`` is the current length for ``"dynamic"`` scaling.
         """
+        cfg = self._config
+        if (  # fast path: the common ragged call, every argument checked in one expression
+            type(layer) is int and 0 <= layer < cfg.num_layers and slot_mapping is None and positions is None
+            and cu_k_lens is None and cp_size == 1 and cp_rank == 0 and not check
+            and _ok_rows(k, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, self.device)
+            and _ok_rows(v, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, self.device) and k.shape[0] == v.shape[0]
+            and _ok_vec(cu_q_lens, self.device) and _ok_vec(kv_lens, self.device)
+            and kv_lens.shape[0] == cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
+            and type(block_tables) is torch.Tensor and block_tables.dtype is torch.int32
+            and block_tables.dim() == 2 and block_tables.shape[0] == kv_lens.shape[0]  # type: ignore[union-attr]
+            and (block_tables.stride(1) == 1 or block_tables.shape[1] <= 1) and block_tables.device == self.device
+            and (rope is None or rope is False)
+        ):
+            paged_ops.append_paged_kv_launch(
+                k, v, self._pools[layer], self._params[layer], kv_dtype=cfg.kv_dtype, layout=cfg.layout,
+                block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=None, slot_mapping=None,
+                positions=None, rope=self._rope_for(rope, rope_seq_len), fp8_scales=self._scales[layer],
+                cp_rank=0, cp_size=1,
+            )
+            return
         i = self._layer(layer)
         paged_ops.append_paged_kv(
             k, v, self.buffer[i], None if self.params_buffer is None else self.params_buffer[i],
@@ -275,6 +299,20 @@ class PagedKVCache:
             if self.params_buffer is not None and swapped.params is not None:
                 p = swapped.params.to(self.device, non_blocking=cuda).transpose(0, 1)
                 self.params_buffer.index_copy_(1, ids, p)
+
+
+def _ok_rows(t: object, dtype: torch.dtype, h: int, d: int, device: torch.device) -> bool:
+    return (
+        type(t) is torch.Tensor and t.dtype is dtype and t.dim() == 3 and t.shape[1] == h and t.shape[2] == d
+        and t.stride(2) == 1 and t.device == device
+    )
+
+
+def _ok_vec(t: object, device: torch.device) -> bool:
+    return (
+        type(t) is torch.Tensor and t.dtype is torch.int32 and t.dim() == 1 and t.shape[0] >= 1
+        and (t.stride(0) == 1 or t.shape[0] == 1) and t.device == device
+    )
 
 
 class _null:
