@@ -446,7 +446,7 @@ class BlockAllocator:
         """One block for a new holder: a free block, else the least recently used cached one (evicted)."""
         if self._free:
             return self._free.popleft()
-        b, _ = self._evictable.popitem(last=True)
+        b, _ = self._evictable.popitem(last=False)
         del self._hash_to_block[self._hash[b]]
         self._hash[b] = None
         self._stats.evictions += 1
