@@ -25,7 +25,8 @@ Quantization (TurboMind's, per token and head, asymmetric):
   vector round-trips exactly), dequantized as ``q * scale + zero``; all in float32. ``scale`` and ``zero``
   are float32, stored beside the data in a params pool of the data's layout with a last dim of 2:
   NHD ``[num_blocks, 2, block_size, H, 2]``, HND ``[num_blocks, 2, H, block_size, 2]``. Padded lanes
-  (head_dim not a power of two) never take part in min / max. Error bound: ``|x - dequant(q)| <= scale / 2`` (plus float32 rounding).
+  (head_dim not a power of two) never take part in min / max. Error bound:
+  ``|x - dequant(q)| <= scale / 2`` (plus float32 rounding).
 * int4 nibble order: element ``2i`` of a row in the low nibble of byte ``i``, element ``2i + 1`` in the
   high nibble (``byte = q[2i] | q[2i+1] << 4``). ``head_dim`` must be even.
 * fp8: ``float8_e4m3fn(clamp(x * (1 / scale), -448, 448))`` (round to nearest even, saturating) with one
