@@ -1,0 +1,1 @@
+"""Tests of the paged KV cache (layout, append, gather, block allocator)."""
