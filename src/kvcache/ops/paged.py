@@ -85,11 +85,9 @@ def _fp8_grid(y, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _rope_table(e, pos_f, inv_freq, attn_scale, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                LIBDEVICE: tl.constexpr):
-    # For element indices e ([1, BLOCK]: shared by all heads of a token) the cos, the signed sin, the partner
-    # element and whether e is rotated: rotated x[e] = x[e] * c + x[partner] * s. Rotate-half pairs
-    # (i, i + ROT/2) and interleaved pairs (2i, 2i + 1), as transformers' apply_rotary_pos_emb.
+def _rope_pairs(e, ROT: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # For element indices e: the partner element, the frequency index, whether e is the first of its pair
+    # and whether e is rotated. Rotate-half pairs (i, i + ROT/2); interleaved pairs (2i, 2i + 1).
     in_rot = e < ROT
     if INTERLEAVED:
         partner = e ^ 1
@@ -100,7 +98,13 @@ def _rope_table(e, pos_f, inv_freq, attn_scale, ROT: tl.constexpr, INTERLEAVED: 
         first = e < half
         partner = tl.where(first, e + half, e - half)
         j = tl.where(first, e, e - half)
-    f = tl.load(inv_freq + j, mask=in_rot, other=0.0)
+    return partner, j, first, in_rot
+
+
+@triton.jit
+def _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE: tl.constexpr):
+    # x * cos + rotate_half(x) * sin, as transformers: cos / sin of (position * inv_freq) in float32 (one
+    # [1, BLOCK] row of them per token, shared by every head), scaled by attention_scaling
     angle = pos_f * f
     if LIBDEVICE:  # accurate, full range reduction (angles reach 1e5 radians)
         c = libdevice.cos(angle)
@@ -110,77 +114,53 @@ def _rope_table(e, pos_f, inv_freq, attn_scale, ROT: tl.constexpr, INTERLEAVED: 
         sn = tl.sin(angle)
     c = c * attn_scale
     sn = sn * attn_scale
-    return c, tl.where(first, -sn, sn), partner, in_rot
+    return tl.where(in_rot, x * c + xp * tl.where(first, -sn, sn), x)
 
 
 @triton.jit
-def _load_row(src, hh, e, mask, STRIDE_H, ROPE: tl.constexpr, c, sn, partner, in_rot):
-    # float32 values of src[h, e] (head stride STRIDE_H), rotated when ROPE (tables from _rope_table)
-    x = tl.load(src + hh * STRIDE_H + e, mask=mask, other=0.0).to(tl.float32)
-    if ROPE:
-        xp = tl.load(src + hh * STRIDE_H + partner, mask=mask & in_rot, other=0.0).to(tl.float32)
-        x = tl.where(in_rot, x * c + xp * sn, x)
-    return x
-
-
-@triton.jit
-def _write_row(
-    src, dst, par, inv_fp8, c0, s0, p0, r0, c1, s1, p1, r1,
-    QUANT: tl.constexpr, ROPE: tl.constexpr,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    SRC_STRIDE_H: tl.constexpr, DST_STRIDE_H: tl.constexpr, PAR_STRIDE_H: tl.constexpr, LIBDEVICE: tl.constexpr,
+def _encode_store(
+    x, raw, dst, par, inv_fp8, hh, dd,
+    QUANT: tl.constexpr, RAW: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
-    # One token's H x D values from src (model dtype) into one (block, kv, offset) of the pool.
-    hh = tl.arange(0, BLOCK_H)[:, None]
-    hm = hh < H
-    dd = tl.arange(0, BLOCK_D)[None, :]
-    if QUANT == 3:
-        e0 = dd * 2
-        e1 = dd * 2 + 1
-    else:
-        e0 = dd
-        e1 = dd
-    m0 = hm & (e0 < D)
-    if (QUANT == 0) and (not ROPE):
-        tl.store(dst + hh * DST_STRIDE_H + e0, tl.load(src + hh * SRC_STRIDE_H + e0, mask=m0), mask=m0)
-    else:
-        x0 = _load_row(src, hh, e0, m0, SRC_STRIDE_H, ROPE, c0, s0, p0, r0)
-        if QUANT == 0:
-            tl.store(dst + hh * DST_STRIDE_H + e0, x0.to(dst.dtype.element_ty), mask=m0)
-        elif QUANT == 1:
-            y = tl.minimum(tl.maximum(x0 * inv_fp8, -448.0), 448.0)
-            if not LIBDEVICE:
-                y = _fp8_grid(y, LIBDEVICE)
-            tl.store(dst + hh * DST_STRIDE_H + e0, y.to(dst.dtype.element_ty), mask=m0)
+    # Store one token's rows (float32 x [BLOCK_H, BLOCK_D], or the loaded values `raw` when RAW) in the
+    # pool's format at dst (scale / zero at par for int8 / int4).
+    m = (hh < H) & (dd < D)
+    if QUANT == 0:
+        if RAW:
+            tl.store(dst + hh * S_HEAD + dd, raw, mask=m)
         else:
-            # per (token, head) asymmetric: masked lanes never take part in min / max
-            mn = tl.min(tl.where(m0, x0, float("inf")), axis=1)
-            mx = tl.max(tl.where(m0, x0, float("-inf")), axis=1)
-            if QUANT == 3:
-                m1 = hm & (e1 < D)
-                x1 = _load_row(src, hh, e1, m1, SRC_STRIDE_H, ROPE, c1, s1, p1, r1)
-                mn = tl.minimum(mn, tl.min(tl.where(m1, x1, float("inf")), axis=1))
-                mx = tl.maximum(mx, tl.max(tl.where(m1, x1, float("-inf")), axis=1))
-                qmax = 15.0
-            else:
-                qmax = 255.0
-            hrow = tl.arange(0, BLOCK_H) < H
-            mn = tl.where(hrow, mn, 0.0)
-            mx = tl.where(hrow, mx, 0.0)
-            scale = _div(mx - mn, tl.zeros_like(mn) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
-            inv = tl.where(scale > 0.0, _div(tl.zeros_like(scale) + 1.0, tl.where(scale > 0.0, scale, 1.0),
-                                             LIBDEVICE), 0.0)[:, None]  # scale == 0: every code 0
-            zero = mn[:, None]
-            q0 = tl.minimum(tl.maximum(_round_even((x0 - zero) * inv, LIBDEVICE), 0.0), qmax)
-            if QUANT == 3:
-                q1 = tl.minimum(tl.maximum(_round_even((x1 - zero) * inv, LIBDEVICE), 0.0), qmax)
-                byte = q0.to(tl.int32) | (q1.to(tl.int32) << 4)
-                tl.store(dst + hh * DST_STRIDE_H + dd, byte.to(tl.uint8), mask=hm & (dd < D // 2))
-            else:
-                tl.store(dst + hh * DST_STRIDE_H + e0, q0.to(tl.uint8), mask=m0)
-            hp = tl.arange(0, BLOCK_H)
-            tl.store(par + hp * PAR_STRIDE_H, scale, mask=hrow)
-            tl.store(par + hp * PAR_STRIDE_H + 1, mn, mask=hrow)
+            tl.store(dst + hh * S_HEAD + dd, x.to(dst.dtype.element_ty), mask=m)
+    elif QUANT == 1:
+        y = tl.minimum(tl.maximum(x * inv_fp8, -448.0), 448.0)
+        if not LIBDEVICE:
+            y = _fp8_grid(y, LIBDEVICE)
+        tl.store(dst + hh * S_HEAD + dd, y.to(dst.dtype.element_ty), mask=m)
+    else:
+        # per (token, head) asymmetric: masked lanes never take part in min / max
+        if QUANT == 3:
+            qmax = 15.0
+        else:
+            qmax = 255.0
+        mn = tl.min(tl.where(m, x, float("inf")), axis=1)
+        mx = tl.max(tl.where(m, x, float("-inf")), axis=1)
+        hrow = tl.arange(0, BLOCK_H) < H
+        mn = tl.where(hrow, mn, 0.0)
+        mx = tl.where(hrow, mx, 0.0)
+        scale = _div(mx - mn, tl.zeros_like(mn) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
+        inv = tl.where(scale > 0.0, _div(tl.zeros_like(scale) + 1.0, tl.where(scale > 0.0, scale, 1.0), LIBDEVICE),
+                       0.0)[:, None]  # scale == 0: every code 0, a constant row round-trips exactly
+        q = tl.minimum(tl.maximum(_round_even((x - mn[:, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
+        if QUANT == 3:
+            lo, hi = tl.split(tl.reshape(q, [BLOCK_H, BLOCK_D // 2, 2]))  # elements 2i, 2i + 1
+            d2 = tl.arange(0, BLOCK_D // 2)[None, :]
+            tl.store(dst + hh * S_HEAD + d2, (lo | (hi << 4)).to(tl.uint8), mask=(hh < H) & (d2 < D // 2))
+        else:
+            tl.store(dst + hh * S_HEAD + dd, q.to(tl.uint8), mask=m)
+        hp = tl.arange(0, BLOCK_H)
+        tl.store(par + hp * P_HEAD, scale, mask=hrow)
+        tl.store(par + hp * P_HEAD + 1, mn, mask=hrow)
 
 
 @kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs"))
@@ -202,13 +182,28 @@ def _append_kernel(
     ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,  # DP: stored elements per row (D or D // 2)
     BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, HND: tl.constexpr,
-    CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr, LOG_B: tl.constexpr,
+    CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr,
+    SEARCH: tl.constexpr,  # > 0: find the sequence with one vector load of SEARCH entries; 0: binary search
+    LOG_B: tl.constexpr,
     STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,  # head strides of k / v (fixed per model)
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     # grid: (N,) one program per new token, all heads, K and V.
     n = tl.program_id(0)
-    pos = n.to(tl.int64) * 0
+    nn = n.to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    dd = tl.arange(0, BLOCK_D)[None, :]
+    m = (hh < H) & (dd < D)
+    # 1. the token's K and V first: they do not depend on where it goes, so their latency overlaps the
+    #    index loads below
+    kraw = tl.load(k + nn * stride_kn + hh * STRIDE_KH + dd, mask=m, other=0.0)
+    vraw = tl.load(v + nn * stride_vn + hh * STRIDE_VH + dd, mask=m, other=0.0)
+    if ROPE:
+        partner, j, first, in_rot = _rope_pairs(dd, ROT, INTERLEAVED)
+        kp = tl.load(k + nn * stride_kn + hh * STRIDE_KH + partner, mask=m & in_rot, other=0.0).to(tl.float32)
+        f = tl.load(inv_freq + j, mask=in_rot, other=0.0)
+    # 2. where it goes
+    pos = nn * 0
     if MODE == 2:
         slot = tl.load(slots + n).to(tl.int64)
         valid = slot >= 0
@@ -217,22 +212,36 @@ def _append_kernel(
         if ROPE:
             pos = tl.load(positions + n).to(tl.int64)
     else:
-        lo = n * 0
-        hi = lo + n_seqs
-        for _ in tl.static_range(LOG_B):  # largest b with cu_q[b] <= n
-            mid = (lo + hi) // 2
-            go = tl.load(cu_q + mid) <= n
-            lo = tl.where(go, mid, lo)
-            hi = tl.where(go, hi, mid)
-        b = lo
-        q0 = tl.load(cu_q + b)
-        q1 = tl.load(cu_q + b + 1)
-        if MODE == 0:
-            start = tl.load(kv_info + b)
+        if SEARCH > 0:
+            ib = tl.arange(0, SEARCH)
+            ends = tl.load(cu_q + 1 + ib, mask=ib < n_seqs, other=2147483647)  # cu_q[1 .. B]
+            b = tl.sum((ends <= n).to(tl.int32), axis=0)  # sequences that end at or before row n
+            q0 = tl.max(tl.where(ends <= n, ends, 0), axis=0)  # cu_q[b]
+            q1 = tl.min(tl.where(ends > n, ends, 2147483647), axis=0)  # cu_q[b + 1]
+            if MODE == 0:
+                kvl = tl.load(kv_info + ib, mask=ib < n_seqs, other=0)
+                start = tl.sum(tl.where(ib == b, kvl, 0), axis=0)
+            else:
+                cks = tl.load(kv_info + 1 + ib, mask=ib < n_seqs, other=0)
+                ck0 = tl.load(kv_info + ib, mask=ib < n_seqs, other=0)
+                start = tl.sum(tl.where(ib == b, cks - ck0, 0), axis=0) - (q1 - q0)
         else:
-            start = (tl.load(kv_info + b + 1) - tl.load(kv_info + b)) - (q1 - q0)
+            lo = n * 0
+            hi = lo + n_seqs
+            for _ in tl.static_range(LOG_B):  # largest b with cu_q[b] <= n
+                mid = (lo + hi) // 2
+                go = tl.load(cu_q + mid) <= n
+                lo = tl.where(go, mid, lo)
+                hi = tl.where(go, hi, mid)
+            b = lo
+            q0 = tl.load(cu_q + b)
+            q1 = tl.load(cu_q + b + 1)
+            if MODE == 0:
+                start = tl.load(kv_info + b)
+            else:
+                start = (tl.load(kv_info + b + 1) - tl.load(kv_info + b)) - (q1 - q0)
         pos = (start + (n - q0)).to(tl.int64)
-        valid = (n < q1) & (pos >= 0)
+        valid = (b < n_seqs) & (n < q1) & (pos >= 0)
         if CP_SIZE > 1:
             valid = valid & ((pos % CP_SIZE) == CP_RANK)
             lpos = pos // CP_SIZE
@@ -243,6 +252,7 @@ def _append_kernel(
         blk = tl.load(block_tables + b.to(tl.int64) * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
         off = lpos % BLOCK_SIZE
     valid = valid & (blk >= 0) & (blk < NUM_BLOCKS)
+    # 3. transform and store
     if valid:
         if HND:
             s_tok: tl.constexpr = DP
@@ -258,107 +268,109 @@ def _append_kernel(
         p_kv: tl.constexpr = BLOCK_SIZE * H * 2
         base = blk * (2 * s_kv) + off * s_tok
         pbase = blk * (2 * p_kv) + off * p_tok
-        pos_f = pos.to(tl.float32)
         inv_k = 1.0
         inv_v = 1.0
         if QUANT == 1:  # one IEEE reciprocal per token, then multiplies (as the reference)
             one = tl.full((), 1.0, tl.float32)
             inv_k = _div(one, tl.load(fp8_scales), LIBDEVICE)
             inv_v = _div(one, tl.load(fp8_scales + 1), LIBDEVICE)
-        # RoPE tables for the element indices of the row tile(s): shared by every head of the token
-        dd = tl.arange(0, BLOCK_D)[None, :]
-        if not ROPE:
-            c0 = tl.zeros([1, BLOCK_D], dtype=tl.float32)
-            s0 = c0
-            p0 = dd
-            r0 = dd < 0
-            c1, s1, p1, r1 = c0, s0, p0, r0
-        elif QUANT == 3:
-            c0, s0, p0, r0 = _rope_table(dd * 2, pos_f, inv_freq, ATTN_SCALE, ROT, INTERLEAVED, LIBDEVICE)
-            c1, s1, p1, r1 = _rope_table(dd * 2 + 1, pos_f, inv_freq, ATTN_SCALE, ROT, INTERLEAVED, LIBDEVICE)
-        else:
-            c0, s0, p0, r0 = _rope_table(dd, pos_f, inv_freq, ATTN_SCALE, ROT, INTERLEAVED, LIBDEVICE)
-            c1, s1, p1, r1 = c0, s0, p0, r0
-        nn = n.to(tl.int64)
-        _write_row(k + nn * stride_kn, pool + base, qparams + pbase, inv_k, c0, s0, p0, r0, c1, s1, p1, r1,
-                   QUANT, ROPE, H, D, BLOCK_H, BLOCK_D, STRIDE_KH, s_head, p_head, LIBDEVICE)
-        _write_row(v + nn * stride_vn, pool + base + s_kv, qparams + pbase + p_kv, inv_v, c0, s0, p0, r0, c1, s1,
-                   p1, r1, QUANT, False, H, D, BLOCK_H, BLOCK_D, STRIDE_VH, s_head, p_head, LIBDEVICE)
+        kx = kraw.to(tl.float32)
+        if ROPE:
+            kx = _rotate(kx, kp, f, first, in_rot, pos.to(tl.float32), ATTN_SCALE, LIBDEVICE)
+        _encode_store(kx, kraw, pool + base, qparams + pbase, inv_k, hh, dd, QUANT, not ROPE, H, D, BLOCK_H,
+                      BLOCK_D, s_head, p_head, LIBDEVICE)
+        _encode_store(vraw.to(tl.float32), vraw, pool + base + s_kv, qparams + pbase + p_kv, inv_v, hh, dd, QUANT,
+                      True, H, D, BLOCK_H, BLOCK_D, s_head, p_head, LIBDEVICE)
 
 
 @triton.jit
-def _deq(pool_row, par, hh, e, mask, fp8_scale, QUANT: tl.constexpr, BLOCK_H: tl.constexpr, H: tl.constexpr,
-         S_HEAD: tl.constexpr, P_HEAD: tl.constexpr):
-    # float32 values of elements e of every head of one stored row (dequantized)
+def _deq3(row, par, e, mask, fp8_scale, QUANT: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
+          P_TOK: tl.constexpr, P_HEAD: tl.constexpr, tt, hh):
+    # float32 values of elements e of tokens tt, heads hh of one block's K or V region (dequantized)
     if QUANT == 0:
-        x = tl.load(pool_row + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32)
     elif QUANT == 1:
-        x = tl.load(pool_row + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32) * fp8_scale
+        x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32) * fp8_scale
     else:
         if QUANT == 3:
-            byte = tl.load(pool_row + hh * S_HEAD + e // 2, mask=mask, other=0).to(tl.int32)
+            byte = tl.load(row + tt * S_TOK + hh * S_HEAD + e // 2, mask=mask, other=0).to(tl.int32)
             q = tl.where((e % 2) == 0, byte & 15, (byte >> 4) & 15).to(tl.float32)
         else:
-            q = tl.load(pool_row + hh * S_HEAD + e, mask=mask, other=0).to(tl.float32)
-        hp = tl.arange(0, BLOCK_H)
-        scale = tl.load(par + hp * P_HEAD, mask=hp < H, other=0.0)
-        zero = tl.load(par + hp * P_HEAD + 1, mask=hp < H, other=0.0)
-        x = q * scale[:, None] + zero[:, None]
+            q = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0).to(tl.float32)
+        pm = (tt >= 0) & (hh >= 0) & mask
+        scale = tl.load(par + tt * P_TOK + hh * P_HEAD, mask=pm, other=0.0)
+        zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=pm, other=0.0)
+        x = q * scale + zero
     return x
 
 
 @triton.jit
-def _read_row(
-    pool_row, par, dst, valid, pos_f, inv_freq, attn_scale, fp8_scale,
+def _read_tile(
+    row, par, dst, tvalid, pos_f, inv_freq, attn_scale, fp8_scale, tt, hh, dd,
     QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    S_HEAD: tl.constexpr, P_HEAD: tl.constexpr, OUT_STRIDE_H, LIBDEVICE: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, TOK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
+    OUT_S, OUT_H, LIBDEVICE: tl.constexpr,
 ):
-    # One token of one of K / V: dequantize (and rotate) H x D values into dst (model dtype); zeros when
-    # not valid (padded tail).
-    hh = tl.arange(0, BLOCK_H)[:, None]
-    dd = tl.arange(0, BLOCK_D)[None, :]
-    m = (hh < H) & (dd < D)
-    out_ptr = dst + hh * OUT_STRIDE_H + dd
-    if valid:
-        if (QUANT == 0) and (not ROPE):
-            tl.store(out_ptr, tl.load(pool_row + hh * S_HEAD + dd, mask=m).to(dst.dtype.element_ty), mask=m)
-        else:
-            x = _deq(pool_row, par, hh, dd, m, fp8_scale, QUANT, BLOCK_H, H, S_HEAD, P_HEAD)
-            if ROPE:
-                c, sn, partner, in_rot = _rope_table(dd, pos_f, inv_freq, attn_scale, ROT, INTERLEAVED, LIBDEVICE)
-                xp = _deq(pool_row, par, hh, partner, m & in_rot, fp8_scale, QUANT, BLOCK_H, H, S_HEAD, P_HEAD)
-                x = tl.where(in_rot, x * c + xp * sn, x)
-            tl.store(out_ptr, x.to(dst.dtype.element_ty), mask=m)
+    # TOK tokens x H heads x D of one of K / V from one block into dst[h, t, d] (model dtype); tokens that
+    # are not valid (past the sequence) are written as zeros.
+    m = (hh < H) & (dd < D) & (tt >= 0)
+    lm = m & tvalid
+    out_ptr = dst + tt * OUT_S + hh * OUT_H + dd
+    if (QUANT == 0) and (not ROPE):
+        x = tl.load(row + tt * S_TOK + hh * S_HEAD + dd, mask=lm, other=0.0)
+        tl.store(out_ptr, x.to(dst.dtype.element_ty), mask=m)
     else:
-        tl.store(out_ptr, tl.zeros([BLOCK_H, BLOCK_D], dtype=dst.dtype.element_ty), mask=m)
+        if QUANT == 3:
+            d2 = tl.arange(0, BLOCK_D // 2)[None, None, :]
+            bm = (hh < H) & (d2 < D // 2) & tvalid
+            byte = tl.load(row + tt * S_TOK + hh * S_HEAD + d2, mask=bm, other=0).to(tl.int32)
+            q = tl.reshape(tl.join(byte & 15, (byte >> 4) & 15), [TOK, BLOCK_H, BLOCK_D]).to(tl.float32)
+            scale = tl.load(par + tt * P_TOK + hh * P_HEAD, mask=(hh < H) & tvalid, other=0.0)
+            zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=(hh < H) & tvalid, other=0.0)
+            x = q * scale + zero
+        else:
+            x = _deq3(row, par, dd, lm, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh)
+        if ROPE:
+            partner, j, first, in_rot = _rope_pairs(dd, ROT, INTERLEAVED)
+            xp = _deq3(row, par, partner, lm & in_rot, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh)
+            f = tl.load(inv_freq + j, mask=in_rot, other=0.0)
+            x = _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE)
+        x = tl.where(tvalid, x, 0.0)
+        tl.store(out_ptr, x.to(dst.dtype.element_ty), mask=m)
 
 
-@kernel(ints=("sk_b", "sk_h", "sk_s", "sv_b", "sv_h", "sv_s", "bt_stride", "table_width"))
+@kernel(ints=("sk_b", "sk_h", "sk_s", "sv_b", "sv_h", "sv_s", "bt_stride", "table_width", "s_out"))
 def _gather_kernel(
     k_out, v_out,  # model dtype [B, H, S_out, D] (any strides, head_dim contiguous)
     pool, qparams, block_tables, kv_info, inv_freq, fp8_scales,
-    sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, bt_stride, table_width,
+    sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, bt_stride, table_width, s_out,
     MODE: tl.constexpr,  # 0: kv_lens [B], 1: cu_k_lens [B + 1]
     QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     HND: tl.constexpr, CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr,
+    TOK: tl.constexpr,  # tokens per program: a power of two dividing BLOCK_SIZE (one block-table load)
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    # grid: (S_out, B): one program per output (local) token of a sequence, all heads, K and V.
-    t = tl.program_id(0).to(tl.int64)
+    # grid: (cdiv(S_out, TOK), B): TOK consecutive output (local) tokens of one sequence, in one block.
+    t0 = tl.program_id(0).to(tl.int64) * TOK
     b = tl.program_id(1).to(tl.int64)
     if MODE == 0:
         total = tl.load(kv_info + b).to(tl.int64)
     else:
         total = (tl.load(kv_info + b + 1) - tl.load(kv_info + b)).to(tl.int64)
     local = tl.maximum(total - CP_RANK + CP_SIZE - 1, 0) // CP_SIZE  # tokens of this rank
-    bi = t // BLOCK_SIZE
-    valid = (t < local) & (bi < table_width)
-    blk = tl.load(block_tables + b * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
-    valid = valid & (blk >= 0) & (blk < NUM_BLOCKS)
-    blk = tl.where(valid, blk, 0)
-    off = t % BLOCK_SIZE
+    bi = t0 // BLOCK_SIZE
+    has_block = (t0 < local) & (bi < table_width)
+    blk = tl.load(block_tables + b * bt_stride + bi, mask=has_block, other=-1).to(tl.int64)
+    has_block = has_block & (blk >= 0) & (blk < NUM_BLOCKS)
+    blk = tl.where(has_block, blk, 0)
+    tt = tl.arange(0, TOK)[:, None, None]
+    hh = tl.arange(0, BLOCK_H)[None, :, None]
+    dd = tl.arange(0, BLOCK_D)[None, None, :]
+    t = t0 + tt
+    tvalid = (t < local) & (t < s_out) & has_block
+    tt = tl.where(t < s_out, tt, -1)  # rows past S_out: masked off everywhere (tt >= 0 in the masks)
     if HND:
         s_tok: tl.constexpr = DP
         s_head: tl.constexpr = BLOCK_SIZE * DP
@@ -371,19 +383,21 @@ def _gather_kernel(
         p_head: tl.constexpr = 2
     s_kv: tl.constexpr = BLOCK_SIZE * H * DP
     p_kv: tl.constexpr = BLOCK_SIZE * H * 2
-    base = blk * (2 * s_kv) + off * s_tok
-    pbase = blk * (2 * p_kv) + off * p_tok
+    off0 = t0 % BLOCK_SIZE
+    base = blk * (2 * s_kv) + off0 * s_tok
+    pbase = blk * (2 * p_kv) + off0 * p_tok
     pos_f = (t * CP_SIZE + CP_RANK).to(tl.float32)
     k_scale = 1.0
     v_scale = 1.0
     if QUANT == 1:
         k_scale = tl.load(fp8_scales)
         v_scale = tl.load(fp8_scales + 1)
-    _read_row(pool + base, qparams + pbase, k_out + b * sk_b + t * sk_s, valid, pos_f, inv_freq, ATTN_SCALE,
-              k_scale, QUANT, ROPE, ROT, INTERLEAVED, H, D, BLOCK_H, BLOCK_D, s_head, p_head, sk_h, LIBDEVICE)
-    _read_row(pool + base + s_kv, qparams + pbase + p_kv, v_out + b * sv_b + t * sv_s, valid, pos_f, inv_freq,
-              ATTN_SCALE, v_scale, QUANT, False, ROT, INTERLEAVED, H, D, BLOCK_H, BLOCK_D, s_head, p_head, sv_h,
-              LIBDEVICE)
+    _read_tile(pool + base, qparams + pbase, k_out + b * sk_b + t0 * sk_s, tvalid, pos_f, inv_freq, ATTN_SCALE,
+               k_scale, tt, hh, dd, QUANT, ROPE, ROT, INTERLEAVED, H, D, TOK, BLOCK_H, BLOCK_D, s_tok, s_head,
+               p_tok, p_head, sk_s, sk_h, LIBDEVICE)
+    _read_tile(pool + base + s_kv, qparams + pbase + p_kv, v_out + b * sv_b + t0 * sv_s, tvalid, pos_f, inv_freq,
+               ATTN_SCALE, v_scale, tt, hh, dd, QUANT, False, ROT, INTERLEAVED, H, D, TOK, BLOCK_H, BLOCK_D, s_tok,
+               s_head, p_tok, p_head, sv_s, sv_h, LIBDEVICE)
 
 
 @kernel(ints=("n_pairs", "layer_stride", "elems"))
@@ -472,9 +486,10 @@ def append_paged_kv_launch(
         n_seqs,
         MODE=mode, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale,
         H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=num_blocks, HND=hnd,
-        CP_RANK=cp_rank, CP_SIZE=cp_size, LOG_B=max(n_seqs - 1, 0).bit_length(),
+        CP_RANK=cp_rank, CP_SIZE=cp_size,
+        SEARCH=next_pow2(n_seqs) if 0 < n_seqs <= 1024 else 0, LOG_B=max(n_seqs - 1, 0).bit_length(),
         STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1),
-        BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D // 2 if quant == 3 else D),
+        BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),
         LIBDEVICE=pool.device.type == "cuda",
         num_warps=4 if H * D <= 2048 else 8,
     )
@@ -512,19 +527,22 @@ def gather_paged_kv_launch(
     bs = pool.shape[3] if hnd else pool.shape[2]
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     dummy = pool
+    tok = 1
+    while tok < 8 and bs % (tok * 2) == 0:
+        tok *= 2
     _gather_kernel.launch(
-        pool.device, (s_out, B),
+        pool.device, (cdiv(s_out, tok), B),
         k_out, v_out, pool, params if params is not None else dummy, block_tables,
         kv_lens if kv_lens is not None else cu_k_lens,
         inv_freq if inv_freq is not None else dummy,
         fp8_scales if fp8_scales is not None else dummy,
         k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1), v_out.stride(2),
-        block_tables.stride(0), block_tables.shape[1],
+        block_tables.stride(0), block_tables.shape[1], s_out,
         MODE=0 if kv_lens is not None else 1, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter,
         ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0], HND=hnd,
-        CP_RANK=cp_rank, CP_SIZE=cp_size, BLOCK_H=next_pow2(H), BLOCK_D=next_pow2(D),
+        CP_RANK=cp_rank, CP_SIZE=cp_size, TOK=tok, BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),
         LIBDEVICE=pool.device.type == "cuda",
-        num_warps=4 if H * D <= 2048 else 8,
+        num_warps=8 if tok * H * D >= 4096 else 4,
     )
 
 
