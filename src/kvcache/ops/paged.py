@@ -118,14 +118,39 @@ def _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE: tl.constexpr)
 
 
 @triton.jit
+def _cs_row(pos_f, inv_freq, attn_scale, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr,
+            LIBDEVICE: tl.constexpr):
+    # cos and signed sin for every element of a row, [BLOCK_D], from BLOCK_D // 2 transcendentals (one per
+    # frequency, not per head): interleaved pairs share cos[i] at (2i, 2i + 1); rotate-half (ROT == BLOCK_D)
+    # repeats the ROT/2 values over both halves.
+    HALF: tl.constexpr = BLOCK_D // 2
+    i = tl.arange(0, HALF)
+    f = tl.load(inv_freq + i, mask=i < ROT // 2, other=0.0)
+    angle = pos_f * f
+    if LIBDEVICE:
+        c1 = libdevice.cos(angle) * attn_scale
+        s1 = libdevice.sin(angle) * attn_scale
+    else:
+        c1 = tl.cos(angle) * attn_scale
+        s1 = tl.sin(angle) * attn_scale
+    if INTERLEAVED:
+        c = tl.reshape(tl.join(c1, c1), [BLOCK_D])
+        sg = tl.reshape(tl.join(-s1, s1), [BLOCK_D])
+    else:
+        c = tl.reshape(tl.trans(tl.join(c1, c1)), [BLOCK_D])
+        sg = tl.reshape(tl.trans(tl.join(-s1, s1)), [BLOCK_D])
+    return c, sg
+
+
+@triton.jit
 def _encode_store(
     x, raw, dst, par, inv_fp8, hh, dd,
     QUANT: tl.constexpr, RAW: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
-    # Store one token's rows (float32 x [BLOCK_H, BLOCK_D], or the loaded values `raw` when RAW) in the
-    # pool's format at dst (scale / zero at par for int8 / int4).
+    # Store one token's rows (float32 x [BLOCK_H, BLOCK_D], or [BLOCK_H, BLOCK_D // 2, 2] element pairs for
+    # int4; or the loaded values `raw` when RAW) in the pool's format at dst (scale / zero at par).
     m = (hh < H) & (dd < D)
     if QUANT == 0:
         if RAW:
@@ -143,20 +168,28 @@ def _encode_store(
             qmax = 15.0
         else:
             qmax = 255.0
-        mn = tl.min(tl.where(m, x, float("inf")), axis=1)
-        mx = tl.max(tl.where(m, x, float("-inf")), axis=1)
+        if QUANT == 3:  # pairs [BLOCK_H, BLOCK_D // 2, 2]
+            mn = tl.min(tl.min(tl.where(m, x, float("inf")), axis=2), axis=1)
+            mx = tl.max(tl.max(tl.where(m, x, float("-inf")), axis=2), axis=1)
+        else:
+            mn = tl.min(tl.where(m, x, float("inf")), axis=1)
+            mx = tl.max(tl.where(m, x, float("-inf")), axis=1)
         hrow = tl.arange(0, BLOCK_H) < H
         mn = tl.where(hrow, mn, 0.0)
         mx = tl.where(hrow, mx, 0.0)
         scale = _div(mx - mn, tl.zeros_like(mn) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
+        # scale == 0: every code 0, a constant row round-trips exactly
         inv = tl.where(scale > 0.0, _div(tl.zeros_like(scale) + 1.0, tl.where(scale > 0.0, scale, 1.0), LIBDEVICE),
-                       0.0)[:, None]  # scale == 0: every code 0, a constant row round-trips exactly
-        q = tl.minimum(tl.maximum(_round_even((x - mn[:, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
+                       0.0)
         if QUANT == 3:
-            lo, hi = tl.split(tl.reshape(q, [BLOCK_H, BLOCK_D // 2, 2]))  # elements 2i, 2i + 1
+            q = _round_even((x - mn[:, None, None]) * inv[:, None, None], LIBDEVICE)
+            q = tl.minimum(tl.maximum(q, 0.0), qmax).to(tl.int32)
+            lo, hi = tl.split(q)  # elements 2i, 2i + 1 (already adjacent in each thread)
+            h2 = tl.arange(0, BLOCK_H)[:, None]
             d2 = tl.arange(0, BLOCK_D // 2)[None, :]
-            tl.store(dst + hh * S_HEAD + d2, (lo | (hi << 4)).to(tl.uint8), mask=(hh < H) & (d2 < D // 2))
+            tl.store(dst + h2 * S_HEAD + d2, (lo | (hi << 4)).to(tl.uint8), mask=(h2 < H) & (d2 < D // 2))
         else:
+            q = tl.minimum(tl.maximum(_round_even((x - mn[:, None]) * inv[:, None], LIBDEVICE), 0.0), qmax)
             tl.store(dst + hh * S_HEAD + dd, q.to(tl.uint8), mask=m)
         hp = tl.arange(0, BLOCK_H)
         tl.store(par + hp * P_HEAD, scale, mask=hrow)
@@ -191,8 +224,12 @@ def _append_kernel(
     # grid: (N,) one program per new token, all heads, K and V.
     n = tl.program_id(0)
     nn = n.to(tl.int64)
-    hh = tl.arange(0, BLOCK_H)[:, None]
-    dd = tl.arange(0, BLOCK_D)[None, :]
+    if QUANT == 3:  # element pairs (2i, 2i + 1) side by side: packing needs no data movement
+        hh = tl.arange(0, BLOCK_H)[:, None, None]
+        dd = (tl.arange(0, BLOCK_D // 2)[:, None] * 2 + tl.arange(0, 2)[None, :])[None, :, :]
+    else:
+        hh = tl.arange(0, BLOCK_H)[:, None]
+        dd = tl.arange(0, BLOCK_D)[None, :]
     m = (hh < H) & (dd < D)
     # 1. the token's K and V first: they do not depend on where it goes, so their latency overlaps the
     #    index loads below
@@ -276,7 +313,11 @@ def _append_kernel(
             inv_v = _div(one, tl.load(fp8_scales + 1), LIBDEVICE)
         kx = kraw.to(tl.float32)
         if ROPE:
-            kx = _rotate(kx, kp, f, first, in_rot, pos.to(tl.float32), ATTN_SCALE, LIBDEVICE)
+            if (QUANT != 3) and (INTERLEAVED or (ROT == BLOCK_D)):
+                c, sg = _cs_row(pos.to(tl.float32), inv_freq, ATTN_SCALE, ROT, INTERLEAVED, BLOCK_D, LIBDEVICE)
+                kx = tl.where(in_rot, kx * c[None, :] + kp * sg[None, :], kx)
+            else:  # partial rotate-half, int4 pairs: cos / sin per element
+                kx = _rotate(kx, kp, f, first, in_rot, pos.to(tl.float32), ATTN_SCALE, LIBDEVICE)
         _encode_store(kx, kraw, pool + base, qparams + pbase, inv_k, hh, dd, QUANT, not ROPE, H, D, BLOCK_H,
                       BLOCK_D, s_head, p_head, LIBDEVICE)
         _encode_store(vraw.to(tl.float32), vraw, pool + base + s_kv, qparams + pbase + p_kv, inv_v, hh, dd, QUANT,
@@ -297,7 +338,7 @@ def _deq3(row, par, e, mask, fp8_scale, QUANT: tl.constexpr, S_TOK: tl.constexpr
             q = tl.where((e % 2) == 0, byte & 15, (byte >> 4) & 15).to(tl.float32)
         else:
             q = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0).to(tl.float32)
-        pm = (tt >= 0) & (hh >= 0) & mask
+        pm = (tt >= 0) & (hh >= 0) & mask  # only for the per-element path with RoPE partners
         scale = tl.load(par + tt * P_TOK + hh * P_HEAD, mask=pm, other=0.0)
         zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=pm, other=0.0)
         x = q * scale + zero
@@ -320,14 +361,25 @@ def _read_tile(
     if (QUANT == 0) and (not ROPE):
         x = tl.load(row + tt * S_TOK + hh * S_HEAD + dd, mask=lm, other=0.0)
         tl.store(out_ptr, x.to(dst.dtype.element_ty), mask=m)
+    elif (QUANT == 3) and (not ROPE):
+        # bytes [TOK, H, D/2] -> element pairs [TOK, H, D/2, 2] stored as they are (no reshape)
+        d2 = tl.arange(0, BLOCK_D // 2)[None, None, :]
+        hm = (hh < H) & tvalid & (tt >= 0)
+        byte = tl.load(row + tt * S_TOK + hh * S_HEAD + d2, mask=hm & (d2 < D // 2), other=0).to(tl.int32)
+        scale = tl.load(par + tt * P_TOK + hh * P_HEAD, mask=hm, other=0.0)
+        zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=hm, other=0.0)
+        lo = (byte & 15).to(tl.float32) * scale + zero
+        hi = ((byte >> 4) & 15).to(tl.float32) * scale + zero
+        x4 = tl.where(tvalid[:, :, :, None], tl.join(lo, hi), 0.0)
+        e4 = d2[:, :, :, None] * 2 + tl.arange(0, 2)[None, None, None, :]
+        m4 = (hh < H)[:, :, :, None] & (e4 < D) & (tt >= 0)[:, :, :, None]
+        tl.store(dst + (tt * OUT_S + hh * OUT_H)[:, :, :, None] + e4, x4.to(dst.dtype.element_ty), mask=m4)
     else:
-        if QUANT == 3:
-            d2 = tl.arange(0, BLOCK_D // 2)[None, None, :]
-            bm = (hh < H) & (d2 < D // 2) & tvalid
-            byte = tl.load(row + tt * S_TOK + hh * S_HEAD + d2, mask=bm, other=0).to(tl.int32)
-            q = tl.reshape(tl.join(byte & 15, (byte >> 4) & 15), [TOK, BLOCK_H, BLOCK_D]).to(tl.float32)
-            scale = tl.load(par + tt * P_TOK + hh * P_HEAD, mask=(hh < H) & tvalid, other=0.0)
-            zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=(hh < H) & tvalid, other=0.0)
+        if QUANT == 2:  # one scale / zero per (token, head), not per element
+            hm = (hh < H) & tvalid & (tt >= 0)
+            q = tl.load(row + tt * S_TOK + hh * S_HEAD + dd, mask=lm, other=0).to(tl.float32)
+            scale = tl.load(par + tt * P_TOK + hh * P_HEAD, mask=hm, other=0.0)
+            zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=hm, other=0.0)
             x = q * scale + zero
         else:
             x = _deq3(row, par, dd, lm, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh)
