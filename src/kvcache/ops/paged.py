@@ -118,79 +118,55 @@ def _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE: tl.constexpr)
 
 
 @triton.jit
-def _cs_row(pos_f, inv_freq, attn_scale, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr,
-            LIBDEVICE: tl.constexpr):
-    # cos and signed sin for every element of a row, [BLOCK_D], from BLOCK_D // 2 transcendentals (one per
-    # frequency, not per head): interleaved pairs share cos[i] at (2i, 2i + 1); rotate-half (ROT == BLOCK_D)
-    # repeats the ROT/2 values over both halves.
-    HALF: tl.constexpr = BLOCK_D // 2
-    i = tl.arange(0, HALF)
-    f = tl.load(inv_freq + i, mask=i < ROT // 2, other=0.0)
-    angle = pos_f * f
-    if LIBDEVICE:
-        c1 = libdevice.cos(angle) * attn_scale
-        s1 = libdevice.sin(angle) * attn_scale
-    else:
-        c1 = tl.cos(angle) * attn_scale
-        s1 = tl.sin(angle) * attn_scale
-    if INTERLEAVED:
-        c = tl.reshape(tl.join(c1, c1), [BLOCK_D])
-        sg = tl.reshape(tl.join(-s1, s1), [BLOCK_D])
-    else:
-        c = tl.reshape(tl.trans(tl.join(c1, c1)), [BLOCK_D])
-        sg = tl.reshape(tl.trans(tl.join(-s1, s1)), [BLOCK_D])
-    return c, sg
-
-
-@triton.jit
-def _encode_store(
-    x, raw, dst, par, inv_fp8, hh, dd,
-    QUANT: tl.constexpr, RAW: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+def _encode_halves(
+    x1, x2, raw1, raw2, dst, par, inv_fp8, hh, i,
+    QUANT: tl.constexpr, RAW: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    # Store one token's rows (float32 x [BLOCK_H, BLOCK_D], or [BLOCK_H, BLOCK_D // 2, 2] element pairs for
-    # int4; or the loaded values `raw` when RAW) in the pool's format at dst (scale / zero at par).
-    m = (hh < H) & (dd < D)
+    # Store one token's rows, given as two half tiles [BLOCK_H, BLOCK_HF]: elements i (x1) and HALF + i (x2),
+    # float32 (or the loaded values raw1 / raw2 when RAW), in the pool's format at dst (scale / zero at par).
+    m1 = (hh < H) & (i < HALF)
+    m2 = (hh < H) & (i + HALF < D)
+    p1 = dst + hh * S_HEAD + i
+    p2 = dst + hh * S_HEAD + HALF + i
     if QUANT == 0:
         if RAW:
-            tl.store(dst + hh * S_HEAD + dd, raw, mask=m)
+            tl.store(p1, raw1, mask=m1)
+            tl.store(p2, raw2, mask=m2)
         else:
-            tl.store(dst + hh * S_HEAD + dd, x.to(dst.dtype.element_ty), mask=m)
+            tl.store(p1, x1.to(dst.dtype.element_ty), mask=m1)
+            tl.store(p2, x2.to(dst.dtype.element_ty), mask=m2)
     elif QUANT == 1:
-        y = tl.minimum(tl.maximum(x * inv_fp8, -448.0), 448.0)
+        y1 = tl.minimum(tl.maximum(x1 * inv_fp8, -448.0), 448.0)
+        y2 = tl.minimum(tl.maximum(x2 * inv_fp8, -448.0), 448.0)
         if not LIBDEVICE:
-            y = _fp8_grid(y, LIBDEVICE)
-        tl.store(dst + hh * S_HEAD + dd, y.to(dst.dtype.element_ty), mask=m)
+            y1 = _fp8_grid(y1, LIBDEVICE)
+            y2 = _fp8_grid(y2, LIBDEVICE)
+        tl.store(p1, y1.to(dst.dtype.element_ty), mask=m1)
+        tl.store(p2, y2.to(dst.dtype.element_ty), mask=m2)
     else:
         # per (token, head) asymmetric: masked lanes never take part in min / max
         if QUANT == 3:
             qmax = 15.0
         else:
             qmax = 255.0
-        if QUANT == 3:  # pairs [BLOCK_H, BLOCK_D // 2, 2]
-            mn = tl.min(tl.min(tl.where(m, x, float("inf")), axis=2), axis=1)
-            mx = tl.max(tl.max(tl.where(m, x, float("-inf")), axis=2), axis=1)
-        else:
-            mn = tl.min(tl.where(m, x, float("inf")), axis=1)
-            mx = tl.max(tl.where(m, x, float("-inf")), axis=1)
+        mn = tl.minimum(tl.min(tl.where(m1, x1, float("inf")), axis=1), tl.min(tl.where(m2, x2, float("inf")), axis=1))
+        mx = tl.maximum(tl.max(tl.where(m1, x1, float("-inf")), axis=1),
+                        tl.max(tl.where(m2, x2, float("-inf")), axis=1))
         hrow = tl.arange(0, BLOCK_H) < H
         mn = tl.where(hrow, mn, 0.0)
         mx = tl.where(hrow, mx, 0.0)
         scale = _div(mx - mn, tl.zeros_like(mn) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
         # scale == 0: every code 0, a constant row round-trips exactly
         inv = tl.where(scale > 0.0, _div(tl.zeros_like(scale) + 1.0, tl.where(scale > 0.0, scale, 1.0), LIBDEVICE),
-                       0.0)
-        if QUANT == 3:
-            q = _round_even((x - mn[:, None, None]) * inv[:, None, None], LIBDEVICE)
-            q = tl.minimum(tl.maximum(q, 0.0), qmax).to(tl.int32)
-            lo, hi = tl.split(q)  # elements 2i, 2i + 1 (already adjacent in each thread)
-            h2 = tl.arange(0, BLOCK_H)[:, None]
-            d2 = tl.arange(0, BLOCK_D // 2)[None, :]
-            tl.store(dst + h2 * S_HEAD + d2, (lo | (hi << 4)).to(tl.uint8), mask=(h2 < H) & (d2 < D // 2))
+                       0.0)[:, None]
+        q1 = tl.minimum(tl.maximum(_round_even((x1 - mn[:, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
+        q2 = tl.minimum(tl.maximum(_round_even((x2 - mn[:, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
+        if QUANT == 3:  # planar nibbles: byte i = element i | element HALF + i << 4
+            tl.store(p1, (q1 | (q2 << 4)).to(tl.uint8), mask=m1)
         else:
-            q = tl.minimum(tl.maximum(_round_even((x - mn[:, None]) * inv[:, None], LIBDEVICE), 0.0), qmax)
-            tl.store(dst + hh * S_HEAD + dd, q.to(tl.uint8), mask=m)
+            tl.store(p1, q1.to(tl.uint8), mask=m1)
+            tl.store(p2, q2.to(tl.uint8), mask=m2)
         hp = tl.arange(0, BLOCK_H)
         tl.store(par + hp * P_HEAD, scale, mask=hrow)
         tl.store(par + hp * P_HEAD + 1, mn, mask=hrow)
@@ -219,26 +195,36 @@ def _append_kernel(
     SEARCH: tl.constexpr,  # > 0: find the sequence with one vector load of SEARCH entries; 0: binary search
     LOG_B: tl.constexpr,
     STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,  # head strides of k / v (fixed per model)
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HF: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    # grid: (N,) one program per new token, all heads, K and V.
+    # grid: (N,) one program per new token, all heads, K and V. A row is handled as two half tiles, elements
+    # [0, HALF) and [HALF, D): rotate-half RoPE pairs them directly, int4 packs them into one byte.
+    HALF: tl.constexpr = (D + 1) // 2
+    FAST_ROPE: tl.constexpr = (not INTERLEAVED) and (ROT == D)  # pairs (i, HALF + i): no partner loads
     n = tl.program_id(0)
     nn = n.to(tl.int64)
-    if QUANT == 3:  # element pairs (2i, 2i + 1) side by side: packing needs no data movement
-        hh = tl.arange(0, BLOCK_H)[:, None, None]
-        dd = (tl.arange(0, BLOCK_D // 2)[:, None] * 2 + tl.arange(0, 2)[None, :])[None, :, :]
-    else:
-        hh = tl.arange(0, BLOCK_H)[:, None]
-        dd = tl.arange(0, BLOCK_D)[None, :]
-    m = (hh < H) & (dd < D)
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK_HF)[None, :]
+    m1 = (hh < H) & (i < HALF)
+    m2 = (hh < H) & (i + HALF < D)
     # 1. the token's K and V first: they do not depend on where it goes, so their latency overlaps the
     #    index loads below
-    kraw = tl.load(k + nn * stride_kn + hh * STRIDE_KH + dd, mask=m, other=0.0)
-    vraw = tl.load(v + nn * stride_vn + hh * STRIDE_VH + dd, mask=m, other=0.0)
+    krow = k + nn * stride_kn + hh * STRIDE_KH
+    vrow = v + nn * stride_vn + hh * STRIDE_VH
+    k1 = tl.load(krow + i, mask=m1, other=0.0)
+    k2 = tl.load(krow + HALF + i, mask=m2, other=0.0)
+    v1 = tl.load(vrow + i, mask=m1, other=0.0)
+    v2 = tl.load(vrow + HALF + i, mask=m2, other=0.0)
     if ROPE:
-        partner, j, first, in_rot = _rope_pairs(dd, ROT, INTERLEAVED)
-        kp = tl.load(k + nn * stride_kn + hh * STRIDE_KH + partner, mask=m & in_rot, other=0.0).to(tl.float32)
-        f = tl.load(inv_freq + j, mask=in_rot, other=0.0)
+        if FAST_ROPE:
+            f = tl.load(inv_freq + tl.arange(0, BLOCK_HF), mask=tl.arange(0, BLOCK_HF) < HALF, other=0.0)
+        else:
+            pa1, j1, fi1, r1 = _rope_pairs(i, ROT, INTERLEAVED)
+            pa2, j2, fi2, r2 = _rope_pairs(i + HALF, ROT, INTERLEAVED)
+            kp1 = tl.load(krow + pa1, mask=m1 & r1, other=0.0).to(tl.float32)
+            kp2 = tl.load(krow + pa2, mask=m2 & r2, other=0.0).to(tl.float32)
+            f1 = tl.load(inv_freq + j1, mask=r1, other=0.0)
+            f2 = tl.load(inv_freq + j2, mask=r2, other=0.0)
     # 2. where it goes
     pos = nn * 0
     if MODE == 2:
@@ -311,31 +297,46 @@ def _append_kernel(
             one = tl.full((), 1.0, tl.float32)
             inv_k = _div(one, tl.load(fp8_scales), LIBDEVICE)
             inv_v = _div(one, tl.load(fp8_scales + 1), LIBDEVICE)
-        kx = kraw.to(tl.float32)
+        x1 = k1.to(tl.float32)
+        x2 = k2.to(tl.float32)
         if ROPE:
-            if (QUANT != 3) and (INTERLEAVED or (ROT == BLOCK_D)):
-                c, sg = _cs_row(pos.to(tl.float32), inv_freq, ATTN_SCALE, ROT, INTERLEAVED, BLOCK_D, LIBDEVICE)
-                kx = tl.where(in_rot, kx * c[None, :] + kp * sg[None, :], kx)
-            else:  # partial rotate-half, int4 pairs: cos / sin per element
-                kx = _rotate(kx, kp, f, first, in_rot, pos.to(tl.float32), ATTN_SCALE, LIBDEVICE)
-        _encode_store(kx, kraw, pool + base, qparams + pbase, inv_k, hh, dd, QUANT, not ROPE, H, D, BLOCK_H,
-                      BLOCK_D, s_head, p_head, LIBDEVICE)
-        _encode_store(vraw.to(tl.float32), vraw, pool + base + s_kv, qparams + pbase + p_kv, inv_v, hh, dd, QUANT,
-                      True, H, D, BLOCK_H, BLOCK_D, s_head, p_head, LIBDEVICE)
+            pos_f = pos.to(tl.float32)
+            if FAST_ROPE:  # one cos / sin per frequency, shared by every head
+                angle = pos_f * f
+                if LIBDEVICE:  # accurate, full range reduction (angles reach 1e5 radians)
+                    c = libdevice.cos(angle) * ATTN_SCALE
+                    sn = libdevice.sin(angle) * ATTN_SCALE
+                else:
+                    c = tl.cos(angle) * ATTN_SCALE
+                    sn = tl.sin(angle) * ATTN_SCALE
+                c = c[None, :]
+                sn = sn[None, :]
+                r1 = x1 * c - x2 * sn
+                x2 = x2 * c + x1 * sn
+                x1 = r1
+            else:
+                x1 = _rotate(x1, kp1, f1, fi1, r1, pos_f, ATTN_SCALE, LIBDEVICE)
+                x2 = _rotate(x2, kp2, f2, fi2, r2, pos_f, ATTN_SCALE, LIBDEVICE)
+        _encode_halves(x1, x2, k1, k2, pool + base, qparams + pbase, inv_k, hh, i, QUANT, not ROPE, H, D, HALF,
+                       BLOCK_H, s_head, p_head, LIBDEVICE)
+        _encode_halves(v1.to(tl.float32), v2.to(tl.float32), v1, v2, pool + base + s_kv, qparams + pbase + p_kv,
+                       inv_v, hh, i, QUANT, True, H, D, HALF, BLOCK_H, s_head, p_head, LIBDEVICE)
 
 
 @triton.jit
 def _deq3(row, par, e, mask, fp8_scale, QUANT: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
-          P_TOK: tl.constexpr, P_HEAD: tl.constexpr, tt, hh):
+          P_TOK: tl.constexpr, P_HEAD: tl.constexpr, tt, hh, HALF: tl.constexpr):
     # float32 values of elements e of tokens tt, heads hh of one block's K or V region (dequantized)
     if QUANT == 0:
         x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32)
     elif QUANT == 1:
         x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32) * fp8_scale
     else:
-        if QUANT == 3:
-            byte = tl.load(row + tt * S_TOK + hh * S_HEAD + e // 2, mask=mask, other=0).to(tl.int32)
-            q = tl.where((e % 2) == 0, byte & 15, (byte >> 4) & 15).to(tl.float32)
+        if QUANT == 3:  # planar nibbles: element e < HALF low nibble of byte e, else high nibble of e - HALF
+            low = e < HALF
+            byte = tl.load(row + tt * S_TOK + hh * S_HEAD + tl.where(low, e, e - HALF), mask=mask, other=0)
+            byte = byte.to(tl.int32)
+            q = tl.where(low, byte & 15, (byte >> 4) & 15).to(tl.float32)
         else:
             q = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0).to(tl.float32)
         pm = (tt >= 0) & (hh >= 0) & mask  # only for the per-element path with RoPE partners
@@ -362,18 +363,17 @@ def _read_tile(
         x = tl.load(row + tt * S_TOK + hh * S_HEAD + dd, mask=lm, other=0.0)
         tl.store(out_ptr, x.to(dst.dtype.element_ty), mask=m)
     elif (QUANT == 3) and (not ROPE):
-        # bytes [TOK, H, D/2] -> element pairs [TOK, H, D/2, 2] stored as they are (no reshape)
+        # bytes [TOK, H, D/2]: low nibbles are elements [0, D/2), high nibbles [D/2, D): two contiguous stores
         d2 = tl.arange(0, BLOCK_D // 2)[None, None, :]
         hm = (hh < H) & tvalid & (tt >= 0)
         byte = tl.load(row + tt * S_TOK + hh * S_HEAD + d2, mask=hm & (d2 < D // 2), other=0).to(tl.int32)
         scale = tl.load(par + tt * P_TOK + hh * P_HEAD, mask=hm, other=0.0)
         zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=hm, other=0.0)
-        lo = (byte & 15).to(tl.float32) * scale + zero
-        hi = ((byte >> 4) & 15).to(tl.float32) * scale + zero
-        x4 = tl.where(tvalid[:, :, :, None], tl.join(lo, hi), 0.0)
-        e4 = d2[:, :, :, None] * 2 + tl.arange(0, 2)[None, None, None, :]
-        m4 = (hh < H)[:, :, :, None] & (e4 < D) & (tt >= 0)[:, :, :, None]
-        tl.store(dst + (tt * OUT_S + hh * OUT_H)[:, :, :, None] + e4, x4.to(dst.dtype.element_ty), mask=m4)
+        lo = tl.where(tvalid, (byte & 15).to(tl.float32) * scale + zero, 0.0)
+        hi = tl.where(tvalid, ((byte >> 4) & 15).to(tl.float32) * scale + zero, 0.0)
+        sm = (hh < H) & (d2 < D // 2) & (tt >= 0)
+        tl.store(dst + tt * OUT_S + hh * OUT_H + d2, lo.to(dst.dtype.element_ty), mask=sm)
+        tl.store(dst + tt * OUT_S + hh * OUT_H + D // 2 + d2, hi.to(dst.dtype.element_ty), mask=sm)
     else:
         if QUANT == 2:  # one scale / zero per (token, head), not per element
             hm = (hh < H) & tvalid & (tt >= 0)
@@ -382,10 +382,11 @@ def _read_tile(
             zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=hm, other=0.0)
             x = q * scale + zero
         else:
-            x = _deq3(row, par, dd, lm, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh)
+            x = _deq3(row, par, dd, lm, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh, D // 2)
         if ROPE:
             partner, j, first, in_rot = _rope_pairs(dd, ROT, INTERLEAVED)
-            xp = _deq3(row, par, partner, lm & in_rot, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh)
+            xp = _deq3(row, par, partner, lm & in_rot, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh,
+                       D // 2)
             f = tl.load(inv_freq + j, mask=in_rot, other=0.0)
             x = _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE)
         x = tl.where(tvalid, x, 0.0)
@@ -541,7 +542,7 @@ def append_paged_kv_launch(
         CP_RANK=cp_rank, CP_SIZE=cp_size,
         SEARCH=next_pow2(n_seqs) if 0 < n_seqs <= 1024 else 0, LOG_B=max(n_seqs - 1, 0).bit_length(),
         STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1),
-        BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),
+        BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
         LIBDEVICE=pool.device.type == "cuda",
         num_warps=4 if H * D <= 2048 else 8,
     )
@@ -720,8 +721,9 @@ def append_paged_kv_reference(
             data = (x.float() * inv).clamp(-_FP8_MAX, _FP8_MAX).to(pool.dtype)
         else:
             q, scale, zero = quantize_rows_reference(x, 8 if kv_dtype == "int8" else 4)
-            if kv_dtype == "int4":
-                q = (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+            if kv_dtype == "int4":  # planar nibbles: byte i = q[i] | q[D/2 + i] << 4
+                half = q.shape[-1] // 2
+                q = (q[..., :half] | (q[..., half:] << 4)).to(torch.uint8)
             data = q
             par = torch.stack([scale, zero], dim=-1)  # [n, H, 2]
             if hnd:
@@ -766,7 +768,7 @@ def gather_paged_kv_reference(
             else:
                 par = params[blks, kv, :, offs] if hnd else params[blks, kv, offs]  # [n, H, 2]
                 if kv_dtype == "int4":
-                    q = torch.stack([data & 15, (data >> 4) & 15], dim=-1).reshape(*data.shape[:-1], D)
+                    q = torch.cat([data & 15, (data >> 4) & 15], dim=-1)
                 else:
                     q = data
                 x = dequantize_rows_reference(q, par[..., 0], par[..., 1])

@@ -27,8 +27,10 @@ Quantization (TurboMind's, per token and head, asymmetric):
   NHD ``[num_blocks, 2, block_size, H, 2]``, HND ``[num_blocks, 2, H, block_size, 2]``. Padded lanes
   (head_dim not a power of two) never take part in min / max. Error bound:
   ``|x - dequant(q)| <= scale / 2`` (plus float32 rounding).
-* int4 nibble order: element ``2i`` of a row in the low nibble of byte ``i``, element ``2i + 1`` in the
-  high nibble (``byte = q[2i] | q[2i+1] << 4``). ``head_dim`` must be even.
+* int4 nibble order (planar halves): element ``i`` of a row in the low nibble of byte ``i``, element
+  ``D/2 + i`` in the high nibble (``byte[i] = q[i] | q[D/2 + i] << 4``, ``i < D/2``). ``head_dim`` must be
+  even. Chosen over adjacent pairs because the two halves are exactly the pairs of rotate-half RoPE: the
+  kernels rotate, quantize and pack a row from two contiguous half tiles, with no data shuffles.
 * fp8: ``float8_e4m3fn(clamp(x * (1 / scale), -448, 448))`` (round to nearest even, saturating) with one
   float32 scale per layer for K and one for V
   (``PagedKVCache.kv_scales[layer] = (k_scale, v_scale)``, default 1.0), as vLLM's ``fp8`` cache.
