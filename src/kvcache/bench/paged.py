@@ -111,8 +111,24 @@ def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
                 cache.append(0, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
 
             per_layer = time_graph(step, 1) / layers
-            rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} + rope",
+            rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} + rope (ragged)",
                             eager_us=time_eager(one, 200), graph_us=per_layer, host_us=time_host(one),
+                            bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
+            # slot-mapping mode (vLLM's convention): one index load per token instead of a batch search
+            slots = (tables.long()[torch.arange(n_seqs, device=dev), (kv_lens // bs).long()] * bs
+                     + (kv_lens % bs).long())
+            positions = kv_lens.long()
+
+            def step_slots(cache=cache, slots=slots, positions=positions) -> None:  # type: ignore[no-untyped-def]
+                for layer in range(layers):
+                    cache.append(layer, k, v, slot_mapping=slots, positions=positions)
+
+            def one_slots(cache=cache, slots=slots, positions=positions) -> None:  # type: ignore[no-untyped-def]
+                cache.append(0, k, v, slot_mapping=slots, positions=positions)
+
+            rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} + rope (slots)",
+                            eager_us=time_eager(one_slots, 200), graph_us=time_graph(step_slots, 1) / layers,
+                            host_us=time_host(one_slots),
                             bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
             del cache
     return rows

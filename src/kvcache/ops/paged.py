@@ -500,8 +500,10 @@ def append_paged_kv_launch(
     fp8_scales: torch.Tensor | None,
     cp_rank: int,
     cp_size: int,
+    num_warps: int | None = None,
 ) -> None:
-    """Launch the append kernel (arguments already validated)."""
+    """Launch the append kernel (arguments already validated; ``num_warps`` overrides the default, for
+    tuning)."""
     n_tokens, H, D = k.shape
     if n_tokens == 0:
         return
@@ -544,8 +546,13 @@ def append_paged_kv_launch(
         STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1),
         BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
         LIBDEVICE=pool.device.type == "cuda",
-        num_warps=4 if H * D <= 2048 else 8,
+        num_warps=num_warps or _APPEND_WARPS(H * D),
     )
+
+
+def _APPEND_WARPS(row_elems: int) -> int:
+    # half tiles of H * D / 2 elements: 8 per thread (16-byte fp16 accesses)
+    return max(1, min(8, row_elems // 2 // 8 // 32))
 
 
 def gather_paged_kv_launch(
@@ -563,8 +570,11 @@ def gather_paged_kv_launch(
     fp8_scales: torch.Tensor | None,
     cp_rank: int,
     cp_size: int,
+    num_warps: int | None = None,
+    tok: int | None = None,
 ) -> None:
-    """Launch the gather kernel (arguments already validated). ``k_out`` / ``v_out``: ``[B, H, S_out, D]``."""
+    """Launch the gather kernel (arguments already validated). ``k_out`` / ``v_out``: ``[B, H, S_out, D]``.
+    ``num_warps`` and ``tok`` (tokens per program) override the defaults, for tuning."""
     B, H, s_out, D = k_out.shape
     if B == 0 or s_out == 0:
         return
@@ -580,9 +590,12 @@ def gather_paged_kv_launch(
     bs = pool.shape[3] if hnd else pool.shape[2]
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     dummy = pool
-    tok = 1
-    while tok < 8 and bs % (tok * 2) == 0:
-        tok *= 2
+    if tok is None:
+        tok = 1
+        while tok < 8 and bs % (tok * 2) == 0:
+            tok *= 2
+    elif tok < 1 or bs % tok or tok & (tok - 1):
+        raise ValueError(f"tok: expected a power of two dividing block_size {bs}, got {tok}")
     _gather_kernel.launch(
         pool.device, (cdiv(s_out, tok), B),
         k_out, v_out, pool, params if params is not None else dummy, block_tables,
@@ -595,7 +608,7 @@ def gather_paged_kv_launch(
         ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0], HND=hnd,
         CP_RANK=cp_rank, CP_SIZE=cp_size, TOK=tok, BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),
         LIBDEVICE=pool.device.type == "cuda",
-        num_warps=8 if tok * H * D >= 4096 else 4,
+        num_warps=num_warps or (8 if tok * H * D >= 4096 else 4),
     )
 
 
