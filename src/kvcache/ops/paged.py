@@ -27,6 +27,7 @@ from triton.language.extra import libdevice
 
 from .._backend import kernel, use_triton
 from .._validate import cdiv, next_pow2
+from ..rope import RopeKernelParams
 
 __all__ = [
     "append_paged_kv",
@@ -81,7 +82,7 @@ def _fp8_grid(y, LIBDEVICE: tl.constexpr):
     qe = tl.maximum(e, -6) - 3  # e4m3: 3 mantissa bits, smallest normal exponent -6
     quantum = ((qe + 127) << 23).to(tl.float32, bitcast=True)
     r = _round_even(a / quantum, LIBDEVICE) * quantum  # division by a power of two: exact
-    return tl.where(y < 0, -r, r)
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 stays -0.0
 
 
 @triton.jit
@@ -523,6 +524,8 @@ def append_paged_kv_launch(
     else:
         mode = 0 if kv_lens is not None else 1
         n_seqs = cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
+        if n_seqs == 0:
+            return  # no sequence: every row is padding
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     dummy = pool
     _append_kernel.launch(
@@ -810,8 +813,12 @@ def _need(name: str, t: object, *, dtypes: tuple[torch.dtype, ...], ndim: int, d
 
 def _pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> tuple[int, int, int, int]:
     """Validate a layer pool (and params); returns (num_blocks, block_size, num_kv_heads, stored row elems)."""
+    if not isinstance(kv_dtype, str):
+        raise TypeError(f"kv_dtype: expected one of {tuple(QUANT_CODES)}, got {type(kv_dtype).__name__}")
     if kv_dtype not in QUANT_CODES:
         raise ValueError(f"kv_dtype: expected one of {tuple(QUANT_CODES)}, got {kv_dtype!r}")
+    if not isinstance(layout, str):
+        raise TypeError(f"layout: expected 'NHD' or 'HND', got {type(layout).__name__}")
     if layout not in ("NHD", "HND"):
         raise ValueError(f"layout: expected 'NHD' or 'HND', got {layout!r}")
     if not isinstance(pool, torch.Tensor):
@@ -865,6 +872,10 @@ def _check_kv_rows(k: object, v: object, pool: torch.Tensor, kv_dtype: str, h: i
 def _check_rope(rope, d: int, device: torch.device):  # type: ignore[no-untyped-def]
     if rope is None:
         return None
+    if not isinstance(rope, RopeKernelParams):
+        raise TypeError(
+            f"rope: expected RopeKernelParams (RopeConfig.kernel_params(device=...)), got {type(rope).__name__}"
+        )
     for attr in ("inv_freq", "attention_scaling", "rotary_dim", "interleaved"):
         if not hasattr(rope, attr):
             raise TypeError(
@@ -1019,7 +1030,7 @@ def append_paged_kv(
         else:
             _check_int_vec("cu_k_lens", cu_k_lens, b + 1, dev)
         if check:
-            _host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp_size)
+            _host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp_rank, cp_size)
     append_paged_kv_launch(
         k, v, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, cu_q_lens=cu_q_lens,
         kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping, positions=positions, rope=rope,
@@ -1027,7 +1038,7 @@ def append_paged_kv(
     )
 
 
-def _host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp_size) -> None:  # type: ignore[no-untyped-def]
+def _host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp_rank, cp_size) -> None:  # type: ignore[no-untyped-def]
     cu = cu_q_lens.tolist()
     if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > n:
         raise ValueError(f"cu_q_lens: expected non-decreasing from 0 to at most {n} (rows of k), got {cu}")
@@ -1045,7 +1056,7 @@ def _host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, c
     width = block_tables.shape[1]
     tables = block_tables.tolist()
     for i in range(b):
-        local = -(-totals[i] // cp_size)
+        local = max(totals[i] - cp_rank + cp_size - 1, 0) // cp_size  # positions p with p % cp_size == cp_rank
         need = -(-local // bs)
         if need > width:
             raise ValueError(f"block_tables: sequence {i} needs {need} blocks for {totals[i]} tokens, the table holds "
@@ -1122,6 +1133,8 @@ def gather_paged_kv(
     if (k_out is None) != (v_out is None):
         raise ValueError("k_out: expected both k_out and v_out, or neither")
     if k_out is None:
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
         if dtype is None:
             if kv_dtype != "auto":
                 raise ValueError(f"dtype: expected the model dtype for a {kv_dtype!r} pool")
@@ -1132,7 +1145,9 @@ def gather_paged_kv(
             lens = kv_lens if kv_lens is not None else cu_k_lens[1:] - cu_k_lens[:-1]  # type: ignore[index]
             max_len = int(lens.max().item()) if b else 0
             max_len = max(max_len - cp_rank + cp_size - 1, 0) // cp_size
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0:
+        if isinstance(max_len, bool) or not isinstance(max_len, int):
+            raise TypeError(f"max_len: expected an int, got {type(max_len).__name__}")
+        if max_len < 0:
             raise ValueError(f"max_len: expected an int >= 0, got {max_len!r}")
         k_out = torch.empty((b, h, max_len, d), dtype=dtype, device=dev)
         v_out = torch.empty((b, h, max_len, d), dtype=dtype, device=dev)

@@ -7,7 +7,7 @@ kv_dtype    data, per layer                                                store
 ==========  ============================================================  ==============================
 "auto"      NHD ``[num_blocks, 2, block_size, H, D]`` / HND ``[num_blocks,  the model dtype (fp16 / bf16)
             2, H, block_size, D]``
-"fp8"       same shapes                                                    float8_e4m3fn of ``x / scale``
+"fp8"       same shapes                                                    float8_e4m3fn of ``x * (1/scale)``
 "int8"      same shapes                                                    uint8 code
 "int4"      same shapes with ``D // 2`` bytes per row                      two uint4 codes per byte
 ==========  ============================================================  ==============================
