@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine whose python3 already has torch + triton (the `device` tool's H100): the whole test
-# suite compiled on the GPU (slow sweeps included), then `kvcache bench linear`. Logs go to $OUT
+# suite compiled on the GPU (slow sweeps included), then `kvcache bench linear` and `kvcache bench paged`.
+# Logs go to $OUT
 # (or .devout/). Usage: bash scripts/gpu_check.sh [--quick] [pytest args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,4 +18,5 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
   python3 -m kvcache.cli bench linear $QUICK --json "$OUTDIR/bench.json" 2>&1 | tee "$OUTDIR/bench.log"
+  python3 -m kvcache.cli bench paged $QUICK --json "$OUTDIR/paged.json" 2>&1 | tee "$OUTDIR/paged.log"
 fi

@@ -94,3 +94,41 @@ def test_save_restore_graph() -> None:
         expected = before.clone()
         expected[:, 3, :, :, :12] = before[:, 1, :, :, :12]
         assert torch.equal(cache.buffer, expected)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
+def test_paged_decode_append_graph(kv_dtype: str) -> None:
+    from kvcache import PagedConfig, PagedKVCache, RopeConfig
+
+    dev = torch.device("cuda")
+    cfg = PagedConfig(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=64, kv_dtype=kv_dtype,
+                      device=dev)
+    rope = RopeConfig(head_dim=64)
+    graphed, eager = PagedKVCache(cfg, rope=rope), PagedKVCache(cfg, rope=rope)
+    n = 8
+    k = torch.empty(n, 4, 64, dtype=torch.float16, device=dev)
+    v = torch.empty_like(k)
+    cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
+    kv_lens = torch.empty(n, dtype=torch.int32, device=dev)
+    tables = torch.arange(n * 4, dtype=torch.int32, device=dev).view(n, 4)
+
+    def step() -> None:
+        for layer in range(cfg.num_layers):
+            graphed.append(layer, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
+
+    kv_lens.zero_()
+    k.normal_()
+    v.normal_()
+    graph = _capture(step)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        k.copy_(torch.randn(k.shape, generator=gen).to(k.dtype))
+        v.copy_(torch.randn(v.shape, generator=gen).to(v.dtype))
+        kv_lens.copy_(torch.randint(0, 63, (n,), generator=gen, dtype=torch.int32))
+        graph.replay()
+        for layer in range(cfg.num_layers):
+            eager.append(layer, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
+        torch.cuda.synchronize()
+        assert torch.equal(graphed.buffer.view(torch.uint8), eager.buffer.view(torch.uint8))
+        if graphed.params_buffer is not None:
+            assert torch.equal(graphed.params_buffer, eager.params_buffer)
