@@ -36,14 +36,14 @@ def main() -> None:
         nbytes = 2 * n * H * D * 2 + 2 * n * H * per_row[kv_dtype]
         for use_rope in (False, True):
             res = []
-            for tok, w in ((1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (8, 16)):
-                def fn(w=w, tok=tok, use_rope=use_rope, c=c, kv_dtype=kv_dtype) -> None:  # type: ignore[no-untyped-def]
+            for w in (1, 2, 4, 8):
+                def fn(w=w, use_rope=use_rope, c=c, kv_dtype=kv_dtype) -> None:  # type: ignore[no-untyped-def]
                     append_paged_kv_launch(k, v, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD",
                                            block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None,
                                            slot_mapping=None, positions=None, rope=rope if use_rope else None,
-                                           fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1, num_warps=w, tok=tok)
+                                           fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1, num_warps=w)
                 t = time_graph(fn, 3)
-                res.append(f"t{tok}w{w}: {100 * nbytes / (t * 1e-6) / 1e9 / copy_bw:.1f}%")
+                res.append(f"w{w}: {100 * nbytes / (t * 1e-6) / 1e9 / copy_bw:.1f}%")
             print(f"append {kv_dtype}{' rope' if use_rope else ''}: " + "  ".join(res))
     n_seqs, seq = 64, 2048
     nb = n_seqs * seq // bs + 16
@@ -59,8 +59,8 @@ def main() -> None:
             c.params_buffer.uniform_(0.001, 0.01)
         nbytes = 2 * n_seqs * seq * H * per_row[kv_dtype] + 2 * n_seqs * seq * H * D * 2
         res = []
-        for tok in (1, 2):
-            for w in (2, 4):
+        for tok in (1, 2, 4, 8, 16):
+            for w in (2, 4, 8):
                 def gfn(tok=tok, w=w, c=c, kv_dtype=kv_dtype) -> None:  # type: ignore[no-untyped-def]
                     gather_paged_kv_launch(ko, vo, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD",
                                            block_tables=tables, kv_lens=lens, cu_k_lens=None, rope=None,

@@ -120,15 +120,14 @@ def _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE: tl.constexpr)
 
 @triton.jit
 def _encode_halves(
-    x1, x2, raw1, raw2, dst, par, ok, inv_fp8, hh, i,
+    x1, x2, raw1, raw2, dst, par, inv_fp8, hh, i,
     QUANT: tl.constexpr, RAW: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    # Store TOK tokens' rows, given as two half tiles [TOK, BLOCK_H, BLOCK_HF]: elements i (x1) and HALF + i
-    # (x2), float32 (or the loaded values raw1 / raw2 when RAW), in the pool's format. dst [TOK, 1, 1]: row
-    # pointers; par [TOK, 1]: scale / zero pointers; ok [TOK, 1, 1]: the token is written.
-    m1 = (hh < H) & (i < HALF) & ok
-    m2 = (hh < H) & (i + HALF < D) & ok
+    # Store one token's rows, given as two half tiles [BLOCK_H, BLOCK_HF]: elements i (x1) and HALF + i (x2),
+    # float32 (or the loaded values raw1 / raw2 when RAW), in the pool's format at dst (scale / zero at par).
+    m1 = (hh < H) & (i < HALF)
+    m2 = (hh < H) & (i + HALF < D)
     p1 = dst + hh * S_HEAD + i
     p2 = dst + hh * S_HEAD + HALF + i
     if QUANT == 0:
@@ -152,29 +151,29 @@ def _encode_halves(
             qmax = 15.0
         else:
             qmax = 255.0
-        mn = tl.minimum(tl.min(tl.where(m1, x1, float("inf")), axis=2), tl.min(tl.where(m2, x2, float("inf")), axis=2))
-        mx = tl.maximum(tl.max(tl.where(m1, x1, float("-inf")), axis=2),
-                        tl.max(tl.where(m2, x2, float("-inf")), axis=2))
-        hrow = (tl.arange(0, BLOCK_H) < H)[None, :] & (tl.sum(ok, axis=2) > 0)  # [TOK, BLOCK_H]
+        mn = tl.minimum(tl.min(tl.where(m1, x1, float("inf")), axis=1), tl.min(tl.where(m2, x2, float("inf")), axis=1))
+        mx = tl.maximum(tl.max(tl.where(m1, x1, float("-inf")), axis=1),
+                        tl.max(tl.where(m2, x2, float("-inf")), axis=1))
+        hrow = tl.arange(0, BLOCK_H) < H
         mn = tl.where(hrow, mn, 0.0)
         mx = tl.where(hrow, mx, 0.0)
-        scale = _div(mx - mn, tl.zeros_like(mn) + qmax, LIBDEVICE)  # per (token, head): IEEE, as the reference
+        scale = _div(mx - mn, tl.zeros_like(mn) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
         # scale == 0: every code 0, a constant row round-trips exactly
         inv = tl.where(scale > 0.0, _div(tl.zeros_like(scale) + 1.0, tl.where(scale > 0.0, scale, 1.0), LIBDEVICE),
-                       0.0)[:, :, None]
-        q1 = tl.minimum(tl.maximum(_round_even((x1 - mn[:, :, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
-        q2 = tl.minimum(tl.maximum(_round_even((x2 - mn[:, :, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
+                       0.0)[:, None]
+        q1 = tl.minimum(tl.maximum(_round_even((x1 - mn[:, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
+        q2 = tl.minimum(tl.maximum(_round_even((x2 - mn[:, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
         if QUANT == 3:  # planar nibbles: byte i = element i | element HALF + i << 4
             tl.store(p1, (q1 | (q2 << 4)).to(tl.uint8), mask=m1)
         else:
             tl.store(p1, q1.to(tl.uint8), mask=m1)
             tl.store(p2, q2.to(tl.uint8), mask=m2)
-        hp = tl.arange(0, BLOCK_H)[None, :]
+        hp = tl.arange(0, BLOCK_H)
         tl.store(par + hp * P_HEAD, scale, mask=hrow)
         tl.store(par + hp * P_HEAD + 1, mn, mask=hrow)
 
 
-@kernel(ints=("n_rows", "stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs"))
+@kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs"))
 def _append_kernel(
     k, v,  # model dtype [N, H, D], head_dim contiguous
     pool,  # storage dtype, one layer (see kvcache.paged.config)
@@ -187,7 +186,7 @@ def _append_kernel(
     positions,  # int32 / int64 [N] (MODE 2 with ROPE)
     inv_freq,  # float32 [ROT // 2] (ROPE)
     fp8_scales,  # float32 [2]: k_scale, v_scale (QUANT == 1)
-    n_rows, stride_kn, stride_vn, bt_stride, table_width, n_seqs,
+    stride_kn, stride_vn, bt_stride, table_width, n_seqs,
     MODE: tl.constexpr,  # 0: cu_q_lens + kv_lens, 1: cu_q_lens + cu_k_lens, 2: slot mapping
     QUANT: tl.constexpr,  # 0 none, 1 fp8, 2 int8, 3 int4
     ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
@@ -197,34 +196,29 @@ def _append_kernel(
     SEARCH: tl.constexpr,  # > 0: find the sequence with one vector load of SEARCH entries; 0: binary search
     LOG_B: tl.constexpr,
     STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,  # head strides of k / v (fixed per model)
-    TOK: tl.constexpr,  # rows (tokens) per program
     BLOCK_H: tl.constexpr, BLOCK_HF: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    # grid: (cdiv(N, TOK),): TOK new tokens per program, all heads, K and V. A row is handled as two half
-    # tiles, elements [0, HALF) and [HALF, D): rotate-half RoPE pairs them directly, int4 packs them into one
-    # byte. Every per-token quantity is a [TOK] vector.
+    # grid: (N,) one program per new token, all heads, K and V. A row is handled as two half tiles, elements
+    # [0, HALF) and [HALF, D): rotate-half RoPE pairs them directly, int4 packs them into one byte.
     HALF: tl.constexpr = (D + 1) // 2
     FAST_ROPE: tl.constexpr = (not INTERLEAVED) and (ROT == D)  # pairs (i, HALF + i): no partner loads
-    n = tl.program_id(0) * TOK + tl.arange(0, TOK)  # [TOK] rows
-    in_rows = n < n_rows
+    n = tl.program_id(0)
     nn = n.to(tl.int64)
-    row_ok = in_rows[:, None, None]
-    hh = tl.arange(0, BLOCK_H)[None, :, None]
-    i = tl.arange(0, BLOCK_HF)[None, None, :]
-    m1 = (hh < H) & (i < HALF) & row_ok
-    m2 = (hh < H) & (i + HALF < D) & row_ok
-    # 1. the tokens' K and V first: they do not depend on where the tokens go, so their latency overlaps the
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK_HF)[None, :]
+    m1 = (hh < H) & (i < HALF)
+    m2 = (hh < H) & (i + HALF < D)
+    # 1. the token's K and V first: they do not depend on where it goes, so their latency overlaps the
     #    index loads below
-    krow = k + (nn * stride_kn)[:, None, None] + hh * STRIDE_KH
-    vrow = v + (nn * stride_vn)[:, None, None] + hh * STRIDE_VH
+    krow = k + nn * stride_kn + hh * STRIDE_KH
+    vrow = v + nn * stride_vn + hh * STRIDE_VH
     k1 = tl.load(krow + i, mask=m1, other=0.0)
     k2 = tl.load(krow + HALF + i, mask=m2, other=0.0)
     v1 = tl.load(vrow + i, mask=m1, other=0.0)
     v2 = tl.load(vrow + HALF + i, mask=m2, other=0.0)
     if ROPE:
         if FAST_ROPE:
-            fi = tl.arange(0, BLOCK_HF)
-            f = tl.load(inv_freq + fi, mask=fi < HALF, other=0.0)[None, :]
+            f = tl.load(inv_freq + tl.arange(0, BLOCK_HF), mask=tl.arange(0, BLOCK_HF) < HALF, other=0.0)
         else:
             pa1, j1, fi1, r1 = _rope_pairs(i, ROT, INTERLEAVED)
             pa2, j2, fi2, r2 = _rope_pairs(i + HALF, ROT, INTERLEAVED)
@@ -232,48 +226,46 @@ def _append_kernel(
             kp2 = tl.load(krow + pa2, mask=m2 & r2, other=0.0).to(tl.float32)
             f1 = tl.load(inv_freq + j1, mask=r1, other=0.0)
             f2 = tl.load(inv_freq + j2, mask=r2, other=0.0)
-    # 2. where they go
+    # 2. where it goes
+    pos = nn * 0
     if MODE == 2:
-        slot = tl.load(slots + n, mask=in_rows, other=-1).to(tl.int64)
+        slot = tl.load(slots + n).to(tl.int64)
         valid = slot >= 0
         blk = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
-        pos = nn * 0
         if ROPE:
-            pos = tl.load(positions + n, mask=in_rows, other=0).to(tl.int64)
+            pos = tl.load(positions + n).to(tl.int64)
     else:
         if SEARCH > 0:
-            ib = tl.arange(0, SEARCH)[None, :]
-            ends = tl.load(cu_q + 1 + ib, mask=ib < n_seqs, other=2147483647)  # cu_q[1 .. B], [1, SEARCH]
-            before = ends <= n[:, None]  # [TOK, SEARCH]
-            b = tl.sum(before.to(tl.int32), axis=1)  # sequences that end at or before each row
-            q0 = tl.max(tl.where(before, ends, 0), axis=1)  # cu_q[b]
-            q1 = tl.min(tl.where(before, 2147483647, ends), axis=1)  # cu_q[b + 1]
+            ib = tl.arange(0, SEARCH)
+            ends = tl.load(cu_q + 1 + ib, mask=ib < n_seqs, other=2147483647)  # cu_q[1 .. B]
+            b = tl.sum((ends <= n).to(tl.int32), axis=0)  # sequences that end at or before row n
+            q0 = tl.max(tl.where(ends <= n, ends, 0), axis=0)  # cu_q[b]
+            q1 = tl.min(tl.where(ends > n, ends, 2147483647), axis=0)  # cu_q[b + 1]
             if MODE == 0:
                 kvl = tl.load(kv_info + ib, mask=ib < n_seqs, other=0)
-                start = tl.sum(tl.where(ib == b[:, None], kvl, 0), axis=1)
+                start = tl.sum(tl.where(ib == b, kvl, 0), axis=0)
             else:
                 cks = tl.load(kv_info + 1 + ib, mask=ib < n_seqs, other=0)
                 ck0 = tl.load(kv_info + ib, mask=ib < n_seqs, other=0)
-                start = tl.sum(tl.where(ib == b[:, None], cks - ck0, 0), axis=1) - (q1 - q0)
+                start = tl.sum(tl.where(ib == b, cks - ck0, 0), axis=0) - (q1 - q0)
         else:
             lo = n * 0
             hi = lo + n_seqs
             for _ in tl.static_range(LOG_B):  # largest b with cu_q[b] <= n
                 mid = (lo + hi) // 2
-                go = tl.load(cu_q + mid, mask=in_rows, other=0) <= n
+                go = tl.load(cu_q + mid) <= n
                 lo = tl.where(go, mid, lo)
                 hi = tl.where(go, hi, mid)
             b = lo
-            q0 = tl.load(cu_q + b, mask=in_rows, other=0)
-            q1 = tl.load(cu_q + b + 1, mask=in_rows, other=0)
+            q0 = tl.load(cu_q + b)
+            q1 = tl.load(cu_q + b + 1)
             if MODE == 0:
-                start = tl.load(kv_info + b, mask=in_rows, other=0)
+                start = tl.load(kv_info + b)
             else:
-                start = (tl.load(kv_info + b + 1, mask=in_rows, other=0) - tl.load(kv_info + b, mask=in_rows,
-                                                                                    other=0)) - (q1 - q0)
+                start = (tl.load(kv_info + b + 1) - tl.load(kv_info + b)) - (q1 - q0)
         pos = (start + (n - q0)).to(tl.int64)
-        valid = in_rows & (b < n_seqs) & (n < q1) & (pos >= 0)
+        valid = (b < n_seqs) & (n < q1) & (pos >= 0)
         if CP_SIZE > 1:
             valid = valid & ((pos % CP_SIZE) == CP_RANK)
             lpos = pos // CP_SIZE
@@ -284,53 +276,52 @@ def _append_kernel(
         blk = tl.load(block_tables + b.to(tl.int64) * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
         off = lpos % BLOCK_SIZE
     valid = valid & (blk >= 0) & (blk < NUM_BLOCKS)
-    blk = tl.where(valid, blk, 0)
     # 3. transform and store
-    if HND:
-        s_tok: tl.constexpr = DP
-        s_head: tl.constexpr = BLOCK_SIZE * DP
-        p_tok: tl.constexpr = 2
-        p_head: tl.constexpr = BLOCK_SIZE * 2
-    else:
-        s_tok: tl.constexpr = H * DP
-        s_head: tl.constexpr = DP
-        p_tok: tl.constexpr = H * 2
-        p_head: tl.constexpr = 2
-    s_kv: tl.constexpr = BLOCK_SIZE * H * DP
-    p_kv: tl.constexpr = BLOCK_SIZE * H * 2
-    base = (blk * (2 * s_kv) + off * s_tok)[:, None, None]
-    pbase = (blk * (2 * p_kv) + off * p_tok)[:, None]
-    ok = valid[:, None, None]
-    inv_k = 1.0
-    inv_v = 1.0
-    if QUANT == 1:  # one IEEE reciprocal per scale, then multiplies (as the reference)
-        one = tl.full((), 1.0, tl.float32)
-        inv_k = _div(one, tl.load(fp8_scales), LIBDEVICE)
-        inv_v = _div(one, tl.load(fp8_scales + 1), LIBDEVICE)
-    x1 = k1.to(tl.float32)
-    x2 = k2.to(tl.float32)
-    if ROPE:
-        pos_f = pos.to(tl.float32)
-        if FAST_ROPE:  # one cos / sin per (token, frequency), shared by every head
-            angle = pos_f[:, None] * f
-            if LIBDEVICE:  # accurate, full range reduction (angles reach 1e5 radians)
-                c = libdevice.cos(angle) * ATTN_SCALE
-                sn = libdevice.sin(angle) * ATTN_SCALE
-            else:
-                c = tl.cos(angle) * ATTN_SCALE
-                sn = tl.sin(angle) * ATTN_SCALE
-            c = c[:, None, :]
-            sn = sn[:, None, :]
-            r1 = x1 * c - x2 * sn
-            x2 = x2 * c + x1 * sn
-            x1 = r1
+    if valid:
+        if HND:
+            s_tok: tl.constexpr = DP
+            s_head: tl.constexpr = BLOCK_SIZE * DP
+            p_tok: tl.constexpr = 2
+            p_head: tl.constexpr = BLOCK_SIZE * 2
         else:
-            x1 = _rotate(x1, kp1, f1, fi1, r1, pos_f[:, None, None], ATTN_SCALE, LIBDEVICE)
-            x2 = _rotate(x2, kp2, f2, fi2, r2, pos_f[:, None, None], ATTN_SCALE, LIBDEVICE)
-    _encode_halves(x1, x2, k1, k2, pool + base, qparams + pbase, ok, inv_k, hh, i, QUANT, not ROPE, H, D, HALF,
-                   BLOCK_H, s_head, p_head, LIBDEVICE)
-    _encode_halves(v1.to(tl.float32), v2.to(tl.float32), v1, v2, pool + base + s_kv, qparams + pbase + p_kv, ok,
-                   inv_v, hh, i, QUANT, True, H, D, HALF, BLOCK_H, s_head, p_head, LIBDEVICE)
+            s_tok: tl.constexpr = H * DP
+            s_head: tl.constexpr = DP
+            p_tok: tl.constexpr = H * 2
+            p_head: tl.constexpr = 2
+        s_kv: tl.constexpr = BLOCK_SIZE * H * DP
+        p_kv: tl.constexpr = BLOCK_SIZE * H * 2
+        base = blk * (2 * s_kv) + off * s_tok
+        pbase = blk * (2 * p_kv) + off * p_tok
+        inv_k = 1.0
+        inv_v = 1.0
+        if QUANT == 1:  # one IEEE reciprocal per token, then multiplies (as the reference)
+            one = tl.full((), 1.0, tl.float32)
+            inv_k = _div(one, tl.load(fp8_scales), LIBDEVICE)
+            inv_v = _div(one, tl.load(fp8_scales + 1), LIBDEVICE)
+        x1 = k1.to(tl.float32)
+        x2 = k2.to(tl.float32)
+        if ROPE:
+            pos_f = pos.to(tl.float32)
+            if FAST_ROPE:  # one cos / sin per frequency, shared by every head
+                angle = pos_f * f
+                if LIBDEVICE:  # accurate, full range reduction (angles reach 1e5 radians)
+                    c = libdevice.cos(angle) * ATTN_SCALE
+                    sn = libdevice.sin(angle) * ATTN_SCALE
+                else:
+                    c = tl.cos(angle) * ATTN_SCALE
+                    sn = tl.sin(angle) * ATTN_SCALE
+                c = c[None, :]
+                sn = sn[None, :]
+                r1 = x1 * c - x2 * sn
+                x2 = x2 * c + x1 * sn
+                x1 = r1
+            else:
+                x1 = _rotate(x1, kp1, f1, fi1, r1, pos_f, ATTN_SCALE, LIBDEVICE)
+                x2 = _rotate(x2, kp2, f2, fi2, r2, pos_f, ATTN_SCALE, LIBDEVICE)
+        _encode_halves(x1, x2, k1, k2, pool + base, qparams + pbase, inv_k, hh, i, QUANT, not ROPE, H, D, HALF,
+                       BLOCK_H, s_head, p_head, LIBDEVICE)
+        _encode_halves(v1.to(tl.float32), v2.to(tl.float32), v1, v2, pool + base + s_kv, qparams + pbase + p_kv,
+                       inv_v, hh, i, QUANT, True, H, D, HALF, BLOCK_H, s_head, p_head, LIBDEVICE)
 
 
 @triton.jit
@@ -511,10 +502,9 @@ def append_paged_kv_launch(
     cp_rank: int,
     cp_size: int,
     num_warps: int | None = None,
-    tok: int | None = None,
 ) -> None:
-    """Launch the append kernel (arguments already validated; ``num_warps`` and ``tok`` (tokens per program)
-    override the defaults, for tuning)."""
+    """Launch the append kernel (arguments already validated; ``num_warps`` overrides the default, for
+    tuning)."""
     n_tokens, H, D = k.shape
     if n_tokens == 0:
         return
@@ -538,10 +528,8 @@ def append_paged_kv_launch(
             return  # no sequence: every row is padding
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     dummy = pool
-    if tok is None:  # several tokens per program amortize the index loads; decode keeps one for parallelism
-        tok = 4 if n_tokens >= 4096 else (2 if n_tokens >= 1024 else 1)
     _append_kernel.launch(
-        pool.device, (cdiv(n_tokens, tok),),
+        pool.device, (n_tokens,),
         k, v, pool, params if params is not None else dummy,
         block_tables if block_tables is not None else dummy,
         cu_q_lens if cu_q_lens is not None else dummy,
@@ -550,7 +538,7 @@ def append_paged_kv_launch(
         positions if positions is not None else dummy,
         inv_freq if inv_freq is not None else dummy,
         fp8_scales if fp8_scales is not None else dummy,
-        n_tokens, k.stride(0), v.stride(0),
+        k.stride(0), v.stride(0),
         block_tables.stride(0) if block_tables is not None else 0,
         block_tables.shape[1] if block_tables is not None else 0,
         n_seqs,
@@ -558,11 +546,11 @@ def append_paged_kv_launch(
         H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=num_blocks, HND=hnd,
         CP_RANK=cp_rank, CP_SIZE=cp_size,
         SEARCH=next_pow2(n_seqs) if 0 < n_seqs <= 1024 else 0, LOG_B=max(n_seqs - 1, 0).bit_length(),
-        STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), TOK=tok,
+        STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1),
         BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
         LIBDEVICE=pool.device.type == "cuda",
         # measured on an H100 (benchmarks/paged_tune.py, 8 x 128 heads): 4 warps for plain rows, 2 when quantizing
-        num_warps=num_warps or max(1, min(8, tok * H * D // (256 if quant == 0 else 512))),
+        num_warps=num_warps or max(1, min(8, H * D // (256 if quant == 0 else 512))),
     )
 
 
