@@ -423,7 +423,8 @@ def _gather_kernel(
     hh = tl.arange(0, BLOCK_H)[None, :, None]
     dd = tl.arange(0, BLOCK_D)[None, None, :]
     t = t0 + tt
-    tvalid = (t < local) & (t < s_out) & has_block
+    # (t * 0 + ...) makes has_block a vector: triton 3.9's interpreter rejects vector & scalar masks
+    tvalid = (t < local) & (t < s_out) & ((t * 0 + has_block.to(tl.int64)) != 0)
     tt = tl.where(t < s_out, tt, -1)  # rows past S_out: masked off everywhere (tt >= 0 in the masks)
     if HND:
         s_tok: tl.constexpr = DP
