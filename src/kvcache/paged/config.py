@@ -45,9 +45,9 @@ import torch
 from .._validate import check_int
 from ..config import resolve_device
 
-__all__ = ["PagedConfig", "cache_block_bytes", "KV_DTYPES", "LAYOUTS"]
+__all__ = ["PagedConfig", "cache_block_bytes", "KV_FORMATS", "LAYOUTS"]
 
-KV_DTYPES = ("auto", "fp8", "int8", "int4")
+KV_FORMATS = ("auto", "fp8", "int8", "int4")  # values of kv_dtype
 LAYOUTS = ("NHD", "HND")
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -102,7 +102,7 @@ def cache_block_bytes(
     check_int("head_dim", head_dim, 1)
     check_int("block_size", block_size, 1)
     _check_model_dtype("dtype", dtype)
-    _check_choice("kv_dtype", kv_dtype, KV_DTYPES)
+    _check_choice("kv_dtype", kv_dtype, KV_FORMATS)
     if kv_dtype == "int4" and head_dim % 2:
         raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {head_dim}")
     elt = torch.empty((), dtype=storage_dtype(dtype, kv_dtype)).element_size()
@@ -150,7 +150,7 @@ class PagedConfig:
         check_int("block_size", self.block_size, 1)
         check_int("num_blocks", self.num_blocks, 1)
         _check_model_dtype("dtype", self.dtype)
-        _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        _check_choice("kv_dtype", self.kv_dtype, KV_FORMATS)
         _check_choice("layout", self.layout, LAYOUTS)
         if self.kv_dtype == "int4" and self.head_dim % 2:
             raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {self.head_dim}")
