@@ -459,14 +459,7 @@ def compact_kv_layer(
     is copied; slots past a length and evicted slots keep stale data. No allocation, no host sync.
     """
     check_kv_layer("layer", layer)
-    check_tensor("batch_mapping", batch_mapping)
-    check_tensor("lengths", lengths)
-    dst = lengths if dst_lengths is None else check_tensor("dst_lengths", dst_lengths)
-    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst, max_batch=layer.shape[0],
-                        ref=("layer", layer.device))
-    if check:
-        check_batch_mapping(batch_mapping, old_active, new_active)
-        _check_length_values(lengths, old_active, layer.shape[3])
+    _check_compaction_args("layer", (layer,), batch_mapping, lengths, old_active, new_active, dst_lengths, check)
     b, _, h, s, d = layer.shape
     compact_slots_strided(
         layer, layer, batch_mapping, lengths, old_active, new_active,
@@ -508,14 +501,7 @@ def compact_kv_layers(
     built on the first call with a set of layers and reused after; the caches build theirs at construction.
     """
     layers = check_kv_layers("layers", layers)
-    check_tensor("batch_mapping", batch_mapping)
-    check_tensor("lengths", lengths)
-    dst = lengths if dst_lengths is None else check_tensor("dst_lengths", dst_lengths)
-    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst, max_batch=layers[0].shape[0],
-                        ref=("layers[0]", layers[0].device))
-    if check:
-        check_batch_mapping(batch_mapping, old_active, new_active)
-        _check_length_values(lengths, old_active, min(t.shape[3] for t in layers))
+    _check_compaction_args("layers[0]", layers, batch_mapping, lengths, old_active, new_active, dst_lengths, check)
     table = _TABLES.get(layers) if use_triton(layers[0].device) else None
     compact_slots_table(layers, table, batch_mapping, lengths, old_active, new_active)
     if dst_lengths is not None:
@@ -614,6 +600,29 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _check_compaction_args(
+    ref_name: str,
+    layers: Sequence[torch.Tensor],
+    batch_mapping: torch.Tensor,
+    lengths: torch.Tensor,
+    old_active: int,
+    new_active: int,
+    dst_lengths: torch.Tensor | None,
+    check: bool,
+) -> None:
+    """Argument checks shared by compact_kv_layer and compact_kv_layers (validated layers, ``layers[0]`` named
+    ``ref_name`` in errors)."""
+    ref = layers[0]
+    check_tensor("batch_mapping", batch_mapping)
+    check_tensor("lengths", lengths)
+    dst = lengths if dst_lengths is None else check_tensor("dst_lengths", dst_lengths)
+    _check_lengths_args(lengths, batch_mapping, old_active, new_active, dst, max_batch=ref.shape[0],
+                        ref=(ref_name, ref.device))
+    if check:
+        check_batch_mapping(batch_mapping, old_active, new_active)
+        _check_length_values(lengths, old_active, min(t.shape[3] for t in layers))
 
 
 def _check_length_values(lengths: torch.Tensor, old_active: int, max_len: int) -> None:
