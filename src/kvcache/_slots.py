@@ -140,7 +140,11 @@ class SlotCache:
 
     _store: LayerStore
 
-    def _init_state(self, store: LayerStore) -> None:
+    def _init_state(
+        self, specs: Sequence[tuple[int, int]], max_batch: int, max_seq: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Allocate the layers ``(num_kv_heads, head_dim)`` of ``specs`` and the per-sequence state."""
+        store = LayerStore(specs, max_batch, max_seq, dtype, device)
         self._store = store
         dev = store.device
         B = store.max_batch

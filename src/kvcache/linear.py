@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._slots import LayerStore, SlotCache
+from ._slots import SlotCache
 from .config import CacheConfig
 
 __all__ = ["LinearKVCache"]
@@ -37,14 +37,8 @@ class LinearKVCache(SlotCache):
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config: expected a CacheConfig, got {type(config).__name__}")
         self._config = config
-        store = LayerStore(
-            [(config.num_kv_heads, config.head_dim)] * config.num_layers,
-            config.max_batch_size,
-            config.max_seq_len,
-            config.dtype,
-            config.device,  # type: ignore[arg-type]
-        )
-        self._init_state(store)
+        self._init_state([(config.num_kv_heads, config.head_dim)] * config.num_layers, config.max_batch_size,
+                         config.max_seq_len, config.dtype, config.device)  # type: ignore[arg-type]
 
     @property
     def config(self) -> CacheConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._slots import LayerStore, SlotCache
+from ._slots import SlotCache
 from .config import KVLayerConfig, ManagerConfig
 
 __all__ = ["KVCacheManager"]
@@ -30,14 +30,8 @@ class KVCacheManager(SlotCache):
         if not isinstance(config, ManagerConfig):
             raise TypeError(f"config: expected a ManagerConfig, got {type(config).__name__}")
         self._config = config
-        store = LayerStore(
-            [(lc.num_kv_heads, lc.head_dim) for lc in config.layers],
-            config.max_batch_size,
-            config.max_seq_len,
-            config.dtype,
-            config.device,  # type: ignore[arg-type]
-        )
-        self._init_state(store)
+        self._init_state([(lc.num_kv_heads, lc.head_dim) for lc in config.layers], config.max_batch_size,
+                         config.max_seq_len, config.dtype, config.device)  # type: ignore[arg-type]
 
     @property
     def config(self) -> ManagerConfig:
