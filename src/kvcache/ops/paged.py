@@ -20,12 +20,20 @@ past ``cu_q_lens[-1]`` are skipped on the device (``check=True`` on the cache sy
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from .._backend import kernel, use_triton
+
+try:  # programmatic dependent launch (Hopper and later); triton >= 3.4
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_wait = None
 from .._validate import cdiv, next_pow2
 from ..rope import RopeKernelParams
 
@@ -173,61 +181,63 @@ def _encode_halves(
         tl.store(par + hp * P_HEAD + 1, mn, mask=hrow)
 
 
-@kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs"))
-def _append_kernel(
-    k, v,  # model dtype [N, H, D], head_dim contiguous
-    pool,  # storage dtype, one layer (see kvcache.paged.config)
-    qparams,  # float32 (scale, zero) pool when QUANT >= 2, else unused (not `params`: triton's binder
-    # uses that name for a local)
-    block_tables,  # int32 [B, table_width] (MODE 0 / 1)
-    cu_q,  # int32 [B + 1] (MODE 0 / 1)
-    kv_info,  # int32 kv_lens [B] (MODE 0) or cu_k_lens [B + 1] (MODE 1)
-    slots,  # int64 [N] (MODE 2)
-    positions,  # int32 / int64 [N] (MODE 2 with ROPE)
-    inv_freq,  # float32 [ROT // 2] (ROPE)
-    fp8_scales,  # float32 [2]: k_scale, v_scale (QUANT == 1)
-    stride_kn, stride_vn, bt_stride, table_width, n_seqs,
-    MODE: tl.constexpr,  # 0: cu_q_lens + kv_lens, 1: cu_q_lens + cu_k_lens, 2: slot mapping
-    QUANT: tl.constexpr,  # 0 none, 1 fp8, 2 int8, 3 int4
-    ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
-    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,  # DP: stored elements per row (D or D // 2)
-    BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, HND: tl.constexpr,
-    CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr,
-    SEARCH: tl.constexpr,  # > 0: find the sequence with one vector load of SEARCH entries; 0: binary search
-    LOG_B: tl.constexpr,
-    STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,  # head strides of k / v (fixed per model)
-    BLOCK_H: tl.constexpr, BLOCK_HF: tl.constexpr, LIBDEVICE: tl.constexpr,
-):
-    # grid: (N,) one program per new token, all heads, K and V. A row is handled as two half tiles, elements
-    # [0, HALF) and [HALF, D): rotate-half RoPE pairs them directly, int4 packs them into one byte.
-    HALF: tl.constexpr = (D + 1) // 2
-    FAST_ROPE: tl.constexpr = (not INTERLEAVED) and (ROT == D)  # pairs (i, HALF + i): no partner loads
-    n = tl.program_id(0)
+@triton.jit
+def _load_token(k, v, n, stride_kn, stride_vn, hh, i, m1, m2, HALF: tl.constexpr, STRIDE_KH: tl.constexpr,
+                STRIDE_VH: tl.constexpr):
+    # row n of k and v as two half tiles each (model dtype, not converted: fewer live registers)
     nn = n.to(tl.int64)
-    hh = tl.arange(0, BLOCK_H)[:, None]
-    i = tl.arange(0, BLOCK_HF)[None, :]
-    m1 = (hh < H) & (i < HALF)
-    m2 = (hh < H) & (i + HALF < D)
-    # 1. the token's K and V first: they do not depend on where it goes, so their latency overlaps the
-    #    index loads below
     krow = k + nn * stride_kn + hh * STRIDE_KH
     vrow = v + nn * stride_vn + hh * STRIDE_VH
     k1 = tl.load(krow + i, mask=m1, other=0.0)
     k2 = tl.load(krow + HALF + i, mask=m2, other=0.0)
     v1 = tl.load(vrow + i, mask=m1, other=0.0)
     v2 = tl.load(vrow + HALF + i, mask=m2, other=0.0)
-    if ROPE:
-        if FAST_ROPE:
-            f = tl.load(inv_freq + tl.arange(0, BLOCK_HF), mask=tl.arange(0, BLOCK_HF) < HALF, other=0.0)
+    return k1, k2, v1, v2
+
+
+@triton.jit
+def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr):
+    # (b, cu_q[b], cu_q[b + 1], tokens cached before the append) of the sequence that owns row n, the largest
+    # b with cu_q[b] <= n. One vector load of SEARCH entries, or a binary search when SEARCH == 0.
+    if SEARCH > 0:
+        ib = tl.arange(0, SEARCH)
+        ends = tl.load(cu_q + 1 + ib, mask=ib < n_seqs, other=2147483647)  # cu_q[1 .. B]
+        b = tl.sum((ends <= n).to(tl.int32), axis=0)  # sequences that end at or before row n
+        q0 = tl.max(tl.where(ends <= n, ends, 0), axis=0)  # cu_q[b]
+        q1 = tl.min(tl.where(ends > n, ends, 2147483647), axis=0)  # cu_q[b + 1]
+        if MODE == 0:
+            kvl = tl.load(kv_info + ib, mask=ib < n_seqs, other=0)
+            start = tl.sum(tl.where(ib == b, kvl, 0), axis=0)
         else:
-            pa1, j1, fi1, r1 = _rope_pairs(i, ROT, INTERLEAVED)
-            pa2, j2, fi2, r2 = _rope_pairs(i + HALF, ROT, INTERLEAVED)
-            kp1 = tl.load(krow + pa1, mask=m1 & r1, other=0.0).to(tl.float32)
-            kp2 = tl.load(krow + pa2, mask=m2 & r2, other=0.0).to(tl.float32)
-            f1 = tl.load(inv_freq + j1, mask=r1, other=0.0)
-            f2 = tl.load(inv_freq + j2, mask=r2, other=0.0)
-    # 2. where it goes
-    pos = nn * 0
+            cks = tl.load(kv_info + 1 + ib, mask=ib < n_seqs, other=0)
+            ck0 = tl.load(kv_info + ib, mask=ib < n_seqs, other=0)
+            start = tl.sum(tl.where(ib == b, cks - ck0, 0), axis=0) - (q1 - q0)
+    else:
+        lo = n * 0
+        hi = lo + n_seqs
+        for _ in tl.static_range(LOG_B):
+            mid = (lo + hi) // 2
+            go = tl.load(cu_q + mid) <= n
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        b = lo
+        q0 = tl.load(cu_q + b)
+        q1 = tl.load(cu_q + b + 1)
+        if MODE == 0:
+            start = tl.load(kv_info + b)
+        else:
+            start = (tl.load(kv_info + b + 1) - tl.load(kv_info + b)) - (q1 - q0)
+    return b.to(tl.int64), q0, q1, start
+
+
+@triton.jit
+def _target(
+    n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, n_rows,
+    MODE: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+    CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr,
+):
+    # where row n goes: (valid, block id, offset in the block, global position)
+    pos = n.to(tl.int64) * 0
     if MODE == 2:
         slot = tl.load(slots + n).to(tl.int64)
         valid = slot >= 0
@@ -236,34 +246,22 @@ def _append_kernel(
         if ROPE:
             pos = tl.load(positions + n).to(tl.int64)
     else:
-        if SEARCH > 0:
-            ib = tl.arange(0, SEARCH)
-            ends = tl.load(cu_q + 1 + ib, mask=ib < n_seqs, other=2147483647)  # cu_q[1 .. B]
-            b = tl.sum((ends <= n).to(tl.int32), axis=0)  # sequences that end at or before row n
-            q0 = tl.max(tl.where(ends <= n, ends, 0), axis=0)  # cu_q[b]
-            q1 = tl.min(tl.where(ends > n, ends, 2147483647), axis=0)  # cu_q[b + 1]
-            if MODE == 0:
-                kvl = tl.load(kv_info + ib, mask=ib < n_seqs, other=0)
-                start = tl.sum(tl.where(ib == b, kvl, 0), axis=0)
-            else:
-                cks = tl.load(kv_info + 1 + ib, mask=ib < n_seqs, other=0)
-                ck0 = tl.load(kv_info + ib, mask=ib < n_seqs, other=0)
-                start = tl.sum(tl.where(ib == b, cks - ck0, 0), axis=0) - (q1 - q0)
+        # first guess: rows spread evenly over the sequences (exact for decode batches and equal-length
+        # prefills), checked with two loads; otherwise search
+        g = tl.minimum((n.to(tl.int64) * n_seqs) // n_rows, n_seqs - 1)
+        c0 = tl.load(cu_q + g)
+        c1 = tl.load(cu_q + g + 1)
+        if MODE == 0:
+            s0 = tl.load(kv_info + g)
         else:
-            lo = n * 0
-            hi = lo + n_seqs
-            for _ in tl.static_range(LOG_B):  # largest b with cu_q[b] <= n
-                mid = (lo + hi) // 2
-                go = tl.load(cu_q + mid) <= n
-                lo = tl.where(go, mid, lo)
-                hi = tl.where(go, hi, mid)
-            b = lo
-            q0 = tl.load(cu_q + b)
-            q1 = tl.load(cu_q + b + 1)
-            if MODE == 0:
-                start = tl.load(kv_info + b)
-            else:
-                start = (tl.load(kv_info + b + 1) - tl.load(kv_info + b)) - (q1 - q0)
+            s0 = (tl.load(kv_info + g + 1) - tl.load(kv_info + g)) - (c1 - c0)
+        if (c0 <= n) & (n < c1):
+            b = g
+            q0 = c0
+            q1 = c1
+            start = s0
+        else:
+            b, q0, q1, start = _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
         pos = (start + (n - q0)).to(tl.int64)
         valid = (b < n_seqs) & (n < q1) & (pos >= 0)
         if CP_SIZE > 1:
@@ -273,11 +271,23 @@ def _append_kernel(
             lpos = pos
         bi = lpos // BLOCK_SIZE
         valid = valid & (bi < table_width)
-        blk = tl.load(block_tables + b.to(tl.int64) * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
+        blk = tl.load(block_tables + b * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
         off = lpos % BLOCK_SIZE
     valid = valid & (blk >= 0) & (blk < NUM_BLOCKS)
-    # 3. transform and store
+    return valid, blk, off, pos
+
+
+@triton.jit
+def _write_token(
+    k1, k2, v1, v2, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, fp8_scales, hh, i, m1,
+    m2, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HND: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HF: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    # RoPE on K, quantize and store one token's K and V rows (loaded by _load_token) at (blk, off)
     if valid:
+        FAST_ROPE: tl.constexpr = (not INTERLEAVED) and (ROT == D)  # pairs (i, HALF + i): no partner loads
         if HND:
             s_tok: tl.constexpr = DP
             s_head: tl.constexpr = BLOCK_SIZE * DP
@@ -303,7 +313,7 @@ def _append_kernel(
         if ROPE:
             pos_f = pos.to(tl.float32)
             if FAST_ROPE:  # one cos / sin per frequency, shared by every head
-                angle = pos_f * f
+                angle = pos_f * freqs
                 if LIBDEVICE:  # accurate, full range reduction (angles reach 1e5 radians)
                     c = libdevice.cos(angle) * ATTN_SCALE
                     sn = libdevice.sin(angle) * ATTN_SCALE
@@ -315,13 +325,89 @@ def _append_kernel(
                 r1 = x1 * c - x2 * sn
                 x2 = x2 * c + x1 * sn
                 x1 = r1
-            else:
+            else:  # partial rotary or interleaved pairs: partner elements re-read (L1 / L2 hits)
+                krow = k + n.to(tl.int64) * stride_kn + hh * STRIDE_KH
+                pa1, j1, fi1, r1 = _rope_pairs(i, ROT, INTERLEAVED)
+                pa2, j2, fi2, r2 = _rope_pairs(i + HALF, ROT, INTERLEAVED)
+                kp1 = tl.load(krow + pa1, mask=m1 & r1, other=0.0).to(tl.float32)
+                kp2 = tl.load(krow + pa2, mask=m2 & r2, other=0.0).to(tl.float32)
+                f1 = tl.load(inv_freq + j1, mask=r1, other=0.0)
+                f2 = tl.load(inv_freq + j2, mask=r2, other=0.0)
                 x1 = _rotate(x1, kp1, f1, fi1, r1, pos_f, ATTN_SCALE, LIBDEVICE)
                 x2 = _rotate(x2, kp2, f2, fi2, r2, pos_f, ATTN_SCALE, LIBDEVICE)
         _encode_halves(x1, x2, k1, k2, pool + base, qparams + pbase, inv_k, hh, i, QUANT, not ROPE, H, D, HALF,
                        BLOCK_H, s_head, p_head, LIBDEVICE)
         _encode_halves(v1.to(tl.float32), v2.to(tl.float32), v1, v2, pool + base + s_kv, qparams + pbase + p_kv,
                        inv_v, hh, i, QUANT, True, H, D, HALF, BLOCK_H, s_head, p_head, LIBDEVICE)
+
+
+@kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs", "n_rows"))
+def _append_kernel(
+    k, v,  # model dtype [N, H, D], head_dim contiguous
+    pool,  # storage dtype, one layer (see kvcache.paged.config)
+    qparams,  # float32 (scale, zero) pool when QUANT >= 2, else unused (not `params`: triton's binder
+    # uses that name for a local)
+    block_tables,  # int32 [B, table_width] (MODE 0 / 1)
+    cu_q,  # int32 [B + 1] (MODE 0 / 1)
+    kv_info,  # int32 kv_lens [B] (MODE 0) or cu_k_lens [B + 1] (MODE 1)
+    slots,  # int64 [N] (MODE 2)
+    positions,  # int32 / int64 [N] (MODE 2 with ROPE)
+    inv_freq,  # float32 [ROT // 2] (ROPE)
+    fp8_scales,  # float32 [2]: k_scale, v_scale (QUANT == 1)
+    stride_kn, stride_vn, bt_stride, table_width, n_seqs, n_rows,
+    MODE: tl.constexpr,  # 0: cu_q_lens + kv_lens, 1: cu_q_lens + cu_k_lens, 2: slot mapping
+    QUANT: tl.constexpr,  # 0 none, 1 fp8, 2 int8, 3 int4
+    ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,  # DP: stored elements per row (D or D // 2)
+    BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, HND: tl.constexpr,
+    CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr,
+    SEARCH: tl.constexpr,  # > 0: find the sequence with one vector load of SEARCH entries; 0: binary search
+    LOG_B: tl.constexpr,
+    STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,  # head strides of k / v (fixed per model)
+    BLOCK_H: tl.constexpr, BLOCK_HF: tl.constexpr, LIBDEVICE: tl.constexpr,
+    PERSIST: tl.constexpr,  # False: one program per row; True: each program strides over rows, loading the
+    # next row while it writes this one
+    PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
+):
+    # grid: (N,) or (programs,) when PERSIST. A row (one token: all heads, K and V) is handled as two half
+    # tiles, elements [0, HALF) and [HALF, D): rotate-half RoPE pairs them directly, int4 packs them into
+    # one byte.
+    HALF: tl.constexpr = (D + 1) // 2
+    if PDL:
+        gdc_wait()
+    pid = tl.program_id(0)
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK_HF)[None, :]
+    m1 = (hh < H) & (i < HALF)
+    m2 = (hh < H) & (i + HALF < D)
+    freqs = tl.zeros([BLOCK_HF], tl.float32)
+    if ROPE and (not INTERLEAVED) and (ROT == D):  # rotate-half over all of D: frequencies j of pairs (j, HALF + j)
+        freqs = tl.load(inv_freq + tl.arange(0, BLOCK_HF), mask=tl.arange(0, BLOCK_HF) < HALF, other=0.0)
+    if not PERSIST:
+        # the row's K and V first: they do not depend on where it goes, so their latency overlaps the
+        # index loads
+        k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH)
+        valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
+                                       n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
+                                       SEARCH, LOG_B)
+        _write_token(k1, k2, v1, v2, valid, blk, off, pos, k, pid, stride_kn, pool, qparams, inv_freq, freqs,
+                     fp8_scales, hh, i, m1, m2, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF, BLOCK_SIZE, HND,
+                     STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE)
+    else:
+        nprog = tl.num_programs(0)
+        k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH)
+        for row in range(pid, n_rows, nprog):
+            n = row + pid * 0  # a tensor under the interpreter too (its loop variable is a python int)
+            # prefetch the next row (the last row again at the end: in bounds, never written)
+            a1, a2, b1, b2 = _load_token(k, v, tl.minimum(n + nprog, n_rows - 1), stride_kn, stride_vn, hh, i, m1,
+                                         m2, HALF, STRIDE_KH, STRIDE_VH)
+            valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride,
+                                           table_width, n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK,
+                                           CP_SIZE, SEARCH, LOG_B)
+            _write_token(k1, k2, v1, v2, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq,
+                         freqs, fp8_scales, hh, i, m1, m2, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
+                         BLOCK_SIZE, HND, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE)
+            k1, k2, v1, v2 = a1, a2, b1, b2
 
 
 @triton.jit
@@ -478,6 +564,27 @@ def _copy_blocks_kernel(
 # launchers (validated by the callers: kvcache.paged.PagedKVCache)
 
 
+_APPEND_PERSIST = 0  # programs per SM of the persistent append (0: one program per row)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: a few programs, so that each strides over several rows
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _pdl_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and gdc_wait is not None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _pdl_default(device: torch.device) -> bool:
+    """Programmatic dependent launch for the append: ``KVCACHE_PDL=1`` turns it on where supported (off by
+    default)."""
+    return os.environ.get("KVCACHE_PDL", "0") == "1" and _pdl_supported(device)
+
+
 def _rope_args(rope, device):  # type: ignore[no-untyped-def]
     if rope is None:
         return False, 2, False, 1.0, None
@@ -503,9 +610,16 @@ def append_paged_kv_launch(
     cp_rank: int,
     cp_size: int,
     num_warps: int | None = None,
+    persist: int | None = None,
+    pdl: bool | None = None,
 ) -> None:
-    """Launch the append kernel (arguments already validated; ``num_warps`` overrides the default, for
-    tuning)."""
+    """Launch the append kernel (arguments already validated).
+
+    Tuning overrides: ``num_warps``; ``persist`` = programs per SM of a persistent launch (each program
+    strides over rows, prefetching the next), 0 = one program per row; ``pdl`` = launch with programmatic
+    dependent launch (CUDA graphs on Hopper: the kernel is scheduled while the previous one drains, and
+    waits for it before reading anything). ``None`` takes the defaults.
+    """
     n_tokens, H, D = k.shape
     if n_tokens == 0:
         return
@@ -529,8 +643,19 @@ def append_paged_kv_launch(
             return  # no sequence: every row is padding
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     dummy = pool
+    if persist is None:
+        persist = _APPEND_PERSIST
+    if pdl is None:
+        pdl = _pdl_default(pool.device)
+    elif pdl and not _pdl_supported(pool.device):
+        raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability >= 9.0 "
+                         "and triton >= 3.4")
+    grid = n_tokens
+    if persist:
+        grid = min(n_tokens, persist * _sm_count(pool.device))
+    options = {"launch_pdl": True} if pdl else {}
     _append_kernel.launch(
-        pool.device, (n_tokens,),
+        pool.device, (grid,),
         k, v, pool, params if params is not None else dummy,
         block_tables if block_tables is not None else dummy,
         cu_q_lens if cu_q_lens is not None else dummy,
@@ -542,16 +667,17 @@ def append_paged_kv_launch(
         k.stride(0), v.stride(0),
         block_tables.stride(0) if block_tables is not None else 0,
         block_tables.shape[1] if block_tables is not None else 0,
-        n_seqs,
+        n_seqs, n_tokens,
         MODE=mode, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale,
         H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=num_blocks, HND=hnd,
         CP_RANK=cp_rank, CP_SIZE=cp_size,
         SEARCH=next_pow2(n_seqs) if 0 < n_seqs <= 1024 else 0, LOG_B=max(n_seqs - 1, 0).bit_length(),
         STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1),
         BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
-        LIBDEVICE=pool.device.type == "cuda",
+        LIBDEVICE=pool.device.type == "cuda", PERSIST=bool(persist), PDL=bool(pdl),
         # measured on an H100 (benchmarks/paged_tune.py, 8 x 128 heads): 4 warps for plain rows, 2 when quantizing
         num_warps=num_warps or max(1, min(8, H * D // (256 if quant == 0 else 512))),
+        **options,
     )
 
 

@@ -1,0 +1,104 @@
+"""Compile the paged kernels for sm_90 on a machine without a GPU and count their global memory instructions
+by width (a development tool: checks that loads and stores are vectorised before spending GPU time).
+
+    PYTHONPATH=src python benchmarks/ptx_inspect.py
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvcache.ops import paged as P
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_ptx(kern, ptrs: dict[str, str], ints: dict[str, str], consts: dict, num_warps: int) -> str:  # type: ignore[no-untyped-def]
+    fn = kern.compiled
+    sig = {}
+    attrs = {}
+    for idx, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(idx,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = ints.get(name, "i32")
+    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    ck = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    return ck.asm["ptx"]
+
+
+def registers(ptx: str) -> str:
+    """Registers per thread and spills, from the bundled ptxas (-v)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", "--warn-on-spills", path, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    out = out.stdout + out.stderr
+    m = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return f"{m.group(1) if m else '?'} regs, {spill.group(1) if spill else '?'} B spilled"
+
+
+def summary(ptx: str) -> str:
+    c = collections.Counter(re.findall(r"\b((?:ld|st)\.global(?:\.\w+)*)", ptx))
+    return ", ".join(f"{k}: {v}" for k, v in sorted(c.items()))
+
+
+def append_consts(quant: int, rope: bool, **kw):  # type: ignore[no-untyped-def]
+    c = dict(MODE=0, QUANT=quant, ROPE=rope, ROT=128, INTERLEAVED=False, ATTN_SCALE=1.0, H=8, D=128,
+             DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, HND=False, CP_RANK=0, CP_SIZE=1,
+             SEARCH=8, LOG_B=3, STRIDE_KH=128, STRIDE_VH=128, BLOCK_H=8, BLOCK_HF=64, LIBDEVICE=True, PERSIST=False,
+             PDL=False)
+    c.update(kw)
+    return c
+
+
+def main() -> None:
+    store = {0: "*fp16", 1: "*fp8e4nv", 2: "*u8", 3: "*u8"}
+    for quant in (0, 1, 2, 3):
+        for rope in (False, True):
+            ptrs = dict(k="*fp16", v="*fp16", pool=store[quant], qparams="*fp32", block_tables="*i32", cu_q="*i32",
+                        kv_info="*i32", slots="*i64", positions="*i64", inv_freq="*fp32", fp8_scales="*fp32")
+            consts = append_consts(quant, rope)
+            extra = {k: v for k, v in consts.items() if k.startswith("VEC")}
+            ptx = compile_ptx(P._append_kernel, ptrs, {}, consts, 4 if quant == 0 else 2)
+            print(f"append quant={quant} rope={rope}: {registers(ptx)} | {summary(ptx)} {extra}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__" and "gather" not in sys.argv:
+    main()
+
+
+def gather_main() -> None:
+    store = {0: "*fp16", 1: "*fp8e4nv", 2: "*u8", 3: "*u8"}
+    for quant in (0, 1, 2, 3):
+        ptrs = dict(k_out="*fp16", v_out="*fp16", pool=store[quant], qparams="*fp32", block_tables="*i32",
+                    kv_info="*i32", inv_freq="*fp32", fp8_scales="*fp32")
+        consts = dict(MODE=0, QUANT=quant, ROPE=False, ROT=128, INTERLEAVED=False, ATTN_SCALE=1.0, H=8, D=128,
+                      DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, HND=False, CP_RANK=0, CP_SIZE=1,
+                      TOK=2, BLOCK_H=8, BLOCK_D=128, LIBDEVICE=True)
+        consts.update({k: v for k, v in GATHER_EXTRA.items() if k in P._gather_kernel.compiled.arg_names})
+        ptx = compile_ptx(P._gather_kernel, ptrs, {}, consts, 2)
+        print(f"gather quant={quant}: {registers(ptx)} | {summary(ptx)}")
+
+
+GATHER_EXTRA = {"VEC": 8}
+
+if __name__ == "__main__" and "gather" in sys.argv:
+    gather_main()
