@@ -34,7 +34,7 @@ try:  # programmatic dependent launch (Hopper and later); triton >= 3.4
     from triton.language.extra.cuda import gdc_wait
 except ImportError:  # pragma: no cover
     gdc_wait = None
-from .._validate import cdiv, next_pow2
+from .._validate import cdiv, next_pow2, vec_elems
 from ..rope import RopeKernelParams
 
 __all__ = [
@@ -183,11 +183,13 @@ def _encode_halves(
 
 @triton.jit
 def _load_token(k, v, n, stride_kn, stride_vn, hh, i, m1, m2, HALF: tl.constexpr, STRIDE_KH: tl.constexpr,
-                STRIDE_VH: tl.constexpr):
-    # row n of k and v as two half tiles each (model dtype, not converted: fewer live registers)
+                STRIDE_VH: tl.constexpr, VEC: tl.constexpr):
+    # row n of k and v as two half tiles each (model dtype, not converted: fewer live registers). The row
+    # strides come in units of VEC elements: the product with the constexpr proves to the compiler that rows
+    # start on VEC-element boundaries (vector loads; an int argument carries no divisibility of its own).
     nn = n.to(tl.int64)
-    krow = k + nn * stride_kn + hh * STRIDE_KH
-    vrow = v + nn * stride_vn + hh * STRIDE_VH
+    krow = k + nn * (stride_kn * VEC) + hh * STRIDE_KH
+    vrow = v + nn * (stride_vn * VEC) + hh * STRIDE_VH
     k1 = tl.load(krow + i, mask=m1, other=0.0)
     k2 = tl.load(krow + HALF + i, mask=m2, other=0.0)
     v1 = tl.load(vrow + i, mask=m1, other=0.0)
@@ -283,7 +285,7 @@ def _write_token(
     m2, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
     ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HND: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HF: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK_HF: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr,
 ):
     # RoPE on K, quantize and store one token's K and V rows (loaded by _load_token) at (blk, off)
     if valid:
@@ -326,7 +328,7 @@ def _write_token(
                 x2 = x2 * c + x1 * sn
                 x1 = r1
             else:  # partial rotary or interleaved pairs: partner elements re-read (L1 / L2 hits)
-                krow = k + n.to(tl.int64) * stride_kn + hh * STRIDE_KH
+                krow = k + n.to(tl.int64) * (stride_kn * VEC) + hh * STRIDE_KH
                 pa1, j1, fi1, r1 = _rope_pairs(i, ROT, INTERLEAVED)
                 pa2, j2, fi2, r2 = _rope_pairs(i + HALF, ROT, INTERLEAVED)
                 kp1 = tl.load(krow + pa1, mask=m1 & r1, other=0.0).to(tl.float32)
@@ -343,7 +345,7 @@ def _write_token(
 
 @kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs", "n_rows"))
 def _append_kernel(
-    k, v,  # model dtype [N, H, D], head_dim contiguous
+    k, v,  # model dtype [N, H, D], head_dim contiguous; row strides stride_kn * VEC / stride_vn * VEC
     pool,  # storage dtype, one layer (see kvcache.paged.config)
     qparams,  # float32 (scale, zero) pool when QUANT >= 2, else unused (not `params`: triton's binder
     # uses that name for a local)
@@ -368,6 +370,7 @@ def _append_kernel(
     PERSIST: tl.constexpr,  # False: one program per row; True: each program strides over rows, loading the
     # next row while it writes this one
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
+    VEC: tl.constexpr,  # stride_kn / stride_vn are in units of VEC elements (a power of two)
 ):
     # grid: (N,) or (programs,) when PERSIST. A row (one token: all heads, K and V) is handled as two half
     # tiles, elements [0, HALF) and [HALF, D): rotate-half RoPE pairs them directly, int4 packs them into
@@ -386,27 +389,27 @@ def _append_kernel(
     if not PERSIST:
         # the row's K and V first: they do not depend on where it goes, so their latency overlaps the
         # index loads
-        k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH)
+        k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH, VEC)
         valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
                                        n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
                                        SEARCH, LOG_B)
         _write_token(k1, k2, v1, v2, valid, blk, off, pos, k, pid, stride_kn, pool, qparams, inv_freq, freqs,
-                     fp8_scales, hh, i, m1, m2, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF, BLOCK_SIZE, HND,
-                     STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE)
+                     fp8_scales, hh, i, m1, m2, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
+                     BLOCK_SIZE, HND, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC)
     else:
         nprog = tl.num_programs(0)
-        k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH)
+        k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH, VEC)
         for row in range(pid, n_rows, nprog):
             n = row + pid * 0  # a tensor under the interpreter too (its loop variable is a python int)
             # prefetch the next row (the last row again at the end: in bounds, never written)
             a1, a2, b1, b2 = _load_token(k, v, tl.minimum(n + nprog, n_rows - 1), stride_kn, stride_vn, hh, i, m1,
-                                         m2, HALF, STRIDE_KH, STRIDE_VH)
+                                         m2, HALF, STRIDE_KH, STRIDE_VH, VEC)
             valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride,
                                            table_width, n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK,
                                            CP_SIZE, SEARCH, LOG_B)
             _write_token(k1, k2, v1, v2, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq,
                          freqs, fp8_scales, hh, i, m1, m2, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
-                         BLOCK_SIZE, HND, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE)
+                         BLOCK_SIZE, HND, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC)
             k1, k2, v1, v2 = a1, a2, b1, b2
 
 
@@ -434,6 +437,18 @@ def _deq3(row, par, e, mask, fp8_scale, QUANT: tl.constexpr, S_TOK: tl.constexpr
 
 
 @triton.jit
+def _tile_params(par, tt, hh, hm, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, TOK: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    # float32 (scale, zero) of tokens tt x heads hh as [TOK, BLOCK_H, 1]: loaded once per (token, head) as a
+    # 2-d tile and broadcast over head_dim (a [TOK, BLOCK_H, 1] load would repeat per element)
+    off = tl.reshape(tt * P_TOK + hh * P_HEAD, (TOK, BLOCK_H))
+    m = tl.reshape(hm, (TOK, BLOCK_H))
+    scale = tl.load(par + off, mask=m, other=0.0)
+    zero = tl.load(par + off + 1, mask=m, other=0.0)
+    return scale[:, :, None], zero[:, :, None]
+
+
+@triton.jit
 def _read_tile(
     row, par, dst, tvalid, pos_f, inv_freq, attn_scale, fp8_scale, tt, hh, dd,
     QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -454,8 +469,7 @@ def _read_tile(
         d2 = tl.arange(0, BLOCK_D // 2)[None, None, :]
         hm = (hh < H) & tvalid & (tt >= 0)
         byte = tl.load(row + tt * S_TOK + hh * S_HEAD + d2, mask=hm & (d2 < D // 2), other=0).to(tl.int32)
-        scale = tl.load(par + tt * P_TOK + hh * P_HEAD, mask=hm, other=0.0)
-        zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=hm, other=0.0)
+        scale, zero = _tile_params(par, tt, hh, hm, P_TOK, P_HEAD, TOK, BLOCK_H)
         lo = tl.where(tvalid, (byte & 15).to(tl.float32) * scale + zero, 0.0)
         hi = tl.where(tvalid, ((byte >> 4) & 15).to(tl.float32) * scale + zero, 0.0)
         sm = (hh < H) & (d2 < D // 2) & (tt >= 0)
@@ -465,8 +479,7 @@ def _read_tile(
         if QUANT == 2:  # one scale / zero per (token, head), not per element
             hm = (hh < H) & tvalid & (tt >= 0)
             q = tl.load(row + tt * S_TOK + hh * S_HEAD + dd, mask=lm, other=0).to(tl.float32)
-            scale = tl.load(par + tt * P_TOK + hh * P_HEAD, mask=hm, other=0.0)
-            zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=hm, other=0.0)
+            scale, zero = _tile_params(par, tt, hh, hm, P_TOK, P_HEAD, TOK, BLOCK_H)
             x = q * scale + zero
         else:
             x = _deq3(row, par, dd, lm, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh, D // 2)
@@ -482,7 +495,7 @@ def _read_tile(
 
 @kernel(ints=("sk_b", "sk_h", "sk_s", "sv_b", "sv_h", "sv_s", "bt_stride", "table_width", "s_out"))
 def _gather_kernel(
-    k_out, v_out,  # model dtype [B, H, S_out, D] (any strides, head_dim contiguous)
+    k_out, v_out,  # model dtype [B, H, S_out, D] (any strides in units of VEC, head_dim contiguous)
     pool, qparams, block_tables, kv_info, inv_freq, fp8_scales,
     sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, bt_stride, table_width, s_out,
     MODE: tl.constexpr,  # 0: kv_lens [B], 1: cu_k_lens [B + 1]
@@ -491,6 +504,7 @@ def _gather_kernel(
     HND: tl.constexpr, CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr,
     TOK: tl.constexpr,  # tokens per program: a power of two dividing BLOCK_SIZE (one block-table load)
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
+    VEC: tl.constexpr,  # the output strides are in units of VEC elements (vector stores)
 ):
     # grid: (cdiv(S_out, TOK), B): TOK consecutive output (local) tokens of one sequence, in one block.
     t0 = tl.program_id(0).to(tl.int64) * TOK
@@ -533,12 +547,12 @@ def _gather_kernel(
     if QUANT == 1:
         k_scale = tl.load(fp8_scales)
         v_scale = tl.load(fp8_scales + 1)
-    _read_tile(pool + base, qparams + pbase, k_out + b * sk_b + t0 * sk_s, tvalid, pos_f, inv_freq, ATTN_SCALE,
-               k_scale, tt, hh, dd, QUANT, ROPE, ROT, INTERLEAVED, H, D, TOK, BLOCK_H, BLOCK_D, s_tok, s_head,
-               p_tok, p_head, sk_s, sk_h, LIBDEVICE)
-    _read_tile(pool + base + s_kv, qparams + pbase + p_kv, v_out + b * sv_b + t0 * sv_s, tvalid, pos_f, inv_freq,
-               ATTN_SCALE, v_scale, tt, hh, dd, QUANT, False, ROT, INTERLEAVED, H, D, TOK, BLOCK_H, BLOCK_D, s_tok,
-               s_head, p_tok, p_head, sv_s, sv_h, LIBDEVICE)
+    _read_tile(pool + base, qparams + pbase, k_out + b * (sk_b * VEC) + t0 * (sk_s * VEC), tvalid, pos_f, inv_freq,
+               ATTN_SCALE, k_scale, tt, hh, dd, QUANT, ROPE, ROT, INTERLEAVED, H, D, TOK, BLOCK_H, BLOCK_D, s_tok,
+               s_head, p_tok, p_head, sk_s * VEC, sk_h * VEC, LIBDEVICE)
+    _read_tile(pool + base + s_kv, qparams + pbase + p_kv, v_out + b * (sv_b * VEC) + t0 * (sv_s * VEC), tvalid,
+               pos_f, inv_freq, ATTN_SCALE, v_scale, tt, hh, dd, QUANT, False, ROT, INTERLEAVED, H, D, TOK, BLOCK_H,
+               BLOCK_D, s_tok, s_head, p_tok, p_head, sv_s * VEC, sv_h * VEC, LIBDEVICE)
 
 
 @kernel(ints=("n_pairs", "layer_stride", "elems"))
@@ -654,6 +668,8 @@ def append_paged_kv_launch(
     if persist:
         grid = min(n_tokens, persist * _sm_count(pool.device))
     options = {"launch_pdl": True} if pdl else {}
+    # vector loads of k / v rows: VEC elements (up to 16 bytes) dividing every stride and the half-row offset
+    vec = vec_elems(k.element_size(), (k.stride(0), v.stride(0), k.stride(1), v.stride(1), (D + 1) // 2))
     _append_kernel.launch(
         pool.device, (grid,),
         k, v, pool, params if params is not None else dummy,
@@ -664,7 +680,7 @@ def append_paged_kv_launch(
         positions if positions is not None else dummy,
         inv_freq if inv_freq is not None else dummy,
         fp8_scales if fp8_scales is not None else dummy,
-        k.stride(0), v.stride(0),
+        k.stride(0) // vec, v.stride(0) // vec,
         block_tables.stride(0) if block_tables is not None else 0,
         block_tables.shape[1] if block_tables is not None else 0,
         n_seqs, n_tokens,
@@ -674,7 +690,7 @@ def append_paged_kv_launch(
         SEARCH=next_pow2(n_seqs) if 0 < n_seqs <= 1024 else 0, LOG_B=max(n_seqs - 1, 0).bit_length(),
         STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1),
         BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
-        LIBDEVICE=pool.device.type == "cuda", PERSIST=bool(persist), PDL=bool(pdl),
+        LIBDEVICE=pool.device.type == "cuda", PERSIST=bool(persist), PDL=bool(pdl), VEC=vec,
         # measured on an H100 (benchmarks/paged_tune.py, 8 x 128 heads): 4 warps for plain rows, 2 when quantizing
         num_warps=num_warps or max(1, min(8, H * D // (256 if quant == 0 else 512))),
         **options,
@@ -720,18 +736,21 @@ def gather_paged_kv_launch(
         tok = 2 if bs % 2 == 0 else 1
     elif tok < 1 or bs % tok or tok & (tok - 1):
         raise ValueError(f"tok: expected a power of two dividing block_size {bs}, got {tok}")
+    out_strides = (k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1),
+                   v_out.stride(2))
+    vec = vec_elems(k_out.element_size(), out_strides + ((D + 1) // 2,))  # vector stores of output rows
     _gather_kernel.launch(
         pool.device, (cdiv(s_out, tok), B),
         k_out, v_out, pool, params if params is not None else dummy, block_tables,
         kv_lens if kv_lens is not None else cu_k_lens,
         inv_freq if inv_freq is not None else dummy,
         fp8_scales if fp8_scales is not None else dummy,
-        k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1), v_out.stride(2),
+        *[st // vec for st in out_strides],
         block_tables.stride(0), block_tables.shape[1], s_out,
         MODE=0 if kv_lens is not None else 1, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter,
         ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0], HND=hnd,
         CP_RANK=cp_rank, CP_SIZE=cp_size, TOK=tok, BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),
-        LIBDEVICE=pool.device.type == "cuda",
+        LIBDEVICE=pool.device.type == "cuda", VEC=vec,
         num_warps=num_warps or max(1, min(8, tok * H * D // 1024)),
     )
 
