@@ -136,3 +136,22 @@ def test_pdl_needs_hopper(device):
             kv_lens=None, cu_k_lens=None, slot_mapping=torch.zeros(1, dtype=torch.int64, device=device),
             positions=None, rope=None, fp8_scales=None, cp_rank=0, cp_size=1, pdl=True)
     pr.assert_bits_equal(cache.buffer, before, "pool")
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_odd_strides_take_scalar_loads(device, kv_dtype):
+    """k / v rows whose strides are odd element counts (vector width 1) and rows at an odd element offset
+    (unaligned pointer) are read correctly."""
+    H, D, bs, nb, n = 2, 16, 4, 8, 5
+    gen = pr.generator(77)
+    big_k = pr.randn((n, H, D + 1), torch.float16, gen, device)
+    big_v = pr.randn((n * H * D + 1,), torch.float16, gen, device)
+    k = big_k[:, :, :D]  # strides (H * (D + 1), D + 1, 1)
+    v = big_v[1:].view(n, H, D)  # contiguous, one element past an aligned start
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+    slots = [3, 30, -1, 12, 7]
+    targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb)
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k.contiguous(), v.contiguous(), targets,
+                             kv_dtype=kv_dtype, layout="NHD")
+    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device))
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD")

@@ -333,3 +333,26 @@ def test_gather_sweep_large(device, kv_dtype):
         exp = pr.gather_expected(cache.pool(0), cache.params(0), tables, lens, kv_dtype=kv_dtype, layout="NHD",
                                  s_out=max(lens), dtype=torch.float16, rope=r, device=device)
         pr.assert_gather_matches(k_out, v_out, exp, kv_dtype=kv_dtype, rope=r)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
+def test_gather_into_odd_strided_outputs(device, kv_dtype):
+    """Outputs whose token stride is an odd element count (vector width 1), one of them at an odd element
+    offset: every row lands where the strides say, the bytes around stay untouched."""
+    H, D, bs = 2, 16, 4
+    lens = [6, 3]
+    gen = pr.generator(321)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, kv_dtype=kv_dtype)
+    ks, vs = _sequences(device, gen, H, D, lens)
+    tables = pr.block_tables_for(gen, lens, block_size=bs, num_blocks=16, extra=1)
+    _append_in_steps(cache, ks, vs, tables, device, steps=2)
+    s_out = 7
+    buf = pr.fill_sentinel(torch.empty((2, len(lens), H, s_out, D + 1), dtype=torch.float16, device=device))
+    k_out, v_out = buf[0, ..., :D], buf[1, ..., 1:]
+    assert k_out.stride(2) == D + 1
+    cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device), k_out=k_out, v_out=v_out)
+    exp = pr.gather_expected(cache.pool(0), cache.params(0), tables, lens, kv_dtype=kv_dtype, layout="NHD",
+                             s_out=s_out, dtype=torch.float16)
+    pr.assert_gather_matches(k_out, v_out, exp, kv_dtype=kv_dtype)
+    pr.assert_bits_equal(buf[0, ..., D], pr.fill_sentinel(torch.empty_like(buf[0, ..., D])), "k spare column")
+    pr.assert_bits_equal(buf[1, ..., 0], pr.fill_sentinel(torch.empty_like(buf[1, ..., 0])), "v spare column")
