@@ -1,73 +1,179 @@
 """Sweep launch parameters of the paged kernels (a development tool; run on a GPU machine).
 
-    PYTHONPATH=src python3 benchmarks/paged_tune.py
+    PYTHONPATH=src python3 benchmarks/paged_tune.py [prefill] [decode] [gather] [host]
+
+Prefill append: num_warps x persistent programs per SM, every format, with and without RoPE, against a
+same-size device copy. Decode: per-layer time in a 32-layer graph, ragged / slot mapping, with and without
+programmatic dependent launch. Gather: tokens per program x num_warps. Host: CPU time of one eager append
+through the cache (prepared launch) and through the validating op, next to small torch ops.
 """
 
 from __future__ import annotations
 
+import math
+import sys
+
 import torch
 
-from kvcache.bench.linear import _copy_time, time_graph
+from kvcache.bench.linear import _copy_time, time_eager, time_graph, time_host
+from kvcache.ops import paged as paged_ops
 from kvcache.ops.paged import append_paged_kv_launch, gather_paged_kv_launch
 from kvcache.paged import PagedConfig, PagedKVCache
 from kvcache.rope import RopeConfig
 
 H, D = 8, 128
+PER_ROW = {"auto": D * 2, "fp8": D, "int8": D + 8, "int4": D // 2 + 8}
 
 
-def main() -> None:
-    dev = torch.device("cuda")
-    copy_bw = 2 * (1 << 29) * 2 / (_copy_time(1 << 29, torch.float16, dev) * 1e-6) / 1e9
-    print(f"copy {copy_bw:.0f} GB/s")
+def _pct(nbytes: int, us: float, copy_bw: float) -> float:
+    return 100 * nbytes / (us * 1e-6) / 1e9 / copy_bw
+
+
+def prefill(dev: torch.device, copy_bw: float) -> None:
     g = torch.Generator().manual_seed(0)
     n_seqs, seq, bs = 8, 2048, 16
     n = n_seqs * seq
-    k = torch.randn(n, H, D, dtype=torch.float16, device=dev)
-    v = torch.randn(n, H, D, dtype=torch.float16, device=dev)
+    kv = torch.randn(2, n, H, D, dtype=torch.float16, device=dev)
+    k, v = kv[0], kv[1]
+    dst = torch.empty_like(kv)
+    t = time_graph(lambda: dst.copy_(kv), 3)
+    moved = 2 * kv.numel() * 2
+    print(f"same-size copy_ (K and V, {moved / 1e6:.0f} MB moved): {_pct(moved, t, copy_bw):.1f}%")
     cu_q = torch.arange(0, n + 1, seq, dtype=torch.int32, device=dev)
     kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
     nb = n // bs + 64
     tables = torch.randperm(nb, generator=g)[: n // bs].view(n_seqs, -1).to(torch.int32).to(dev)
     rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
-    per_row = {"auto": D * 2, "fp8": D, "int8": D + 8, "int4": D // 2 + 8}
     for kv_dtype in ("auto", "fp8", "int8", "int4"):
         c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                      kv_dtype=kv_dtype, device=dev))
-        nbytes = 2 * n * H * D * 2 + 2 * n * H * per_row[kv_dtype]
+        nbytes = 2 * n * H * D * 2 + 2 * n * H * PER_ROW[kv_dtype]
+        warps = (2, 4, 8) if kv_dtype == "auto" else (1, 2, 4)
         for use_rope in (False, True):
             res = []
-            for w in (1, 2, 4, 8):
-                def fn(w=w, use_rope=use_rope, c=c, kv_dtype=kv_dtype) -> None:  # type: ignore[no-untyped-def]
-                    append_paged_kv_launch(k, v, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD",
-                                           block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None,
-                                           slot_mapping=None, positions=None, rope=rope if use_rope else None,
-                                           fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1, num_warps=w)
-                t = time_graph(fn, 3)
-                res.append(f"w{w}: {100 * nbytes / (t * 1e-6) / 1e9 / copy_bw:.1f}%")
-            print(f"append {kv_dtype}{' rope' if use_rope else ''}: " + "  ".join(res))
-    n_seqs, seq = 64, 2048
+            for persist in (0, 4, 8, 16):
+                for w in warps:
+                    def fn(w=w, use_rope=use_rope, c=c, kv_dtype=kv_dtype, persist=persist) -> None:  # type: ignore[no-untyped-def]
+                        append_paged_kv_launch(k, v, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD",
+                                               block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None,
+                                               slot_mapping=None, positions=None, rope=rope if use_rope else None,
+                                               fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1, num_warps=w,
+                                               persist=persist)
+                    t = time_graph(fn, 3)
+                    res.append(f"p{persist}w{w}: {_pct(nbytes, t, copy_bw):.1f}")
+            print(f"append {kv_dtype}{' rope' if use_rope else ''}: " + "  ".join(res), flush=True)
+
+
+def decode(dev: torch.device) -> None:
+    gen = torch.Generator().manual_seed(1)
+    n_seqs, ctx, layers, bs = 256, 1000, 32, 16
+    k = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
+    v = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
+    cu_q = torch.arange(0, n_seqs + 1, dtype=torch.int32, device=dev)
+    kv_lens = torch.randint(1, ctx, (n_seqs,), generator=gen, dtype=torch.int32).to(dev)
+    per_seq = math.ceil((ctx + 1) / bs)
+    nb = n_seqs * per_seq + 8
+    tables = torch.randperm(nb, generator=gen)[: n_seqs * per_seq].view(n_seqs, per_seq).to(torch.int32).to(dev)
+    slots = (tables.long()[torch.arange(n_seqs, device=dev), (kv_lens // bs).long()] * bs + (kv_lens % bs).long())
+    positions = kv_lens.long()
+    rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
+    pdl_ok = paged_ops._pdl_supported(dev)
+    for kv_dtype in ("auto", "int8", "int4"):
+        c = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                     kv_dtype=kv_dtype, device=dev))
+        for mode in ("ragged", "slots"):
+            res = []
+            for pdl in ((False, True) if pdl_ok else (False,)):
+                for w in (1, 2, 4, 8):
+                    def step(w=w, pdl=pdl, c=c, kv_dtype=kv_dtype, mode=mode) -> None:  # type: ignore[no-untyped-def]
+                        for layer in range(layers):
+                            if mode == "ragged":
+                                append_paged_kv_launch(
+                                    k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
+                                    block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None,
+                                    slot_mapping=None, positions=None, rope=rope, fp8_scales=c.kv_scales[layer],
+                                    cp_rank=0, cp_size=1, num_warps=w, pdl=pdl)
+                            else:
+                                append_paged_kv_launch(
+                                    k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
+                                    block_tables=None, cu_q_lens=None, kv_lens=None, cu_k_lens=None,
+                                    slot_mapping=slots, positions=positions, rope=rope,
+                                    fp8_scales=c.kv_scales[layer], cp_rank=0, cp_size=1, num_warps=w, pdl=pdl)
+                    res.append(f"{'pdl' if pdl else 'std'}w{w}: {time_graph(step, 1) / layers:.2f}")
+            print(f"decode {kv_dtype} + rope, {mode} (us per layer): " + "  ".join(res), flush=True)
+
+
+def gather(dev: torch.device, copy_bw: float) -> None:
+    g = torch.Generator().manual_seed(2)
+    n_seqs, seq, bs = 64, 2048, 16
     nb = n_seqs * seq // bs + 16
     tables = torch.randperm(nb, generator=g)[: n_seqs * seq // bs].view(n_seqs, -1).to(torch.int32).to(dev)
     lens = torch.full((n_seqs,), seq, dtype=torch.int32, device=dev)
     ko = torch.empty(n_seqs, H, seq, D, dtype=torch.float16, device=dev)
     vo = torch.empty_like(ko)
-    for kv_dtype in ("auto", "int8", "int4"):
+    for kv_dtype in ("auto", "fp8", "int8", "int4"):
         c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                      kv_dtype=kv_dtype, device=dev))
         c.buffer.view(torch.uint8).random_(0, 256)
+        if kv_dtype == "fp8":
+            c.buffer.view(torch.uint8).bitwise_and_(0x77)
         if c.params_buffer is not None:
             c.params_buffer.uniform_(0.001, 0.01)
-        nbytes = 2 * n_seqs * seq * H * per_row[kv_dtype] + 2 * n_seqs * seq * H * D * 2
+        nbytes = 2 * n_seqs * seq * H * PER_ROW[kv_dtype] + 2 * n_seqs * seq * H * D * 2
         res = []
-        for tok in (1, 2, 4, 8, 16):
-            for w in (2, 4, 8):
+        for tok in (1, 2, 4, 8):
+            for w in (1, 2, 4, 8):
                 def gfn(tok=tok, w=w, c=c, kv_dtype=kv_dtype) -> None:  # type: ignore[no-untyped-def]
                     gather_paged_kv_launch(ko, vo, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD",
                                            block_tables=tables, kv_lens=lens, cu_k_lens=None, rope=None,
                                            fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1, num_warps=w, tok=tok)
-                t = time_graph(gfn, 2)
-                res.append(f"t{tok}w{w}: {100 * nbytes / (t * 1e-6) / 1e9 / copy_bw:.1f}%")
-        print(f"gather {kv_dtype}: " + "  ".join(res))
+                tg = time_graph(gfn, 2)
+                te = time_eager(gfn, 5)
+                res.append(f"t{tok}w{w}: {_pct(nbytes, tg, copy_bw):.1f}/{_pct(nbytes, te, copy_bw):.1f}")
+        print(f"gather {kv_dtype} (graph/eager %): " + "  ".join(res), flush=True)
+
+
+def host(dev: torch.device) -> None:
+    gen = torch.Generator().manual_seed(3)
+    n_seqs, bs, layers = 256, 16, 4
+    k = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
+    v = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
+    cu_q = torch.arange(0, n_seqs + 1, dtype=torch.int32, device=dev)
+    kv_lens = torch.randint(1, 900, (n_seqs,), generator=gen, dtype=torch.int32).to(dev)
+    tables = torch.randperm(n_seqs * 64, generator=gen).view(n_seqs, 64).to(torch.int32).to(dev)
+    slots = (tables.long()[torch.arange(n_seqs, device=dev), (kv_lens // bs).long()] * bs + (kv_lens % bs).long())
+    positions = kv_lens.long()
+    rope = RopeConfig(head_dim=D, base=500000.0)
+    small = torch.zeros(16, device=dev)
+    idx = torch.arange(4, device=dev)
+    src = torch.ones(4, device=dev)
+    print(f"host: torch x.add_(1) {time_host(lambda: small.add_(1)):.1f} us, "
+          f"index_copy_ {time_host(lambda: small.index_copy_(0, idx, src)):.1f} us", flush=True)
+    for kv_dtype in ("auto", "int4"):
+        c = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs,
+                                     num_blocks=n_seqs * 64, kv_dtype=kv_dtype, device=dev), rope=rope)
+        ragged = lambda c=c: c.append(1, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)  # noqa: E731
+        slot = lambda c=c: c.append(1, k, v, slot_mapping=slots, positions=positions)  # noqa: E731
+        op = lambda c=c, kd=kv_dtype: paged_ops.append_paged_kv(  # noqa: E731
+            k, v, c.pool(1), c.params(1), kv_dtype=kd, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
+            rope=c._rope_params, fp8_scales=c.kv_scales[1])
+        print(f"host {kv_dtype} + rope: cache ragged {time_host(ragged):.1f} us, cache slots {time_host(slot):.1f} us,"
+              f" op (validating) {time_host(op):.1f} us, plans {len(c._plans)}", flush=True)
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    what = set(sys.argv[1:]) or {"prefill", "decode", "gather", "host"}
+    copy_bw = 2 * (1 << 29) * 2 / (_copy_time(1 << 29, torch.float16, dev) * 1e-6) / 1e9
+    print(f"copy {copy_bw:.0f} GB/s", flush=True)
+    if "host" in what:
+        host(dev)
+    if "decode" in what:
+        decode(dev)
+    if "prefill" in what:
+        prefill(dev, copy_bw)
+    if "gather" in what:
+        gather(dev, copy_bw)
 
 
 if __name__ == "__main__":

@@ -96,9 +96,16 @@ def test_save_restore_graph() -> None:
         assert torch.equal(cache.buffer, expected)
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
-def test_paged_decode_append_graph(kv_dtype: str) -> None:
+def test_paged_decode_append_graph(kv_dtype: str, pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A captured decode step of appends (optionally with programmatic dependent launch between them) replayed
+    on new data equals the same appends run eagerly without PDL."""
     from kvcache import PagedConfig, PagedKVCache, RopeConfig
+    from kvcache.ops import paged as paged_ops
+
+    if pdl and not paged_ops._pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
 
     dev = torch.device("cuda")
     cfg = PagedConfig(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=64, kv_dtype=kv_dtype,
@@ -119,7 +126,9 @@ def test_paged_decode_append_graph(kv_dtype: str) -> None:
     kv_lens.zero_()
     k.normal_()
     v.normal_()
+    monkeypatch.setattr(paged_ops, "_PDL_ENV", pdl)
     graph = _capture(step)
+    monkeypatch.setattr(paged_ops, "_PDL_ENV", False)
     graphed.buffer.zero_()  # the warm-up before capture wrote tokens the eager cache never saw
     if graphed.params_buffer is not None:
         graphed.params_buffer.zero_()

@@ -104,11 +104,15 @@ class Kernel:
         self._allow_fast = os.environ.get("KVCACHE_SLOW_LAUNCH", "0") != "1"
         functools.update_wrapper(self, fn)
 
-    def launch(self, device: torch.device, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
+    def launch(
+        self, device: torch.device, grid: tuple[int, ...], *args: Any, **constexprs: Any
+    ) -> PreparedLaunch | None:
+        """Launch on ``grid``. On CUDA, returns the :class:`PreparedLaunch` of this specialisation (None on the
+        interpreter, or where triton lacks the direct path)."""
         if device.type != "cuda":
             with _interpreting():
                 _interpreted(self.fn)[grid](*args, **constexprs)
-            return
+            return None
         index = device.index if device.index is not None else _current_device()
         key = (
             index,
@@ -124,19 +128,51 @@ class Kernel:
             if entry is None and compiled is not None and self._allow_fast:
                 try:
                     consts = tuple(constexprs[n] for n in self._const_names)
-                    self._fast[key] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
+                    entry = PreparedLaunch(compiled.run, compiled.function, compiled.packed_metadata, consts, index)
+                    self._fast[key] = entry
                 except Exception:  # a triton without these attributes: stay on the slow path
                     self._allow_fast = False
-            return
-        run, function, packed, consts = entry
+            return entry
         gx = grid[0]
         gy = grid[1] if len(grid) > 1 else 1
         gz = grid[2] if len(grid) > 2 else 1
         if switch:
             with torch.cuda.device(index):
-                run(gx, gy, gz, _current_stream(index), function, packed, None, None, None, *args, *consts)
+                entry.run(gx, gy, gz, _current_stream(index), entry.function, entry.packed, None, None, None, *args,
+                          *entry.consts)
         else:
-            run(gx, gy, gz, _current_stream(index), function, packed, None, None, None, *args, *consts)
+            entry.run(gx, gy, gz, _current_stream(index), entry.function, entry.packed, None, None, None, *args,
+                      *entry.consts)
+        return entry
+
+
+class PreparedLaunch:
+    """One compiled specialisation of a :class:`Kernel`, launched directly through triton's launcher.
+
+    Valid for arguments of the same kind as those it was compiled for: the same dtypes, 16-byte alignment of
+    every pointer, int arguments in the same 32/64-bit range, the same constexprs. Pointers may be passed as
+    ``data_ptr()`` ints (the launcher then skips its per-tensor lookups). The caller checks all of that;
+    nothing is checked here.
+    """
+
+    __slots__ = ("run", "function", "packed", "consts", "index")
+
+    def __init__(self, run: Any, function: Any, packed: Any, consts: tuple, index: int) -> None:
+        self.run = run
+        self.function = function
+        self.packed = packed
+        self.consts = consts
+        self.index = index  # the CUDA device it was compiled and loaded for
+
+    def __call__(self, gx: int, gy: int, gz: int, *args: Any) -> None:
+        """Launch on grid ``(gx, gy, gz)`` on the current stream of its device (which must be current)."""
+        self.run(gx, gy, gz, _current_stream(self.index), self.function, self.packed, None, None, None, *args,
+                 *self.consts)
+
+
+def hooks_active() -> bool:
+    """True when a triton launch hook is installed (a profiler): launches must take triton's own path."""
+    return _hooks_active()
 
 
 def _hooks_active() -> bool:

@@ -155,3 +155,45 @@ def test_odd_strides_take_scalar_loads(device, kv_dtype):
                              kv_dtype=kv_dtype, layout="NHD")
     cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device))
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD")
+
+
+@pytest.mark.parametrize("mode", ["ragged", "slots"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int4"])
+def test_repeated_appends_reuse_prepared_launches(device, kv_dtype, mode):
+    """Decode steps over several layers: after the first call of a kind, the cache launches a prepared
+    plan (CUDA) with raw pointers. Every step, every layer against the reference; the batch shrinks midway
+    (a new plan), one step reads K from an unaligned view (the generic launch), RoPE from the cache."""
+    H, D, bs, nb, L = 2, 16, 4, 64, 3
+    rope = RopeConfig(head_dim=D, base=10000.0)
+    cache = pr.sentinel_cache(device, num_layers=L, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                              kv_dtype=kv_dtype, rope=rope)
+    gen = pr.generator(404)
+    lens = [3, 9, 1]
+    tables = pr.block_tables_for(gen, [x + 6 for x in lens], block_size=bs, num_blocks=nb, extra=0)
+    for step in range(5):
+        B = 3 if step < 3 else 2  # a smaller batch from step 3 on
+        cu = list(range(B + 1))
+        kv = lens[:B]
+        spare = pr.randn((B * H * D + 1,), torch.float16, gen, device)
+        for layer in range(L):
+            k = pr.randn((B, H, D), torch.float16, gen, device)
+            if step == 2 and layer == 1:
+                k = spare[1:].view(B, H, D)  # 2 bytes past an aligned start
+            v = pr.randn((B, H, D), torch.float16, gen, device)
+            targets = pr.ragged_targets(B, [tables[b] for b in range(B)], cu, kv_lens=kv, block_size=bs,
+                                        num_blocks=nb)
+            assert len(targets) == B
+            exp = pr.append_expected(cache.pool(layer), cache.params(layer), k, v, targets, kv_dtype=kv_dtype,
+                                     layout="NHD", rope=rope)
+            if mode == "ragged":
+                cache.append(layer, k, v, block_tables=pr.i32([tables[b] for b in range(B)], device),
+                             cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv, device))
+            else:
+                slots = [t.block * bs + t.offset for t in targets]
+                cache.append(layer, k, v, slot_mapping=torch.tensor(slots, device=device),
+                             positions=torch.tensor([t.position for t in targets], dtype=torch.int32, device=device))
+            pr.assert_append_matches(cache.pool(layer), cache.params(layer), exp, kv_dtype=kv_dtype, layout="NHD",
+                                     rope=rope, what=f"step {step} layer {layer}")
+        lens = [x + 1 for x in lens]
+    if device.type == "cuda":
+        assert cache._plans, "the prepared launch path was never taken"

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .._backend import kernel, use_triton
+from .._backend import PreparedLaunch, kernel, use_triton
 
 try:  # programmatic dependent launch (Hopper and later); triton >= 3.4
     from triton.language.extra.cuda import gdc_wait
@@ -593,10 +593,13 @@ def _pdl_supported(device: torch.device) -> bool:
     return device.type == "cuda" and gdc_wait is not None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+_PDL_ENV = os.environ.get("KVCACHE_PDL", "0") == "1"  # read once, at import
+
+
 def _pdl_default(device: torch.device) -> bool:
-    """Programmatic dependent launch for the append: ``KVCACHE_PDL=1`` turns it on where supported (off by
-    default)."""
-    return os.environ.get("KVCACHE_PDL", "0") == "1" and _pdl_supported(device)
+    """Programmatic dependent launch for the append: ``KVCACHE_PDL=1`` (read at import) turns it on where
+    supported; off by default."""
+    return _PDL_ENV and _pdl_supported(device)
 
 
 def _rope_args(rope, device):  # type: ignore[no-untyped-def]
@@ -626,37 +629,29 @@ def append_paged_kv_launch(
     num_warps: int | None = None,
     persist: int | None = None,
     pdl: bool | None = None,
-) -> None:
+) -> AppendPlan | None:
     """Launch the append kernel (arguments already validated).
 
     Tuning overrides: ``num_warps``; ``persist`` = programs per SM of a persistent launch (each program
     strides over rows, prefetching the next), 0 = one program per row; ``pdl`` = launch with programmatic
     dependent launch (CUDA graphs on Hopper: the kernel is scheduled while the previous one drains, and
     waits for it before reading anything). ``None`` takes the defaults.
+
+    Returns an :class:`AppendPlan` for repeating this launch with new tensors of the same kind (compiled
+    kernels on CUDA), else None.
     """
-    n_tokens, H, D = k.shape
+    n_tokens = k.shape[0]
     if n_tokens == 0:
-        return
+        return None
     if not use_triton(pool.device):
         append_paged_kv_reference(
             k, v, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, cu_q_lens=cu_q_lens,
             kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping, positions=positions, rope=rope,
             fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size,
         )
-        return
-    quant = QUANT_CODES[kv_dtype]
-    hnd = layout == "HND"
-    num_blocks = pool.shape[0]
-    bs = pool.shape[3] if hnd else pool.shape[2]
-    if slot_mapping is not None:
-        mode, n_seqs = 2, 0
-    else:
-        mode = 0 if kv_lens is not None else 1
-        n_seqs = cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
-        if n_seqs == 0:
-            return  # no sequence: every row is padding
-    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
-    dummy = pool
+        return None
+    if slot_mapping is None and cu_q_lens.shape[0] == 1:  # type: ignore[union-attr]
+        return None  # no sequence: every row is padding
     if persist is None:
         persist = _APPEND_PERSIST
     if pdl is None:
@@ -664,14 +659,17 @@ def append_paged_kv_launch(
     elif pdl and not _pdl_supported(pool.device):
         raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability >= 9.0 "
                          "and triton >= 3.4")
-    grid = n_tokens
-    if persist:
-        grid = min(n_tokens, persist * _sm_count(pool.device))
-    options = {"launch_pdl": True} if pdl else {}
+    H, D = k.shape[1], k.shape[2]
+    quant = QUANT_CODES[kv_dtype]
+    hnd = layout == "HND"
+    bs = pool.shape[3] if hnd else pool.shape[2]
+    n_seqs = 0 if slot_mapping is not None else cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
+    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     # vector loads of k / v rows: VEC elements (up to 16 bytes) dividing every stride and the half-row offset
     vec = vec_elems(k.element_size(), (k.stride(0), v.stride(0), k.stride(1), v.stride(1), (D + 1) // 2))
-    _append_kernel.launch(
-        pool.device, (grid,),
+    programs = min(n_tokens, persist * _sm_count(pool.device)) if persist else n_tokens
+    dummy = pool
+    args = (
         k, v, pool, params if params is not None else dummy,
         block_tables if block_tables is not None else dummy,
         cu_q_lens if cu_q_lens is not None else dummy,
@@ -684,17 +682,37 @@ def append_paged_kv_launch(
         block_tables.stride(0) if block_tables is not None else 0,
         block_tables.shape[1] if block_tables is not None else 0,
         n_seqs, n_tokens,
-        MODE=mode, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale,
-        H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=num_blocks, HND=hnd,
-        CP_RANK=cp_rank, CP_SIZE=cp_size,
+    )
+    consts = dict(
+        MODE=2 if slot_mapping is not None else (0 if kv_lens is not None else 1), QUANT=quant, ROPE=has_rope,
+        ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs,
+        NUM_BLOCKS=pool.shape[0], HND=hnd, CP_RANK=cp_rank, CP_SIZE=cp_size,
         SEARCH=next_pow2(n_seqs) if 0 < n_seqs <= 1024 else 0, LOG_B=max(n_seqs - 1, 0).bit_length(),
-        STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1),
-        BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
+        STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
         LIBDEVICE=pool.device.type == "cuda", PERSIST=bool(persist), PDL=bool(pdl), VEC=vec,
         # measured on an H100 (benchmarks/paged_tune.py, 8 x 128 heads): 4 warps for plain rows, 2 when quantizing
         num_warps=num_warps or max(1, min(8, H * D // (256 if quant == 0 else 512))),
-        **options,
     )
+    if pdl:
+        consts["launch_pdl"] = True
+    prepared = _append_kernel.launch(pool.device, (programs,), *args, **consts)
+    if prepared is None:
+        return None
+    return AppendPlan(prepared, vec, persist * _sm_count(pool.device) if persist else 0)
+
+
+class AppendPlan:
+    """A compiled append launch repeated with new tensors of the same kind: same dtypes, 16-byte alignment of
+    every pointer, k / v strides, mode, RoPE, format and number of sequences (the caller keys it by those).
+    ``__call__`` takes raw pointers (``data_ptr()``) in the kernel's argument order: it skips argument
+    binding and the launcher's per-tensor pointer checks, which is most of an eager call's host time."""
+
+    __slots__ = ("prepared", "vec", "max_programs")
+
+    def __init__(self, prepared: PreparedLaunch, vec: int, max_programs: int) -> None:
+        self.prepared = prepared
+        self.vec = vec
+        self.max_programs = max_programs  # persistent launches: programs = min(rows, max_programs)
 
 
 def gather_paged_kv_launch(

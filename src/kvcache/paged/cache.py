@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .._backend import _current_device, _current_stream, _hooks_active
 from .._validate import check_int
 from ..ops import paged as paged_ops
 from ..rope import RopeConfig, RopeKernelParams
@@ -82,6 +83,23 @@ class PagedKVCache:
         self._rope_params = None
         if rope is not None and not rope.is_dynamic:
             self._rope_params = rope.kernel_params(device=dev)
+        # prepared append launches (CUDA): raw pointers of each layer's pool / params / scales and of the RoPE
+        # frequencies, whether each is 16-byte aligned (part of a plan's key), and the plans seen so far
+        self._row_shape = (config.num_kv_heads, config.head_dim)
+        self._direct = dev.type == "cuda"
+        self._device_index = -1
+        if self._direct:
+            self._device_index = dev.index if dev.index is not None else torch.cuda.current_device()
+        inv = self._rope_params.inv_freq if self._rope_params is not None else None
+        self._ptrs = []
+        self._layer_align = []
+        for i in range(L):
+            ptrs = (self._pools[i].data_ptr(),
+                    (self._params[i] if self._params[i] is not None else self._pools[i]).data_ptr(),
+                    (inv if inv is not None else self._pools[i]).data_ptr(), self._scales[i].data_ptr())
+            self._ptrs.append(ptrs)
+            self._layer_align.append(tuple(p % 16 == 0 for p in ptrs))
+        self._plans: dict[tuple, paged_ops.AppendPlan] = {}
 
     # ------------------------------------------------------------------------------------------ views
 
@@ -163,33 +181,86 @@ class PagedKVCache:
         RopeKernelParams for this call; ``rope_seq_len`` is the current length for ``"dynamic"`` scaling.
         """
         cfg = self._config
-        if (  # fast path: the common ragged call, every argument checked in one expression
-            type(layer) is int and 0 <= layer < cfg.num_layers and slot_mapping is None and positions is None
-            and cu_k_lens is None and cp_size == 1 and cp_rank == 0 and not check
-            and _ok_rows(k, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, self.device)
-            and _ok_rows(v, cfg.dtype, cfg.num_kv_heads, cfg.head_dim, self.device) and k.shape[0] == v.shape[0]
-            and _ok_vec(cu_q_lens, self.device) and _ok_vec(kv_lens, self.device)
-            and kv_lens.shape[0] == cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
-            and type(block_tables) is torch.Tensor and block_tables.dtype is torch.int32
-            and block_tables.dim() == 2 and block_tables.shape[0] == kv_lens.shape[0]  # type: ignore[union-attr]
-            and (block_tables.stride(1) == 1 or block_tables.shape[1] <= 1) and block_tables.device == self.device
-            and (rope is None or rope is False)
-        ):
-            paged_ops.append_paged_kv_launch(
-                k, v, self._pools[layer], self._params[layer], kv_dtype=cfg.kv_dtype, layout=cfg.layout,
-                block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=None, slot_mapping=None,
-                positions=None, rope=self._rope_for(rope, rope_seq_len), fp8_scales=self._scales[layer],
-                cp_rank=0, cp_size=1,
+        n = k.shape[0] if type(k) is torch.Tensor else -1
+        # fast paths: the common calls (ragged with kv_lens, or slot mapping; the cache's own RoPE or none), every
+        # argument checked in a few expressions; a prepared launch once the kind of call has been seen
+        fast = (
+            type(layer) is int and 0 <= layer < cfg.num_layers and cp_size == 1 and cp_rank == 0 and not check
+            and (rope is False or (rope is None and (self._rope is None or self._rope_params is not None)))
+            and _ok_rows(k, cfg.dtype, self._row_shape, self.device)
+            and _ok_rows(v, cfg.dtype, self._row_shape, self.device) and v.shape[0] == n
+        )
+        use_rope = fast and rope is None and self._rope_params is not None
+        if fast and slot_mapping is None:
+            fast = (
+                positions is None and cu_k_lens is None and _ok_vec(cu_q_lens, self.device)
+                and _ok_vec(kv_lens, self.device)
+                and kv_lens.shape[0] == cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
+                and type(block_tables) is torch.Tensor and block_tables.dtype is torch.int32
+                and block_tables.dim() == 2 and block_tables.shape[0] == kv_lens.shape[0]  # type: ignore[union-attr]
+                and (block_tables.stride(1) == 1 or block_tables.shape[1] <= 1)
+                and block_tables.device == self.device
+            )
+        elif fast:
+            fast = (
+                block_tables is None and cu_q_lens is None and kv_lens is None and cu_k_lens is None
+                and _ok_index(slot_mapping, n, self.device)
+                and (not use_rope or _ok_index(positions, n, self.device))
+            )
+        if not fast:
+            i = self._layer(layer)
+            paged_ops.append_paged_kv(
+                k, v, self.buffer[i], None if self.params_buffer is None else self.params_buffer[i],
+                kv_dtype=self._config.kv_dtype, layout=self._config.layout, block_tables=block_tables,
+                cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping,
+                positions=positions, rope=self._rope_for(rope, rope_seq_len), fp8_scales=self.kv_scales[i],
+                cp_rank=cp_rank, cp_size=cp_size, check=check,
             )
             return
-        i = self._layer(layer)
-        paged_ops.append_paged_kv(
-            k, v, self.buffer[i], None if self.params_buffer is None else self.params_buffer[i],
-            kv_dtype=self._config.kv_dtype, layout=self._config.layout, block_tables=block_tables,
-            cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping,
-            positions=positions, rope=self._rope_for(rope, rope_seq_len), fp8_scales=self.kv_scales[i],
-            cp_rank=cp_rank, cp_size=cp_size, check=check,
+        if n == 0:
+            return
+        key = None
+        if self._direct and not _hooks_active() and _current_device() == self._device_index:
+            # a prepared launch: keyed by everything that selects the compiled kernel besides the cache itself
+            kp, vp = k.data_ptr(), v.data_ptr()
+            ks, vs = k.stride(), v.stride()
+            if slot_mapping is None:
+                p1, p2, p3 = block_tables.data_ptr(), cu_q_lens.data_ptr(), kv_lens.data_ptr()  # type: ignore[union-attr]
+                key = (True, use_rope, ks, vs, kv_lens.shape[0],  # type: ignore[union-attr]
+                       self._layer_align[layer], paged_ops._APPEND_PERSIST, paged_ops._PDL_ENV)
+            else:
+                p1, p2 = slot_mapping.data_ptr(), positions.data_ptr() if use_rope else 0  # type: ignore[union-attr]
+                p3 = 0
+                key = (False, use_rope, ks, vs, slot_mapping.dtype,
+                       positions.dtype if use_rope else None, self._layer_align[layer],  # type: ignore[union-attr]
+                       paged_ops._APPEND_PERSIST, paged_ops._PDL_ENV)
+            if (kp | vp | p1 | p2 | p3) & 15 or n > 0x7FFFFFFF or ks[0] > 0x7FFFFFFF or vs[0] > 0x7FFFFFFF:
+                key = None  # unaligned or huge: the generic launch
+            plan = self._plans.get(key) if key is not None else None
+            if plan is not None:
+                pl = plan.prepared
+                pool_p, par_p, inv_p, sc_p = self._ptrs[layer]
+                if slot_mapping is None:
+                    pl.run(min(n, plan.max_programs) if plan.max_programs else n, 1, 1,
+                           _current_stream(self._device_index), pl.function, pl.packed, None, None, None, kp, vp,
+                           pool_p, par_p, p1, p2, p3, pool_p, pool_p, inv_p if use_rope else pool_p, sc_p,
+                           ks[0] // plan.vec, vs[0] // plan.vec, block_tables.stride(0), block_tables.shape[1],  # type: ignore[union-attr]
+                           kv_lens.shape[0], n, *pl.consts)  # type: ignore[union-attr]
+                else:
+                    pl.run(min(n, plan.max_programs) if plan.max_programs else n, 1, 1,
+                           _current_stream(self._device_index), pl.function, pl.packed, None, None, None, kp, vp,
+                           pool_p, par_p, pool_p, pool_p, pool_p, p1, p2 if use_rope else pool_p,
+                           inv_p if use_rope else pool_p, sc_p,
+                           ks[0] // plan.vec, vs[0] // plan.vec, 0, 0, 0, n, *pl.consts)
+                return
+        plan = paged_ops.append_paged_kv_launch(
+            k, v, self._pools[layer], self._params[layer], kv_dtype=cfg.kv_dtype, layout=cfg.layout,
+            block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=None,
+            slot_mapping=slot_mapping, positions=positions if use_rope else None,
+            rope=self._rope_params if use_rope else None, fp8_scales=self._scales[layer], cp_rank=0, cp_size=1,
         )
+        if key is not None and plan is not None:
+            self._plans[key] = plan
 
     def gather(
         self,
@@ -301,10 +372,18 @@ class PagedKVCache:
                 self.params_buffer.index_copy_(1, ids, p)
 
 
-def _ok_rows(t: object, dtype: torch.dtype, h: int, d: int, device: torch.device) -> bool:
+def _ok_rows(t: object, dtype: torch.dtype, row_shape: tuple[int, int], device: torch.device) -> bool:
+    """[n, H, D] rows of the cache's model dtype and device, head_dim contiguous."""
     return (
-        type(t) is torch.Tensor and t.dtype is dtype and t.dim() == 3 and t.shape[1] == h and t.shape[2] == d
-        and t.stride(2) == 1 and t.device == device
+        type(t) is torch.Tensor and t.dtype is dtype and t.shape[1:] == row_shape and t.stride(2) == 1
+        and t.device == device
+    )
+
+
+def _ok_index(t: object, n: int, device: torch.device) -> bool:
+    return (
+        type(t) is torch.Tensor and (t.dtype is torch.int64 or t.dtype is torch.int32) and t.dim() == 1
+        and t.shape[0] == n and (t.stride(0) == 1 or n <= 1) and t.device == device
     )
 
 
