@@ -63,7 +63,7 @@ def append_consts(quant: int, rope: bool, **kw):  # type: ignore[no-untyped-def]
     c = dict(MODE=0, QUANT=quant, ROPE=rope, ROT=128, INTERLEAVED=False, ATTN_SCALE=1.0, H=8, D=128,
              DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, HND=False, CP_RANK=0, CP_SIZE=1,
              SEARCH=8, LOG_B=3, STRIDE_KH=128, STRIDE_VH=128, VEC=8, BLOCK_H=8, BLOCK_HF=64, LIBDEVICE=True,
-             PERSIST=False, PDL=False)
+             SPLIT=False, PDL=False)
     c.update(kw)
     return c
 

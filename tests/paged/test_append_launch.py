@@ -1,6 +1,6 @@
-"""The append kernel's launch variants against the independent reference: the persistent launch (each
-program strides over rows and prefetches the next one), the sequence lookup's first guess (rows spread
-evenly over the sequences) and its fallback search, and the programmatic-dependent-launch switch.
+"""The append kernel's launch variants against the independent reference: one program per row, or one for each
+row's K and one for its V (split), the sequence lookup's first guess (rows spread evenly over the sequences)
+and its fallback search, the prepared launches of the cache, and the programmatic-dependent-launch switch.
 
 Every format and RoPE on K, bit-exact where the format is (the reference's float32 formula), within the
 derived bounds with RoPE. Both CPU backends; compiled on a GPU.
@@ -27,21 +27,20 @@ BATCHES = [
 ]
 
 
-@pytest.fixture(params=[0, 1, 3], ids=["per-row", "persist1", "persist3"])
-def persist(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    """Programs per SM of the append launch (0: one program per row); the interpreter counts 2 SMs, so 1 and
-    3 make each program stride over several rows."""
-    monkeypatch.setattr(paged_ops, "_APPEND_PERSIST", request.param)
+@pytest.fixture(params=[False, True], ids=["per-row", "split-kv"])
+def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """One program per row (K and V), or two (K, V): the threshold of rows below which appends split."""
+    monkeypatch.setattr(paged_ops, "_SPLIT_BELOW", 1 << 40 if request.param else 0)
     return request.param
 
 
 @pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 @pytest.mark.parametrize("batch", BATCHES)
-def test_ragged_launch_variants(device, persist, batch, kv_dtype, use_rope):
+def test_ragged_launch_variants(device, split, batch, kv_dtype, use_rope):
     q_lens, kv_lens, pad = batch
     H, D, bs, nb = 2, 16, 4, 32
-    gen = pr.generator(7 * len(q_lens) + pad + persist)
+    gen = pr.generator(7 * len(q_lens) + pad + split)
     rope = RopeConfig(head_dim=D, base=10000.0) if use_rope else None
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
     cu = pr.cumsum0(q_lens)
@@ -60,11 +59,11 @@ def test_ragged_launch_variants(device, persist, batch, kv_dtype, use_rope):
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
-def test_cu_k_lens_launch_variants(device, persist, kv_dtype):
+def test_cu_k_lens_launch_variants(device, split, kv_dtype):
     """The same rows through cu_k_lens (the guess reads cumulative lengths) in the HND layout."""
     q_lens, kv_lens = [2, 1, 1, 5], [4, 0, 7, 1]
     H, D, bs, nb = 3, 8, 2, 40
-    gen = pr.generator(31 + persist)
+    gen = pr.generator(31 + split)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype,
                               layout="HND")
     cu = pr.cumsum0(q_lens)
@@ -80,9 +79,9 @@ def test_cu_k_lens_launch_variants(device, persist, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
-def test_slot_mapping_launch_variants(device, persist, kv_dtype):
+def test_slot_mapping_launch_variants(device, split, kv_dtype):
     H, D, bs, nb = 2, 16, 4, 8
-    gen = pr.generator(53 + persist)
+    gen = pr.generator(53 + split)
     rope = RopeConfig(head_dim=D)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
     n = 11
@@ -99,7 +98,7 @@ def test_slot_mapping_launch_variants(device, persist, kv_dtype):
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 
-def test_many_sequences_binary_search_fallback(device, persist):
+def test_many_sequences_binary_search_fallback(device, split):
     """More than 1024 sequences: the lookup's fallback is a binary search (the guess misses on ragged rows)."""
     B = 1100
     H, D, bs = 1, 4, 2
@@ -139,7 +138,7 @@ def test_pdl_needs_hopper(device):
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
-def test_odd_strides_take_scalar_loads(device, kv_dtype):
+def test_odd_strides_take_scalar_loads(device, split, kv_dtype):
     """k / v rows whose strides are odd element counts (vector width 1) and rows at an odd element offset
     (unaligned pointer) are read correctly."""
     H, D, bs, nb, n = 2, 16, 4, 8, 5
@@ -159,7 +158,7 @@ def test_odd_strides_take_scalar_loads(device, kv_dtype):
 
 @pytest.mark.parametrize("mode", ["ragged", "slots"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int4"])
-def test_repeated_appends_reuse_prepared_launches(device, kv_dtype, mode):
+def test_repeated_appends_reuse_prepared_launches(device, split, kv_dtype, mode):
     """Decode steps over several layers: after the first call of a kind, the cache launches a prepared
     plan (CUDA) with raw pointers. Every step, every layer against the reference; the batch shrinks midway
     (a new plan), one step reads K from an unaligned view (the generic launch), RoPE from the cache."""
@@ -197,3 +196,42 @@ def test_repeated_appends_reuse_prepared_launches(device, kv_dtype, mode):
         lens = [x + 1 for x in lens]
     if device.type == "cuda":
         assert cache._plans, "the prepared launch path was never taken"
+
+
+ROPES = {
+    "default": dict(),
+    "interleaved": dict(interleaved=True),
+    "partial": dict(rotary_dim=8, base=500000.0),
+    "partial-interleaved": dict(rotary_dim=6, interleaved=True),
+}
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("rope_name", list(ROPES))
+def test_rope_pairings_and_dtypes(device, split, rope_name, dtype, kv_dtype):
+    """Every RoPE pairing (rotate-half, interleaved, partial) and model dtype, in the HND layout: V stays
+    bit-exact where it passes through float32 (split programs)."""
+    H, D, bs, nb = 3, 16, 4, 16
+    rope = RopeConfig(head_dim=D, **ROPES[rope_name])
+    gen = pr.generator(600 + len(rope_name))
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, dtype=dtype,
+                              kv_dtype=kv_dtype, layout="HND")
+    q_lens, kv_lens = [4, 1, 2], [0, 2100, 5]
+    cu = pr.cumsum0(q_lens)
+    totals = [a + b for a, b in zip(kv_lens, q_lens)]
+    width = -(-max(totals) // bs)
+    perm = torch.randperm(nb, generator=gen).tolist()
+    tables = [[-1] * width for _ in totals]
+    for b, (first, total) in enumerate(zip(kv_lens, totals)):
+        for j in range(first // bs, -(-total // bs)):
+            tables[b][j] = perm.pop()
+    k = pr.randn((cu[-1], H, D), dtype, gen, device)
+    v = pr.randn((cu[-1], H, D), dtype, gen, device)
+    targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
+    assert len(targets) == cu[-1]
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="HND",
+                             rope=rope)
+    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                 kv_lens=pr.i32(kv_lens, device), rope=rope)
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="HND", rope=rope)

@@ -31,9 +31,9 @@ from triton.language.extra import libdevice
 from .._backend import PreparedLaunch, kernel, use_triton
 
 try:  # programmatic dependent launch (Hopper and later); triton >= 3.4
-    from triton.language.extra.cuda import gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover
-    gdc_wait = None
+    gdc_launch_dependents = gdc_wait = None
 from .._validate import cdiv, next_pow2, vec_elems
 from ..rope import RopeKernelParams
 
@@ -176,9 +176,10 @@ def _encode_halves(
         else:
             tl.store(p1, q1.to(tl.uint8), mask=m1)
             tl.store(p2, q2.to(tl.uint8), mask=m2)
-        hp = tl.arange(0, BLOCK_H)
-        tl.store(par + hp * P_HEAD, scale, mask=hrow)
-        tl.store(par + hp * P_HEAD + 1, mn, mask=hrow)
+        # (scale, zero) of each head as one 8-byte pair
+        j2 = tl.arange(0, 2)[None, :]
+        pm = (tl.arange(0, BLOCK_H) < H)[:, None] & (j2 < 2)
+        tl.store(par + tl.arange(0, BLOCK_H)[:, None] * P_HEAD + j2, tl.join(scale, mn), mask=pm)
 
 
 @triton.jit
@@ -280,6 +281,38 @@ def _target(
 
 
 @triton.jit
+def _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT: tl.constexpr,
+            INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+            STRIDE_KH: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr):
+    # RoPE on one key row given as float32 half tiles x1 (elements i) and x2 (HALF + i), at position pos
+    FAST_ROPE: tl.constexpr = (not INTERLEAVED) and (ROT == D)  # pairs (i, HALF + i): no partner loads
+    pos_f = pos.to(tl.float32)
+    if FAST_ROPE:  # one cos / sin per frequency, shared by every head
+        angle = pos_f * freqs
+        if LIBDEVICE:  # accurate, full range reduction (angles reach 1e5 radians)
+            c = libdevice.cos(angle) * ATTN_SCALE
+            sn = libdevice.sin(angle) * ATTN_SCALE
+        else:
+            c = tl.cos(angle) * ATTN_SCALE
+            sn = tl.sin(angle) * ATTN_SCALE
+        c = c[None, :]
+        sn = sn[None, :]
+        y1 = x1 * c - x2 * sn
+        y2 = x2 * c + x1 * sn
+    else:  # partial rotary or interleaved pairs: partner elements re-read (L1 / L2 hits)
+        krow = k + n.to(tl.int64) * (stride_kn * VEC) + hh * STRIDE_KH
+        pa1, j1, fi1, r1 = _rope_pairs(i, ROT, INTERLEAVED)
+        pa2, j2, fi2, r2 = _rope_pairs(i + HALF, ROT, INTERLEAVED)
+        kp1 = tl.load(krow + pa1, mask=m1 & r1, other=0.0).to(tl.float32)
+        kp2 = tl.load(krow + pa2, mask=m2 & r2, other=0.0).to(tl.float32)
+        f1 = tl.load(inv_freq + j1, mask=r1, other=0.0)
+        f2 = tl.load(inv_freq + j2, mask=r2, other=0.0)
+        y1 = _rotate(x1, kp1, f1, fi1, r1, pos_f, ATTN_SCALE, LIBDEVICE)
+        y2 = _rotate(x2, kp2, f2, fi2, r2, pos_f, ATTN_SCALE, LIBDEVICE)
+    return y1, y2
+
+
+@triton.jit
 def _write_token(
     k1, k2, v1, v2, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, fp8_scales, hh, i, m1,
     m2, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
@@ -289,7 +322,6 @@ def _write_token(
 ):
     # RoPE on K, quantize and store one token's K and V rows (loaded by _load_token) at (blk, off)
     if valid:
-        FAST_ROPE: tl.constexpr = (not INTERLEAVED) and (ROT == D)  # pairs (i, HALF + i): no partner loads
         if HND:
             s_tok: tl.constexpr = DP
             s_head: tl.constexpr = BLOCK_SIZE * DP
@@ -313,30 +345,8 @@ def _write_token(
         x1 = k1.to(tl.float32)
         x2 = k2.to(tl.float32)
         if ROPE:
-            pos_f = pos.to(tl.float32)
-            if FAST_ROPE:  # one cos / sin per frequency, shared by every head
-                angle = pos_f * freqs
-                if LIBDEVICE:  # accurate, full range reduction (angles reach 1e5 radians)
-                    c = libdevice.cos(angle) * ATTN_SCALE
-                    sn = libdevice.sin(angle) * ATTN_SCALE
-                else:
-                    c = tl.cos(angle) * ATTN_SCALE
-                    sn = tl.sin(angle) * ATTN_SCALE
-                c = c[None, :]
-                sn = sn[None, :]
-                r1 = x1 * c - x2 * sn
-                x2 = x2 * c + x1 * sn
-                x1 = r1
-            else:  # partial rotary or interleaved pairs: partner elements re-read (L1 / L2 hits)
-                krow = k + n.to(tl.int64) * (stride_kn * VEC) + hh * STRIDE_KH
-                pa1, j1, fi1, r1 = _rope_pairs(i, ROT, INTERLEAVED)
-                pa2, j2, fi2, r2 = _rope_pairs(i + HALF, ROT, INTERLEAVED)
-                kp1 = tl.load(krow + pa1, mask=m1 & r1, other=0.0).to(tl.float32)
-                kp2 = tl.load(krow + pa2, mask=m2 & r2, other=0.0).to(tl.float32)
-                f1 = tl.load(inv_freq + j1, mask=r1, other=0.0)
-                f2 = tl.load(inv_freq + j2, mask=r2, other=0.0)
-                x1 = _rotate(x1, kp1, f1, fi1, r1, pos_f, ATTN_SCALE, LIBDEVICE)
-                x2 = _rotate(x2, kp2, f2, fi2, r2, pos_f, ATTN_SCALE, LIBDEVICE)
+            x1, x2 = _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
+                             ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
         _encode_halves(x1, x2, k1, k2, pool + base, qparams + pbase, inv_k, hh, i, QUANT, not ROPE, H, D, HALF,
                        BLOCK_H, s_head, p_head, LIBDEVICE)
         _encode_halves(v1.to(tl.float32), v2.to(tl.float32), v1, v2, pool + base + s_kv, qparams + pbase + p_kv,
@@ -367,17 +377,17 @@ def _append_kernel(
     LOG_B: tl.constexpr,
     STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,  # head strides of k / v (fixed per model)
     BLOCK_H: tl.constexpr, BLOCK_HF: tl.constexpr, LIBDEVICE: tl.constexpr,
-    PERSIST: tl.constexpr,  # False: one program per row; True: each program strides over rows, loading the
-    # next row while it writes this one
+    SPLIT: tl.constexpr,  # False: a program writes one row's K and V; True: two programs per row, one for K and
+    # one for V (half the work on each program's critical path: short decode launches)
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
     VEC: tl.constexpr,  # stride_kn / stride_vn are in units of VEC elements (a power of two)
 ):
-    # grid: (N,) or (programs,) when PERSIST. A row (one token: all heads, K and V) is handled as two half
-    # tiles, elements [0, HALF) and [HALF, D): rotate-half RoPE pairs them directly, int4 packs them into
-    # one byte.
+    # grid: (N,) or (2 N,) when SPLIT. A row (one token, all heads) is handled as two half tiles, elements
+    # [0, HALF) and [HALF, D): rotate-half RoPE pairs them directly, int4 packs them into one byte.
     HALF: tl.constexpr = (D + 1) // 2
     if PDL:
-        gdc_wait()
+        gdc_wait()  # everything below may read what the previous kernel wrote
+        gdc_launch_dependents()  # the next kernel may be scheduled now: it waits for this grid to finish
     pid = tl.program_id(0)
     hh = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_HF)[None, :]
@@ -386,7 +396,7 @@ def _append_kernel(
     freqs = tl.zeros([BLOCK_HF], tl.float32)
     if ROPE and (not INTERLEAVED) and (ROT == D):  # rotate-half over all of D: frequencies j of pairs (j, HALF + j)
         freqs = tl.load(inv_freq + tl.arange(0, BLOCK_HF), mask=tl.arange(0, BLOCK_HF) < HALF, other=0.0)
-    if not PERSIST:
+    if not SPLIT:
         # the row's K and V first: they do not depend on where it goes, so their latency overlaps the
         # index loads
         k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH, VEC)
@@ -397,20 +407,43 @@ def _append_kernel(
                      fp8_scales, hh, i, m1, m2, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
                      BLOCK_SIZE, HND, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC)
     else:
-        nprog = tl.num_programs(0)
-        k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH, VEC)
-        for row in range(pid, n_rows, nprog):
-            n = row + pid * 0  # a tensor under the interpreter too (its loop variable is a python int)
-            # prefetch the next row (the last row again at the end: in bounds, never written)
-            a1, a2, b1, b2 = _load_token(k, v, tl.minimum(n + nprog, n_rows - 1), stride_kn, stride_vn, hh, i, m1,
-                                         m2, HALF, STRIDE_KH, STRIDE_VH, VEC)
-            valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride,
-                                           table_width, n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK,
-                                           CP_SIZE, SEARCH, LOG_B)
-            _write_token(k1, k2, v1, v2, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq,
-                         freqs, fp8_scales, hh, i, m1, m2, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
-                         BLOCK_SIZE, HND, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC)
-            k1, k2, v1, v2 = a1, a2, b1, b2
+        n = pid // 2
+        is_v = pid % 2  # 0: this program writes the row's K, 1: its V
+        nn = n.to(tl.int64)
+        row = tl.where(is_v == 1, v + nn * (stride_vn * VEC), k + nn * (stride_kn * VEC))
+        hoff = tl.where(is_v == 1, hh * STRIDE_VH, hh * STRIDE_KH)
+        r1 = tl.load(row + hoff + i, mask=m1, other=0.0)
+        r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0)
+        valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
+                                       n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
+                                       SEARCH, LOG_B)
+        if valid:
+            if HND:
+                s_tok: tl.constexpr = DP
+                s_head: tl.constexpr = BLOCK_SIZE * DP
+                p_tok: tl.constexpr = 2
+                p_head: tl.constexpr = BLOCK_SIZE * 2
+            else:
+                s_tok: tl.constexpr = H * DP
+                s_head: tl.constexpr = DP
+                p_tok: tl.constexpr = H * 2
+                p_head: tl.constexpr = 2
+            s_kv: tl.constexpr = BLOCK_SIZE * H * DP
+            p_kv: tl.constexpr = BLOCK_SIZE * H * 2
+            base = blk * (2 * s_kv) + off * s_tok + is_v * s_kv
+            pbase = blk * (2 * p_kv) + off * p_tok + is_v * p_kv
+            inv = 1.0
+            if QUANT == 1:
+                inv = _div(tl.full((), 1.0, tl.float32), tl.load(fp8_scales + is_v), LIBDEVICE)
+            x1 = r1.to(tl.float32)
+            x2 = r2.to(tl.float32)
+            if ROPE:
+                if is_v == 0:
+                    x1, x2 = _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
+                                     ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
+            # with RoPE, V goes through float32 too: an exact round trip for every model dtype
+            _encode_halves(x1, x2, r1, r2, pool + base, qparams + pbase, inv, hh, i, QUANT, not ROPE, H, D, HALF,
+                           BLOCK_H, s_head, p_head, LIBDEVICE)
 
 
 @triton.jit
@@ -578,14 +611,7 @@ def _copy_blocks_kernel(
 # launchers (validated by the callers: kvcache.paged.PagedKVCache)
 
 
-_APPEND_PERSIST = 0  # programs per SM of the persistent append (0: one program per row)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the interpreter: a few programs, so that each strides over several rows
-    return torch.cuda.get_device_properties(device).multi_processor_count
+_SPLIT_BELOW = 0  # appends of fewer rows than this give K and V programs of their own (see the kernel's SPLIT)
 
 
 @functools.cache
@@ -627,13 +653,13 @@ def append_paged_kv_launch(
     cp_rank: int,
     cp_size: int,
     num_warps: int | None = None,
-    persist: int | None = None,
+    split: bool | None = None,
     pdl: bool | None = None,
 ) -> AppendPlan | None:
     """Launch the append kernel (arguments already validated).
 
-    Tuning overrides: ``num_warps``; ``persist`` = programs per SM of a persistent launch (each program
-    strides over rows, prefetching the next), 0 = one program per row; ``pdl`` = launch with programmatic
+    Tuning overrides: ``num_warps``; ``split`` = one program for each row's K and one for its V (default: for
+    fewer than ``_SPLIT_BELOW`` rows), else one program per row; ``pdl`` = launch with programmatic
     dependent launch (CUDA graphs on Hopper: the kernel is scheduled while the previous one drains, and
     waits for it before reading anything). ``None`` takes the defaults.
 
@@ -652,8 +678,8 @@ def append_paged_kv_launch(
         return None
     if slot_mapping is None and cu_q_lens.shape[0] == 1:  # type: ignore[union-attr]
         return None  # no sequence: every row is padding
-    if persist is None:
-        persist = _APPEND_PERSIST
+    if split is None:
+        split = n_tokens < _SPLIT_BELOW
     if pdl is None:
         pdl = _pdl_default(pool.device)
     elif pdl and not _pdl_supported(pool.device):
@@ -667,7 +693,7 @@ def append_paged_kv_launch(
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     # vector loads of k / v rows: VEC elements (up to 16 bytes) dividing every stride and the half-row offset
     vec = vec_elems(k.element_size(), (k.stride(0), v.stride(0), k.stride(1), v.stride(1), (D + 1) // 2))
-    programs = min(n_tokens, persist * _sm_count(pool.device)) if persist else n_tokens
+    programs = 2 * n_tokens if split else n_tokens
     dummy = pool
     args = (
         k, v, pool, params if params is not None else dummy,
@@ -689,16 +715,16 @@ def append_paged_kv_launch(
         NUM_BLOCKS=pool.shape[0], HND=hnd, CP_RANK=cp_rank, CP_SIZE=cp_size,
         SEARCH=next_pow2(n_seqs) if 0 < n_seqs <= 1024 else 0, LOG_B=max(n_seqs - 1, 0).bit_length(),
         STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
-        LIBDEVICE=pool.device.type == "cuda", PERSIST=bool(persist), PDL=bool(pdl), VEC=vec,
-        # measured on an H100 (benchmarks/paged_tune.py, 8 x 128 heads): 4 warps for plain rows, 2 when quantizing
-        num_warps=num_warps or max(1, min(8, H * D // (256 if quant == 0 else 512))),
+        LIBDEVICE=pool.device.type == "cuda", SPLIT=bool(split), PDL=bool(pdl), VEC=vec,
+        # measured on an H100 (benchmarks/paged_tune.py, 8 x 128 heads): 2 warps (1 KB of fp16 per warp and row)
+        num_warps=num_warps or max(1, min(8, H * D // 512)),
     )
     if pdl:
         consts["launch_pdl"] = True
     prepared = _append_kernel.launch(pool.device, (programs,), *args, **consts)
     if prepared is None:
         return None
-    return AppendPlan(prepared, vec, persist * _sm_count(pool.device) if persist else 0)
+    return AppendPlan(prepared, vec, bool(split))
 
 
 class AppendPlan:
@@ -707,12 +733,12 @@ class AppendPlan:
     ``__call__`` takes raw pointers (``data_ptr()``) in the kernel's argument order: it skips argument
     binding and the launcher's per-tensor pointer checks, which is most of an eager call's host time."""
 
-    __slots__ = ("prepared", "vec", "max_programs")
+    __slots__ = ("prepared", "vec", "split")
 
-    def __init__(self, prepared: PreparedLaunch, vec: int, max_programs: int) -> None:
+    def __init__(self, prepared: PreparedLaunch, vec: int, split: bool) -> None:
         self.prepared = prepared
-        self.vec = vec
-        self.max_programs = max_programs  # persistent launches: programs = min(rows, max_programs)
+        self.vec = vec  # k / v row strides are passed divided by vec
+        self.split = split  # two programs per row (K, V)
 
 
 def gather_paged_kv_launch(

@@ -227,13 +227,13 @@ class PagedKVCache:
             if slot_mapping is None:
                 p1, p2, p3 = block_tables.data_ptr(), cu_q_lens.data_ptr(), kv_lens.data_ptr()  # type: ignore[union-attr]
                 key = (True, use_rope, ks, vs, kv_lens.shape[0],  # type: ignore[union-attr]
-                       self._layer_align[layer], paged_ops._APPEND_PERSIST, paged_ops._PDL_ENV)
+                       self._layer_align[layer], n < paged_ops._SPLIT_BELOW, paged_ops._PDL_ENV)
             else:
                 p1, p2 = slot_mapping.data_ptr(), positions.data_ptr() if use_rope else 0  # type: ignore[union-attr]
                 p3 = 0
                 key = (False, use_rope, ks, vs, slot_mapping.dtype,
                        positions.dtype if use_rope else None, self._layer_align[layer],  # type: ignore[union-attr]
-                       paged_ops._APPEND_PERSIST, paged_ops._PDL_ENV)
+                       n < paged_ops._SPLIT_BELOW, paged_ops._PDL_ENV)
             if (kp | vp | p1 | p2 | p3) & 15 or n > 0x7FFFFFFF or ks[0] > 0x7FFFFFFF or vs[0] > 0x7FFFFFFF:
                 key = None  # unaligned or huge: the generic launch
             plan = self._plans.get(key) if key is not None else None
@@ -241,13 +241,13 @@ class PagedKVCache:
                 pl = plan.prepared
                 pool_p, par_p, inv_p, sc_p = self._ptrs[layer]
                 if slot_mapping is None:
-                    pl.run(min(n, plan.max_programs) if plan.max_programs else n, 1, 1,
+                    pl.run(2 * n if plan.split else n, 1, 1,
                            _current_stream(self._device_index), pl.function, pl.packed, None, None, None, kp, vp,
                            pool_p, par_p, p1, p2, p3, pool_p, pool_p, inv_p if use_rope else pool_p, sc_p,
                            ks[0] // plan.vec, vs[0] // plan.vec, block_tables.stride(0), block_tables.shape[1],  # type: ignore[union-attr]
                            kv_lens.shape[0], n, *pl.consts)  # type: ignore[union-attr]
                 else:
-                    pl.run(min(n, plan.max_programs) if plan.max_programs else n, 1, 1,
+                    pl.run(2 * n if plan.split else n, 1, 1,
                            _current_stream(self._device_index), pl.function, pl.packed, None, None, None, kp, vp,
                            pool_p, par_p, pool_p, pool_p, pool_p, p1, p2 if use_rope else pool_p,
                            inv_p if use_rope else pool_p, sc_p,
