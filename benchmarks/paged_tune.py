@@ -14,6 +14,8 @@ import math
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from kvcache.bench.linear import _copy_time, time_eager, time_graph, time_host
 from kvcache.ops import paged as paged_ops
@@ -23,6 +25,22 @@ from kvcache.rope import RopeConfig
 
 H, D = 8, 128
 PER_ROW = {"auto": D * 2, "fp8": D, "int8": D + 8, "int4": D // 2 + 8}
+
+
+@triton.jit
+def _rows_copy(k, v, dst, blocks, ROW: tl.constexpr, BS: tl.constexpr, SCATTER: tl.constexpr):
+    # the append's traffic without its index work: row n of k and v to token slot n of a paged pool [nb, 2, BS,
+    # ROW], in block order (SCATTER False) or into the block given by blocks[n // BS] (a random permutation)
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, ROW)
+    xk = tl.load(k + n * ROW + e)
+    xv = tl.load(v + n * ROW + e)
+    blk = n // BS
+    if SCATTER:
+        blk = tl.load(blocks + blk).to(tl.int64)
+    base = blk * (2 * BS * ROW) + (n % BS) * ROW
+    tl.store(dst + base + e, xk)
+    tl.store(dst + base + BS * ROW + e, xv)
 
 
 def _pct(nbytes: int, us: float, copy_bw: float) -> float:
@@ -39,6 +57,15 @@ def prefill(dev: torch.device, copy_bw: float) -> None:
     t = time_graph(lambda: dst.copy_(kv), 3)
     moved = 2 * kv.numel() * 2
     print(f"same-size copy_ (K and V, {moved / 1e6:.0f} MB moved): {_pct(moved, t, copy_bw):.1f}%")
+    pool = torch.empty(n // bs, 2, bs, H * D, dtype=torch.float16, device=dev)
+    perm = torch.randperm(n // bs, generator=g).to(torch.int32).to(dev)
+    for scatter in (False, True):
+        res = []
+        for w in (1, 2, 4, 8):
+            t = time_graph(lambda w=w, scatter=scatter: _rows_copy[(n,)](k, v, pool, perm, ROW=H * D, BS=bs,
+                                                                          SCATTER=scatter, num_warps=w), 3)
+            res.append(f"w{w}: {_pct(moved, t, copy_bw):.1f}")
+        print(f"triton row copy ({'random blocks' if scatter else 'block order'}): " + "  ".join(res), flush=True)
     cu_q = torch.arange(0, n + 1, seq, dtype=torch.int32, device=dev)
     kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
     nb = n // bs + 64
@@ -48,19 +75,19 @@ def prefill(dev: torch.device, copy_bw: float) -> None:
         c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                      kv_dtype=kv_dtype, device=dev))
         nbytes = 2 * n * H * D * 2 + 2 * n * H * PER_ROW[kv_dtype]
-        warps = (2, 4, 8) if kv_dtype == "auto" else (1, 2, 4)
+        warps = (1, 2, 4)
         for use_rope in (False, True):
             res = []
-            for persist in (0, 4, 8, 16):
+            for split in (False, True):
                 for w in warps:
-                    def fn(w=w, use_rope=use_rope, c=c, kv_dtype=kv_dtype, persist=persist) -> None:  # type: ignore[no-untyped-def]
+                    def fn(w=w, use_rope=use_rope, c=c, kv_dtype=kv_dtype, split=split) -> None:  # type: ignore[no-untyped-def]
                         append_paged_kv_launch(k, v, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD",
                                                block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None,
                                                slot_mapping=None, positions=None, rope=rope if use_rope else None,
                                                fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1, num_warps=w,
-                                               persist=persist)
+                                               split=split)
                     t = time_graph(fn, 3)
-                    res.append(f"p{persist}w{w}: {_pct(nbytes, t, copy_bw):.1f}")
+                    res.append(f"{'s' if split else 'r'}w{w}: {_pct(nbytes, t, copy_bw):.1f}")
             print(f"append {kv_dtype}{' rope' if use_rope else ''}: " + "  ".join(res), flush=True)
 
 
@@ -78,28 +105,27 @@ def decode(dev: torch.device) -> None:
     positions = kv_lens.long()
     rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
     pdl_ok = paged_ops._pdl_supported(dev)
+    variants = [(pdl, split, w) for pdl in ((False, True) if pdl_ok else (False,)) for split in (False, True)
+                for w in (1, 2, 4)]
     for kv_dtype in ("auto", "int8", "int4"):
         c = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                      kv_dtype=kv_dtype, device=dev))
         for mode in ("ragged", "slots"):
             res = []
-            for pdl in ((False, True) if pdl_ok else (False,)):
-                for w in (1, 2, 4, 8):
-                    def step(w=w, pdl=pdl, c=c, kv_dtype=kv_dtype, mode=mode) -> None:  # type: ignore[no-untyped-def]
-                        for layer in range(layers):
-                            if mode == "ragged":
-                                append_paged_kv_launch(
-                                    k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
-                                    block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None,
-                                    slot_mapping=None, positions=None, rope=rope, fp8_scales=c.kv_scales[layer],
-                                    cp_rank=0, cp_size=1, num_warps=w, pdl=pdl)
-                            else:
-                                append_paged_kv_launch(
-                                    k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
-                                    block_tables=None, cu_q_lens=None, kv_lens=None, cu_k_lens=None,
-                                    slot_mapping=slots, positions=positions, rope=rope,
-                                    fp8_scales=c.kv_scales[layer], cp_rank=0, cp_size=1, num_warps=w, pdl=pdl)
-                    res.append(f"{'pdl' if pdl else 'std'}w{w}: {time_graph(step, 1) / layers:.2f}")
+            for pdl, split, w in variants:
+                ragged = mode == "ragged"
+
+                def step(w=w, pdl=pdl, split=split, c=c, kv_dtype=kv_dtype, ragged=ragged) -> None:  # type: ignore[no-untyped-def]
+                    for layer in range(layers):
+                        append_paged_kv_launch(
+                            k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
+                            block_tables=tables if ragged else None, cu_q_lens=cu_q if ragged else None,
+                            kv_lens=kv_lens if ragged else None, cu_k_lens=None,
+                            slot_mapping=None if ragged else slots, positions=None if ragged else positions,
+                            rope=rope, fp8_scales=c.kv_scales[layer], cp_rank=0, cp_size=1, num_warps=w, pdl=pdl,
+                            split=split)
+                name = f"{'pdl' if pdl else 'std'}{'-split' if split else ''}-w{w}"
+                res.append(f"{name}: {time_graph(step, 1) / layers:.2f}")
             print(f"decode {kv_dtype} + rope, {mode} (us per layer): " + "  ".join(res), flush=True)
 
 
