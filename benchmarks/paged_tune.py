@@ -147,8 +147,8 @@ def gather(dev: torch.device, copy_bw: float) -> None:
             c.params_buffer.uniform_(0.001, 0.01)
         nbytes = 2 * n_seqs * seq * H * PER_ROW[kv_dtype] + 2 * n_seqs * seq * H * D * 2
         res = []
-        for tok in (1, 2, 4, 8):
-            for w in (1, 2, 4, 8):
+        for tok in (1, 2, 4):
+            for w in (1, 2, 4):
                 def gfn(tok=tok, w=w, c=c, kv_dtype=kv_dtype) -> None:  # type: ignore[no-untyped-def]
                     gather_paged_kv_launch(ko, vo, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD",
                                            block_tables=tables, kv_lens=lens, cu_k_lens=None, rope=None,
@@ -175,6 +175,10 @@ def host(dev: torch.device) -> None:
     src = torch.ones(4, device=dev)
     print(f"host: torch x.add_(1) {time_host(lambda: small.add_(1)):.1f} us, "
           f"index_copy_ {time_host(lambda: small.index_copy_(0, idx, src)):.1f} us", flush=True)
+    from kvcache._backend import _current_device, _current_stream, _hooks_active
+    for name, fn in (("k.data_ptr()", k.data_ptr), ("k.stride()", k.stride), ("_hooks_active()", _hooks_active),
+                     ("_current_device()", _current_device), ("_current_stream(0)", lambda: _current_stream(0))):
+        print(f"host piece {name}: {time_host(fn, iters=2000):.3f} us")
     for kv_dtype in ("auto", "int4"):
         c = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs,
                                      num_blocks=n_seqs * 64, kv_dtype=kv_dtype, device=dev), rope=rope)
@@ -185,6 +189,24 @@ def host(dev: torch.device) -> None:
             rope=c._rope_params, fp8_scales=c.kv_scales[1])
         print(f"host {kv_dtype} + rope: cache ragged {time_host(ragged):.1f} us, cache slots {time_host(slot):.1f} us,"
               f" op (validating) {time_host(op):.1f} us, plans {len(c._plans)}", flush=True)
+        plan = next(iter(c._plans.values()))
+        pl = plan.prepared
+        args = (k.data_ptr(), v.data_ptr(), *c._ptrs[1][:2], tables.data_ptr(), cu_q.data_ptr(), kv_lens.data_ptr(),
+                c._ptrs[1][0], c._ptrs[1][0], c._ptrs[1][2], c._ptrs[1][3], k.stride(0) // plan.vec,
+                v.stride(0) // plan.vec, tables.stride(0), tables.shape[1], n_seqs, n_seqs)
+        raw = lambda pl=pl, plan=plan, args=args: pl.run(  # noqa: E731
+            2 * n_seqs if plan.split else n_seqs, 1, 1, _current_stream(0), pl.function,
+                             pl.packed, None, None, None, *args, *pl.consts)
+        print(f"host {kv_dtype}: the launcher alone (raw pointers) {time_host(raw):.1f} us", flush=True)
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(3000):
+            ragged()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(8)
 
 
 def main() -> None:

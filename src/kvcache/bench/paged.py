@@ -13,12 +13,39 @@ import math
 from dataclasses import asdict
 
 import torch
+import triton
+import triton.language as tl
 
+from ..ops import paged as paged_ops
 from ..paged import PagedConfig, PagedKVCache
 from ..rope import RopeConfig
 from .linear import Row, _copy_time, _fmt, time_eager, time_graph, time_host
 
 H, D = 8, 128
+
+
+@triton.jit
+def _rows_copy(k, v, pool, blocks, ROW: tl.constexpr, BS: tl.constexpr):
+    # the append's memory traffic without its index work: row n of k and v into token slot n % BS of block
+    # blocks[n // BS] of a pool [nb, 2, BS, ROW] (a ceiling for the fp16 append on this device)
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, ROW)
+    xk = tl.load(k + n * ROW + e)
+    xv = tl.load(v + n * ROW + e)
+    base = tl.load(blocks + n // BS).to(tl.int64) * (2 * BS * ROW) + (n % BS) * ROW
+    tl.store(pool + base + e, xk)
+    tl.store(pool + base + BS * ROW + e, xv)
+
+
+class _pdl_off:
+    """Appends without programmatic dependent launch inside the block (the comparison rows)."""
+
+    def __enter__(self) -> None:
+        self.saved = paged_ops._PDL_ENV
+        paged_ops._PDL_ENV = False
+
+    def __exit__(self, *a: object) -> None:
+        paged_ops._PDL_ENV = self.saved
 
 
 def _tables(n_seqs: int, blocks_per_seq: int, num_blocks: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
@@ -75,6 +102,23 @@ def _prefill_rows(dev: torch.device, copy_bw: float, quick: bool) -> list[Row]:
                                 eager_us=time_eager(fn, 10), graph_us=time_graph(fn, 3), bytes=nbytes))
             del cache
         pool = torch.zeros((nb, 2, bs, H, D), dtype=torch.float16, device=dev)
+        # ceilings for the fp16 append: the same bytes through torch's copy_, and a Triton row copy with the
+        # append's exact traffic (rows into randomly placed blocks) but no index work
+        kv = torch.stack([k, v])
+        kv_dst = torch.empty_like(kv)
+        moved = 2 * n * H * D * 2 + _store_bytes(n, "auto")
+        def ccopy(kv_dst=kv_dst, kv=kv) -> None:  # type: ignore[no-untyped-def]
+            kv_dst.copy_(kv)
+
+        rows.append(Row(f"prefill append {n} tok, block {bs}", "torch copy_ of the same bytes (contiguous)",
+                        eager_us=time_eager(ccopy, 10), graph_us=time_graph(ccopy, 3), bytes=moved))
+        perm = torch.randperm(nb, generator=gen)[: n // bs].to(torch.int32).to(dev)
+
+        def rcopy(pool=pool, perm=perm, bs=bs) -> None:  # type: ignore[no-untyped-def]
+            _rows_copy[(n,)](k, v, pool, perm, ROW=H * D, BS=bs, num_warps=8)
+
+        rows.append(Row(f"prefill append {n} tok, block {bs}", "Triton row copy into random blocks (no indexing)",
+                        eager_us=time_eager(rcopy, 10), graph_us=time_graph(rcopy, 3), bytes=moved))
         for use_rope in (False, True):
             def tfn(use_rope=use_rope, pool=pool, blk=blk, off=off, cos=cos, sin=sin) -> None:  # type: ignore[no-untyped-def]
                 _torch_append(pool, k, v, blk, off, cos if use_rope else None, sin if use_rope else None)
@@ -130,6 +174,13 @@ def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
                             eager_us=time_eager(one_slots, 200), graph_us=time_graph(step_slots, 1) / layers,
                             host_us=time_host(one_slots),
                             bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
+            if paged_ops._pdl_default(dev):  # the same graphs without programmatic dependent launch
+                with _pdl_off():
+                    for impl, fn in (("ragged", step), ("slots", step_slots)):
+                        rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}",
+                                        f"kvcache {kv_dtype} + rope ({impl}, no PDL)",
+                                        graph_us=time_graph(fn, 1) / layers,
+                                        bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
             del cache
     return rows
 

@@ -176,10 +176,9 @@ def _encode_halves(
         else:
             tl.store(p1, q1.to(tl.uint8), mask=m1)
             tl.store(p2, q2.to(tl.uint8), mask=m2)
-        # (scale, zero) of each head as one 8-byte pair
-        j2 = tl.arange(0, 2)[None, :]
-        pm = (tl.arange(0, BLOCK_H) < H)[:, None] & (j2 < 2)
-        tl.store(par + tl.arange(0, BLOCK_H)[:, None] * P_HEAD + j2, tl.join(scale, mn), mask=pm)
+        hp = tl.arange(0, BLOCK_H)
+        tl.store(par + hp * P_HEAD, scale, mask=hrow)
+        tl.store(par + hp * P_HEAD + 1, mn, mask=hrow)
 
 
 @triton.jit
@@ -611,7 +610,10 @@ def _copy_blocks_kernel(
 # launchers (validated by the callers: kvcache.paged.PagedKVCache)
 
 
-_SPLIT_BELOW = 0  # appends of fewer rows than this give K and V programs of their own (see the kernel's SPLIT)
+# Appends of fewer rows than this give K and V programs of their own (the kernel's SPLIT): measured on an H100
+# (benchmarks/paged_tune.py), 256-row decode appends take 0.1-0.3 us less per layer split; 16384-row prefills
+# are no faster.
+_SPLIT_BELOW = 2048
 
 
 @functools.cache
@@ -619,12 +621,13 @@ def _pdl_supported(device: torch.device) -> bool:
     return device.type == "cuda" and gdc_wait is not None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-_PDL_ENV = os.environ.get("KVCACHE_PDL", "0") == "1"  # read once, at import
+_PDL_ENV = os.environ.get("KVCACHE_PDL", "1") != "0"  # read once, at import
 
 
 def _pdl_default(device: torch.device) -> bool:
-    """Programmatic dependent launch for the append: ``KVCACHE_PDL=1`` (read at import) turns it on where
-    supported; off by default."""
+    """Programmatic dependent launch for the append: on where supported (compute capability >= 9.0);
+    ``KVCACHE_PDL=0`` (read at import) turns it off. Safe with any neighbour: the kernel waits for the
+    previous grid before its first read, and a kernel launched after it without PDL starts as usual."""
     return _PDL_ENV and _pdl_supported(device)
 
 
@@ -776,8 +779,8 @@ def gather_paged_kv_launch(
     bs = pool.shape[3] if hnd else pool.shape[2]
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     dummy = pool
-    if tok is None:  # 2 tokens x 2 warps per program: 95-97% of copy bandwidth on an H100 (paged_tune.py)
-        tok = 2 if bs % 2 == 0 else 1
+    if tok is None:  # 1 token x 2 warps per program (8 x 128 heads): 92-97% of copy bandwidth on an H100
+        tok = 1  # in graphs, every format (paged_tune.py)
     elif tok < 1 or bs % tok or tok & (tok - 1):
         raise ValueError(f"tok: expected a power of two dividing block_size {bs}, got {tok}")
     out_strides = (k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1),
@@ -795,7 +798,7 @@ def gather_paged_kv_launch(
         ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0], HND=hnd,
         CP_RANK=cp_rank, CP_SIZE=cp_size, TOK=tok, BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),
         LIBDEVICE=pool.device.type == "cuda", VEC=vec,
-        num_warps=num_warps or max(1, min(8, tok * H * D // 1024)),
+        num_warps=num_warps or max(1, min(8, tok * H * D // 512)),
     )
 
 
