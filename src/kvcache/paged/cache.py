@@ -181,31 +181,34 @@ class PagedKVCache:
         RopeKernelParams for this call; ``rope_seq_len`` is the current length for ``"dynamic"`` scaling.
         """
         cfg = self._config
-        n = k.shape[0] if type(k) is torch.Tensor else -1
+        dev = self.device
         # fast paths: the common calls (ragged with kv_lens, or slot mapping; the cache's own RoPE or none), every
         # argument checked in a few expressions; a prepared launch once the kind of call has been seen
-        fast = (
-            type(layer) is int and 0 <= layer < cfg.num_layers and cp_size == 1 and cp_rank == 0 and not check
-            and (rope is False or (rope is None and (self._rope is None or self._rope_params is not None)))
-            and _ok_rows(k, cfg.dtype, self._row_shape, self.device)
-            and _ok_rows(v, cfg.dtype, self._row_shape, self.device) and v.shape[0] == n
-        )
+        fast = type(k) is torch.Tensor and type(v) is torch.Tensor and k.dim() == 3
+        if fast:
+            n = k.shape[0]
+            ks, vs = k.stride(), v.stride()
+            fast = (
+                type(layer) is int and 0 <= layer < cfg.num_layers and cp_size == 1 and cp_rank == 0 and not check
+                and (rope is False or (rope is None and (self._rope is None or self._rope_params is not None)))
+                and k.dtype is cfg.dtype and v.dtype is cfg.dtype and k.shape[1:] == self._row_shape
+                and v.shape[1:] == self._row_shape and v.shape[0] == n and ks[2] == 1 and vs[2] == 1
+                and k.device == dev and v.device == dev
+            )
         use_rope = fast and rope is None and self._rope_params is not None
         if fast and slot_mapping is None:
             fast = (
-                positions is None and cu_k_lens is None and _ok_vec(cu_q_lens, self.device)
-                and _ok_vec(kv_lens, self.device)
+                positions is None and cu_k_lens is None and _ok_vec(cu_q_lens, dev) and _ok_vec(kv_lens, dev)
                 and kv_lens.shape[0] == cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
                 and type(block_tables) is torch.Tensor and block_tables.dtype is torch.int32
                 and block_tables.dim() == 2 and block_tables.shape[0] == kv_lens.shape[0]  # type: ignore[union-attr]
                 and (block_tables.stride(1) == 1 or block_tables.shape[1] <= 1)
-                and block_tables.device == self.device
+                and block_tables.device == dev
             )
         elif fast:
             fast = (
                 block_tables is None and cu_q_lens is None and kv_lens is None and cu_k_lens is None
-                and _ok_index(slot_mapping, n, self.device)
-                and (not use_rope or _ok_index(positions, n, self.device))
+                and _ok_index(slot_mapping, n, dev) and (not use_rope or _ok_index(positions, n, dev))
             )
         if not fast:
             i = self._layer(layer)
@@ -223,7 +226,6 @@ class PagedKVCache:
         if self._direct and not _hooks_active() and _current_device() == self._device_index:
             # a prepared launch: keyed by everything that selects the compiled kernel besides the cache itself
             kp, vp = k.data_ptr(), v.data_ptr()
-            ks, vs = k.stride(), v.stride()
             if slot_mapping is None:
                 p1, p2, p3 = block_tables.data_ptr(), cu_q_lens.data_ptr(), kv_lens.data_ptr()  # type: ignore[union-attr]
                 key = (True, use_rope, ks, vs, kv_lens.shape[0],  # type: ignore[union-attr]
@@ -370,14 +372,6 @@ class PagedKVCache:
             if self.params_buffer is not None and swapped.params is not None:
                 p = swapped.params.to(self.device, non_blocking=cuda).transpose(0, 1)
                 self.params_buffer.index_copy_(1, ids, p)
-
-
-def _ok_rows(t: object, dtype: torch.dtype, row_shape: tuple[int, int], device: torch.device) -> bool:
-    """[n, H, D] rows of the cache's model dtype and device, head_dim contiguous."""
-    return (
-        type(t) is torch.Tensor and t.dtype is dtype and t.shape[1:] == row_shape and t.stride(2) == 1
-        and t.device == device
-    )
 
 
 def _ok_index(t: object, n: int, device: torch.device) -> bool:
