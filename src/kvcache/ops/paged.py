@@ -81,6 +81,15 @@ def _div(a, b, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _rcp(x, LIBDEVICE: tl.constexpr):
+    # IEEE round-to-nearest 1 / x (the same value as _div(1, x); one rcp.rn on the GPU)
+    if LIBDEVICE:
+        return libdevice.rcp_rn(x)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
 def _fp8_grid(y, LIBDEVICE: tl.constexpr):
     # y (float32, |y| <= 448) rounded half-to-even onto the float8 e4m3 grid, in float32 arithmetic. Used
     # under the CPU interpreter, whose float32 -> fp8 conversion drops the carry into the next binade
@@ -167,8 +176,7 @@ def _encode_halves(
         mx = tl.where(hrow, mx, 0.0)
         scale = _div(mx - mn, tl.zeros_like(mn) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
         # scale == 0: every code 0, a constant row round-trips exactly
-        inv = tl.where(scale > 0.0, _div(tl.zeros_like(scale) + 1.0, tl.where(scale > 0.0, scale, 1.0), LIBDEVICE),
-                       0.0)[:, None]
+        inv = tl.where(scale > 0.0, _rcp(tl.where(scale > 0.0, scale, 1.0), LIBDEVICE), 0.0)[:, None]
         q1 = tl.minimum(tl.maximum(_round_even((x1 - mn[:, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
         q2 = tl.minimum(tl.maximum(_round_even((x2 - mn[:, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
         if QUANT == 3:  # planar nibbles: byte i = element i | element HALF + i << 4
@@ -338,9 +346,8 @@ def _write_token(
         inv_k = 1.0
         inv_v = 1.0
         if QUANT == 1:  # one IEEE reciprocal per token, then multiplies (as the reference)
-            one = tl.full((), 1.0, tl.float32)
-            inv_k = _div(one, tl.load(fp8_scales), LIBDEVICE)
-            inv_v = _div(one, tl.load(fp8_scales + 1), LIBDEVICE)
+            inv_k = _rcp(tl.load(fp8_scales), LIBDEVICE)
+            inv_v = _rcp(tl.load(fp8_scales + 1), LIBDEVICE)
         x1 = k1.to(tl.float32)
         x2 = k2.to(tl.float32)
         if ROPE:
@@ -433,7 +440,7 @@ def _append_kernel(
             pbase = blk * (2 * p_kv) + off * p_tok + is_v * p_kv
             inv = 1.0
             if QUANT == 1:
-                inv = _div(tl.full((), 1.0, tl.float32), tl.load(fp8_scales + is_v), LIBDEVICE)
+                inv = _rcp(tl.load(fp8_scales + is_v), LIBDEVICE)
             x1 = r1.to(tl.float32)
             x2 = r2.to(tl.float32)
             if ROPE:
