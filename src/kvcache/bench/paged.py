@@ -97,7 +97,8 @@ def _prefill_rows(dev: torch.device, copy_bw: float, quick: bool) -> list[Row]:
                 def fn(cache=cache, use_rope=use_rope, tables=tables) -> None:  # type: ignore[no-untyped-def]
                     cache.append(0, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
                                  rope=None if use_rope else False)
-                if not rows:  # the first graph timed in this section ran ~10% slow on every replay (cause unknown): warm up
+                if not rows:  # the first graph timed in this section ran ~10% slow on every replay (cause
+                    # unknown): warm up
                     time_graph(fn, 3)
                 impl = f"kvcache {kv_dtype}{' + rope' if use_rope else ''}"
                 rows.append(Row(f"prefill append {n} tok, block {bs}", impl,
