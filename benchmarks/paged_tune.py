@@ -28,17 +28,19 @@ PER_ROW = {"auto": D * 2, "fp8": D, "int8": D + 8, "int4": D // 2 + 8}
 
 
 @triton.jit
-def _rows_copy(k, v, dst, blocks, ROW: tl.constexpr, BS: tl.constexpr, SCATTER: tl.constexpr):
-    # the append's traffic without its index work: row n of k and v to token slot n of a paged pool [nb, 2, BS,
-    # ROW], in block order (SCATTER False) or into the block given by blocks[n // BS] (a random permutation)
-    n = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, ROW)
-    xk = tl.load(k + n * ROW + e)
-    xv = tl.load(v + n * ROW + e)
-    blk = n // BS
+def _rows_copy(k, v, dst, blocks, ROW: tl.constexpr, BS: tl.constexpr, SCATTER: tl.constexpr, TOK: tl.constexpr):
+    # the append's traffic without its index work: TOK consecutive rows of k and v (one block's worth or less)
+    # to their token slots of a paged pool [nb, 2, BS, ROW], in block order (SCATTER False) or into the block
+    # given by blocks[n // BS] (a random permutation)
+    n0 = tl.program_id(0).to(tl.int64) * TOK
+    t = tl.arange(0, TOK)[:, None]
+    e = tl.arange(0, ROW)[None, :]
+    xk = tl.load(k + (n0 + t) * ROW + e)
+    xv = tl.load(v + (n0 + t) * ROW + e)
+    blk = n0 // BS
     if SCATTER:
         blk = tl.load(blocks + blk).to(tl.int64)
-    base = blk * (2 * BS * ROW) + (n % BS) * ROW
+    base = blk * (2 * BS * ROW) + (n0 % BS + t) * ROW
     tl.store(dst + base + e, xk)
     tl.store(dst + base + BS * ROW + e, xv)
 
@@ -47,25 +49,37 @@ def _pct(nbytes: int, us: float, copy_bw: float) -> float:
     return 100 * nbytes / (us * 1e-6) / 1e9 / copy_bw
 
 
-def prefill(dev: torch.device, copy_bw: float) -> None:
+def ceilings(dev: torch.device, copy_bw: float) -> None:
+    """The prefill append's traffic through plain copies: torch copy_ of the same bytes, Triton copies of 1-8
+    rows per program into blocks in order or randomly placed."""
     g = torch.Generator().manual_seed(0)
-    n_seqs, seq, bs = 8, 2048, 16
-    n = n_seqs * seq
+    n, bs = 16384, 16
     kv = torch.randn(2, n, H, D, dtype=torch.float16, device=dev)
     k, v = kv[0], kv[1]
     dst = torch.empty_like(kv)
+    time_graph(lambda: dst.copy_(kv), 3)  # warm-up
     t = time_graph(lambda: dst.copy_(kv), 3)
     moved = 2 * kv.numel() * 2
     print(f"same-size copy_ (K and V, {moved / 1e6:.0f} MB moved): {_pct(moved, t, copy_bw):.1f}%")
     pool = torch.empty(n // bs, 2, bs, H * D, dtype=torch.float16, device=dev)
     perm = torch.randperm(n // bs, generator=g).to(torch.int32).to(dev)
     for scatter in (False, True):
-        res = []
-        for w in (1, 2, 4, 8):
-            t = time_graph(lambda w=w, scatter=scatter: _rows_copy[(n,)](k, v, pool, perm, ROW=H * D, BS=bs,
-                                                                          SCATTER=scatter, num_warps=w), 3)
-            res.append(f"w{w}: {_pct(moved, t, copy_bw):.1f}")
-        print(f"triton row copy ({'random blocks' if scatter else 'block order'}): " + "  ".join(res), flush=True)
+        for tok in (1, 2, 4, 8):
+            res = []
+            for w in (2, 4, 8, 16):
+                t = time_graph(lambda w=w, scatter=scatter, tok=tok: _rows_copy[(n // tok,)](
+                    k, v, pool, perm, ROW=H * D, BS=bs, SCATTER=scatter, TOK=tok, num_warps=w), 3)
+                res.append(f"w{w}: {_pct(moved, t, copy_bw):.1f}")
+            print(f"triton copy of {tok} rows per program ({'random blocks' if scatter else 'block order'}): "
+                  + "  ".join(res), flush=True)
+
+
+def prefill(dev: torch.device, copy_bw: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    n_seqs, seq, bs = 8, 2048, 16
+    n = n_seqs * seq
+    kv = torch.randn(2, n, H, D, dtype=torch.float16, device=dev)
+    k, v = kv[0], kv[1]
     cu_q = torch.arange(0, n + 1, seq, dtype=torch.int32, device=dev)
     kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
     nb = n // bs + 64
@@ -211,13 +225,15 @@ def host(dev: torch.device) -> None:
 
 def main() -> None:
     dev = torch.device("cuda")
-    what = set(sys.argv[1:]) or {"prefill", "decode", "gather", "host"}
+    what = set(sys.argv[1:]) or {"ceilings", "prefill", "decode", "gather", "host"}
     copy_bw = 2 * (1 << 29) * 2 / (_copy_time(1 << 29, torch.float16, dev) * 1e-6) / 1e9
     print(f"copy {copy_bw:.0f} GB/s", flush=True)
     if "host" in what:
         host(dev)
     if "decode" in what:
         decode(dev)
+    if "ceilings" in what:
+        ceilings(dev, copy_bw)
     if "prefill" in what:
         prefill(dev, copy_bw)
     if "gather" in what:
