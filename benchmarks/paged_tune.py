@@ -121,6 +121,8 @@ def decode(dev: torch.device) -> None:
     pdl_ok = paged_ops._pdl_supported(dev)
     variants = [(pdl, split, w) for pdl in ((False, True) if pdl_ok else (False,)) for split in (False, True)
                 for w in (1, 2, 4)]
+    if "decode-rope" in sys.argv:  # with and without RoPE, the default launch only
+        variants = [(pdl_ok, True, 2)]
     for kv_dtype in ("auto", "int8", "int4"):
         c = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                      kv_dtype=kv_dtype, device=dev))
@@ -129,18 +131,21 @@ def decode(dev: torch.device) -> None:
             for pdl, split, w in variants:
                 ragged = mode == "ragged"
 
-                def step(w=w, pdl=pdl, split=split, c=c, kv_dtype=kv_dtype, ragged=ragged) -> None:  # type: ignore[no-untyped-def]
-                    for layer in range(layers):
-                        append_paged_kv_launch(
-                            k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
-                            block_tables=tables if ragged else None, cu_q_lens=cu_q if ragged else None,
-                            kv_lens=kv_lens if ragged else None, cu_k_lens=None,
-                            slot_mapping=None if ragged else slots, positions=None if ragged else positions,
-                            rope=rope, fp8_scales=c.kv_scales[layer], cp_rank=0, cp_size=1, num_warps=w, pdl=pdl,
-                            split=split)
-                name = f"{'pdl' if pdl else 'std'}{'-split' if split else ''}-w{w}"
-                res.append(f"{name}: {time_graph(step, 1) / layers:.2f}")
-            print(f"decode {kv_dtype} + rope, {mode} (us per layer): " + "  ".join(res), flush=True)
+                for use_rope in ((True, False) if "decode-rope" in sys.argv else (True,)):
+                    def step(w=w, pdl=pdl, split=split, c=c, kv_dtype=kv_dtype, ragged=ragged,  # type: ignore[no-untyped-def]
+                             use_rope=use_rope) -> None:
+                        for layer in range(layers):
+                            append_paged_kv_launch(
+                                k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
+                                block_tables=tables if ragged else None, cu_q_lens=cu_q if ragged else None,
+                                kv_lens=kv_lens if ragged else None, cu_k_lens=None,
+                                slot_mapping=None if ragged else slots, positions=None if ragged else positions,
+                                rope=rope if use_rope else None, fp8_scales=c.kv_scales[layer], cp_rank=0,
+                                cp_size=1, num_warps=w, pdl=pdl, split=split)
+                    name = f"{'pdl' if pdl else 'std'}{'-split' if split else ''}-w{w}{'' if use_rope else '-norope'}"
+                    res.append(f"{name}: {time_graph(step, 1) / layers:.2f}")
+
+            print(f"decode {kv_dtype}, {mode} (us per layer): " + "  ".join(res), flush=True)
 
 
 def gather(dev: torch.device, copy_bw: float) -> None:
