@@ -14,10 +14,9 @@ import math
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
 from kvcache.bench.linear import _copy_time, time_eager, time_graph, time_host
+from kvcache.bench.paged import _rows_copy
 from kvcache.ops import paged as paged_ops
 from kvcache.ops.paged import append_paged_kv_launch, gather_paged_kv_launch
 from kvcache.paged import PagedConfig, PagedKVCache
@@ -25,24 +24,6 @@ from kvcache.rope import RopeConfig
 
 H, D = 8, 128
 PER_ROW = {"auto": D * 2, "fp8": D, "int8": D + 8, "int4": D // 2 + 8}
-
-
-@triton.jit
-def _rows_copy(k, v, dst, blocks, ROW: tl.constexpr, BS: tl.constexpr, SCATTER: tl.constexpr, TOK: tl.constexpr):
-    # the append's traffic without its index work: TOK consecutive rows of k and v (one block's worth or less)
-    # to their token slots of a paged pool [nb, 2, BS, ROW], in block order (SCATTER False) or into the block
-    # given by blocks[n // BS] (a random permutation)
-    n0 = tl.program_id(0).to(tl.int64) * TOK
-    t = tl.arange(0, TOK)[:, None]
-    e = tl.arange(0, ROW)[None, :]
-    xk = tl.load(k + (n0 + t) * ROW + e)
-    xv = tl.load(v + (n0 + t) * ROW + e)
-    blk = n0 // BS
-    if SCATTER:
-        blk = tl.load(blocks + blk).to(tl.int64)
-    base = blk * (2 * BS * ROW) + (n0 % BS + t) * ROW
-    tl.store(dst + base + e, xk)
-    tl.store(dst + base + BS * ROW + e, xv)
 
 
 def _pct(nbytes: int, us: float, copy_bw: float) -> float:

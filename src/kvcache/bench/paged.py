@@ -25,14 +25,19 @@ H, D = 8, 128
 
 
 @triton.jit
-def _rows_copy(k, v, pool, blocks, ROW: tl.constexpr, BS: tl.constexpr):
-    # the append's memory traffic without its index work: row n of k and v into token slot n % BS of block
-    # blocks[n // BS] of a pool [nb, 2, BS, ROW] (a ceiling for the fp16 append on this device)
-    n = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, ROW)
-    xk = tl.load(k + n * ROW + e)
-    xv = tl.load(v + n * ROW + e)
-    base = tl.load(blocks + n // BS).to(tl.int64) * (2 * BS * ROW) + (n % BS) * ROW
+def _rows_copy(k, v, pool, blocks, ROW: tl.constexpr, BS: tl.constexpr, SCATTER: tl.constexpr, TOK: tl.constexpr):
+    # the append's memory traffic without its index work (a ceiling for the fp16 append on this device):
+    # TOK consecutive rows of k and v [N, ROW] into their token slots of a pool [nb, 2, BS, ROW], block
+    # blocks[n // BS] (SCATTER) or block n // BS; TOK divides BS
+    n0 = tl.program_id(0).to(tl.int64) * TOK
+    t = tl.arange(0, TOK)[:, None]
+    e = tl.arange(0, ROW)[None, :]
+    xk = tl.load(k + (n0 + t) * ROW + e)
+    xv = tl.load(v + (n0 + t) * ROW + e)
+    blk = n0 // BS
+    if SCATTER:
+        blk = tl.load(blocks + blk).to(tl.int64)
+    base = blk * (2 * BS * ROW) + (n0 % BS + t) * ROW
     tl.store(pool + base + e, xk)
     tl.store(pool + base + BS * ROW + e, xv)
 
@@ -123,7 +128,7 @@ def _prefill_rows(dev: torch.device, copy_bw: float, quick: bool) -> list[Row]:
         perm = torch.randperm(nb, generator=gen)[: n // bs].to(torch.int32).to(dev)
 
         def rcopy(pool=pool, perm=perm, bs=bs) -> None:  # type: ignore[no-untyped-def]
-            _rows_copy[(n,)](k, v, pool, perm, ROW=H * D, BS=bs, num_warps=8)
+            _rows_copy[(n,)](k, v, pool, perm, ROW=H * D, BS=bs, SCATTER=True, TOK=1, num_warps=8)
 
         rows.append(Row(f"prefill append {n} tok, block {bs}", "Triton row copy into random blocks (no indexing)",
                         eager_us=time_eager(rcopy, 10), graph_us=time_graph(rcopy, 3), bytes=moved))
