@@ -78,11 +78,13 @@ class Kernel:
 
     Launch path on CUDA. ``JITFunction.run`` re-binds and re-keys every argument on every call (tens of
     microseconds in triton 3.6). Here integer parameters are not value-specialised (``do_not_specialize``;
-    the kernels state their own divisibility with ``tl.multiple_of``), so a compiled kernel depends only on
+    the kernels take strides in units of a constexpr vector width, or state divisibility with
+    ``tl.multiple_of``, to keep vector loads and stores), so a compiled kernel depends only on
     the pointer dtypes, the 16-byte alignment of each pointer, whether each int fits in 32 bits, and the
     constexpr values. That key is computed here; the first launch of a key goes through ``JITFunction.run``
     (compiling if needed) and later launches call the compiled kernel's launcher directly. Launch hooks
-    (profilers) or ``KVCACHE_SLOW_LAUNCH=1`` disable the direct path.
+    (profilers) or ``KVCACHE_SLOW_LAUNCH=1`` disable the direct path. ``launch`` returns the
+    :class:`PreparedLaunch` of the key, for callers that relaunch it with raw pointers.
     """
 
     def __init__(self, fn: Callable[..., Any], ints: tuple[str, ...] = ()) -> None:
@@ -163,16 +165,6 @@ class PreparedLaunch:
         self.packed = packed
         self.consts = consts
         self.index = index  # the CUDA device it was compiled and loaded for
-
-    def __call__(self, gx: int, gy: int, gz: int, *args: Any) -> None:
-        """Launch on grid ``(gx, gy, gz)`` on the current stream of its device (which must be current)."""
-        self.run(gx, gy, gz, _current_stream(self.index), self.function, self.packed, None, None, None, *args,
-                 *self.consts)
-
-
-def hooks_active() -> bool:
-    """True when a triton launch hook is installed (a profiler): launches must take triton's own path."""
-    return _hooks_active()
 
 
 def _hooks_active() -> bool:

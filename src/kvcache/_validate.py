@@ -103,8 +103,9 @@ def check_bits_dtype(name: str, t: torch.Tensor) -> None:
 def vec_elems(element_size: int, values: Sequence[int]) -> int:
     """Largest power-of-two number of elements, at most 16 bytes, that divides every value in ``values``.
 
-    Used as a divisibility hint (``tl.multiple_of``) so that rows start on 16-byte boundaries whenever they
-    really do; the hint is only ever as large as what the values prove.
+    The kernels take strides and lengths in units of this many elements (and multiply by it as a constexpr),
+    which proves to the compiler that rows start on 16-byte boundaries whenever they really do: vector loads
+    and stores. It is only ever as large as what the values prove.
     """
     vec = max(1, 16 // element_size)
     g = 0

@@ -160,42 +160,51 @@ def test_odd_strides_take_scalar_loads(device, split, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int4"])
 def test_repeated_appends_reuse_prepared_launches(device, split, kv_dtype, mode):
     """Decode steps over several layers: after the first call of a kind, the cache launches a prepared
-    plan (CUDA) with raw pointers. Every step, every layer against the reference; the batch shrinks midway
-    (a new plan), one step reads K from an unaligned view (the generic launch), RoPE from the cache."""
+    plan (CUDA) with raw pointers. Every step, every layer against the reference, with K a view into a fused
+    QKV tensor (strides unlike V's), block tables sliced from wider ones, padding rows, per-layer fp8 scales;
+    the batch shrinks midway (a new plan), one step reads V from an unaligned view (the generic launch)."""
     H, D, bs, nb, L = 2, 16, 4, 64, 3
     rope = RopeConfig(head_dim=D, base=10000.0)
     cache = pr.sentinel_cache(device, num_layers=L, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                               kv_dtype=kv_dtype, rope=rope)
+    scales = [(0.5 + 0.25 * layer, 1.5 - 0.25 * layer) for layer in range(L)]
+    for layer in range(L):
+        cache.kv_scales[layer] = torch.tensor(scales[layer], device=device)
     gen = pr.generator(404)
     lens = [3, 9, 1]
     tables = pr.block_tables_for(gen, [x + 6 for x in lens], block_size=bs, num_blocks=nb, extra=0)
+    width = len(tables[0])
     for step in range(5):
         B = 3 if step < 3 else 2  # a smaller batch from step 3 on
         cu = list(range(B + 1))
         kv = lens[:B]
-        spare = pr.randn((B * H * D + 1,), torch.float16, gen, device)
+        n = B + 2  # two padding rows past cu_q_lens[-1]
+        wide = torch.full((B, width + 3), -1, dtype=torch.int32)
+        wide[:, :width] = torch.tensor(tables[:B], dtype=torch.int32)
+        bt = wide.to(device)[:, :width]  # rows width + 3 apart
         for layer in range(L):
-            k = pr.randn((B, H, D), torch.float16, gen, device)
+            qkv = pr.randn((n, 3 * H, D), torch.float16, gen, device)
+            k = qkv[:, H:2 * H]
+            v = pr.randn((n, H, D), torch.float16, gen, device)
             if step == 2 and layer == 1:
-                k = spare[1:].view(B, H, D)  # 2 bytes past an aligned start
-            v = pr.randn((B, H, D), torch.float16, gen, device)
-            targets = pr.ragged_targets(B, [tables[b] for b in range(B)], cu, kv_lens=kv, block_size=bs,
-                                        num_blocks=nb)
+                spare = pr.randn((n * H * D + 1,), torch.float16, gen, device)
+                v = spare[1:].view(n, H, D)  # 2 bytes past an aligned start
+            targets = pr.ragged_targets(n, tables[:B], cu, kv_lens=kv, block_size=bs, num_blocks=nb)
             assert len(targets) == B
             exp = pr.append_expected(cache.pool(layer), cache.params(layer), k, v, targets, kv_dtype=kv_dtype,
-                                     layout="NHD", rope=rope)
+                                     layout="NHD", rope=rope, fp8_scales=scales[layer])
             if mode == "ragged":
-                cache.append(layer, k, v, block_tables=pr.i32([tables[b] for b in range(B)], device),
-                             cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv, device))
+                cache.append(layer, k, v, block_tables=bt, cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv, device))
             else:
-                slots = [t.block * bs + t.offset for t in targets]
+                slots = [t.block * bs + t.offset for t in targets] + [-1, -1]
+                positions = [t.position for t in targets] + [0, 0]
                 cache.append(layer, k, v, slot_mapping=torch.tensor(slots, device=device),
-                             positions=torch.tensor([t.position for t in targets], dtype=torch.int32, device=device))
+                             positions=torch.tensor(positions, dtype=torch.int32, device=device))
             pr.assert_append_matches(cache.pool(layer), cache.params(layer), exp, kv_dtype=kv_dtype, layout="NHD",
-                                     rope=rope, what=f"step {step} layer {layer}")
+                                     rope=rope, fp8_scales=scales[layer], what=f"step {step} layer {layer}")
         lens = [x + 1 for x in lens]
     if device.type == "cuda":
-        assert cache._plans, "the prepared launch path was never taken"
+        assert cache.prepared_launches >= 8, "the prepared launch path was not taken"
 
 
 ROPES = {
@@ -235,3 +244,102 @@ def test_rope_pairings_and_dtypes(device, split, rope_name, dtype, kv_dtype):
     cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
                  kv_lens=pr.i32(kv_lens, device), rope=rope)
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="HND", rope=rope)
+
+
+class _FakePrepared:
+    """Stands in for a compiled kernel's launcher: records what a prepared launch passes."""
+
+    def __init__(self, log: list) -> None:
+        self.function, self.packed, self.consts, self.log = "fn", "packed", ("CONSTS",), log
+
+    def run(self, gx, gy, gz, stream, function, packed, m, h1, h2, *args):  # type: ignore[no-untyped-def]
+        self.log.append(("prepared", (gx, gy, gz), stream, args))
+
+
+class _FakeKernel:
+    """Stands in for ``_append_kernel``: records the generic launch's grid and arguments."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+
+    def launch(self, device, grid, *args, **consts):  # type: ignore[no-untyped-def]
+        self.log.append(("generic", grid, args, consts))
+        return _FakePrepared(self.log)
+
+
+def _raw(args: tuple) -> tuple:
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
+@pytest.mark.parametrize("mode", ["ragged", "slots"])
+def test_prepared_launch_passes_what_the_generic_launch_passes(monkeypatch, mode, use_rope):
+    """The cache's prepared path (CUDA only, simulated here on the CPU) hands the launcher exactly the generic
+    launch's arguments as raw pointers, for new tensors of the same kind: a prefill with padding rows, K a
+    view into a fused QKV projection, a block table sliced from a wider one, every layer. A call of another
+    kind (other strides; in ragged mode another batch size) takes the generic launch."""
+    from kvcache.paged import cache as cache_mod
+
+    fake = _FakeKernel()
+    monkeypatch.setattr(paged_ops, "_append_kernel", fake)
+    monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
+    monkeypatch.setattr(cache_mod, "_current_device", lambda: 0)
+    monkeypatch.setattr(cache_mod, "_current_stream", lambda index: 777)
+    monkeypatch.setattr(cache_mod, "_hooks_active", lambda: False)
+    H, D, bs, nb, L = 2, 16, 4, 64, 3
+    rope = RopeConfig(head_dim=D)
+    cache = pr.sentinel_cache("cpu", num_layers=L, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                              kv_dtype="int8", rope=rope)
+    cache._direct, cache._device_index = True, 0
+    gen = pr.generator(5)
+
+    def batch(B):  # type: ignore[no-untyped-def]
+        q_lens = [3] * B
+        n = sum(q_lens) + 2  # two padding rows
+        qkv = torch.randn(n, 3 * H + 1, D, generator=gen).to(torch.float16)
+        k = qkv[:, 1:1 + H]  # strides ((3H + 1) D, D, 1)
+        v = torch.randn(n, H, D, generator=gen).to(torch.float16)
+        wide = torch.randint(0, nb, (B, 8), generator=gen, dtype=torch.int32)
+        tables = wide[:, :4]  # row stride 8, width 4
+        cu = torch.tensor(pr.cumsum0(q_lens), dtype=torch.int32)
+        kvl = torch.randint(0, 4, (B,), generator=gen, dtype=torch.int32)
+        slots = torch.randint(-1, nb * bs, (n,), generator=gen)
+        pos = torch.randint(0, 9000, (n,), generator=gen)
+        return k, v, tables, cu, kvl, slots, pos
+
+    def call(layer, b):  # type: ignore[no-untyped-def]
+        k, v, tables, cu, kvl, slots, pos = b
+        if mode == "ragged":
+            cache.append(layer, k, v, block_tables=tables, cu_q_lens=cu, kv_lens=kvl, rope=None if use_rope else False)
+        else:
+            cache.append(layer, k, v, slot_mapping=slots, positions=pos, rope=None if use_rope else False)
+
+    def generic(layer, b):  # type: ignore[no-untyped-def]
+        k, v, tables, cu, kvl, slots, pos = b
+        ragged = mode == "ragged"
+        paged_ops.append_paged_kv_launch(
+            k, v, cache._pools[layer], cache._params[layer], kv_dtype="int8", layout="NHD",
+            block_tables=tables if ragged else None, cu_q_lens=cu if ragged else None,
+            kv_lens=kvl if ragged else None, cu_k_lens=None, slot_mapping=None if ragged else slots,
+            positions=pos if (use_rope and not ragged) else None, rope=cache._rope_params if use_rope else None,
+            fp8_scales=cache._scales[layer], cp_rank=0, cp_size=1)
+
+    call(0, batch(3))  # the first call of this kind: the generic launch, which makes the plan
+    assert [e[0] for e in fake.log] == ["generic"] and cache.prepared_launches == 0
+    for layer in range(L):
+        b = batch(3)  # new tensors, same kind
+        fake.log.clear()
+        call(layer, b)
+        generic(layer, b)  # what the generic launch would pass for the same tensors
+        (kind, grid, stream, raw), (gkind, ggrid, gargs, _) = fake.log
+        assert (kind, gkind, stream) == ("prepared", "generic", 777)
+        assert grid == (ggrid[0], 1, 1)
+        assert raw == _raw(gargs) + ("CONSTS",), f"layer {layer}"
+    assert cache.prepared_launches == L
+    fake.log.clear()
+    k, *rest = batch(3)
+    call(1, (k.contiguous(), *rest))  # other k strides: another kind, the generic launch again
+    if mode == "ragged":
+        call(1, batch(2))  # another batch size: another kind (the lookup is specialised on it)
+    assert [e[0] for e in fake.log] == ["generic"] * (2 if mode == "ragged" else 1)
+    assert cache.prepared_launches == L

@@ -658,7 +658,7 @@ def append_paged_kv_launch(
     cu_k_lens: torch.Tensor | None,
     slot_mapping: torch.Tensor | None,
     positions: torch.Tensor | None,
-    rope,  # RopeKernelParams | None, inv_freq on the pool's device
+    rope: RopeKernelParams | None,
     fp8_scales: torch.Tensor | None,
     cp_rank: int,
     cp_size: int,
@@ -666,7 +666,9 @@ def append_paged_kv_launch(
     split: bool | None = None,
     pdl: bool | None = None,
 ) -> AppendPlan | None:
-    """Launch the append kernel (arguments already validated).
+    """Launch the append kernel; the arguments are those of :func:`append_paged_kv`, already validated
+    (``k`` / ``v`` model dtype ``[N, H, D]``, ``pool`` / ``params`` one layer's pools, index tensors int32 /
+    int64 on the pool's device, ``rope.inv_freq`` float32 on it, ``fp8_scales`` float32 ``[2]``).
 
     Tuning overrides: ``num_warps``; ``split`` = one program for each row's K and one for its V (default: for
     fewer than ``_SPLIT_BELOW`` rows), else one program per row; ``pdl`` = launch with programmatic
@@ -676,6 +678,9 @@ def append_paged_kv_launch(
     Returns an :class:`AppendPlan` for repeating this launch with new tensors of the same kind (compiled
     kernels on CUDA), else None.
     """
+    if pdl and not _pdl_supported(pool.device):
+        raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability >= 9.0 "
+                         "and triton >= 3.4")
     n_tokens = k.shape[0]
     if n_tokens == 0:
         return None
@@ -692,32 +697,21 @@ def append_paged_kv_launch(
         split = n_tokens < _SPLIT_BELOW
     if pdl is None:
         pdl = _pdl_default(pool.device)
-    elif pdl and not _pdl_supported(pool.device):
-        raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability >= 9.0 "
-                         "and triton >= 3.4")
     H, D = k.shape[1], k.shape[2]
     quant = QUANT_CODES[kv_dtype]
     hnd = layout == "HND"
     bs = pool.shape[3] if hnd else pool.shape[2]
     n_seqs = 0 if slot_mapping is not None else cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
-    # vector loads of k / v rows: VEC elements (up to 16 bytes) dividing every stride and the half-row offset
-    vec = vec_elems(k.element_size(), (k.stride(0), v.stride(0), k.stride(1), v.stride(1), (D + 1) // 2))
-    programs = 2 * n_tokens if split else n_tokens
-    dummy = pool
-    args = (
-        k, v, pool, params if params is not None else dummy,
-        block_tables if block_tables is not None else dummy,
-        cu_q_lens if cu_q_lens is not None else dummy,
-        kv_lens if kv_lens is not None else (cu_k_lens if cu_k_lens is not None else dummy),
-        slot_mapping if slot_mapping is not None else dummy,
-        positions if positions is not None else dummy,
-        inv_freq if inv_freq is not None else dummy,
-        fp8_scales if fp8_scales is not None else dummy,
-        k.stride(0) // vec, v.stride(0) // vec,
-        block_tables.stride(0) if block_tables is not None else 0,
-        block_tables.shape[1] if block_tables is not None else 0,
-        n_seqs, n_tokens,
+    # vector loads of k / v rows: the row strides (runtime ints) are passed in units of VEC elements (up to 16
+    # bytes); the head strides and the half-row offset are constexprs, whose divisibility the compiler sees
+    vec = vec_elems(k.element_size(), (k.stride(0), v.stride(0)))
+    args = _append_args(
+        k=k, v=v, pool=pool, params=params, block_tables=block_tables, cu_q=cu_q_lens,
+        kv_info=kv_lens if kv_lens is not None else cu_k_lens, slots=slot_mapping, positions=positions,
+        inv_freq=inv_freq, fp8_scales=fp8_scales, stride_kn=k.stride(0) // vec, stride_vn=v.stride(0) // vec,
+        bt_stride=block_tables.stride(0) if block_tables is not None else 0,
+        table_width=block_tables.shape[1] if block_tables is not None else 0, n_seqs=n_seqs, n_rows=n_tokens,
     )
     consts = dict(
         MODE=2 if slot_mapping is not None else (0 if kv_lens is not None else 1), QUANT=quant, ROPE=has_rope,
@@ -731,24 +725,53 @@ def append_paged_kv_launch(
     )
     if pdl:
         consts["launch_pdl"] = True
-    prepared = _append_kernel.launch(pool.device, (programs,), *args, **consts)
+    prepared = _append_kernel.launch(pool.device, (2 * n_tokens if split else n_tokens,), *args, **consts)
     if prepared is None:
         return None
     return AppendPlan(prepared, vec, bool(split))
 
 
+def _append_args(k, v, pool, params, block_tables, cu_q, kv_info, slots, positions, inv_freq, fp8_scales,  # type: ignore[no-untyped-def]
+                 stride_kn, stride_vn, bt_stride, table_width, n_seqs, n_rows) -> tuple:
+    """The append kernel's runtime arguments in its order (tensors, or their ``data_ptr()`` ints). A pointer
+    the launch does not use (None) is passed as ``pool``: never read, and a valid address."""
+    return (
+        k, v, pool, pool if params is None else params, pool if block_tables is None else block_tables,
+        pool if cu_q is None else cu_q, pool if kv_info is None else kv_info, pool if slots is None else slots,
+        pool if positions is None else positions, pool if inv_freq is None else inv_freq,
+        pool if fp8_scales is None else fp8_scales, stride_kn, stride_vn, bt_stride, table_width, n_seqs, n_rows,
+    )
+
+
 class AppendPlan:
-    """A compiled append launch repeated with new tensors of the same kind: same dtypes, 16-byte alignment of
-    every pointer, k / v strides, mode, RoPE, format and number of sequences (the caller keys it by those).
-    ``__call__`` takes raw pointers (``data_ptr()``) in the kernel's argument order: it skips argument
-    binding and the launcher's per-tensor pointer checks, which is most of an eager call's host time."""
+    """A compiled append launch, repeated with raw pointers for new tensors of the same kind.
+
+    "The same kind": the same dtypes, 16-byte alignment of every pointer, k / v strides, mode, RoPE, format,
+    number of sequences, K/V split and PDL setting; the caller keys plans by those (see
+    ``PagedKVCache.append``). :meth:`launch` skips argument binding and the launcher's per-tensor pointer
+    checks, which are most of an eager call's host time.
+    """
 
     __slots__ = ("prepared", "vec", "split")
 
     def __init__(self, prepared: PreparedLaunch, vec: int, split: bool) -> None:
         self.prepared = prepared
-        self.vec = vec  # k / v row strides are passed divided by vec
+        self.vec = vec  # k / v row strides (elements) are passed divided by vec
         self.split = split  # two programs per row (K, V)
+
+    def launch(
+        self, stream: int, n: int, k: int, v: int, stride_kn: int, stride_vn: int, pool: int, params: int | None,
+        inv_freq: int | None, fp8_scales: int, block_tables: int | None, cu_q: int | None, kv_lens: int | None,
+        slots: int | None, positions: int | None, bt_stride: int, table_width: int, n_seqs: int,
+    ) -> None:
+        """Launch on ``stream`` for ``n`` rows. Pointers are ``data_ptr()`` ints (None: unused); ``k`` / ``v``
+        rows ``stride_kn`` / ``stride_vn`` elements apart; ``block_tables`` int32 ``[n_seqs, table_width]``
+        with rows ``bt_stride`` apart, ``cu_q`` int32 ``[n_seqs + 1]``, ``kv_lens`` int32 ``[n_seqs]``
+        (ragged), or ``slots`` / ``positions`` int32 or int64 ``[n]`` (slot mapping)."""
+        pl = self.prepared
+        args = _append_args(k, v, pool, params, block_tables, cu_q, kv_lens, slots, positions, inv_freq, fp8_scales,
+                            stride_kn // self.vec, stride_vn // self.vec, bt_stride, table_width, n_seqs, n)
+        pl.run(2 * n if self.split else n, 1, 1, stream, pl.function, pl.packed, None, None, None, *args, *pl.consts)
 
 
 def gather_paged_kv_launch(
@@ -792,7 +815,7 @@ def gather_paged_kv_launch(
         raise ValueError(f"tok: expected a power of two dividing block_size {bs}, got {tok}")
     out_strides = (k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1),
                    v_out.stride(2))
-    vec = vec_elems(k_out.element_size(), out_strides + ((D + 1) // 2,))  # vector stores of output rows
+    vec = vec_elems(k_out.element_size(), out_strides)  # vector stores of output rows
     _gather_kernel.launch(
         pool.device, (cdiv(s_out, tok), B),
         k_out, v_out, pool, params if params is not None else dummy, block_tables,

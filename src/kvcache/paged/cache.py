@@ -74,7 +74,9 @@ class PagedKVCache:
         self.params_buffer = (
             torch.zeros((L, *config.params_shape()), dtype=torch.float32, device=dev) if config.quantized else None
         )
-        self.kv_scales = torch.ones((L, 2), dtype=torch.float32, device=dev)
+        # [L, 2] view of [L, 4] storage: every layer's (k_scale, v_scale) starts on a 16-byte boundary, so all
+        # layers share one compiled kernel and prepared launch
+        self.kv_scales = torch.ones((L, 4), dtype=torch.float32, device=dev)[:, :2]
         # per-layer views, made once (a view costs about a microsecond per call on the hot path)
         self._pools = list(self.buffer.unbind(0))
         self._params = list(self.params_buffer.unbind(0)) if self.params_buffer is not None else [None] * L
@@ -100,6 +102,7 @@ class PagedKVCache:
             self._ptrs.append(ptrs)
             self._layer_align.append(tuple(p % 16 == 0 for p in ptrs))
         self._plans: dict[tuple, paged_ops.AppendPlan] = {}
+        self.prepared_launches = 0  # appends launched through a prepared plan (a diagnostic)
 
     # ------------------------------------------------------------------------------------------ views
 
@@ -189,7 +192,8 @@ class PagedKVCache:
             n = k.shape[0]
             ks, vs = k.stride(), v.stride()
             fast = (
-                type(layer) is int and 0 <= layer < cfg.num_layers and cp_size == 1 and cp_rank == 0 and not check
+                type(layer) is int and 0 <= layer < cfg.num_layers and type(cp_size) is int and cp_size == 1
+                and type(cp_rank) is int and cp_rank == 0 and check is False
                 and (rope is False or (rope is None and (self._rope is None or self._rope_params is not None)))
                 and k.dtype is cfg.dtype and v.dtype is cfg.dtype and k.shape[1:] == self._row_shape
                 and v.shape[1:] == self._row_shape and v.shape[0] == n and ks[2] == 1 and vs[2] == 1
@@ -228,32 +232,29 @@ class PagedKVCache:
             kp, vp = k.data_ptr(), v.data_ptr()
             if slot_mapping is None:
                 p1, p2, p3 = block_tables.data_ptr(), cu_q_lens.data_ptr(), kv_lens.data_ptr()  # type: ignore[union-attr]
-                key = (True, use_rope, ks, vs, kv_lens.shape[0],  # type: ignore[union-attr]
-                       self._layer_align[layer], n < paged_ops._SPLIT_BELOW, paged_ops._PDL_ENV)
+                bt_stride, width = block_tables.stride(0), block_tables.shape[1]  # type: ignore[union-attr]
+                n_seqs = kv_lens.shape[0]  # type: ignore[union-attr]
+                key = (True, use_rope, ks, vs, n_seqs, self._layer_align[layer], n < paged_ops._SPLIT_BELOW,
+                       paged_ops._PDL_ENV)
             else:
-                p1, p2 = slot_mapping.data_ptr(), positions.data_ptr() if use_rope else 0  # type: ignore[union-attr]
-                p3 = 0
-                key = (False, use_rope, ks, vs, slot_mapping.dtype,
+                p1, p2, p3 = slot_mapping.data_ptr(), positions.data_ptr() if use_rope else 0, 0  # type: ignore[union-attr]
+                bt_stride = width = n_seqs = 0
+                key = (False, use_rope, ks, vs, slot_mapping.dtype,  # type: ignore[union-attr]
                        positions.dtype if use_rope else None, self._layer_align[layer],  # type: ignore[union-attr]
                        n < paged_ops._SPLIT_BELOW, paged_ops._PDL_ENV)
-            if (kp | vp | p1 | p2 | p3) & 15 or n > 0x7FFFFFFF or ks[0] > 0x7FFFFFFF or vs[0] > 0x7FFFFFFF:
-                key = None  # unaligned or huge: the generic launch
+            if (kp | vp | p1 | p2 | p3) & 15 or max(n, ks[0], vs[0], bt_stride, width) > 0x7FFFFFFF:
+                key = None  # unaligned, or an int past int32: the generic launch
             plan = self._plans.get(key) if key is not None else None
             if plan is not None:
-                pl = plan.prepared
                 pool_p, par_p, inv_p, sc_p = self._ptrs[layer]
                 if slot_mapping is None:
-                    pl.run(2 * n if plan.split else n, 1, 1,
-                           _current_stream(self._device_index), pl.function, pl.packed, None, None, None, kp, vp,
-                           pool_p, par_p, p1, p2, p3, pool_p, pool_p, inv_p if use_rope else pool_p, sc_p,
-                           ks[0] // plan.vec, vs[0] // plan.vec, block_tables.stride(0), block_tables.shape[1],  # type: ignore[union-attr]
-                           kv_lens.shape[0], n, *pl.consts)  # type: ignore[union-attr]
+                    plan.launch(_current_stream(self._device_index), n, kp, vp, ks[0], vs[0], pool_p, par_p,
+                                inv_p if use_rope else None, sc_p, p1, p2, p3, None, None, bt_stride, width, n_seqs)
                 else:
-                    pl.run(2 * n if plan.split else n, 1, 1,
-                           _current_stream(self._device_index), pl.function, pl.packed, None, None, None, kp, vp,
-                           pool_p, par_p, pool_p, pool_p, pool_p, p1, p2 if use_rope else pool_p,
-                           inv_p if use_rope else pool_p, sc_p,
-                           ks[0] // plan.vec, vs[0] // plan.vec, 0, 0, 0, n, *pl.consts)
+                    plan.launch(_current_stream(self._device_index), n, kp, vp, ks[0], vs[0], pool_p, par_p,
+                                inv_p if use_rope else None, sc_p, None, None, None, p1, p2 if use_rope else None, 0,
+                                0, 0)
+                self.prepared_launches += 1
                 return
         plan = paged_ops.append_paged_kv_launch(
             k, v, self._pools[layer], self._params[layer], kv_dtype=cfg.kv_dtype, layout=cfg.layout,
@@ -262,6 +263,8 @@ class PagedKVCache:
             rope=self._rope_params if use_rope else None, fp8_scales=self._scales[layer], cp_rank=0, cp_size=1,
         )
         if key is not None and plan is not None:
+            if len(self._plans) >= 256:  # one per kind of call; bounded for callers whose batch size wanders
+                self._plans.clear()
             self._plans[key] = plan
 
     def gather(
