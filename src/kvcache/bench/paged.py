@@ -102,9 +102,6 @@ def _prefill_rows(dev: torch.device, copy_bw: float, quick: bool) -> list[Row]:
                 def fn(cache=cache, use_rope=use_rope, tables=tables) -> None:  # type: ignore[no-untyped-def]
                     cache.append(0, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
                                  rope=None if use_rope else False)
-                if not rows:  # the first graph timed in this section ran ~10% slow on every replay (cause
-                    # unknown): warm up
-                    time_graph(fn, 3)
                 impl = f"kvcache {kv_dtype}{' + rope' if use_rope else ''}"
                 rows.append(Row(f"prefill append {n} tok, block {bs}", impl,
                                 eager_us=time_eager(fn, 10), graph_us=time_graph(fn, 3), bytes=nbytes))
@@ -219,8 +216,6 @@ def _gather_rows(dev: torch.device, quick: bool) -> list[Row]:
         def fn(cache=cache) -> None:  # type: ignore[no-untyped-def]
             cache.gather(0, tables, kv_lens=lens, k_out=k_out, v_out=v_out)
 
-        if kv_dtype == "auto":  # see _prefill_rows: the first graph of a section is timed twice
-            time_graph(fn, 2)
 
         nbytes = _store_bytes(n_seqs * seq, kv_dtype) + 2 * n_seqs * seq * H * D * 2
         rows.append(Row(f"gather {n_seqs} x {seq}, block {bs}", f"kvcache {kv_dtype}", eager_us=time_eager(fn, 5),
