@@ -61,9 +61,10 @@ def summary(ptx: str) -> str:
 
 def append_consts(quant: int, rope: bool, **kw):  # type: ignore[no-untyped-def]
     c = dict(MODE=0, QUANT=quant, ROPE=rope, ROT=128, INTERLEAVED=False, ATTN_SCALE=1.0, H=8, D=128,
-             DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, HND=False, CP_RANK=0, CP_SIZE=1,
+             DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, CP_RANK=0, CP_SIZE=1,
              SEARCH=8, LOG_B=3, STRIDE_KH=128, STRIDE_VH=128, VEC=8, BLOCK_H=8, BLOCK_HF=64, LIBDEVICE=True,
              SPLIT=False, PDL=False)
+    c.update(P._block_strides(False, 8, c["DP"], 16))
     c.update(kw)
     return c
 
@@ -91,9 +92,10 @@ def gather_main() -> None:
         ptrs = dict(k_out="*fp16", v_out="*fp16", pool=store[quant], qparams="*fp32", block_tables="*i32",
                     kv_info="*i32", inv_freq="*fp32", fp8_scales="*fp32")
         consts = dict(MODE=0, QUANT=quant, ROPE=False, ROT=128, INTERLEAVED=False, ATTN_SCALE=1.0, H=8, D=128,
-                      DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, HND=False, CP_RANK=0, CP_SIZE=1,
+                      DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, CP_RANK=0, CP_SIZE=1,
                       TOK=2, BLOCK_H=8, BLOCK_D=128, LIBDEVICE=True)
         consts.update({k: v for k, v in GATHER_EXTRA.items() if k in P._gather_kernel.compiled.arg_names})
+        consts.update(P._block_strides(False, 8, consts["DP"], 16))
         ptx = compile_ptx(P._gather_kernel, ptrs, {}, consts, 2)
         print(f"gather quant={quant}: {registers(ptx)} | {summary(ptx)}")
 

@@ -324,25 +324,16 @@ def _write_token(
     k1, k2, v1, v2, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, fp8_scales, hh, i, m1,
     m2, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
     ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HND: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HF: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr,
+    P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HF: tl.constexpr,
+    LIBDEVICE: tl.constexpr, VEC: tl.constexpr,
 ):
     # RoPE on K, quantize and store one token's K and V rows (loaded by _load_token) at (blk, off)
     if valid:
-        if HND:
-            s_tok: tl.constexpr = DP
-            s_head: tl.constexpr = BLOCK_SIZE * DP
-            p_tok: tl.constexpr = 2
-            p_head: tl.constexpr = BLOCK_SIZE * 2
-        else:
-            s_tok: tl.constexpr = H * DP
-            s_head: tl.constexpr = DP
-            p_tok: tl.constexpr = H * 2
-            p_head: tl.constexpr = 2
-        s_kv: tl.constexpr = BLOCK_SIZE * H * DP
+        s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's K (or V) region, data and params
         p_kv: tl.constexpr = BLOCK_SIZE * H * 2
-        base = blk * (2 * s_kv) + off * s_tok
-        pbase = blk * (2 * p_kv) + off * p_tok
+        base = blk * (2 * s_kv) + off * S_TOK
+        pbase = blk * (2 * p_kv) + off * P_TOK
         inv_k = 1.0
         inv_v = 1.0
         if QUANT == 1:  # one IEEE reciprocal per token, then multiplies (as the reference)
@@ -354,9 +345,9 @@ def _write_token(
             x1, x2 = _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
                              ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
         _encode_halves(x1, x2, k1, k2, pool + base, qparams + pbase, inv_k, hh, i, QUANT, not ROPE, H, D, HALF,
-                       BLOCK_H, s_head, p_head, LIBDEVICE)
+                       BLOCK_H, S_HEAD, P_HEAD, LIBDEVICE)
         _encode_halves(v1.to(tl.float32), v2.to(tl.float32), v1, v2, pool + base + s_kv, qparams + pbase + p_kv,
-                       inv_v, hh, i, QUANT, True, H, D, HALF, BLOCK_H, s_head, p_head, LIBDEVICE)
+                       inv_v, hh, i, QUANT, True, H, D, HALF, BLOCK_H, S_HEAD, P_HEAD, LIBDEVICE)
 
 
 @kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs", "n_rows"))
@@ -377,7 +368,8 @@ def _append_kernel(
     QUANT: tl.constexpr,  # 0 none, 1 fp8, 2 int8, 3 int4
     ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,  # DP: stored elements per row (D or D // 2)
-    BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, HND: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+    S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,  # see _block_strides
     CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr,
     SEARCH: tl.constexpr,  # > 0: find the sequence with one vector load of SEARCH entries; 0: binary search
     LOG_B: tl.constexpr,
@@ -411,7 +403,7 @@ def _append_kernel(
                                        SEARCH, LOG_B)
         _write_token(k1, k2, v1, v2, valid, blk, off, pos, k, pid, stride_kn, pool, qparams, inv_freq, freqs,
                      fp8_scales, hh, i, m1, m2, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
-                     BLOCK_SIZE, HND, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC)
+                     BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC)
     else:
         n = pid // 2
         is_v = pid % 2  # 0: this program writes the row's K, 1: its V
@@ -424,20 +416,10 @@ def _append_kernel(
                                        n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
                                        SEARCH, LOG_B)
         if valid:
-            if HND:
-                s_tok: tl.constexpr = DP
-                s_head: tl.constexpr = BLOCK_SIZE * DP
-                p_tok: tl.constexpr = 2
-                p_head: tl.constexpr = BLOCK_SIZE * 2
-            else:
-                s_tok: tl.constexpr = H * DP
-                s_head: tl.constexpr = DP
-                p_tok: tl.constexpr = H * 2
-                p_head: tl.constexpr = 2
             s_kv: tl.constexpr = BLOCK_SIZE * H * DP
             p_kv: tl.constexpr = BLOCK_SIZE * H * 2
-            base = blk * (2 * s_kv) + off * s_tok + is_v * s_kv
-            pbase = blk * (2 * p_kv) + off * p_tok + is_v * p_kv
+            base = blk * (2 * s_kv) + off * S_TOK + is_v * s_kv
+            pbase = blk * (2 * p_kv) + off * P_TOK + is_v * p_kv
             inv = 1.0
             if QUANT == 1:
                 inv = _rcp(tl.load(fp8_scales + is_v), LIBDEVICE)
@@ -449,7 +431,7 @@ def _append_kernel(
                                      ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
             # with RoPE, V goes through float32 too: an exact round trip for every model dtype
             _encode_halves(x1, x2, r1, r2, pool + base, qparams + pbase, inv, hh, i, QUANT, not ROPE, H, D, HALF,
-                           BLOCK_H, s_head, p_head, LIBDEVICE)
+                           BLOCK_H, S_HEAD, P_HEAD, LIBDEVICE)
 
 
 @triton.jit
@@ -540,7 +522,8 @@ def _gather_kernel(
     MODE: tl.constexpr,  # 0: kv_lens [B], 1: cu_k_lens [B + 1]
     QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-    HND: tl.constexpr, CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr,
+    S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,  # see _block_strides
+    CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr,
     TOK: tl.constexpr,  # tokens per program: a power of two dividing BLOCK_SIZE (one block-table load)
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
     VEC: tl.constexpr,  # the output strides are in units of VEC elements (vector stores)
@@ -565,21 +548,11 @@ def _gather_kernel(
     # (t * 0 + ...) makes has_block a vector: triton 3.9's interpreter rejects vector & scalar masks
     tvalid = (t < local) & (t < s_out) & ((t * 0 + has_block.to(tl.int64)) != 0)
     tt = tl.where(t < s_out, tt, -1)  # rows past S_out: masked off everywhere (tt >= 0 in the masks)
-    if HND:
-        s_tok: tl.constexpr = DP
-        s_head: tl.constexpr = BLOCK_SIZE * DP
-        p_tok: tl.constexpr = 2
-        p_head: tl.constexpr = BLOCK_SIZE * 2
-    else:
-        s_tok: tl.constexpr = H * DP
-        s_head: tl.constexpr = DP
-        p_tok: tl.constexpr = H * 2
-        p_head: tl.constexpr = 2
     s_kv: tl.constexpr = BLOCK_SIZE * H * DP
     p_kv: tl.constexpr = BLOCK_SIZE * H * 2
     off0 = t0 % BLOCK_SIZE
-    base = blk * (2 * s_kv) + off0 * s_tok
-    pbase = blk * (2 * p_kv) + off0 * p_tok
+    base = blk * (2 * s_kv) + off0 * S_TOK
+    pbase = blk * (2 * p_kv) + off0 * P_TOK
     pos_f = (t * CP_SIZE + CP_RANK).to(tl.float32)
     k_scale = 1.0
     v_scale = 1.0
@@ -587,11 +560,11 @@ def _gather_kernel(
         k_scale = tl.load(fp8_scales)
         v_scale = tl.load(fp8_scales + 1)
     _read_tile(pool + base, qparams + pbase, k_out + b * (sk_b * VEC) + t0 * (sk_s * VEC), tvalid, pos_f, inv_freq,
-               ATTN_SCALE, k_scale, tt, hh, dd, QUANT, ROPE, ROT, INTERLEAVED, H, D, TOK, BLOCK_H, BLOCK_D, s_tok,
-               s_head, p_tok, p_head, sk_s * VEC, sk_h * VEC, LIBDEVICE)
+               ATTN_SCALE, k_scale, tt, hh, dd, QUANT, ROPE, ROT, INTERLEAVED, H, D, TOK, BLOCK_H, BLOCK_D, S_TOK,
+               S_HEAD, P_TOK, P_HEAD, sk_s * VEC, sk_h * VEC, LIBDEVICE)
     _read_tile(pool + base + s_kv, qparams + pbase + p_kv, v_out + b * (sv_b * VEC) + t0 * (sv_s * VEC), tvalid,
                pos_f, inv_freq, ATTN_SCALE, v_scale, tt, hh, dd, QUANT, False, ROT, INTERLEAVED, H, D, TOK, BLOCK_H,
-               BLOCK_D, s_tok, s_head, p_tok, p_head, sv_s * VEC, sv_h * VEC, LIBDEVICE)
+               BLOCK_D, S_TOK, S_HEAD, P_TOK, P_HEAD, sv_s * VEC, sv_h * VEC, LIBDEVICE)
 
 
 @kernel(ints=("n_pairs", "layer_stride", "elems"))
@@ -636,6 +609,14 @@ def _pdl_default(device: torch.device) -> bool:
     ``KVCACHE_PDL=0`` (read at import) turns it off. Safe with any neighbour: the kernel waits for the
     previous grid before its first read, and a kernel launched after it without PDL starts as usual."""
     return _PDL_ENV and _pdl_supported(device)
+
+
+def _block_strides(hnd: bool, H: int, DP: int, bs: int) -> dict[str, int]:
+    """Element strides inside one K (or V) region of a block, [bs, H, DP] (NHD) or [H, bs, DP] (HND): of a
+    token and of a head, in the data pool (S_*) and in the (scale, zero) params pool (P_*, 2 floats per row)."""
+    if hnd:
+        return dict(S_TOK=DP, S_HEAD=bs * DP, P_TOK=2, P_HEAD=bs * 2)
+    return dict(S_TOK=H * DP, S_HEAD=DP, P_TOK=H * 2, P_HEAD=2)
 
 
 def _rope_args(rope, device):  # type: ignore[no-untyped-def]
@@ -716,7 +697,7 @@ def append_paged_kv_launch(
     consts = dict(
         MODE=2 if slot_mapping is not None else (0 if kv_lens is not None else 1), QUANT=quant, ROPE=has_rope,
         ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs,
-        NUM_BLOCKS=pool.shape[0], HND=hnd, CP_RANK=cp_rank, CP_SIZE=cp_size,
+        NUM_BLOCKS=pool.shape[0], **_block_strides(hnd, H, pool.shape[-1], bs), CP_RANK=cp_rank, CP_SIZE=cp_size,
         SEARCH=next_pow2(n_seqs) if 0 < n_seqs <= 1024 else 0, LOG_B=max(n_seqs - 1, 0).bit_length(),
         STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
         LIBDEVICE=pool.device.type == "cuda", SPLIT=bool(split), PDL=bool(pdl), VEC=vec,
@@ -825,7 +806,8 @@ def gather_paged_kv_launch(
         *[st // vec for st in out_strides],
         block_tables.stride(0), block_tables.shape[1], s_out,
         MODE=0 if kv_lens is not None else 1, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter,
-        ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0], HND=hnd,
+        ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0],
+        **_block_strides(hnd, H, pool.shape[-1], bs),
         CP_RANK=cp_rank, CP_SIZE=cp_size, TOK=tok, BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),
         LIBDEVICE=pool.device.type == "cuda", VEC=vec,
         num_warps=num_warps or max(1, min(8, tok * H * D // 512)),
