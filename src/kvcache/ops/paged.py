@@ -206,6 +206,19 @@ def _load_token(k, v, n, stride_kn, stride_vn, hh, i, m1, m2, HALF: tl.constexpr
 
 
 @triton.jit
+def _seq_rows(b, cu_q, kv_info, MODE: tl.constexpr):
+    # (cu_q[b], cu_q[b + 1], tokens sequence b held before the append: kv_lens[b], or its cu_k_lens length
+    # minus its new rows)
+    q0 = tl.load(cu_q + b)
+    q1 = tl.load(cu_q + b + 1)
+    if MODE == 0:
+        start = tl.load(kv_info + b)
+    else:
+        start = (tl.load(kv_info + b + 1) - tl.load(kv_info + b)) - (q1 - q0)
+    return q0, q1, start
+
+
+@triton.jit
 def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr):
     # (b, cu_q[b], cu_q[b + 1], tokens cached before the append) of the sequence that owns row n, the largest
     # b with cu_q[b] <= n. One vector load of SEARCH entries, or a binary search when SEARCH == 0.
@@ -231,12 +244,7 @@ def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr
             lo = tl.where(go, mid, lo)
             hi = tl.where(go, hi, mid)
         b = lo
-        q0 = tl.load(cu_q + b)
-        q1 = tl.load(cu_q + b + 1)
-        if MODE == 0:
-            start = tl.load(kv_info + b)
-        else:
-            start = (tl.load(kv_info + b + 1) - tl.load(kv_info + b)) - (q1 - q0)
+        q0, q1, start = _seq_rows(b, cu_q, kv_info, MODE)
     return b.to(tl.int64), q0, q1, start
 
 
@@ -259,12 +267,7 @@ def _target(
         # first guess: rows spread evenly over the sequences (exact for decode batches and equal-length
         # prefills), checked with two loads; otherwise search
         g = tl.minimum((n.to(tl.int64) * n_seqs) // n_rows, n_seqs - 1)
-        c0 = tl.load(cu_q + g)
-        c1 = tl.load(cu_q + g + 1)
-        if MODE == 0:
-            s0 = tl.load(kv_info + g)
-        else:
-            s0 = (tl.load(kv_info + g + 1) - tl.load(kv_info + g)) - (c1 - c0)
+        c0, c1, s0 = _seq_rows(g, cu_q, kv_info, MODE)
         if (c0 <= n) & (n < c1):
             b = g
             q0 = c0
