@@ -570,6 +570,25 @@ def block_tables_for(
     return [t + [pad] * (width - len(t)) for t in tables]
 
 
+def long_position_batch(device, gen, H: int, D: int, bs: int, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                        q_lens: Sequence[int] = (5, 1, 3), kv_lens: Sequence[int] = (0, 3070, 11),
+                        num_blocks: int = 16):
+    """A ragged batch whose positions reach 3000+ (large RoPE angles) through a wide, mostly -1 block table:
+    only the blocks the new rows land in are given (distinct, from ``num_blocks``). Returns (k, v, tables,
+    cu_q_lens, kv_lens), k / v ``[sum(q_lens), H, D]`` of ``dtype``."""
+    cu = cumsum0(q_lens)
+    totals = [a + b for a, b in zip(kv_lens, q_lens)]
+    width = -(-max(totals) // bs)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[-1] * width for _ in totals]
+    for b, (first, total) in enumerate(zip(kv_lens, totals)):
+        for j in range(first // bs, -(-total // bs)):
+            tables[b][j] = perm.pop()
+    k = randn((cu[-1], H, D), dtype, gen, device)
+    v = randn((cu[-1], H, D), dtype, gen, device)
+    return k, v, tables, cu, list(kv_lens)
+
+
 def cumsum0(xs: Sequence[int]) -> list[int]:
     out = [0]
     for x in xs:

@@ -370,22 +370,6 @@ ROPE_CASES = ["default", "interleaved", "partial", "partial-interleaved", "linea
               "dynamic"]
 
 
-def _rope_batch(device, gen, H, D, bs, dtype):  # type: ignore[no-untyped-def]
-    """A ragged batch whose positions reach 3000+ (large angles) through a wide, mostly -1 block table."""
-    q_lens, kv_lens = [5, 1, 3], [0, 3070, 11]
-    cu = pr.cumsum0(q_lens)
-    totals = [a + b for a, b in zip(kv_lens, q_lens)]
-    width = -(-max(totals) // bs)
-    perm = torch.randperm(16, generator=gen).tolist()
-    tables = [[-1] * width for _ in totals]
-    for b, (first, total) in enumerate(zip(kv_lens, totals)):
-        for j in range(first // bs, -(-total // bs)):
-            tables[b][j] = perm.pop()
-    k = pr.randn((cu[-1], H, D), dtype, gen, device)
-    v = pr.randn((cu[-1], H, D), dtype, gen, device)
-    return k, v, tables, cu, kv_lens
-
-
 @pytest.mark.parametrize("rope_case", ROPE_CASES)
 @pytest.mark.parametrize("D", [64, 80])
 def test_append_with_rope(device, rope_case, D):
@@ -393,7 +377,7 @@ def test_append_with_rope(device, rope_case, D):
     rope, seq_len = _rope(rope_case, D)
     gen = pr.generator(16 + D)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs)
-    k, v, tables, cu, kv_lens = _rope_batch(device, gen, H, D, bs, torch.float16)
+    k, v, tables, cu, kv_lens = pr.long_position_batch(device, gen, H, D, bs, torch.float16)
     targets = pr.ragged_targets(k.shape[0], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=16)
     assert len(targets) == k.shape[0]
     exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout="NHD", rope=rope,
@@ -410,7 +394,7 @@ def test_append_with_rope_dtypes_and_layouts(device, layout, dtype):
     rope, _ = _rope("partial-interleaved", D)
     gen = pr.generator(17)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, dtype=dtype, layout=layout)
-    k, v, tables, cu, kv_lens = _rope_batch(device, gen, H, D, bs, dtype)
+    k, v, tables, cu, kv_lens = pr.long_position_batch(device, gen, H, D, bs, dtype)
     targets = pr.ragged_targets(k.shape[0], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=16)
     exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout=layout, rope=rope)
     cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),

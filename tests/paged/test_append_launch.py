@@ -226,17 +226,8 @@ def test_rope_pairings_and_dtypes(device, split, rope_name, dtype, kv_dtype):
     gen = pr.generator(600 + len(rope_name))
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, dtype=dtype,
                               kv_dtype=kv_dtype, layout="HND")
-    q_lens, kv_lens = [4, 1, 2], [0, 2100, 5]
-    cu = pr.cumsum0(q_lens)
-    totals = [a + b for a, b in zip(kv_lens, q_lens)]
-    width = -(-max(totals) // bs)
-    perm = torch.randperm(nb, generator=gen).tolist()
-    tables = [[-1] * width for _ in totals]
-    for b, (first, total) in enumerate(zip(kv_lens, totals)):
-        for j in range(first // bs, -(-total // bs)):
-            tables[b][j] = perm.pop()
-    k = pr.randn((cu[-1], H, D), dtype, gen, device)
-    v = pr.randn((cu[-1], H, D), dtype, gen, device)
+    k, v, tables, cu, kv_lens = pr.long_position_batch(device, gen, H, D, bs, dtype, q_lens=(4, 1, 2),
+                                                       kv_lens=(0, 2100, 5), num_blocks=nb)
     targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
     assert len(targets) == cu[-1]
     exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="HND",
