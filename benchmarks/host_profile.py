@@ -16,6 +16,17 @@ from kvcache._backend import _current_stream
 from kvcache.ops.lengths import _increment_lengths_kernel
 
 
+def profile_calls(fn, n: int = 3000, top: int = 14) -> None:  # type: ignore[no-untyped-def]
+    """cProfile of ``n`` calls of ``fn``: the ``top`` functions by own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def per_call(fn, n: int = 2000) -> float:
     fn()
     torch.cuda.synchronize()
@@ -60,15 +71,8 @@ def main() -> None:
     for name, fn in cases.items():
         print(f"{name:34s} {per_call(fn):7.2f} us")
     for name in ("ops.increment_lengths", "cache.save(out=)"):
-        fn = cases[name]
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(3000):
-            fn()
-        pr.disable()
-        torch.cuda.synchronize()
         print(f"\n--- {name}")
-        pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+        profile_calls(cases[name], top=14)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import math
 import sys
 
 import torch
+from host_profile import profile_calls  # benchmarks/, the script's folder
 
 from kvcache.bench.linear import _copy_time, time_eager, time_graph, time_host
 from kvcache.bench.paged import _rows_copy
@@ -189,24 +190,19 @@ def host(dev: torch.device) -> None:
             rope=c._rope_params, fp8_scales=c.kv_scales[1])
         print(f"host {kv_dtype} + rope: cache ragged {time_host(ragged):.1f} us, cache slots {time_host(slot):.1f} us,"
               f" op (validating) {time_host(op):.1f} us, plans {len(c._plans)}", flush=True)
-        plan = next(iter(c._plans.values()))
+        plan = next(iter(c._plans.values()))  # the ragged call's
         pl = plan.prepared
-        args = (k.data_ptr(), v.data_ptr(), *c._ptrs[1][:2], tables.data_ptr(), cu_q.data_ptr(), kv_lens.data_ptr(),
-                c._ptrs[1][0], c._ptrs[1][0], c._ptrs[1][2], c._ptrs[1][3], k.stride(0) // plan.vec,
-                v.stride(0) // plan.vec, tables.stride(0), tables.shape[1], n_seqs, n_seqs)
+        pool_p, params_p, inv_p, scales_p = c._ptrs[1]
+        args = paged_ops._append_args(
+            k=k.data_ptr(), v=v.data_ptr(), pool=pool_p, params=params_p, block_tables=tables.data_ptr(),
+            cu_q=cu_q.data_ptr(), kv_info=kv_lens.data_ptr(), slots=None, positions=None, inv_freq=inv_p,
+            fp8_scales=scales_p, stride_kn=k.stride(0) // plan.vec, stride_vn=v.stride(0) // plan.vec,
+            bt_stride=tables.stride(0), table_width=tables.shape[1], n_seqs=n_seqs, n_rows=n_seqs)
         raw = lambda pl=pl, plan=plan, args=args: pl.run(  # noqa: E731
-            2 * n_seqs if plan.split else n_seqs, 1, 1, _current_stream(0), pl.function,
-                             pl.packed, None, None, None, *args, *pl.consts)
+            2 * n_seqs if plan.split else n_seqs, 1, 1, _current_stream(0), pl.function, pl.packed, None, None, None,
+            *args, *pl.consts)
         print(f"host {kv_dtype}: the launcher alone (raw pointers) {time_host(raw):.1f} us", flush=True)
-        import cProfile
-        import pstats
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(3000):
-            ragged()
-        prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+        profile_calls(ragged, top=8)
 
 
 def main() -> None:
