@@ -13,6 +13,7 @@ import torch
 
 # Storage dtypes of KV caches. fp8 is stored bytes: scales belong to attention.
 KV_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+MODEL_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)  # paged caches' K / V
 
 # Same-width integer dtypes used to move bytes without touching their values (no NaN canonicalisation).
 _BITS_DTYPES: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -76,13 +77,18 @@ def check_int(name: str, value: object, lo: int | None = None, hi: int | None = 
     return value
 
 
-def check_kv_dtype(name: str, dtype: object) -> torch.dtype:
+def check_dtype_in(name: str, dtype: object, allowed: tuple[torch.dtype, ...]) -> torch.dtype:
+    """``dtype`` if it is one of ``allowed``; TypeError for a non-dtype, ValueError for another dtype."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{name}: expected a torch.dtype, got {type(dtype).__name__}")
-    if dtype not in KV_DTYPES:
-        want = ", ".join(str(d) for d in KV_DTYPES)
-        raise ValueError(f"{name}: expected one of {want}, got {dtype}")
+    if dtype not in allowed:
+        raise ValueError(f"{name}: expected one of {', '.join(str(d) for d in allowed)}, got {dtype}")
     return dtype
+
+
+def check_kv_dtype(name: str, dtype: object) -> torch.dtype:
+    """A dtype of the linear caches' storage: one of :data:`KV_DTYPES`."""
+    return check_dtype_in(name, dtype, KV_DTYPES)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

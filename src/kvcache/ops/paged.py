@@ -34,7 +34,7 @@ try:  # programmatic dependent launch (Hopper and later); triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
-from .._validate import cdiv, next_pow2, vec_elems
+from .._validate import MODEL_DTYPES, cdiv, check_dtype_in, next_pow2, vec_elems
 from ..rope import RopeKernelParams
 
 __all__ = [
@@ -1000,7 +1000,6 @@ def gather_paged_kv_reference(
 # ------------------------------------------------------------------------------------------------------------
 # public ops (validate, then launch)
 
-_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _fmt(shape) -> str:  # type: ignore[no-untyped-def]
@@ -1037,7 +1036,7 @@ def _pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> 
     if not pool.is_contiguous():
         raise ValueError(f"pool: expected a contiguous tensor, got strides {tuple(pool.stride())}")
     want_dtype = {"fp8": (torch.float8_e4m3fn,), "int8": (torch.uint8,), "int4": (torch.uint8,)}.get(
-        kv_dtype, _MODEL_DTYPES)
+        kv_dtype, MODEL_DTYPES)
     if pool.dtype not in want_dtype:
         raise ValueError(f"pool: expected dtype {' or '.join(str(d) for d in want_dtype)} for kv_dtype "
                          f"{kv_dtype!r}, got {pool.dtype}")
@@ -1059,8 +1058,8 @@ def _pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> 
 
 
 def _check_kv_rows(k: object, v: object, pool: torch.Tensor, kv_dtype: str, h: int, dp: int, names=("k", "v")):  # type: ignore[no-untyped-def]
-    _need(names[0], k, dtypes=_MODEL_DTYPES, ndim=3, device=pool.device)
-    _need(names[1], v, dtypes=_MODEL_DTYPES, ndim=3, device=pool.device)
+    _need(names[0], k, dtypes=MODEL_DTYPES, ndim=3, device=pool.device)
+    _need(names[1], v, dtypes=MODEL_DTYPES, ndim=3, device=pool.device)
     d = k.shape[2]  # type: ignore[union-attr]
     if tuple(v.shape) != tuple(k.shape) or v.dtype != k.dtype:  # type: ignore[union-attr]
         raise ValueError(f"{names[1]}: expected {k.dtype} {_fmt(k.shape)} (as {names[0]}), got "  # type: ignore[union-attr]
@@ -1341,14 +1340,11 @@ def gather_paged_kv(
     if (k_out is None) != (v_out is None):
         raise ValueError("k_out: expected both k_out and v_out, or neither")
     if k_out is None:
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
         if dtype is None:
             if kv_dtype != "auto":
                 raise ValueError(f"dtype: expected the model dtype for a {kv_dtype!r} pool")
             dtype = pool.dtype
-        if dtype not in _MODEL_DTYPES:
-            raise ValueError(f"dtype: expected one of {_MODEL_DTYPES}, got {dtype}")
+        check_dtype_in("dtype", dtype, MODEL_DTYPES)
         if max_len is None:
             lens = kv_lens if kv_lens is not None else cu_k_lens[1:] - cu_k_lens[:-1]  # type: ignore[index]
             max_len = int(lens.max().item()) if b else 0
@@ -1360,8 +1356,8 @@ def gather_paged_kv(
         k_out = torch.empty((b, h, max_len, d), dtype=dtype, device=dev)
         v_out = torch.empty((b, h, max_len, d), dtype=dtype, device=dev)
     else:
-        _need("k_out", k_out, dtypes=_MODEL_DTYPES, ndim=4, device=dev)
-        _need("v_out", v_out, dtypes=_MODEL_DTYPES, ndim=4, device=dev)
+        _need("k_out", k_out, dtypes=MODEL_DTYPES, ndim=4, device=dev)
+        _need("v_out", v_out, dtypes=MODEL_DTYPES, ndim=4, device=dev)
         for name, t in (("k_out", k_out), ("v_out", v_out)):
             if t.shape[0] != b or t.shape[1] != h or t.shape[3] != d or t.stride(3) != 1:
                 raise ValueError(f"{name}: expected [{b}, {h}, S_out, {d}] with head_dim contiguous, got "

@@ -42,14 +42,13 @@ import dataclasses
 
 import torch
 
-from .._validate import check_int
+from .._validate import MODEL_DTYPES, check_dtype_in, check_int
 from ..config import resolve_device
 
 __all__ = ["PagedConfig", "cache_block_bytes", "KV_FORMATS", "LAYOUTS"]
 
 KV_FORMATS = ("auto", "fp8", "int8", "int4")  # values of kv_dtype
 LAYOUTS = ("NHD", "HND")
-MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
@@ -58,14 +57,6 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
     return value
-
-
-def _check_model_dtype(name: str, dtype: object) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{name}: expected a torch.dtype, got {type(dtype).__name__}")
-    if dtype not in MODEL_DTYPES:
-        raise ValueError(f"{name}: expected one of {[str(d) for d in MODEL_DTYPES]}, got {dtype}")
-    return dtype
 
 
 def storage_dtype(dtype: torch.dtype, kv_dtype: str) -> torch.dtype:
@@ -101,7 +92,7 @@ def cache_block_bytes(
     check_int("num_kv_heads", num_kv_heads, 1)
     check_int("head_dim", head_dim, 1)
     check_int("block_size", block_size, 1)
-    _check_model_dtype("dtype", dtype)
+    check_dtype_in("dtype", dtype, MODEL_DTYPES)
     _check_choice("kv_dtype", kv_dtype, KV_FORMATS)
     if kv_dtype == "int4" and head_dim % 2:
         raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {head_dim}")
@@ -149,7 +140,7 @@ class PagedConfig:
         check_int("head_dim", self.head_dim, 1)
         check_int("block_size", self.block_size, 1)
         check_int("num_blocks", self.num_blocks, 1)
-        _check_model_dtype("dtype", self.dtype)
+        check_dtype_in("dtype", self.dtype, MODEL_DTYPES)
         _check_choice("kv_dtype", self.kv_dtype, KV_FORMATS)
         _check_choice("layout", self.layout, LAYOUTS)
         if self.kv_dtype == "int4" and self.head_dim % 2:
