@@ -202,7 +202,7 @@ class PagedKVCache:
         use_rope = fast and rope is None and self._rope_params is not None
         if fast and slot_mapping is None:
             fast = (
-                positions is None and cu_k_lens is None and _ok_vec(cu_q_lens, dev) and _ok_vec(kv_lens, dev)
+                positions is None and cu_k_lens is None and _ok_ints(cu_q_lens, dev) and _ok_ints(kv_lens, dev)
                 and kv_lens.shape[0] == cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
                 and type(block_tables) is torch.Tensor and block_tables.dtype is torch.int32
                 and block_tables.dim() == 2 and block_tables.shape[0] == kv_lens.shape[0]  # type: ignore[union-attr]
@@ -212,7 +212,7 @@ class PagedKVCache:
         elif fast:
             fast = (
                 block_tables is None and cu_q_lens is None and kv_lens is None and cu_k_lens is None
-                and _ok_index(slot_mapping, n, dev) and (not use_rope or _ok_index(positions, n, dev))
+                and _ok_ints(slot_mapping, dev, n, True) and (not use_rope or _ok_ints(positions, dev, n, True))
             )
         if not fast:
             i = self._layer(layer)
@@ -377,17 +377,13 @@ class PagedKVCache:
                 self.params_buffer.index_copy_(1, ids, p)
 
 
-def _ok_index(t: object, n: int, device: torch.device) -> bool:
+def _ok_ints(t: object, device: torch.device, n: int = -1, int64: bool = False) -> bool:
+    """A contiguous 1-d int32 tensor (int64 too with ``int64``) on ``device``: ``n`` entries, or any number >= 1
+    when ``n < 0``."""
     return (
-        type(t) is torch.Tensor and (t.dtype is torch.int64 or t.dtype is torch.int32) and t.dim() == 1
-        and t.shape[0] == n and (t.stride(0) == 1 or n <= 1) and t.device == device
-    )
-
-
-def _ok_vec(t: object, device: torch.device) -> bool:
-    return (
-        type(t) is torch.Tensor and t.dtype is torch.int32 and t.dim() == 1 and t.shape[0] >= 1
-        and (t.stride(0) == 1 or t.shape[0] == 1) and t.device == device
+        type(t) is torch.Tensor and (t.dtype is torch.int32 or (int64 and t.dtype is torch.int64)) and t.dim() == 1
+        and (t.shape[0] == n if n >= 0 else t.shape[0] >= 1) and (t.stride(0) == 1 or t.shape[0] <= 1)
+        and t.device == device
     )
 
 
