@@ -130,7 +130,7 @@ class Kernel:
             if entry is None and compiled is not None and self._allow_fast:
                 try:
                     consts = tuple(constexprs[n] for n in self._const_names)
-                    entry = PreparedLaunch(compiled.run, compiled.function, compiled.packed_metadata, consts, index)
+                    entry = PreparedLaunch(compiled.run, compiled.function, compiled.packed_metadata, consts)
                     self._fast[key] = entry
                 except Exception:  # a triton without these attributes: stay on the slow path
                     self._allow_fast = False
@@ -154,17 +154,17 @@ class PreparedLaunch:
     Valid for arguments of the same kind as those it was compiled for: the same dtypes, 16-byte alignment of
     every pointer, int arguments in the same 32/64-bit range, the same constexprs. Pointers may be passed as
     ``data_ptr()`` ints (the launcher then skips its per-tensor lookups). The caller checks all of that;
-    nothing is checked here.
+    nothing is checked here. Launch, on the device it was compiled for:
+    ``run(gx, gy, gz, stream, function, packed, None, None, None, *args, *consts)``.
     """
 
-    __slots__ = ("run", "function", "packed", "consts", "index")
+    __slots__ = ("run", "function", "packed", "consts")
 
-    def __init__(self, run: Any, function: Any, packed: Any, consts: tuple, index: int) -> None:
+    def __init__(self, run: Any, function: Any, packed: Any, consts: tuple) -> None:
         self.run = run
         self.function = function
         self.packed = packed
         self.consts = consts
-        self.index = index  # the CUDA device it was compiled and loaded for
 
 
 def _hooks_active() -> bool:
