@@ -323,34 +323,33 @@ def _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT: t
 
 
 @triton.jit
-def _write_token(
-    k1, k2, v1, v2, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, fp8_scales, hh, i, m1,
-    m2, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+def _write_row(
+    r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, fp8_scales, hh, i, m1, m2,
+    RAW: tl.constexpr, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
     ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HF: tl.constexpr,
     LIBDEVICE: tl.constexpr, VEC: tl.constexpr,
 ):
-    # RoPE on K, quantize and store one token's K and V rows (loaded by _load_token) at (blk, off)
+    # Store row n's K (is_v == 0: RoPE applied) or V (is_v == 1), given as half tiles r1 / r2 in the model
+    # dtype, at (blk, off) in the pool's format. is_v is a constant or a per-program value; RAW: store r1 / r2
+    # as loaded (no RoPE, unquantized).
     if valid:
         s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's K (or V) region, data and params
         p_kv: tl.constexpr = BLOCK_SIZE * H * 2
-        base = blk * (2 * s_kv) + off * S_TOK
-        pbase = blk * (2 * p_kv) + off * P_TOK
-        inv_k = 1.0
-        inv_v = 1.0
-        if QUANT == 1:  # one IEEE reciprocal per token, then multiplies (as the reference)
-            inv_k = _rcp(tl.load(fp8_scales), LIBDEVICE)
-            inv_v = _rcp(tl.load(fp8_scales + 1), LIBDEVICE)
-        x1 = k1.to(tl.float32)
-        x2 = k2.to(tl.float32)
+        base = blk * (2 * s_kv) + off * S_TOK + is_v * s_kv
+        pbase = blk * (2 * p_kv) + off * P_TOK + is_v * p_kv
+        inv = 1.0
+        if QUANT == 1:  # one IEEE reciprocal per row, then multiplies (as the reference)
+            inv = _rcp(tl.load(fp8_scales + is_v), LIBDEVICE)
+        x1 = r1.to(tl.float32)
+        x2 = r2.to(tl.float32)
         if ROPE:
-            x1, x2 = _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
-                             ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
-        _encode_halves(x1, x2, k1, k2, pool + base, qparams + pbase, inv_k, hh, i, QUANT, not ROPE, H, D, HALF,
-                       BLOCK_H, S_HEAD, P_HEAD, LIBDEVICE)
-        _encode_halves(v1.to(tl.float32), v2.to(tl.float32), v1, v2, pool + base + s_kv, qparams + pbase + p_kv,
-                       inv_v, hh, i, QUANT, True, H, D, HALF, BLOCK_H, S_HEAD, P_HEAD, LIBDEVICE)
+            if is_v == 0:
+                x1, x2 = _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
+                                 ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
+        _encode_halves(x1, x2, r1, r2, pool + base, qparams + pbase, inv, hh, i, QUANT, RAW, H, D, HALF, BLOCK_H,
+                       S_HEAD, P_HEAD, LIBDEVICE)
 
 
 @kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs", "n_rows"))
@@ -404,9 +403,11 @@ def _append_kernel(
         valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
                                        n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
                                        SEARCH, LOG_B)
-        _write_token(k1, k2, v1, v2, valid, blk, off, pos, k, pid, stride_kn, pool, qparams, inv_freq, freqs,
-                     fp8_scales, hh, i, m1, m2, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
-                     BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC)
+        for is_v in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
+            _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, pid,
+                       stride_kn, pool, qparams, inv_freq, freqs, fp8_scales, hh, i, m1, m2,
+                       (not ROPE) or (is_v == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
+                       BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC)
     else:
         n = pid // 2
         is_v = pid % 2  # 0: this program writes the row's K, 1: its V
@@ -418,23 +419,10 @@ def _append_kernel(
         valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
                                        n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
                                        SEARCH, LOG_B)
-        if valid:
-            s_kv: tl.constexpr = BLOCK_SIZE * H * DP
-            p_kv: tl.constexpr = BLOCK_SIZE * H * 2
-            base = blk * (2 * s_kv) + off * S_TOK + is_v * s_kv
-            pbase = blk * (2 * p_kv) + off * P_TOK + is_v * p_kv
-            inv = 1.0
-            if QUANT == 1:
-                inv = _rcp(tl.load(fp8_scales + is_v), LIBDEVICE)
-            x1 = r1.to(tl.float32)
-            x2 = r2.to(tl.float32)
-            if ROPE:
-                if is_v == 0:
-                    x1, x2 = _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
-                                     ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
-            # with RoPE, V goes through float32 too: an exact round trip for every model dtype
-            _encode_halves(x1, x2, r1, r2, pool + base, qparams + pbase, inv, hh, i, QUANT, not ROPE, H, D, HALF,
-                           BLOCK_H, S_HEAD, P_HEAD, LIBDEVICE)
+        # with RoPE, V goes through float32 too: an exact round trip for every model dtype
+        _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, fp8_scales,
+                   hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF, BLOCK_SIZE,
+                   S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC)
 
 
 @triton.jit
