@@ -83,7 +83,8 @@ class Kernel:
     the pointer dtypes, the 16-byte alignment of each pointer, whether each int fits in 32 bits, and the
     constexpr values. That key is computed here; the first launch of a key goes through ``JITFunction.run``
     (compiling if needed) and later launches call the compiled kernel's launcher directly. Launch hooks
-    (profilers) or ``KVCACHE_SLOW_LAUNCH=1`` disable the direct path. ``launch`` returns the
+    (profilers) or ``KVCACHE_SLOW_LAUNCH=1`` disable the direct path (``KVCACHE_C_LAUNCH=0`` keeps it but
+    calls triton's launcher object rather than its C entry point, see :func:`_c_launch`). ``launch`` returns the
     :class:`PreparedLaunch` of the key, for callers that relaunch it with raw pointers.
     """
 
@@ -130,7 +131,7 @@ class Kernel:
             if entry is None and compiled is not None and self._allow_fast:
                 try:
                     consts = tuple(constexprs[n] for n in self._const_names)
-                    entry = PreparedLaunch(compiled.run, compiled.function, compiled.packed_metadata, consts)
+                    entry = _prepare(compiled.run, compiled.function, compiled.packed_metadata, consts)
                     self._fast[key] = entry
                 except Exception:  # a triton without these attributes: stay on the slow path
                     self._allow_fast = False
@@ -140,11 +141,9 @@ class Kernel:
         gz = grid[2] if len(grid) > 2 else 1
         if switch:
             with torch.cuda.device(index):
-                entry.run(gx, gy, gz, _current_stream(index), entry.function, entry.packed, None, None, None, *args,
-                          *entry.consts)
+                entry.run(gx, gy, gz, _current_stream(index), *entry.head, *args, *entry.consts)
         else:
-            entry.run(gx, gy, gz, _current_stream(index), entry.function, entry.packed, None, None, None, *args,
-                      *entry.consts)
+            entry.run(gx, gy, gz, _current_stream(index), *entry.head, *args, *entry.consts)
         return entry
 
 
@@ -155,16 +154,49 @@ class PreparedLaunch:
     every pointer, int arguments in the same 32/64-bit range, the same constexprs. Pointers may be passed as
     ``data_ptr()`` ints (the launcher then skips its per-tensor lookups). The caller checks all of that;
     nothing is checked here. Launch, on the device it was compiled for:
-    ``run(gx, gy, gz, stream, function, packed, None, None, None, *args, *consts)``.
+    ``run(gx, gy, gz, stream, *head, *args, *consts)``.
+
+    ``run`` is triton's launcher object, or, where :func:`_c_launch` recognises the launcher (triton 3.6), the
+    C function it forwards to; ``head`` holds the arguments between the stream and the kernel's own for that
+    callee. ``direct`` says which.
     """
 
-    __slots__ = ("run", "function", "packed", "consts")
+    __slots__ = ("run", "head", "consts", "direct")
 
-    def __init__(self, run: Any, function: Any, packed: Any, consts: tuple) -> None:
+    def __init__(self, run: Any, head: tuple, consts: tuple, direct: bool) -> None:
         self.run = run
-        self.function = function
-        self.packed = packed
+        self.head = head
         self.consts = consts
+        self.direct = direct
+
+
+def _c_launch(launcher: Any) -> tuple[Any, tuple] | None:
+    """(C launch function, its fixed flags) behind triton 3.6's ``CudaLauncher``, or None.
+
+    That launcher's ``__call__`` allocates the global and profile scratch buffers a kernel asks for (ours ask
+    for none) and forwards ``(grid, stream, function, cooperative-grid flag, PDL flag, global scratch, profile
+    scratch, *args)`` to ``launch``, its compiled C module's entry point. Calling that entry point directly saves
+    the Python frame and the scratch logic (about 1 us per launch on a slow host). Other triton versions lay
+    their launchers out differently: None, and launches go through ``__call__``.
+    """
+    if not triton.__version__.startswith("3.6."):
+        return None
+    launch = getattr(launcher, "launch", None)
+    coop = getattr(launcher, "launch_cooperative_grid", None)
+    pdl = getattr(launcher, "launch_pdl", None)
+    if (not callable(launch) or coop is None or pdl is None or getattr(launcher, "global_scratch_size", 1) != 0
+            or getattr(launcher, "profile_scratch_size", 1) != 0):
+        return None
+    return launch, (coop, pdl, None, None)
+
+
+def _prepare(launcher: Any, function: Any, packed: Any, consts: tuple) -> PreparedLaunch:
+    c = _c_launch(launcher)
+    if c is not None and os.environ.get("KVCACHE_C_LAUNCH", "1") != "0":
+        launch, flags = c
+        # C entry point: function, cooperative, PDL, global scratch, profile scratch, then what __call__ forwards
+        return PreparedLaunch(launch, (function, *flags, packed, None, None, None), consts, True)
+    return PreparedLaunch(launcher, (function, packed, None, None, None), consts, False)
 
 
 def _hooks_active() -> bool:

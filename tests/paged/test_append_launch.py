@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from kvcache.ops import paged as paged_ops
 from kvcache.rope import RopeConfig
@@ -205,6 +206,8 @@ def test_repeated_appends_reuse_prepared_launches(device, split, kv_dtype, mode)
         lens = [x + 1 for x in lens]
     if device.type == "cuda":
         assert cache.prepared_launches >= 8, "the prepared launch path was not taken"
+        if triton.__version__.startswith("3.6."):  # and it called the launcher's C entry point (see _c_launch)
+            assert all(plan.prepared.direct for plan in cache._plans.values())
 
 
 ROPES = {
@@ -241,10 +244,11 @@ class _FakePrepared:
     """Stands in for a compiled kernel's launcher: records what a prepared launch passes."""
 
     def __init__(self, log: list) -> None:
-        self.function, self.packed, self.consts, self.log = "fn", "packed", ("CONSTS",), log
+        self.head, self.consts, self.log = ("fn", "packed", None, None, None), ("CONSTS",), log
 
-    def run(self, gx, gy, gz, stream, function, packed, m, h1, h2, *args):  # type: ignore[no-untyped-def]
-        self.log.append(("prepared", (gx, gy, gz), stream, args))
+    def run(self, gx, gy, gz, stream, *rest):  # type: ignore[no-untyped-def]
+        assert rest[:len(self.head)] == self.head
+        self.log.append(("prepared", (gx, gy, gz), stream, rest[len(self.head):]))
 
 
 class _FakeKernel:
@@ -334,3 +338,49 @@ def test_prepared_launch_passes_what_the_generic_launch_passes(monkeypatch, mode
         call(1, batch(2))  # another batch size: another kind (the lookup is specialised on it)
     assert [e[0] for e in fake.log] == ["generic"] * (2 if mode == "ragged" else 1)
     assert cache.prepared_launches == L
+
+
+class _Launcher36:
+    """triton 3.6's CudaLauncher as far as a launch goes: ``__call__`` allocates no scratch (sizes 0) and
+    forwards to its C module's ``launch`` with the cooperative-grid and PDL flags and two scratch pointers."""
+
+    def __init__(self, log: list, pdl: bool) -> None:
+        self.log = log
+        self.launch_cooperative_grid, self.launch_pdl = False, pdl
+        self.global_scratch_size = self.profile_scratch_size = 0
+        self.global_scratch_align = self.profile_scratch_align = 1
+
+    def launch(self, *args):  # type: ignore[no-untyped-def]
+        self.log.append(args)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):  # type: ignore[no-untyped-def]
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None,
+                    *args)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_c_entry_point_gets_what_the_launcher_object_forwards(monkeypatch, pdl):
+    """A prepared launch on triton 3.6 calls the launcher's C entry point directly, with exactly the arguments
+    the launcher object would forward to it; other versions (and KVCACHE_C_LAUNCH=0) call the object."""
+    from kvcache import _backend
+
+    log: list = []
+    launcher = _Launcher36(log, pdl)
+    monkeypatch.setattr(_backend.triton, "__version__", "3.6.0")
+    consts = (8, True, "C")
+    direct = _backend._prepare(launcher, "function", "packed", consts)
+    assert direct.direct and direct.run == launcher.launch
+    direct.run(7, 1, 1, 1234, *direct.head, 11, 22, *direct.consts)
+    via_object = launcher(7, 1, 1, 1234, "function", "packed", None, None, None, 11, 22, *consts)  # noqa: F841
+    assert len(log) == 2 and log[0] == log[1]
+    monkeypatch.setenv("KVCACHE_C_LAUNCH", "0")
+    assert not _backend._prepare(launcher, "function", "packed", consts).direct
+    monkeypatch.delenv("KVCACHE_C_LAUNCH")
+    launcher.global_scratch_size = 64  # a kernel that needs scratch: the object allocates it
+    assert not _backend._prepare(launcher, "function", "packed", consts).direct
+    launcher.global_scratch_size = 0
+    monkeypatch.setattr(_backend.triton, "__version__", "3.8.0")
+    plain = _backend._prepare(launcher, "function", "packed", consts)
+    assert not plain.direct and plain.run is launcher
+    plain.run(7, 1, 1, 1234, *plain.head, 11, 22, *plain.consts)
+    assert log[2] == log[0]

@@ -72,6 +72,17 @@ def _round_even(y, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _codes(y, qmax):
+    # int32 codes round-half-to-even(clamp(y, 0, qmax)) of float32 y (qmax < 2**22), with two float ops and an
+    # integer subtraction instead of the quarter-rate conversions cvt.rni and cvt.rzi: adding 2**23 leaves an
+    # ulp of 1, so the IEEE addition rounds y half to even into the low mantissa bits. Clamping first gives the
+    # same codes (rounding is monotonic and the bounds are integers), and keeps the product above from being
+    # fused into the addition.
+    r = tl.minimum(tl.maximum(y, 0.0), qmax) + 8388608.0
+    return r.to(tl.int32, bitcast=True) - 0x4B000000
+
+
+@triton.jit
 def _div(a, b, LIBDEVICE: tl.constexpr):
     # IEEE round-to-nearest division (triton's `/` on float32 is an approximation on the GPU)
     if LIBDEVICE:
@@ -136,57 +147,68 @@ def _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE: tl.constexpr)
 
 
 @triton.jit
-def _encode_halves(
-    x1, x2, raw1, raw2, dst, par, inv_fp8, hh, i,
-    QUANT: tl.constexpr, RAW: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr, LIBDEVICE: tl.constexpr,
-):
-    # Store one token's rows, given as two half tiles [BLOCK_H, BLOCK_HF]: elements i (x1) and HALF + i (x2),
-    # float32 (or the loaded values raw1 / raw2 when RAW), in the pool's format at dst (scale / zero at par).
-    m1 = (hh < H) & (i < HALF)
-    m2 = (hh < H) & (i + HALF < D)
-    p1 = dst + hh * S_HEAD + i
-    p2 = dst + hh * S_HEAD + HALF + i
-    if QUANT == 0:
-        if RAW:
-            tl.store(p1, raw1, mask=m1)
-            tl.store(p2, raw2, mask=m2)
-        else:
-            tl.store(p1, x1.to(dst.dtype.element_ty), mask=m1)
-            tl.store(p2, x2.to(dst.dtype.element_ty), mask=m2)
-    elif QUANT == 1:
-        y1 = tl.minimum(tl.maximum(x1 * inv_fp8, -448.0), 448.0)
-        y2 = tl.minimum(tl.maximum(x2 * inv_fp8, -448.0), 448.0)
+def _encode(x1, x2, inv_fp8, hh, i, QUANT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+            BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # One token's rows, given as float32 half tiles [BLOCK_H, BLOCK_HF] of elements i (x1) and HALF + i (x2),
+    # encoded in the pool's format: (codes of the first half, codes of the second half (QUANT 3: unused, both
+    # halves are packed in the first), per-head scale, per-head zero (unused unless QUANT >= 2)). Pure
+    # arithmetic: the caller runs it before it knows where the row goes (the block-table load), so that the
+    # two overlap.
+    c1 = x1
+    c2 = x2
+    scale = tl.zeros([BLOCK_H, 1], tl.float32)  # unused unless QUANT >= 2
+    zero = scale
+    if QUANT == 1:
+        c1 = tl.minimum(tl.maximum(x1 * inv_fp8, -448.0), 448.0)
+        c2 = tl.minimum(tl.maximum(x2 * inv_fp8, -448.0), 448.0)
         if not LIBDEVICE:
-            y1 = _fp8_grid(y1, LIBDEVICE)
-            y2 = _fp8_grid(y2, LIBDEVICE)
-        tl.store(p1, y1.to(dst.dtype.element_ty), mask=m1)
-        tl.store(p2, y2.to(dst.dtype.element_ty), mask=m2)
-    else:
+            c1 = _fp8_grid(c1, LIBDEVICE)
+            c2 = _fp8_grid(c2, LIBDEVICE)
+    elif QUANT >= 2:
         # per (token, head) asymmetric: masked lanes never take part in min / max
+        m1 = (hh < H) & (i < HALF)
+        m2 = (hh < H) & (i + HALF < D)
         if QUANT == 3:
             qmax = 15.0
         else:
             qmax = 255.0
-        mn = tl.minimum(tl.min(tl.where(m1, x1, float("inf")), axis=1), tl.min(tl.where(m2, x2, float("inf")), axis=1))
-        mx = tl.maximum(tl.max(tl.where(m1, x1, float("-inf")), axis=1),
-                        tl.max(tl.where(m2, x2, float("-inf")), axis=1))
-        hrow = tl.arange(0, BLOCK_H) < H
-        mn = tl.where(hrow, mn, 0.0)
-        mx = tl.where(hrow, mx, 0.0)
-        scale = _div(mx - mn, tl.zeros_like(mn) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
+        # the two halves combined element-wise first: one cross-thread reduction each for min and max. Kept
+        # [BLOCK_H, 1] (keep_dims) in the tile's own layout: no layout conversion through shared memory for
+        # the per-head arithmetic and the scale / zero stores
+        mn = tl.min(tl.minimum(tl.where(m1, x1, float("inf")), tl.where(m2, x2, float("inf"))), axis=1,
+                    keep_dims=True)
+        mx = tl.max(tl.maximum(tl.where(m1, x1, float("-inf")), tl.where(m2, x2, float("-inf"))), axis=1,
+                    keep_dims=True)
+        zero = tl.where(hh < H, mn, 0.0)
+        mx = tl.where(hh < H, mx, 0.0)
+        scale = _div(mx - zero, tl.zeros_like(zero) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
         # scale == 0: every code 0, a constant row round-trips exactly
-        inv = tl.where(scale > 0.0, _rcp(tl.where(scale > 0.0, scale, 1.0), LIBDEVICE), 0.0)[:, None]
-        q1 = tl.minimum(tl.maximum(_round_even((x1 - mn[:, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
-        q2 = tl.minimum(tl.maximum(_round_even((x2 - mn[:, None]) * inv, LIBDEVICE), 0.0), qmax).to(tl.int32)
+        inv = tl.where(scale > 0.0, _rcp(tl.where(scale > 0.0, scale, 1.0), LIBDEVICE), 0.0)
+        q1 = _codes((x1 - zero) * inv, qmax)
+        q2 = _codes((x2 - zero) * inv, qmax)
         if QUANT == 3:  # planar nibbles: byte i = element i | element HALF + i << 4
-            tl.store(p1, (q1 | (q2 << 4)).to(tl.uint8), mask=m1)
+            c1 = (q1 | (q2 << 4)).to(tl.uint8)
+            c2 = c1  # unused
         else:
-            tl.store(p1, q1.to(tl.uint8), mask=m1)
-            tl.store(p2, q2.to(tl.uint8), mask=m2)
-        hp = tl.arange(0, BLOCK_H)
-        tl.store(par + hp * P_HEAD, scale, mask=hrow)
-        tl.store(par + hp * P_HEAD + 1, mn, mask=hrow)
+            c1 = q1.to(tl.uint8)
+            c2 = q2.to(tl.uint8)
+    return c1, c2, scale, zero
+
+
+@triton.jit
+def _store_row(c1, c2, scale, zero, dst, par, hh, i, QUANT: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+               HALF: tl.constexpr, BLOCK_H: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr):
+    # Store what _encode returned (or, unquantized, the values to store in any float dtype) at dst (data) and
+    # par (scale, zero)
+    m1 = (hh < H) & (i < HALF)
+    m2 = (hh < H) & (i + HALF < D)
+    p1 = dst + hh * S_HEAD + i
+    tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1)
+    if QUANT != 3:
+        tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2)
+    if QUANT >= 2:  # scale / zero [BLOCK_H, 1]
+        tl.store(par + hh * P_HEAD, scale, mask=hh < H)
+        tl.store(par + hh * P_HEAD + 1, zero, mask=hh < H)
 
 
 @triton.jit
@@ -329,16 +351,44 @@ def _write_row(
     ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HF: tl.constexpr,
-    LIBDEVICE: tl.constexpr, VEC: tl.constexpr,
+    LIBDEVICE: tl.constexpr, VEC: tl.constexpr, EARLY: tl.constexpr,
 ):
     # Store row n's K (is_v == 0: RoPE applied) or V (is_v == 1), given as half tiles r1 / r2 in the model
     # dtype, at (blk, off) in the pool's format. is_v is a constant or a per-program value; RAW: store r1 / r2
-    # as loaded (no RoPE, unquantized).
+    # as loaded (no RoPE, unquantized). RoPE and quantization do not depend on where the row goes: with EARLY
+    # they run before the branch on `valid` (which waits for the block-table load) and overlap that load; only
+    # the stores wait.
+    if EARLY:
+        c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, fp8_scales, hh, i, m1,
+                                         m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, HALF, STRIDE_KH,
+                                         BLOCK_H, LIBDEVICE, VEC)
     if valid:
+        if not EARLY:
+            c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, fp8_scales, hh, i,
+                                             m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, HALF,
+                                             STRIDE_KH, BLOCK_H, LIBDEVICE, VEC)
         s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's K (or V) region, data and params
         p_kv: tl.constexpr = BLOCK_SIZE * H * 2
         base = blk * (2 * s_kv) + off * S_TOK + is_v * s_kv
         pbase = blk * (2 * p_kv) + off * P_TOK + is_v * p_kv
+        _store_row(c1, c2, scale, zero, pool + base, qparams + pbase, hh, i, QUANT, H, D, HALF, BLOCK_H, S_HEAD,
+                   P_HEAD)
+
+
+@triton.jit
+def _row_codes(
+    r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, fp8_scales, hh, i, m1, m2,
+    RAW: tl.constexpr, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, STRIDE_KH: tl.constexpr,
+    BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr,
+):
+    # what _store_row stores for row n's K or V (see _write_row)
+    if RAW and (QUANT == 0):
+        c1 = r1
+        c2 = r2
+        scale = tl.zeros([BLOCK_H, 1], tl.float32)  # unused
+        zero = scale
+    else:
         inv = 1.0
         if QUANT == 1:  # one IEEE reciprocal per row, then multiplies (as the reference)
             inv = _rcp(tl.load(fp8_scales + is_v), LIBDEVICE)
@@ -348,8 +398,8 @@ def _write_row(
             if is_v == 0:
                 x1, x2 = _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
                                  ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
-        _encode_halves(x1, x2, r1, r2, pool + base, qparams + pbase, inv, hh, i, QUANT, RAW, H, D, HALF, BLOCK_H,
-                       S_HEAD, P_HEAD, LIBDEVICE)
+        c1, c2, scale, zero = _encode(x1, x2, inv, hh, i, QUANT, H, D, HALF, BLOCK_H, LIBDEVICE)
+    return c1, c2, scale, zero
 
 
 @kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs", "n_rows"))
@@ -381,6 +431,7 @@ def _append_kernel(
     # one for V (half the work on each program's critical path: short decode launches)
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
     VEC: tl.constexpr,  # stride_kn / stride_vn are in units of VEC elements (a power of two)
+    EARLY: tl.constexpr,
 ):
     # grid: (N,) or (2 N,) when SPLIT. A row (one token, all heads) is handled as two half tiles, elements
     # [0, HALF) and [HALF, D): rotate-half RoPE pairs them directly, int4 packs them into one byte.
@@ -407,7 +458,7 @@ def _append_kernel(
             _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, pid,
                        stride_kn, pool, qparams, inv_freq, freqs, fp8_scales, hh, i, m1, m2,
                        (not ROPE) or (is_v == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
-                       BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC)
+                       BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC, EARLY)
     else:
         n = pid // 2
         is_v = pid % 2  # 0: this program writes the row's K, 1: its V
@@ -422,7 +473,7 @@ def _append_kernel(
         # with RoPE, V goes through float32 too: an exact round trip for every model dtype
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, fp8_scales,
                    hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF, BLOCK_SIZE,
-                   S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC)
+                   S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC, EARLY)
 
 
 @triton.jit
@@ -637,6 +688,7 @@ def append_paged_kv_launch(
     num_warps: int | None = None,
     split: bool | None = None,
     pdl: bool | None = None,
+    early: bool | None = None,
 ) -> AppendPlan | None:
     """Launch the append kernel; the arguments are those of :func:`append_paged_kv`, already validated
     (``k`` / ``v`` model dtype ``[N, H, D]``, ``pool`` / ``params`` one layer's pools, index tensors int32 /
@@ -645,7 +697,8 @@ def append_paged_kv_launch(
     Tuning overrides: ``num_warps``; ``split`` = one program for each row's K and one for its V (default: for
     fewer than ``_SPLIT_BELOW`` rows), else one program per row; ``pdl`` = launch with programmatic
     dependent launch (CUDA graphs on Hopper: the kernel is scheduled while the previous one drains, and
-    waits for it before reading anything). ``None`` takes the defaults.
+    waits for it before reading anything); ``early`` = RoPE and quantization before the wait for the block
+    table rather than after it (default: for split launches and int8 / int4). ``None`` takes the defaults.
 
     Returns an :class:`AppendPlan` for repeating this launch with new tensors of the same kind (compiled
     kernels on CUDA), else None.
@@ -671,6 +724,10 @@ def append_paged_kv_launch(
         pdl = _pdl_default(pool.device)
     H, D = k.shape[1], k.shape[2]
     quant = QUANT_CODES[kv_dtype]
+    if early is None:
+        # measured on an H100 (benchmarks/append_ab.py): 0.03-0.1 us less per decode layer in every format, +0-2
+        # points on int8 / int4 prefills with RoPE; -1 point on the fp8 prefill, none on fp16
+        early = split or quant >= 2
     hnd = layout == "HND"
     bs = pool.shape[3] if hnd else pool.shape[2]
     n_seqs = 0 if slot_mapping is not None else cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
@@ -691,7 +748,7 @@ def append_paged_kv_launch(
         NUM_BLOCKS=pool.shape[0], **_block_strides(hnd, H, pool.shape[-1], bs), CP_RANK=cp_rank, CP_SIZE=cp_size,
         SEARCH=next_pow2(n_seqs) if 0 < n_seqs <= 1024 else 0, LOG_B=max(n_seqs - 1, 0).bit_length(),
         STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
-        LIBDEVICE=pool.device.type == "cuda", SPLIT=bool(split), PDL=bool(pdl), VEC=vec,
+        LIBDEVICE=pool.device.type == "cuda", SPLIT=bool(split), PDL=bool(pdl), VEC=vec, EARLY=bool(early),
         # measured on an H100 (benchmarks/paged_tune.py, 8 x 128 heads): 2 warps (1 KB of fp16 per warp and row)
         num_warps=num_warps or max(1, min(8, H * D // 512)),
     )
@@ -743,7 +800,7 @@ class AppendPlan:
         pl = self.prepared
         args = _append_args(k, v, pool, params, block_tables, cu_q, kv_lens, slots, positions, inv_freq, fp8_scales,
                             stride_kn // self.vec, stride_vn // self.vec, bt_stride, table_width, n_seqs, n)
-        pl.run(2 * n if self.split else n, 1, 1, stream, pl.function, pl.packed, None, None, None, *args, *pl.consts)
+        pl.run(2 * n if self.split else n, 1, 1, stream, *pl.head, *args, *pl.consts)
 
 
 def gather_paged_kv_launch(

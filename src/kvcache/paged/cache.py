@@ -88,6 +88,8 @@ class PagedKVCache:
         # prepared append launches (CUDA): raw pointers of each layer's pool / params / scales and of the RoPE
         # frequencies, whether each is 16-byte aligned (part of a plan's key), and the plans seen so far
         self._row_shape = (config.num_kv_heads, config.head_dim)
+        self._rope_fast = rope is None or self._rope_params is not None  # rope=None needs no per-call frequencies
+        self._dev_id = dev.index if dev.type == "cuda" else -1  # what get_device() returns (config: cuda:i / cpu)
         self._direct = dev.type == "cuda"
         self._device_index = -1
         if self._direct:
@@ -186,33 +188,38 @@ class PagedKVCache:
         cfg = self._config
         dev = self.device
         # fast paths: the common calls (ragged with kv_lens, or slot mapping; the cache's own RoPE or none), every
-        # argument checked in a few expressions; a prepared launch once the kind of call has been seen
-        fast = type(k) is torch.Tensor and type(v) is torch.Tensor and k.dim() == 3
+        # argument checked in a few expressions (each tensor attribute read costs 0.1-0.3 us: read once, compare
+        # ints; devices by index, -1 for the CPU); a prepared launch once the kind of call has been seen
+        fast = (
+            type(k) is torch.Tensor and type(v) is torch.Tensor and type(layer) is int and check is False
+            and type(cp_size) is int and cp_size == 1 and type(cp_rank) is int and cp_rank == 0
+            and (rope is False or (rope is None and self._rope_fast))
+        )
         if fast:
-            n = k.shape[0]
+            ksh = k.shape
             ks, vs = k.stride(), v.stride()
+            H, D = self._row_shape
+            did = self._dev_id
             fast = (
-                type(layer) is int and 0 <= layer < cfg.num_layers and type(cp_size) is int and cp_size == 1
-                and type(cp_rank) is int and cp_rank == 0 and check is False
-                and (rope is False or (rope is None and (self._rope is None or self._rope_params is not None)))
-                and k.dtype is cfg.dtype and v.dtype is cfg.dtype and k.shape[1:] == self._row_shape
-                and v.shape[1:] == self._row_shape and v.shape[0] == n and ks[2] == 1 and vs[2] == 1
-                and k.device == dev and v.device == dev
+                0 <= layer < cfg.num_layers and len(ksh) == 3 and ksh[1] == H and ksh[2] == D and v.shape == ksh
+                and ks[2] == 1 and vs[2] == 1 and k.dtype is cfg.dtype and v.dtype is cfg.dtype
+                and k.get_device() == did and v.get_device() == did and (did >= 0 or (k.is_cpu and v.is_cpu))
             )
+            n = ksh[0] if fast else 0
         use_rope = fast and rope is None and self._rope_params is not None
         if fast and slot_mapping is None:
             fast = (
-                positions is None and cu_k_lens is None and _ok_ints(cu_q_lens, dev) and _ok_ints(kv_lens, dev)
+                positions is None and cu_k_lens is None and _ok_ints(cu_q_lens, did) and _ok_ints(kv_lens, did)
                 and kv_lens.shape[0] == cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
                 and type(block_tables) is torch.Tensor and block_tables.dtype is torch.int32
                 and block_tables.dim() == 2 and block_tables.shape[0] == kv_lens.shape[0]  # type: ignore[union-attr]
                 and (block_tables.stride(1) == 1 or block_tables.shape[1] <= 1)
-                and block_tables.device == dev
+                and block_tables.get_device() == did and (did >= 0 or block_tables.is_cpu)
             )
         elif fast:
             fast = (
                 block_tables is None and cu_q_lens is None and kv_lens is None and cu_k_lens is None
-                and _ok_ints(slot_mapping, dev, n, True) and (not use_rope or _ok_ints(positions, dev, n, True))
+                and _ok_ints(slot_mapping, did, n, True) and (not use_rope or _ok_ints(positions, did, n, True))
             )
         if not fast:
             i = self._layer(layer)
@@ -377,13 +384,17 @@ class PagedKVCache:
                 self.params_buffer.index_copy_(1, ids, p)
 
 
-def _ok_ints(t: object, device: torch.device, n: int = -1, int64: bool = False) -> bool:
-    """A contiguous 1-d int32 tensor (int64 too with ``int64``) on ``device``: ``n`` entries, or any number >= 1
-    when ``n < 0``."""
+def _ok_ints(t: object, device_id: int, n: int = -1, int64: bool = False) -> bool:
+    """A contiguous 1-d int32 tensor (int64 too with ``int64``) on the device ``device_id`` (``get_device()``: a
+    CUDA index, or -1 for the CPU): ``n`` entries, or any number >= 1 when ``n < 0``."""
+    if type(t) is not torch.Tensor:
+        return False
+    dt = t.dtype
+    sh = t.shape
     return (
-        type(t) is torch.Tensor and (t.dtype is torch.int32 or (int64 and t.dtype is torch.int64)) and t.dim() == 1
-        and (t.shape[0] == n if n >= 0 else t.shape[0] >= 1) and (t.stride(0) == 1 or t.shape[0] <= 1)
-        and t.device == device
+        (dt is torch.int32 or (int64 and dt is torch.int64)) and len(sh) == 1
+        and (sh[0] == n if n >= 0 else sh[0] >= 1) and (sh[0] <= 1 or t.stride(0) == 1)
+        and t.get_device() == device_id and (device_id >= 0 or t.is_cpu)  # -1: the CPU, and also "meta"
     )
 
 

@@ -1,0 +1,141 @@
+"""A/B of the append kernel's EARLY constexpr (RoPE / quantization before the block-table wait) on a GPU:
+decode per layer in a 32-layer graph and the 16384-row prefill, interleaved, three rounds.
+
+    PYTHONPATH=src python3 benchmarks/early_ab.py
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcache.bench.linear import _copy_time, time_graph
+from kvcache.ops.paged import append_paged_kv_launch
+from kvcache.paged import PagedConfig, PagedKVCache
+from kvcache.rope import RopeConfig
+
+H, D = 8, 128
+PER_ROW = {"auto": D * 2, "fp8": D, "int8": D + 8, "int4": D // 2 + 8}
+
+
+@triton.jit
+def _hinted_copy(k, v, pool, blocks, ROW: tl.constexpr, BS: tl.constexpr, LOAD_HINT: tl.constexpr,
+                 STORE_HINT: tl.constexpr):
+    # one row of k and v [N, ROW] into its token slot of a pool [nb, 2, BS, ROW], block blocks[n // BS]
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, ROW)
+    if LOAD_HINT:
+        xk = tl.load(k + n * ROW + e, eviction_policy="evict_first")
+        xv = tl.load(v + n * ROW + e, eviction_policy="evict_first")
+    else:
+        xk = tl.load(k + n * ROW + e)
+        xv = tl.load(v + n * ROW + e)
+    blk = tl.load(blocks + n // BS).to(tl.int64)
+    base = blk * (2 * BS * ROW) + (n % BS) * ROW
+    if STORE_HINT == 1:
+        tl.store(pool + base + e, xk, cache_modifier=".cs")
+        tl.store(pool + base + BS * ROW + e, xv, cache_modifier=".cs")
+    elif STORE_HINT == 2:
+        tl.store(pool + base + e, xk, eviction_policy="evict_first")
+        tl.store(pool + base + BS * ROW + e, xv, eviction_policy="evict_first")
+    else:
+        tl.store(pool + base + e, xk)
+        tl.store(pool + base + BS * ROW + e, xv)
+
+
+def hints(dev: torch.device, copy_bw: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    n, bs = 16384, 16
+    kv = torch.randn(2, n, H, D, dtype=torch.float16, device=dev)
+    pool = torch.empty(n // bs, 2, bs, H * D, dtype=torch.float16, device=dev)
+    perm = torch.randperm(n // bs, generator=g).to(torch.int32).to(dev)
+    moved = 2 * kv.numel() * 2
+    res: dict[str, list[float]] = {}
+    for _ in range(3):
+        for lh in (False, True):
+            for sh in (0, 1, 2):
+                for w in (2, 4):
+                    t = time_graph(lambda lh=lh, sh=sh, w=w: _hinted_copy[(n,)](
+                        kv[0], kv[1], pool, perm, ROW=H * D, BS=bs, LOAD_HINT=lh, STORE_HINT=sh, num_warps=w), 3)
+                    name = f"load{'-ef' if lh else ''}/store{['', '-cs', '-ef'][sh]}/w{w}"
+                    res.setdefault(name, []).append(100 * moved / (t * 1e-6) / 1e9 / copy_bw)
+    for name, ps in res.items():
+        print(f"hinted copy {name}: " + " ".join(f"{p:.1f}" for p in ps), flush=True)
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    copy_bw = 2 * (1 << 29) * 2 / (_copy_time(1 << 29, torch.float16, dev) * 1e-6) / 1e9
+    print(f"copy {copy_bw:.0f} GB/s", flush=True)
+    what = set(sys.argv[1:]) or {"early", "hints"}
+    if "hints" in what:
+        hints(dev, copy_bw)
+    if "early" in what:
+        early(dev, copy_bw)
+
+
+def early(dev: torch.device, copy_bw: float) -> None:
+    gen = torch.Generator().manual_seed(1)
+    rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
+    # decode
+    n_seqs, ctx, layers, bs = 256, 1000, 32, 16
+    k = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
+    v = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
+    cu_q = torch.arange(0, n_seqs + 1, dtype=torch.int32, device=dev)
+    kv_lens = torch.randint(1, ctx, (n_seqs,), generator=gen, dtype=torch.int32).to(dev)
+    per_seq = math.ceil((ctx + 1) / bs)
+    nb = n_seqs * per_seq + 8
+    tables = torch.randperm(nb, generator=gen)[: n_seqs * per_seq].view(n_seqs, per_seq).to(torch.int32).to(dev)
+    for kv_dtype in ("auto", "fp8", "int8", "int4"):
+        c = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                     kv_dtype=kv_dtype, device=dev))
+        res: dict[str, list[float]] = {}
+        for _ in range(3):
+            for use_rope, early, w in [(r, e, 2) for r in (False, True) for e in (False, True)] + [(False, True, 1),
+                                                                                                 (True, True, 1)]:
+                    def step(c=c, kv_dtype=kv_dtype, use_rope=use_rope, early=early, w=w) -> None:  # type: ignore[no-untyped-def]
+                        for layer in range(layers):
+                            append_paged_kv_launch(
+                                k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
+                                block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None,
+                                slot_mapping=None, positions=None, rope=rope if use_rope else None,
+                                fp8_scales=c.kv_scales[layer], cp_rank=0, cp_size=1, early=early, num_warps=w)
+                    name = f"{'rope' if use_rope else 'norope'}-{'early' if early else 'late'}-w{w}"
+                    res.setdefault(name, []).append(time_graph(step, 1) / layers)
+        print(f"decode {kv_dtype} (us per layer, 3 rounds): "
+              + "  ".join(f"{n}: {' '.join(f'{t:.2f}' for t in ts)}" for n, ts in res.items()), flush=True)
+    # prefill
+    n_seqs, seq = 8, 2048
+    n = n_seqs * seq
+    kv = torch.randn(2, n, H, D, dtype=torch.float16, device=dev)
+    k, v = kv[0], kv[1]
+    cu_q = torch.arange(0, n + 1, seq, dtype=torch.int32, device=dev)
+    kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
+    nb = n // bs + 64
+    tables = torch.randperm(nb, generator=gen)[: n // bs].view(n_seqs, -1).to(torch.int32).to(dev)
+    for kv_dtype in ("auto", "fp8", "int8", "int4"):
+        c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                     kv_dtype=kv_dtype, device=dev))
+        nbytes = 2 * n * H * D * 2 + 2 * n * H * PER_ROW[kv_dtype]
+        res = {}
+        for _ in range(3):
+            for use_rope in (False, True):
+                for early in (False, True):
+                    def fn(c=c, kv_dtype=kv_dtype, use_rope=use_rope, early=early) -> None:  # type: ignore[no-untyped-def]
+                        append_paged_kv_launch(k, v, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD",
+                                               block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None,
+                                               slot_mapping=None, positions=None, rope=rope if use_rope else None,
+                                               fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1, early=early)
+                    t = time_graph(fn, 3)
+                    name = f"{'rope' if use_rope else 'norope'}-{'early' if early else 'late'}"
+                    res.setdefault(name, []).append(100 * nbytes / (t * 1e-6) / 1e9 / copy_bw)
+        print(f"prefill {kv_dtype} (% of copy, 3 rounds): "
+              + "  ".join(f"{n}: {' '.join(f'{p:.1f}' for p in ps)}" for n, ps in res.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
