@@ -200,8 +200,8 @@ def host(dev: torch.device) -> None:
             bt_stride=tables.stride(0), table_width=tables.shape[1], n_seqs=n_seqs, n_rows=n_seqs)
         raw = lambda pl=pl, plan=plan, args=args: pl.run(  # noqa: E731
             2 * n_seqs if plan.split else n_seqs, 1, 1, _current_stream(0), *pl.head, *args, *pl.consts)
-        print(f"host {kv_dtype}: the launcher alone (raw pointers, {'C entry point' if pl.direct else 'launcher object'})"
-              f" {time_host(raw):.1f} us", flush=True)
+        how = "C entry point" if pl.direct else "launcher object"
+        print(f"host {kv_dtype}: the launcher alone (raw pointers, {how}) {time_host(raw):.1f} us", flush=True)
         profile_calls(ragged, top=8)
 
 

@@ -63,12 +63,17 @@ class RopeKernelParams(NamedTuple):
         Rotate dims ``[0, rotary_dim)`` of each head; dims ``[rotary_dim, head_dim)`` pass through.
     interleaved : bool
         False: pair ``i`` is dims ``(i, i + rotary_dim // 2)`` (rotate-half). True: dims ``(2i, 2i + 1)``.
+    max_inv_freq : float
+        ``max(inv_freq)`` as a Python float, or 0.0 when unknown (the default). Kernels use it to bound a row's
+        angles without reading ``inv_freq``: with it, the fused append evaluates cos / sin with a short
+        polynomial while ``position * max_inv_freq <= 1e5``; without it, always with the full-range functions.
     """
 
     inv_freq: torch.Tensor
     attention_scaling: float
     rotary_dim: int
     interleaved: bool
+    max_inv_freq: float = 0.0
 
 
 def _check_float(name: str, value: object, *, positive: bool = False, allow_none: bool = False) -> float | None:
@@ -490,9 +495,16 @@ class RopeConfig:
         Allocates ``inv_freq``: call it once (static types) or once per step (``"dynamic"``), outside a
         CUDA graph.
         """
-        return RopeKernelParams(
-            self.inv_freq(seq_len, device), self.attention_scaling, self.rotary_dim, self.interleaved
-        )
+        if seq_len is not None:
+            check_int("seq_len", seq_len, 1)
+        if self._uses_grown_base(seq_len):  # computed on `device` (as transformers does): its max is not read back
+            inv, top = self.inv_freq(seq_len, device), 0.0
+        else:  # computed on the CPU, then moved
+            inv = self.inv_freq(seq_len)
+            top = float(inv.max())
+            if device is not None:
+                inv = inv.to(device)
+        return RopeKernelParams(inv, self.attention_scaling, self.rotary_dim, self.interleaved, top)
 
     def cos_sin(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables, equal to transformers' rotary embedding output before its dtype cast.

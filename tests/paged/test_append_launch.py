@@ -384,3 +384,34 @@ def test_c_entry_point_gets_what_the_launcher_object_forwards(monkeypatch, pdl):
     assert not plain.direct and plain.run is launcher
     plain.run(7, 1, 1, 1234, *plain.head, 11, 22, *plain.consts)
     assert log[2] == log[0]
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("base", [10000.0, 0.5], ids=["base1e4", "base0.5"])
+@pytest.mark.parametrize("known_max", [True, False], ids=["max-known", "max-unknown"])
+def test_rope_positions_on_both_sides_of_the_fast_trig_range(device, kv_dtype, base, known_max):
+    """The append computes cos / sin with ``_sincos`` while a row's largest angle (position x
+    ``RopeKernelParams.max_inv_freq``: above 1 when base < 1) is at most 1e5 radians, with the full-range
+    functions past it, and everywhere when the params do not carry the maximum: rows on both sides of the
+    switch, in one launch, against the reference."""
+    H, D, bs, nb = 2, 32, 4, 64
+    rope = RopeConfig(head_dim=D, base=base)
+    params = rope.kernel_params(device=device)
+    fmax = float(params.inv_freq.max())
+    assert params.max_inv_freq == fmax
+    if not known_max:
+        params = params._replace(max_inv_freq=0.0)
+    limit = paged_ops._SINCOS_MAX.value / fmax
+    positions = [0, 1, int(limit) - 1, int(limit), int(limit) + 1, int(limit) + 2, int(3 * limit), 2**24 - 1]
+    n = len(positions)
+    slots = list(range(0, 3 * n, 3))
+    gen = pr.generator(901)
+    k = pr.randn((n, H, D), torch.float16, gen, device) * 4
+    v = pr.randn((n, H, D), torch.float16, gen, device)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+    targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb, positions=positions)
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
+                             rope=rope)
+    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device),
+                 positions=torch.tensor(positions, device=device), rope=params)
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)

@@ -21,6 +21,7 @@ past ``cu_q_lens[-1]`` are skipped on the device (``check=True`` on the cache sy
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -52,6 +53,12 @@ __all__ = [
 ]
 
 QUANT_CODES = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3}
+
+# Cache hints of prefill-sized (not split) appends: new K / V rows are read once (evict first from L2), pool
+# rows written once (streaming stores). Measured on an H100 (benchmarks/append_ab.py): int4 86 -> 96% of copy
+# bandwidth, fp8 90 -> 93%, fp16 and int8 unchanged; decode-sized launches 0.1-0.2 us slower (not used there).
+# KVCACHE_APPEND_HINTS=0 (read at import) turns them off.
+_HINTS = os.environ.get("KVCACHE_APPEND_HINTS", "1") != "0"
 _FP8_MAX = 448.0
 
 
@@ -130,6 +137,46 @@ def _rope_pairs(e, ROT: tl.constexpr, INTERLEAVED: tl.constexpr):
     return partner, j, first, in_rot
 
 
+_SINCOS_MAX = tl.constexpr(1.0e5)  # _sincos's range (radians)
+_FAST_TRIG = os.environ.get("KVCACHE_FAST_TRIG", "1") != "0"  # KVCACHE_FAST_TRIG=0 (read at import): never _sincos
+
+
+@triton.jit
+def _sincos(x):
+    # (cos x, sin x) of float32 x, 0 <= |x| <= 1e5, in ~25 branch-free float32 operations (libdevice's cosf and
+    # sinf each reduce the argument separately and branch). x = q * pi/2 + r with |r| <= pi/4 (Cody-Waite: pi/2
+    # as 1.5703125 + 4.8446655e-4 - 6.4074993e-7 + 9.9209363e-10, the first three with <= 8 significant bits,
+    # so q * part is exact for q < 2**16 and the first subtraction is exact: no reliance on fused multiply-add,
+    # the same result compiled and under the interpreter), minimax polynomials of degree 8 / 9 on r, and the
+    # quadrant q mod 4 selecting sign and function. Error <= 2**-22 absolute (tests/paged/test_sincos.py), well
+    # inside the RoPE slack the tests allow.
+    t = x * 0.6366197723675814 + 12582912.0  # 1.5 * 2**23: the sum holds round(x * 2 / pi) in its low bits
+    quad = t.to(tl.int32, bitcast=True) & 3
+    q = t - 12582912.0
+    r = x - q * 1.5703125
+    r = r - q * 0.000484466552734375
+    r = r + q * 6.407499313354492e-07
+    r = r - q * 9.92093629470503e-10
+    r2 = r * r
+    s = r + r * r2 * (-1.6666654611e-1 + r2 * (8.3321608736e-3 + r2 * -1.9515295891e-4))
+    c = 1.0 - 0.5 * r2 + r2 * r2 * (4.166664568298827e-2 + r2 * (-1.388731625493765e-3 + r2 * 2.443315711809948e-5))
+    odd = (quad & 1) != 0
+    sin_x = tl.where(odd, c, s)
+    cos_x = tl.where(odd, s, c)
+    sin_x = tl.where((quad & 2) != 0, -sin_x, sin_x)
+    cos_x = tl.where(((quad + 1) & 2) != 0, -cos_x, cos_x)
+    return cos_x, sin_x
+
+
+@triton.jit
+def _sincos_full(x, LIBDEVICE: tl.constexpr):
+    # (cos x, sin x) for any float32 x: libdevice on the GPU (full range reduction), numpy's under the interpreter
+    if LIBDEVICE:
+        return libdevice.cos(x), libdevice.sin(x)
+    else:
+        return tl.cos(x), tl.sin(x)
+
+
 @triton.jit
 def _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE: tl.constexpr):
     # x * cos + rotate_half(x) * sin, as transformers: cos / sin of (position * inv_freq) in float32 (one
@@ -197,33 +244,34 @@ def _encode(x1, x2, inv_fp8, hh, i, QUANT: tl.constexpr, H: tl.constexpr, D: tl.
 
 @triton.jit
 def _store_row(c1, c2, scale, zero, dst, par, hh, i, QUANT: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-               HALF: tl.constexpr, BLOCK_H: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr):
+               HALF: tl.constexpr, BLOCK_H: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr,
+               STORE_CM: tl.constexpr):
     # Store what _encode returned (or, unquantized, the values to store in any float dtype) at dst (data) and
     # par (scale, zero)
     m1 = (hh < H) & (i < HALF)
     m2 = (hh < H) & (i + HALF < D)
     p1 = dst + hh * S_HEAD + i
-    tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1)
+    tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1, cache_modifier=STORE_CM)
     if QUANT != 3:
-        tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2)
+        tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2, cache_modifier=STORE_CM)
     if QUANT >= 2:  # scale / zero [BLOCK_H, 1]
-        tl.store(par + hh * P_HEAD, scale, mask=hh < H)
-        tl.store(par + hh * P_HEAD + 1, zero, mask=hh < H)
+        tl.store(par + hh * P_HEAD, scale, mask=hh < H, cache_modifier=STORE_CM)
+        tl.store(par + hh * P_HEAD + 1, zero, mask=hh < H, cache_modifier=STORE_CM)
 
 
 @triton.jit
 def _load_token(k, v, n, stride_kn, stride_vn, hh, i, m1, m2, HALF: tl.constexpr, STRIDE_KH: tl.constexpr,
-                STRIDE_VH: tl.constexpr, VEC: tl.constexpr):
+                STRIDE_VH: tl.constexpr, VEC: tl.constexpr, LOAD_EV: tl.constexpr):
     # row n of k and v as two half tiles each (model dtype, not converted: fewer live registers). The row
     # strides come in units of VEC elements: the product with the constexpr proves to the compiler that rows
     # start on VEC-element boundaries (vector loads; an int argument carries no divisibility of its own).
     nn = n.to(tl.int64)
     krow = k + nn * (stride_kn * VEC) + hh * STRIDE_KH
     vrow = v + nn * (stride_vn * VEC) + hh * STRIDE_VH
-    k1 = tl.load(krow + i, mask=m1, other=0.0)
-    k2 = tl.load(krow + HALF + i, mask=m2, other=0.0)
-    v1 = tl.load(vrow + i, mask=m1, other=0.0)
-    v2 = tl.load(vrow + HALF + i, mask=m2, other=0.0)
+    k1 = tl.load(krow + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
+    k2 = tl.load(krow + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
+    v1 = tl.load(vrow + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
+    v2 = tl.load(vrow + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
     return k1, k2, v1, v2
 
 
@@ -313,7 +361,7 @@ def _target(
 
 
 @triton.jit
-def _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT: tl.constexpr,
+def _rope_k(x1, x2, pos, freqs, FMAX: tl.constexpr, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT: tl.constexpr,
             INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
             STRIDE_KH: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr):
     # RoPE on one key row given as float32 half tiles x1 (elements i) and x2 (HALF + i), at position pos
@@ -321,14 +369,15 @@ def _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT: t
     pos_f = pos.to(tl.float32)
     if FAST_ROPE:  # one cos / sin per frequency, shared by every head
         angle = pos_f * freqs
-        if LIBDEVICE:  # accurate, full range reduction (angles reach 1e5 radians)
-            c = libdevice.cos(angle) * ATTN_SCALE
-            sn = libdevice.sin(angle) * ATTN_SCALE
+        if FMAX > 0:  # max(inv_freq) known: one branch per program on its largest angle
+            if pos_f * FMAX <= _SINCOS_MAX:
+                c, sn = _sincos(angle)
+            else:
+                c, sn = _sincos_full(angle, LIBDEVICE)
         else:
-            c = tl.cos(angle) * ATTN_SCALE
-            sn = tl.sin(angle) * ATTN_SCALE
-        c = c[None, :]
-        sn = sn[None, :]
+            c, sn = _sincos_full(angle, LIBDEVICE)
+        c = (c * ATTN_SCALE)[None, :]
+        sn = (sn * ATTN_SCALE)[None, :]
         y1 = x1 * c - x2 * sn
         y2 = x2 * c + x1 * sn
     else:  # partial rotary or interleaved pairs: partner elements re-read (L1 / L2 hits)
@@ -346,12 +395,12 @@ def _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT: t
 
 @triton.jit
 def _write_row(
-    r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, fp8_scales, hh, i, m1, m2,
-    RAW: tl.constexpr, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
-    ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr,
+    r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX: tl.constexpr, fp8_scales,
+    hh, i, m1, m2, RAW: tl.constexpr, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HF: tl.constexpr,
-    LIBDEVICE: tl.constexpr, VEC: tl.constexpr, EARLY: tl.constexpr,
+    LIBDEVICE: tl.constexpr, VEC: tl.constexpr, EARLY: tl.constexpr, STORE_CM: tl.constexpr,
 ):
     # Store row n's K (is_v == 0: RoPE applied) or V (is_v == 1), given as half tiles r1 / r2 in the model
     # dtype, at (blk, off) in the pool's format. is_v is a constant or a per-program value; RAW: store r1 / r2
@@ -359,25 +408,25 @@ def _write_row(
     # they run before the branch on `valid` (which waits for the block-table load) and overlap that load; only
     # the stores wait.
     if EARLY:
-        c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, fp8_scales, hh, i, m1,
-                                         m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, HALF, STRIDE_KH,
-                                         BLOCK_H, LIBDEVICE, VEC)
+        c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales, hh,
+                                         i, m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, HALF,
+                                         STRIDE_KH, BLOCK_H, LIBDEVICE, VEC)
     if valid:
         if not EARLY:
-            c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, fp8_scales, hh, i,
-                                             m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, HALF,
-                                             STRIDE_KH, BLOCK_H, LIBDEVICE, VEC)
+            c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales,
+                                             hh, i, m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D,
+                                             HALF, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC)
         s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's K (or V) region, data and params
         p_kv: tl.constexpr = BLOCK_SIZE * H * 2
         base = blk * (2 * s_kv) + off * S_TOK + is_v * s_kv
         pbase = blk * (2 * p_kv) + off * P_TOK + is_v * p_kv
         _store_row(c1, c2, scale, zero, pool + base, qparams + pbase, hh, i, QUANT, H, D, HALF, BLOCK_H, S_HEAD,
-                   P_HEAD)
+                   P_HEAD, STORE_CM)
 
 
 @triton.jit
 def _row_codes(
-    r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, fp8_scales, hh, i, m1, m2,
+    r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX: tl.constexpr, fp8_scales, hh, i, m1, m2,
     RAW: tl.constexpr, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
     ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, STRIDE_KH: tl.constexpr,
     BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr,
@@ -396,7 +445,7 @@ def _row_codes(
         x2 = r2.to(tl.float32)
         if ROPE:
             if is_v == 0:
-                x1, x2 = _rope_k(x1, x2, pos, freqs, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
+                x1, x2 = _rope_k(x1, x2, pos, freqs, FMAX, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
                                  ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
         c1, c2, scale, zero = _encode(x1, x2, inv, hh, i, QUANT, H, D, HALF, BLOCK_H, LIBDEVICE)
     return c1, c2, scale, zero
@@ -430,8 +479,10 @@ def _append_kernel(
     SPLIT: tl.constexpr,  # False: a program writes one row's K and V; True: two programs per row, one for K and
     # one for V (half the work on each program's critical path: short decode launches)
     PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
+    FMAX: tl.constexpr,  # max(inv_freq) (ROPE), 0.0 when unknown: bounds a row's angles (see _sincos)
     VEC: tl.constexpr,  # stride_kn / stride_vn are in units of VEC elements (a power of two)
-    EARLY: tl.constexpr,
+    EARLY: tl.constexpr,  # RoPE / quantization before the block-table load returns (see _write_row)
+    LOAD_EV: tl.constexpr, STORE_CM: tl.constexpr,  # cache hints: eviction policy of k / v loads, pool stores
 ):
     # grid: (N,) or (2 N,) when SPLIT. A row (one token, all heads) is handled as two half tiles, elements
     # [0, HALF) and [HALF, D): rotate-half RoPE pairs them directly, int4 packs them into one byte.
@@ -450,30 +501,33 @@ def _append_kernel(
     if not SPLIT:
         # the row's K and V first: they do not depend on where it goes, so their latency overlaps the
         # index loads
-        k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH, VEC)
+        k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH, VEC,
+                                     LOAD_EV)
         valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
                                        n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
                                        SEARCH, LOG_B)
         for is_v in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
             _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, pid,
-                       stride_kn, pool, qparams, inv_freq, freqs, fp8_scales, hh, i, m1, m2,
+                       stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
                        (not ROPE) or (is_v == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
-                       BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC, EARLY)
+                       BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC, EARLY,
+                       STORE_CM)
     else:
         n = pid // 2
         is_v = pid % 2  # 0: this program writes the row's K, 1: its V
         nn = n.to(tl.int64)
         row = tl.where(is_v == 1, v + nn * (stride_vn * VEC), k + nn * (stride_kn * VEC))
         hoff = tl.where(is_v == 1, hh * STRIDE_VH, hh * STRIDE_KH)
-        r1 = tl.load(row + hoff + i, mask=m1, other=0.0)
-        r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0)
+        r1 = tl.load(row + hoff + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
+        r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
         valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
                                        n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
                                        SEARCH, LOG_B)
         # with RoPE, V goes through float32 too: an exact round trip for every model dtype
-        _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, fp8_scales,
-                   hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF, BLOCK_SIZE,
-                   S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC, EARLY)
+        _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
+                   fp8_scales, hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
+                   BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC, EARLY,
+                   STORE_CM)
 
 
 @triton.jit
@@ -667,6 +721,12 @@ def _rope_args(rope, device):  # type: ignore[no-untyped-def]
     return True, int(rope.rotary_dim), bool(rope.interleaved), float(rope.attention_scaling), rope.inv_freq
 
 
+def _max_freq(rope) -> float:  # type: ignore[no-untyped-def]
+    # the append's FMAX: max(inv_freq) when the params carry it (0.0: unknown, full-range cos / sin everywhere)
+    top = getattr(rope, "max_inv_freq", 0.0) if rope is not None else 0.0
+    return float(top) if _FAST_TRIG and top and math.isfinite(top) and top > 0 else 0.0
+
+
 def append_paged_kv_launch(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -724,6 +784,7 @@ def append_paged_kv_launch(
         pdl = _pdl_default(pool.device)
     H, D = k.shape[1], k.shape[2]
     quant = QUANT_CODES[kv_dtype]
+    hints = _HINTS and not split
     if early is None:
         # measured on an H100 (benchmarks/append_ab.py): 0.03-0.1 us less per decode layer in every format, +0-2
         # points on int8 / int4 prefills with RoPE; -1 point on the fp8 prefill, none on fp16
@@ -744,13 +805,16 @@ def append_paged_kv_launch(
     )
     consts = dict(
         MODE=2 if slot_mapping is not None else (0 if kv_lens is not None else 1), QUANT=quant, ROPE=has_rope,
-        ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs,
-        NUM_BLOCKS=pool.shape[0], **_block_strides(hnd, H, pool.shape[-1], bs), CP_RANK=cp_rank, CP_SIZE=cp_size,
+        ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, FMAX=_max_freq(rope), H=H, D=D, DP=pool.shape[-1],
+        BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0], **_block_strides(hnd, H, pool.shape[-1], bs), CP_RANK=cp_rank,
+        CP_SIZE=cp_size,
         SEARCH=next_pow2(n_seqs) if 0 < n_seqs <= 1024 else 0, LOG_B=max(n_seqs - 1, 0).bit_length(),
         STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
         LIBDEVICE=pool.device.type == "cuda", SPLIT=bool(split), PDL=bool(pdl), VEC=vec, EARLY=bool(early),
-        # measured on an H100 (benchmarks/paged_tune.py, 8 x 128 heads): 2 warps (1 KB of fp16 per warp and row)
-        num_warps=num_warps or max(1, min(8, H * D // 512)),
+        LOAD_EV="evict_first" if hints else "", STORE_CM=".cs" if hints else "",
+        # measured on an H100 (benchmarks/paged_tune.py, append_ab.py; 8 x 128 heads): 2 warps (1 KB of fp16 per
+        # warp and row); 1 warp for split (decode-sized) launches that do not quantize per head (0.05-0.1 us less)
+        num_warps=num_warps or max(1, min(8, H * D // (1024 if split and quant <= 1 else 512))),
     )
     if pdl:
         consts["launch_pdl"] = True

@@ -186,7 +186,6 @@ class PagedKVCache:
         RopeKernelParams for this call; ``rope_seq_len`` is the current length for ``"dynamic"`` scaling.
         """
         cfg = self._config
-        dev = self.device
         # fast paths: the common calls (ragged with kv_lens, or slot mapping; the cache's own RoPE or none), every
         # argument checked in a few expressions (each tensor attribute read costs 0.1-0.3 us: read once, compare
         # ints; devices by index, -1 for the CPU); a prepared launch once the kind of call has been seen
