@@ -164,9 +164,16 @@ def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
             def one(cache=cache, tables=tables) -> None:  # type: ignore[no-untyped-def]
                 cache.append(0, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
 
+            def step_norope(cache=cache, tables=tables) -> None:  # type: ignore[no-untyped-def]
+                for layer in range(layers):
+                    cache.append(layer, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, rope=False)
+
             per_layer = time_graph(step, 1) / layers
             rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} + rope (ragged)",
                             eager_us=time_eager(one, 200), graph_us=per_layer, host_us=time_host(one),
+                            bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
+            rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} (ragged, no rope)",
+                            graph_us=time_graph(step_norope, 1) / layers,
                             bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
             # slot-mapping mode (vLLM's convention): one index load per token instead of a batch search
             slots = (tables.long()[torch.arange(n_seqs, device=dev), (kv_lens // bs).long()] * bs
