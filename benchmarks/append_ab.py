@@ -67,13 +67,51 @@ def hints(dev: torch.device, copy_bw: float) -> None:
         print(f"hinted copy {name}: " + " ".join(f"{p:.1f}" for p in ps), flush=True)
 
 
+def heads(dev: torch.device) -> None:
+    gen = torch.Generator().manual_seed(1)
+    rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
+    n_seqs, ctx, layers, bs = 256, 1000, 32, 16
+    k = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
+    v = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
+    cu_q = torch.arange(0, n_seqs + 1, dtype=torch.int32, device=dev)
+    kv_lens = torch.randint(1, ctx, (n_seqs,), generator=gen, dtype=torch.int32).to(dev)
+    per_seq = math.ceil((ctx + 1) / bs)
+    nb = n_seqs * per_seq + 8
+    tables = torch.randperm(nb, generator=gen)[: n_seqs * per_seq].view(n_seqs, per_seq).to(torch.int32).to(dev)
+    slots = (tables.long()[torch.arange(n_seqs, device=dev), (kv_lens // bs).long()] * bs + (kv_lens % bs).long())
+    positions = kv_lens.long()
+    for kv_dtype in ("auto", "fp8", "int8", "int4"):
+        c = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                     kv_dtype=kv_dtype, device=dev))
+        for ragged in (True, False):
+            res: dict[str, list[float]] = {}
+            for _ in range(3):
+                for use_rope in (False, True):
+                    for hg, w in ((1, 1), (1, 2), (2, 1), (2, 2)):
+                        def step(c=c, kv_dtype=kv_dtype, use_rope=use_rope, hg=hg, w=w, ragged=ragged) -> None:  # type: ignore[no-untyped-def]
+                            for layer in range(layers):
+                                append_paged_kv_launch(
+                                    k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
+                                    block_tables=tables if ragged else None, cu_q_lens=cu_q if ragged else None,
+                                    kv_lens=kv_lens if ragged else None, cu_k_lens=None,
+                                    slot_mapping=None if ragged else slots, positions=None if ragged else positions,
+                                    rope=rope if use_rope else None, fp8_scales=c.kv_scales[layer], cp_rank=0,
+                                    cp_size=1, head_groups=hg, num_warps=w, split=True)
+                        name = f"{'rope' if use_rope else 'norope'}-g{hg}w{w}"
+                        res.setdefault(name, []).append(time_graph(step, 1) / layers)
+            print(f"decode {kv_dtype} {'ragged' if ragged else 'slots'} (us per layer, 3 rounds): "
+                  + "  ".join(f"{n}: {' '.join(f'{t:.2f}' for t in ts)}" for n, ts in res.items()), flush=True)
+
+
 def main() -> None:
     dev = torch.device("cuda")
     copy_bw = 2 * (1 << 29) * 2 / (_copy_time(1 << 29, torch.float16, dev) * 1e-6) / 1e9
     print(f"copy {copy_bw:.0f} GB/s", flush=True)
-    what = set(sys.argv[1:]) or {"early", "hints"}
+    what = set(sys.argv[1:]) or {"early", "hints", "heads"}
     if "hints" in what:
         hints(dev, copy_bw)
+    if "heads" in what:
+        heads(dev)
     if "early" in what:
         early(dev, copy_bw)
 

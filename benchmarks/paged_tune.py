@@ -199,7 +199,7 @@ def host(dev: torch.device) -> None:
             fp8_scales=scales_p, stride_kn=k.stride(0) // plan.vec, stride_vn=v.stride(0) // plan.vec,
             bt_stride=tables.stride(0), table_width=tables.shape[1], n_seqs=n_seqs, n_rows=n_seqs)
         raw = lambda pl=pl, plan=plan, args=args: pl.run(  # noqa: E731
-            2 * n_seqs if plan.split else n_seqs, 1, 1, _current_stream(0), *pl.head, *args, *pl.consts)
+            plan.per_row * n_seqs, 1, 1, _current_stream(0), *pl.head, *args, *pl.consts)
         how = "C entry point" if pl.direct else "launcher object"
         print(f"host {kv_dtype}: the launcher alone (raw pointers, {how}) {time_host(raw):.1f} us", flush=True)
         profile_calls(ragged, top=8)

@@ -28,10 +28,12 @@ BATCHES = [
 ]
 
 
-@pytest.fixture(params=[False, True], ids=["per-row", "split-kv"])
-def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """One program per row (K and V), or two (K, V): the threshold of rows below which appends split."""
+@pytest.fixture(params=[0, 1, 2], ids=["per-row", "split-kv", "split-kv-heads"])
+def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """One program per row (K and V), two (K, V), or four (K, V x two groups of heads): the threshold of rows
+    below which appends split, and the head groups of split launches."""
     monkeypatch.setattr(paged_ops, "_SPLIT_BELOW", 1 << 40 if request.param else 0)
+    monkeypatch.setattr(paged_ops, "_SPLIT_HEAD_GROUPS", 2 if request.param == 2 else 1)
     return request.param
 
 

@@ -483,15 +483,20 @@ def _append_kernel(
     VEC: tl.constexpr,  # stride_kn / stride_vn are in units of VEC elements (a power of two)
     EARLY: tl.constexpr,  # RoPE / quantization before the block-table load returns (see _write_row)
     LOAD_EV: tl.constexpr, STORE_CM: tl.constexpr,  # cache hints: eviction policy of k / v loads, pool stores
+    HG: tl.constexpr,  # SPLIT: head groups of BLOCK_H heads, one program each
 ):
-    # grid: (N,) or (2 N,) when SPLIT. A row (one token, all heads) is handled as two half tiles, elements
-    # [0, HALF) and [HALF, D): rotate-half RoPE pairs them directly, int4 packs them into one byte.
+    # grid: (N,), or (2 HG N,) when SPLIT: a program per row's K or V and group of BLOCK_H heads. A row (one
+    # token, BLOCK_H heads) is handled as two half tiles, elements [0, HALF) and [HALF, D): rotate-half RoPE
+    # pairs them directly, int4 packs them into one byte.
     HALF: tl.constexpr = (D + 1) // 2
     if PDL:
         gdc_wait()  # everything below may read what the previous kernel wrote
         gdc_launch_dependents()  # the next kernel may be scheduled now: it waits for this grid to finish
     pid = tl.program_id(0)
-    hh = tl.arange(0, BLOCK_H)[:, None]
+    hg = 0
+    if SPLIT:
+        hg = pid % HG
+    hh = hg * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_HF)[None, :]
     m1 = (hh < H) & (i < HALF)
     m2 = (hh < H) & (i + HALF < D)
@@ -513,8 +518,8 @@ def _append_kernel(
                        BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC, EARLY,
                        STORE_CM)
     else:
-        n = pid // 2
-        is_v = pid % 2  # 0: this program writes the row's K, 1: its V
+        n = pid // (2 * HG)
+        is_v = (pid // HG) % 2  # 0: this program writes the row's K, 1: its V
         nn = n.to(tl.int64)
         row = tl.where(is_v == 1, v + nn * (stride_vn * VEC), k + nn * (stride_kn * VEC))
         hoff = tl.where(is_v == 1, hh * STRIDE_VH, hh * STRIDE_KH)
@@ -690,6 +695,10 @@ def _copy_blocks_kernel(
 # (benchmarks/paged_tune.py), 256-row decode appends take 0.1-0.3 us less per layer split; 16384-row prefills
 # are no faster.
 _SPLIT_BELOW = 2048
+# Split launches give each group of next_pow2(H) // _SPLIT_HEAD_GROUPS heads of a row's K (or V) a program.
+# Measured (benchmarks/append_ab.py heads, 256-row decode, 8 x 128 heads): two groups are 0.1-0.2 us slower per
+# layer, except slot-mapping int8 / int4 appends with RoPE (0.1 us faster); one group by default.
+_SPLIT_HEAD_GROUPS = 1
 
 
 @functools.cache
@@ -749,13 +758,15 @@ def append_paged_kv_launch(
     split: bool | None = None,
     pdl: bool | None = None,
     early: bool | None = None,
+    head_groups: int | None = None,
 ) -> AppendPlan | None:
     """Launch the append kernel; the arguments are those of :func:`append_paged_kv`, already validated
     (``k`` / ``v`` model dtype ``[N, H, D]``, ``pool`` / ``params`` one layer's pools, index tensors int32 /
     int64 on the pool's device, ``rope.inv_freq`` float32 on it, ``fp8_scales`` float32 ``[2]``).
 
     Tuning overrides: ``num_warps``; ``split`` = one program for each row's K and one for its V (default: for
-    fewer than ``_SPLIT_BELOW`` rows), else one program per row; ``pdl`` = launch with programmatic
+    fewer than ``_SPLIT_BELOW`` rows), else one program per row; ``head_groups`` = split launches divide a row's
+    heads among this many programs (a power of two; default ``_SPLIT_HEAD_GROUPS``); ``pdl`` = launch with programmatic
     dependent launch (CUDA graphs on Hopper: the kernel is scheduled while the previous one drains, and
     waits for it before reading anything); ``early`` = RoPE and quantization before the wait for the block
     table rather than after it (default: for split launches and int8 / int4). ``None`` takes the defaults.
@@ -785,6 +796,14 @@ def append_paged_kv_launch(
     H, D = k.shape[1], k.shape[2]
     quant = QUANT_CODES[kv_dtype]
     hints = _HINTS and not split
+    if not split:
+        hg = 1
+    elif head_groups is None:
+        hg = min(_SPLIT_HEAD_GROUPS, next_pow2(H))
+    else:
+        hg = head_groups
+    if hg < 1 or hg & (hg - 1) or hg > next_pow2(H):
+        raise ValueError(f"head_groups: expected a power of two <= {next_pow2(H)}, got {head_groups}")
     if early is None:
         # measured on an H100 (benchmarks/append_ab.py): 0.03-0.1 us less per decode layer in every format, +0-2
         # points on int8 / int4 prefills with RoPE; -1 point on the fp8 prefill, none on fp16
@@ -809,19 +828,21 @@ def append_paged_kv_launch(
         BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0], **_block_strides(hnd, H, pool.shape[-1], bs), CP_RANK=cp_rank,
         CP_SIZE=cp_size,
         SEARCH=next_pow2(n_seqs) if 0 < n_seqs <= 1024 else 0, LOG_B=max(n_seqs - 1, 0).bit_length(),
-        STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=next_pow2(H), BLOCK_HF=next_pow2((D + 1) // 2),
+        STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=next_pow2(H) // hg, HG=hg,
+        BLOCK_HF=next_pow2((D + 1) // 2),
         LIBDEVICE=pool.device.type == "cuda", SPLIT=bool(split), PDL=bool(pdl), VEC=vec, EARLY=bool(early),
         LOAD_EV="evict_first" if hints else "", STORE_CM=".cs" if hints else "",
         # measured on an H100 (benchmarks/paged_tune.py, append_ab.py; 8 x 128 heads): 2 warps (1 KB of fp16 per
-        # warp and row); 1 warp for split (decode-sized) launches that do not quantize per head (0.05-0.1 us less)
-        num_warps=num_warps or max(1, min(8, H * D // (1024 if split and quant <= 1 else 512))),
+        # warp and row); 1 warp for split (decode-sized) launches (as fast or up to 0.1 us faster per layer)
+        num_warps=num_warps or max(1, min(8, H * D // (1024 if split else 512))),
     )
     if pdl:
         consts["launch_pdl"] = True
-    prepared = _append_kernel.launch(pool.device, (2 * n_tokens if split else n_tokens,), *args, **consts)
+    per_row = 2 * hg if split else 1
+    prepared = _append_kernel.launch(pool.device, (per_row * n_tokens,), *args, **consts)
     if prepared is None:
         return None
-    return AppendPlan(prepared, vec, bool(split))
+    return AppendPlan(prepared, vec, per_row)
 
 
 def _append_args(k, v, pool, params, block_tables, cu_q, kv_info, slots, positions, inv_freq, fp8_scales,  # type: ignore[no-untyped-def]
@@ -845,12 +866,12 @@ class AppendPlan:
     checks, which are most of an eager call's host time.
     """
 
-    __slots__ = ("prepared", "vec", "split")
+    __slots__ = ("prepared", "vec", "per_row")
 
-    def __init__(self, prepared: PreparedLaunch, vec: int, split: bool) -> None:
+    def __init__(self, prepared: PreparedLaunch, vec: int, per_row: int) -> None:
         self.prepared = prepared
         self.vec = vec  # k / v row strides (elements) are passed divided by vec
-        self.split = split  # two programs per row (K, V)
+        self.per_row = per_row  # programs per row: 1, or 2 x head groups (split: K and V separately)
 
     def launch(
         self, stream: int, n: int, k: int, v: int, stride_kn: int, stride_vn: int, pool: int, params: int | None,
@@ -864,7 +885,7 @@ class AppendPlan:
         pl = self.prepared
         args = _append_args(k, v, pool, params, block_tables, cu_q, kv_lens, slots, positions, inv_freq, fp8_scales,
                             stride_kn // self.vec, stride_vn // self.vec, bt_stride, table_width, n_seqs, n)
-        pl.run(2 * n if self.split else n, 1, 1, stream, *pl.head, *args, *pl.consts)
+        pl.run(self.per_row * n, 1, 1, stream, *pl.head, *args, *pl.consts)
 
 
 def gather_paged_kv_launch(
