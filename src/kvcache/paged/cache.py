@@ -207,18 +207,22 @@ class PagedKVCache:
             n = ksh[0] if fast else 0
         use_rope = fast and rope is None and self._rope_params is not None
         if fast and slot_mapping is None:
+            n_seqs = _ints_len(kv_lens, did)
             fast = (
-                positions is None and cu_k_lens is None and _ok_ints(cu_q_lens, did) and _ok_ints(kv_lens, did)
-                and kv_lens.shape[0] == cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
+                positions is None and cu_k_lens is None and n_seqs >= 0 and _ints_len(cu_q_lens, did) == n_seqs + 1
                 and type(block_tables) is torch.Tensor and block_tables.dtype is torch.int32
-                and block_tables.dim() == 2 and block_tables.shape[0] == kv_lens.shape[0]  # type: ignore[union-attr]
-                and (block_tables.stride(1) == 1 or block_tables.shape[1] <= 1)
-                and block_tables.get_device() == did and (did >= 0 or block_tables.is_cpu)
             )
+            if fast:
+                bsh = block_tables.shape  # type: ignore[union-attr]
+                bst = block_tables.stride()  # type: ignore[union-attr]
+                fast = (
+                    len(bsh) == 2 and bsh[0] == n_seqs and (bst[1] == 1 or bsh[1] <= 1)
+                    and block_tables.get_device() == did and (did >= 0 or block_tables.is_cpu)  # type: ignore[union-attr]
+                )
         elif fast:
             fast = (
                 block_tables is None and cu_q_lens is None and kv_lens is None and cu_k_lens is None
-                and _ok_ints(slot_mapping, did, n, True) and (not use_rope or _ok_ints(positions, did, n, True))
+                and _ints_len(slot_mapping, did, True) == n and (not use_rope or _ints_len(positions, did, True) == n)
             )
         if not fast:
             i = self._layer(layer)
@@ -238,8 +242,7 @@ class PagedKVCache:
             kp, vp = k.data_ptr(), v.data_ptr()
             if slot_mapping is None:
                 p1, p2, p3 = block_tables.data_ptr(), cu_q_lens.data_ptr(), kv_lens.data_ptr()  # type: ignore[union-attr]
-                bt_stride, width = block_tables.stride(0), block_tables.shape[1]  # type: ignore[union-attr]
-                n_seqs = kv_lens.shape[0]  # type: ignore[union-attr]
+                bt_stride, width = bst[0], bsh[1]
                 key = (True, use_rope, ks, vs, n_seqs, self._layer_align[layer], n < paged_ops._SPLIT_BELOW,
                        paged_ops._PDL_ENV)
             else:
@@ -383,18 +386,18 @@ class PagedKVCache:
                 self.params_buffer.index_copy_(1, ids, p)
 
 
-def _ok_ints(t: object, device_id: int, n: int = -1, int64: bool = False) -> bool:
-    """A contiguous 1-d int32 tensor (int64 too with ``int64``) on the device ``device_id`` (``get_device()``: a
-    CUDA index, or -1 for the CPU): ``n`` entries, or any number >= 1 when ``n < 0``."""
+def _ints_len(t: object, device_id: int, int64: bool = False) -> int:
+    """Entries of ``t`` if it is a contiguous 1-d int32 tensor (int64 too with ``int64``) on the device
+    ``device_id`` (``get_device()``: a CUDA index, or -1 for the CPU), else -1."""
     if type(t) is not torch.Tensor:
-        return False
+        return -1
     dt = t.dtype
     sh = t.shape
-    return (
-        (dt is torch.int32 or (int64 and dt is torch.int64)) and len(sh) == 1
-        and (sh[0] == n if n >= 0 else sh[0] >= 1) and (sh[0] <= 1 or t.stride(0) == 1)
+    ok = (
+        (dt is torch.int32 or (int64 and dt is torch.int64)) and len(sh) == 1 and (sh[0] <= 1 or t.stride(0) == 1)
         and t.get_device() == device_id and (device_id >= 0 or t.is_cpu)  # -1: the CPU, and also "meta"
     )
+    return sh[0] if ok else -1
 
 
 class _null:
