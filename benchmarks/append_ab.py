@@ -6,7 +6,7 @@ decode per layer in a 32-layer graph and the 16384-row prefill, interleaved, thr
 
 from __future__ import annotations
 
-import math
+import functools
 import sys
 
 import torch
@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kvcache.bench.linear import _copy_time, time_graph
+from kvcache.bench.paged import decode_batch, launch_decode_layers, prefill_batch
 from kvcache.ops.paged import append_paged_kv_launch
 from kvcache.paged import PagedConfig, PagedKVCache
 from kvcache.rope import RopeConfig
@@ -67,36 +68,31 @@ def hints(dev: torch.device, copy_bw: float) -> None:
         print(f"hinted copy {name}: " + " ".join(f"{p:.1f}" for p in ps), flush=True)
 
 
-def heads(dev: torch.device) -> None:
-    gen = torch.Generator().manual_seed(1)
+LAYERS = 32
+
+
+def _decode_setup(dev: torch.device):  # type: ignore[no-untyped-def]
+    """RoPE params, the decode batch (block 16) and a 32-layer cache of each format."""
     rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
-    n_seqs, ctx, layers, bs = 256, 1000, 32, 16
-    k = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
-    v = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
-    cu_q = torch.arange(0, n_seqs + 1, dtype=torch.int32, device=dev)
-    kv_lens = torch.randint(1, ctx, (n_seqs,), generator=gen, dtype=torch.int32).to(dev)
-    per_seq = math.ceil((ctx + 1) / bs)
-    nb = n_seqs * per_seq + 8
-    tables = torch.randperm(nb, generator=gen)[: n_seqs * per_seq].view(n_seqs, per_seq).to(torch.int32).to(dev)
-    slots = (tables.long()[torch.arange(n_seqs, device=dev), (kv_lens // bs).long()] * bs + (kv_lens % bs).long())
-    positions = kv_lens.long()
-    for kv_dtype in ("auto", "fp8", "int8", "int4"):
-        c = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
-                                     kv_dtype=kv_dtype, device=dev))
+    b = decode_batch(dev, torch.Generator().manual_seed(1), 16)
+    caches = {kv_dtype: PagedKVCache(PagedConfig(num_layers=LAYERS, num_kv_heads=H, head_dim=D, block_size=16,
+                                                 num_blocks=b.num_blocks, kv_dtype=kv_dtype, device=dev))
+              for kv_dtype in ("auto", "fp8", "int8", "int4")}
+    return rope, b, caches
+
+
+def heads(dev: torch.device) -> None:
+    rope, b, caches = _decode_setup(dev)
+    layers = LAYERS
+    for kv_dtype, c in caches.items():
         for ragged in (True, False):
             res: dict[str, list[float]] = {}
             for _ in range(3):
                 for use_rope in (False, True):
                     for hg, w in ((1, 1), (1, 2), (2, 1), (2, 2)):
-                        def step(c=c, kv_dtype=kv_dtype, use_rope=use_rope, hg=hg, w=w, ragged=ragged) -> None:  # type: ignore[no-untyped-def]
-                            for layer in range(layers):
-                                append_paged_kv_launch(
-                                    k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
-                                    block_tables=tables if ragged else None, cu_q_lens=cu_q if ragged else None,
-                                    kv_lens=kv_lens if ragged else None, cu_k_lens=None,
-                                    slot_mapping=None if ragged else slots, positions=None if ragged else positions,
-                                    rope=rope if use_rope else None, fp8_scales=c.kv_scales[layer], cp_rank=0,
-                                    cp_size=1, head_groups=hg, num_warps=w, split=True)
+                        step = functools.partial(launch_decode_layers, c, b, ragged=ragged,
+                                                 rope=rope if use_rope else None, head_groups=hg, num_warps=w,
+                                                 split=True)
                         name = f"{'rope' if use_rope else 'norope'}-g{hg}w{w}"
                         res.setdefault(name, []).append(time_graph(step, 1) / layers)
             print(f"decode {kv_dtype} {'ragged' if ragged else 'slots'} (us per layer, 3 rounds): "
@@ -117,44 +113,23 @@ def main() -> None:
 
 
 def early(dev: torch.device, copy_bw: float) -> None:
-    gen = torch.Generator().manual_seed(1)
-    rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
-    # decode
-    n_seqs, ctx, layers, bs = 256, 1000, 32, 16
-    k = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
-    v = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
-    cu_q = torch.arange(0, n_seqs + 1, dtype=torch.int32, device=dev)
-    kv_lens = torch.randint(1, ctx, (n_seqs,), generator=gen, dtype=torch.int32).to(dev)
-    per_seq = math.ceil((ctx + 1) / bs)
-    nb = n_seqs * per_seq + 8
-    tables = torch.randperm(nb, generator=gen)[: n_seqs * per_seq].view(n_seqs, per_seq).to(torch.int32).to(dev)
-    for kv_dtype in ("auto", "fp8", "int8", "int4"):
-        c = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
-                                     kv_dtype=kv_dtype, device=dev))
+    rope, b, caches = _decode_setup(dev)
+    layers = LAYERS
+    for kv_dtype, c in caches.items():  # decode
         res: dict[str, list[float]] = {}
         for _ in range(3):
             for use_rope, early, w in [(r, e, 2) for r in (False, True) for e in (False, True)] + [(False, True, 1),
                                                                                                  (True, True, 1)]:
-                    def step(c=c, kv_dtype=kv_dtype, use_rope=use_rope, early=early, w=w) -> None:  # type: ignore[no-untyped-def]
-                        for layer in range(layers):
-                            append_paged_kv_launch(
-                                k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
-                                block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None,
-                                slot_mapping=None, positions=None, rope=rope if use_rope else None,
-                                fp8_scales=c.kv_scales[layer], cp_rank=0, cp_size=1, early=early, num_warps=w)
-                    name = f"{'rope' if use_rope else 'norope'}-{'early' if early else 'late'}-w{w}"
-                    res.setdefault(name, []).append(time_graph(step, 1) / layers)
+                step = functools.partial(launch_decode_layers, c, b, ragged=True, rope=rope if use_rope else None,
+                                         early=early, num_warps=w)
+                name = f"{'rope' if use_rope else 'norope'}-{'early' if early else 'late'}-w{w}"
+                res.setdefault(name, []).append(time_graph(step, 1) / layers)
         print(f"decode {kv_dtype} (us per layer, 3 rounds): "
               + "  ".join(f"{n}: {' '.join(f'{t:.2f}' for t in ts)}" for n, ts in res.items()), flush=True)
     # prefill
-    n_seqs, seq = 8, 2048
-    n = n_seqs * seq
-    kv = torch.randn(2, n, H, D, dtype=torch.float16, device=dev)
-    k, v = kv[0], kv[1]
-    cu_q = torch.arange(0, n + 1, seq, dtype=torch.int32, device=dev)
-    kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
-    nb = n // bs + 64
-    tables = torch.randperm(nb, generator=gen)[: n // bs].view(n_seqs, -1).to(torch.int32).to(dev)
+    bs = 16
+    k, v, cu_q, kv_lens, tables, nb = prefill_batch(dev, torch.Generator().manual_seed(0), bs)
+    n = k.shape[0]
     for kv_dtype in ("auto", "fp8", "int8", "int4"):
         c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                      kv_dtype=kv_dtype, device=dev))

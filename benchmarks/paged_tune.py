@@ -10,14 +10,14 @@ through the cache (prepared launch) and through the validating op, next to small
 
 from __future__ import annotations
 
-import math
+import functools
 import sys
 
 import torch
 from host_profile import profile_calls  # benchmarks/, the script's folder
 
 from kvcache.bench.linear import _copy_time, time_eager, time_graph, time_host
-from kvcache.bench.paged import _rows_copy
+from kvcache.bench.paged import _rows_copy, decode_batch, launch_decode_layers, prefill_batch
 from kvcache.ops import paged as paged_ops
 from kvcache.ops.paged import append_paged_kv_launch, gather_paged_kv_launch
 from kvcache.paged import PagedConfig, PagedKVCache
@@ -58,14 +58,9 @@ def ceilings(dev: torch.device, copy_bw: float) -> None:
 
 def prefill(dev: torch.device, copy_bw: float) -> None:
     g = torch.Generator().manual_seed(0)
-    n_seqs, seq, bs = 8, 2048, 16
-    n = n_seqs * seq
-    kv = torch.randn(2, n, H, D, dtype=torch.float16, device=dev)
-    k, v = kv[0], kv[1]
-    cu_q = torch.arange(0, n + 1, seq, dtype=torch.int32, device=dev)
-    kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
-    nb = n // bs + 64
-    tables = torch.randperm(nb, generator=g)[: n // bs].view(n_seqs, -1).to(torch.int32).to(dev)
+    bs = 16
+    k, v, cu_q, kv_lens, tables, nb = prefill_batch(dev, g, bs)
+    n = k.shape[0]
     rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
     for kv_dtype in ("auto", "fp8", "int8", "int4"):
         c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
@@ -89,16 +84,8 @@ def prefill(dev: torch.device, copy_bw: float) -> None:
 
 def decode(dev: torch.device) -> None:
     gen = torch.Generator().manual_seed(1)
-    n_seqs, ctx, layers, bs = 256, 1000, 32, 16
-    k = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
-    v = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
-    cu_q = torch.arange(0, n_seqs + 1, dtype=torch.int32, device=dev)
-    kv_lens = torch.randint(1, ctx, (n_seqs,), generator=gen, dtype=torch.int32).to(dev)
-    per_seq = math.ceil((ctx + 1) / bs)
-    nb = n_seqs * per_seq + 8
-    tables = torch.randperm(nb, generator=gen)[: n_seqs * per_seq].view(n_seqs, per_seq).to(torch.int32).to(dev)
-    slots = (tables.long()[torch.arange(n_seqs, device=dev), (kv_lens // bs).long()] * bs + (kv_lens % bs).long())
-    positions = kv_lens.long()
+    layers, bs = 32, 16
+    b = decode_batch(dev, gen, bs)
     rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
     pdl_ok = paged_ops._pdl_supported(dev)
     variants = [(pdl, split, w) for pdl in ((False, True) if pdl_ok else (False,)) for split in (False, True)
@@ -106,24 +93,16 @@ def decode(dev: torch.device) -> None:
     if "decode-rope" in sys.argv:  # with and without RoPE, the default launch only
         variants = [(pdl_ok, True, 2)]
     for kv_dtype in ("auto", "int8", "int4"):
-        c = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
-                                     kv_dtype=kv_dtype, device=dev))
+        c = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs,
+                                     num_blocks=b.num_blocks, kv_dtype=kv_dtype, device=dev))
         for mode in ("ragged", "slots"):
             res = []
             for pdl, split, w in variants:
                 ragged = mode == "ragged"
 
                 for use_rope in ((True, False) if "decode-rope" in sys.argv else (True,)):
-                    def step(w=w, pdl=pdl, split=split, c=c, kv_dtype=kv_dtype, ragged=ragged,  # type: ignore[no-untyped-def]
-                             use_rope=use_rope) -> None:
-                        for layer in range(layers):
-                            append_paged_kv_launch(
-                                k, v, c.pool(layer), c.params(layer), kv_dtype=kv_dtype, layout="NHD",
-                                block_tables=tables if ragged else None, cu_q_lens=cu_q if ragged else None,
-                                kv_lens=kv_lens if ragged else None, cu_k_lens=None,
-                                slot_mapping=None if ragged else slots, positions=None if ragged else positions,
-                                rope=rope if use_rope else None, fp8_scales=c.kv_scales[layer], cp_rank=0,
-                                cp_size=1, num_warps=w, pdl=pdl, split=split)
+                    step = functools.partial(launch_decode_layers, c, b, ragged=ragged,
+                                             rope=rope if use_rope else None, num_warps=w, pdl=pdl, split=split)
                     name = f"{'pdl' if pdl else 'std'}{'-split' if split else ''}-w{w}{'' if use_rope else '-norope'}"
                     res.append(f"{name}: {time_graph(step, 1) / layers:.2f}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
+from typing import NamedTuple
 
 import torch
 import triton
@@ -58,6 +59,73 @@ def _tables(n_seqs: int, blocks_per_seq: int, num_blocks: int, gen: torch.Genera
     return ids.view(n_seqs, blocks_per_seq).to(torch.int32).to(dev)
 
 
+class DecodeBatch(NamedTuple):
+    """One decode step's appends: ``n_seqs`` sequences of 1-``ctx`` cached tokens, one new token each."""
+
+    k: torch.Tensor  # fp16 [n_seqs, H, D]
+    v: torch.Tensor  # fp16 [n_seqs, H, D]
+    cu_q: torch.Tensor  # int32 [n_seqs + 1]: 0, 1, ..., n_seqs
+    kv_lens: torch.Tensor  # int32 [n_seqs]
+    tables: torch.Tensor  # int32 [n_seqs, blocks per sequence]: randomly permuted blocks
+    slots: torch.Tensor  # int64 [n_seqs]: the same targets as slot mapping
+    positions: torch.Tensor  # int64 [n_seqs]
+    num_blocks: int
+
+
+def decode_batch(dev: torch.device, gen: torch.Generator, block_size: int, n_seqs: int = 256,
+                 ctx: int = 1000) -> DecodeBatch:
+    """The decode benchmark's batch (``kvcache bench paged`` and the tuning scripts in ``benchmarks/``)."""
+    k = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
+    v = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
+    cu_q = torch.arange(0, n_seqs + 1, dtype=torch.int32, device=dev)
+    kv_lens = torch.randint(1, ctx, (n_seqs,), generator=gen, dtype=torch.int32).to(dev)
+    per_seq = math.ceil((ctx + 1) / block_size)
+    nb = n_seqs * per_seq + 8
+    tables = _tables(n_seqs, per_seq, nb, gen, dev)
+    rows = torch.arange(n_seqs, device=dev)
+    slots = tables.long()[rows, (kv_lens // block_size).long()] * block_size + (kv_lens % block_size).long()
+    return DecodeBatch(k, v, cu_q, kv_lens, tables, slots, kv_lens.long(), nb)
+
+
+class PrefillBatch(NamedTuple):
+    """A prefill of ``n_seqs`` new sequences of ``seq`` tokens each, into randomly permuted blocks."""
+
+    k: torch.Tensor  # fp16 [n_seqs * seq, H, D]
+    v: torch.Tensor  # fp16 [n_seqs * seq, H, D]
+    cu_q: torch.Tensor  # int32 [n_seqs + 1]
+    kv_lens: torch.Tensor  # int32 [n_seqs]: zeros
+    tables: torch.Tensor  # int32 [n_seqs, seq // block_size]
+    num_blocks: int
+
+
+def prefill_batch(dev: torch.device, gen: torch.Generator, block_size: int, n_seqs: int = 8,
+                  seq: int = 2048) -> PrefillBatch:
+    """The prefill benchmark's batch (``kvcache bench paged`` and the tuning scripts in ``benchmarks/``)."""
+    n = n_seqs * seq
+    k = torch.randn(n, H, D, dtype=torch.float16, device=dev)
+    v = torch.randn(n, H, D, dtype=torch.float16, device=dev)
+    cu_q = torch.arange(0, n + 1, seq, dtype=torch.int32, device=dev)
+    kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
+    nb = n // block_size + 64
+    return PrefillBatch(k, v, cu_q, kv_lens, _tables(n_seqs, seq // block_size, nb, gen, dev), nb)
+
+
+def launch_decode_layers(cache: PagedKVCache, b: DecodeBatch, *, ragged: bool, rope: object,
+                         **overrides: object) -> None:
+    """One decode step: ``b`` appended to every layer of ``cache`` through ``append_paged_kv_launch`` (no
+    validation, no prepared plan), ragged or by slot mapping, with ``rope`` (RopeKernelParams or None) and the
+    launcher's tuning ``overrides`` (num_warps, split, pdl, early, head_groups). For the tuning scripts."""
+    cfg = cache.config
+    for layer in range(cfg.num_layers):
+        paged_ops.append_paged_kv_launch(
+            b.k, b.v, cache.pool(layer), cache.params(layer), kv_dtype=cfg.kv_dtype, layout=cfg.layout,
+            block_tables=b.tables if ragged else None, cu_q_lens=b.cu_q if ragged else None,
+            kv_lens=b.kv_lens if ragged else None, cu_k_lens=None, slot_mapping=None if ragged else b.slots,
+            positions=None if ragged or rope is None else b.positions, rope=rope, fp8_scales=cache.kv_scales[layer],
+            cp_rank=0, cp_size=1, **overrides,  # type: ignore[arg-type]
+        )
+
+
 def _store_bytes(n_tokens: int, kv_dtype: str) -> int:
     per_row = {"auto": D * 2, "fp8": D, "int8": D + 8, "int4": D // 2 + 8}[kv_dtype]
     return 2 * n_tokens * H * per_row
@@ -79,14 +147,10 @@ def _prefill_rows(dev: torch.device, copy_bw: float, quick: bool) -> list[Row]:
     gen = torch.Generator().manual_seed(0)
     n_seqs, seq = (8, 2048) if not quick else (4, 512)
     n = n_seqs * seq
-    k = torch.randn(n, H, D, dtype=torch.float16, device=dev)
-    v = torch.randn(n, H, D, dtype=torch.float16, device=dev)
-    cu_q = torch.arange(0, n + 1, seq, dtype=torch.int32, device=dev)
-    kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
     rope_cfg = RopeConfig(head_dim=D, base=500000.0)
     for bs in (16, 64):
-        nb = n // bs + 64
-        tables = _tables(n_seqs, seq // bs, nb, gen, dev)
+        b = prefill_batch(dev, gen, bs, n_seqs, seq)
+        tables, nb = b.tables, b.num_blocks
         # the torch baseline's per-token block / offset and HF cos / sin (model dtype), computed outside timing
         pos = torch.arange(seq, device=dev).repeat(n_seqs)
         seq_idx = torch.arange(n, device=dev) // seq
@@ -99,8 +163,8 @@ def _prefill_rows(dev: torch.device, copy_bw: float, quick: bool) -> list[Row]:
                                              dtype=torch.float16, kv_dtype=kv_dtype, device=dev), rope=rope_cfg)
             nbytes = 2 * n * H * D * 2 + _store_bytes(n, kv_dtype)
             for use_rope in (False, True):
-                def fn(cache=cache, use_rope=use_rope, tables=tables) -> None:  # type: ignore[no-untyped-def]
-                    cache.append(0, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
+                def fn(cache=cache, use_rope=use_rope, b=b) -> None:  # type: ignore[no-untyped-def]
+                    cache.append(0, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens,
                                  rope=None if use_rope else False)
                 impl = f"kvcache {kv_dtype}{' + rope' if use_rope else ''}"
                 rows.append(Row(f"prefill append {n} tok, block {bs}", impl,
@@ -114,7 +178,7 @@ def _prefill_rows(dev: torch.device, copy_bw: float, quick: bool) -> list[Row]:
         pool = torch.zeros((nb, 2, bs, H, D), dtype=torch.float16, device=dev)
         # ceilings for the fp16 append: the same bytes through torch's copy_, and a Triton row copy with the
         # append's exact traffic (rows into randomly placed blocks) but no index work
-        kv = torch.stack([k, v])
+        kv = torch.stack([b.k, b.v])
         kv_dst = torch.empty_like(kv)
         moved = 2 * n * H * D * 2 + _store_bytes(n, "auto")
         def ccopy(kv_dst=kv_dst, kv=kv) -> None:  # type: ignore[no-untyped-def]
@@ -124,14 +188,14 @@ def _prefill_rows(dev: torch.device, copy_bw: float, quick: bool) -> list[Row]:
                         eager_us=time_eager(ccopy, 10), graph_us=time_graph(ccopy, 3), bytes=moved))
         perm = torch.randperm(nb, generator=gen)[: n // bs].to(torch.int32).to(dev)
 
-        def rcopy(pool=pool, perm=perm, bs=bs) -> None:  # type: ignore[no-untyped-def]
-            _rows_copy[(n,)](k, v, pool, perm, ROW=H * D, BS=bs, SCATTER=True, TOK=1, num_warps=8)
+        def rcopy(pool=pool, perm=perm, bs=bs, b=b) -> None:  # type: ignore[no-untyped-def]
+            _rows_copy[(n,)](b.k, b.v, pool, perm, ROW=H * D, BS=bs, SCATTER=True, TOK=1, num_warps=8)
 
         rows.append(Row(f"prefill append {n} tok, block {bs}", "Triton row copy into random blocks (no indexing)",
                         eager_us=time_eager(rcopy, 10), graph_us=time_graph(rcopy, 3), bytes=moved))
         for use_rope in (False, True):
-            def tfn(use_rope=use_rope, pool=pool, blk=blk, off=off, cos=cos, sin=sin) -> None:  # type: ignore[no-untyped-def]
-                _torch_append(pool, k, v, blk, off, cos if use_rope else None, sin if use_rope else None)
+            def tfn(use_rope=use_rope, pool=pool, blk=blk, off=off, cos=cos, sin=sin, b=b) -> None:  # type: ignore[no-untyped-def]
+                _torch_append(pool, b.k, b.v, blk, off, cos if use_rope else None, sin if use_rope else None)
             rows.append(Row(f"prefill append {n} tok, block {bs}", f"torch index_put{' + rope' if use_rope else ''}",
                             eager_us=time_eager(tfn, 10), graph_us=time_graph(tfn, 3),
                             bytes=2 * n * H * D * 2 + _store_bytes(n, "auto")))
@@ -142,31 +206,27 @@ def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
     """256 sequences x 1 token: per-layer time inside a 32-layer CUDA graph, eager time and host overhead."""
     rows: list[Row] = []
     gen = torch.Generator().manual_seed(1)
-    n_seqs, ctx, layers = 256, 1000, 32
-    k = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
-    v = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
-    cu_q = torch.arange(0, n_seqs + 1, dtype=torch.int32, device=dev)
-    kv_lens = torch.randint(1, ctx, (n_seqs,), generator=gen, dtype=torch.int32).to(dev)
+    n_seqs, layers = 256, 32
     rope_cfg = RopeConfig(head_dim=D, base=500000.0)
     for bs in (16, 64):
-        per_seq = math.ceil((ctx + 1) / bs)
-        nb = n_seqs * per_seq + 8
-        tables = _tables(n_seqs, per_seq, nb, gen, dev)
+        b = decode_batch(dev, gen, bs, n_seqs)
         for kv_dtype in ("auto", "fp8", "int8", "int4"):
             cache = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs,
-                                             num_blocks=nb, dtype=torch.float16, kv_dtype=kv_dtype, device=dev),
+                                             num_blocks=b.num_blocks, dtype=torch.float16, kv_dtype=kv_dtype,
+                                             device=dev),
                                  rope=rope_cfg)
 
-            def step(cache=cache, tables=tables) -> None:  # type: ignore[no-untyped-def]
+            def step(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
                 for layer in range(layers):
-                    cache.append(layer, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
+                    cache.append(layer, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens)
 
-            def one(cache=cache, tables=tables) -> None:  # type: ignore[no-untyped-def]
-                cache.append(0, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
+            def one(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
+                cache.append(0, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens)
 
-            def step_norope(cache=cache, tables=tables) -> None:  # type: ignore[no-untyped-def]
+            def step_norope(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
                 for layer in range(layers):
-                    cache.append(layer, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, rope=False)
+                    cache.append(layer, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens,
+                                 rope=False)
 
             per_layer = time_graph(step, 1) / layers
             rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} + rope (ragged)",
@@ -176,16 +236,12 @@ def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
                             graph_us=time_graph(step_norope, 1) / layers,
                             bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
             # slot-mapping mode (vLLM's convention): one index load per token instead of a batch search
-            slots = (tables.long()[torch.arange(n_seqs, device=dev), (kv_lens // bs).long()] * bs
-                     + (kv_lens % bs).long())
-            positions = kv_lens.long()
-
-            def step_slots(cache=cache, slots=slots, positions=positions) -> None:  # type: ignore[no-untyped-def]
+            def step_slots(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
                 for layer in range(layers):
-                    cache.append(layer, k, v, slot_mapping=slots, positions=positions)
+                    cache.append(layer, b.k, b.v, slot_mapping=b.slots, positions=b.positions)
 
-            def one_slots(cache=cache, slots=slots, positions=positions) -> None:  # type: ignore[no-untyped-def]
-                cache.append(0, k, v, slot_mapping=slots, positions=positions)
+            def one_slots(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
+                cache.append(0, b.k, b.v, slot_mapping=b.slots, positions=b.positions)
 
             rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} + rope (slots)",
                             eager_us=time_eager(one_slots, 200), graph_us=time_graph(step_slots, 1) / layers,
