@@ -99,6 +99,33 @@ def heads(dev: torch.device) -> None:
                   + "  ".join(f"{n}: {' '.join(f'{t:.2f}' for t in ts)}" for n, ts in res.items()), flush=True)
 
 
+def regs(dev: torch.device, copy_bw: float) -> None:
+    rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
+    bs = 16
+    k, v, cu_q, kv_lens, tables, nb = prefill_batch(dev, torch.Generator().manual_seed(0), bs)
+    n = k.shape[0]
+    for kv_dtype in ("fp8", "int8", "int4"):
+        c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                     kv_dtype=kv_dtype, device=dev))
+        nbytes = 2 * n * H * D * 2 + 2 * n * H * PER_ROW[kv_dtype]
+        res: dict[str, list[float]] = {}
+        for _ in range(3):
+            for use_rope in (False, True):
+                for early in (False, True):
+                    for cap in (None, 40, 32):
+                        def fn(c=c, kv_dtype=kv_dtype, use_rope=use_rope, early=early, cap=cap) -> None:  # type: ignore[no-untyped-def]
+                            append_paged_kv_launch(k, v, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD",
+                                                   block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
+                                                   cu_k_lens=None, slot_mapping=None, positions=None,
+                                                   rope=rope if use_rope else None, fp8_scales=c.kv_scales[0],
+                                                   cp_rank=0, cp_size=1, early=early, max_registers=cap)
+                        t = time_graph(fn, 3)
+                        name = f"{'rope' if use_rope else 'norope'}-{'early' if early else 'late'}-r{cap or 0}"
+                        res.setdefault(name, []).append(100 * nbytes / (t * 1e-6) / 1e9 / copy_bw)
+        print(f"prefill {kv_dtype} (% of copy, 3 rounds): "
+              + "  ".join(f"{n}: {' '.join(f'{p:.1f}' for p in ps)}" for n, ps in res.items()), flush=True)
+
+
 def main() -> None:
     dev = torch.device("cuda")
     copy_bw = 2 * (1 << 29) * 2 / (_copy_time(1 << 29, torch.float16, dev) * 1e-6) / 1e9
@@ -108,6 +135,8 @@ def main() -> None:
         hints(dev, copy_bw)
     if "heads" in what:
         heads(dev)
+    if "regs" in what:
+        regs(dev, copy_bw)
     if "early" in what:
         early(dev, copy_bw)
 

@@ -759,17 +759,25 @@ def append_paged_kv_launch(
     pdl: bool | None = None,
     early: bool | None = None,
     head_groups: int | None = None,
+    max_registers: int | None = None,
 ) -> AppendPlan | None:
     """Launch the append kernel; the arguments are those of :func:`append_paged_kv`, already validated
     (``k`` / ``v`` model dtype ``[N, H, D]``, ``pool`` / ``params`` one layer's pools, index tensors int32 /
     int64 on the pool's device, ``rope.inv_freq`` float32 on it, ``fp8_scales`` float32 ``[2]``).
 
-    Tuning overrides: ``num_warps``; ``split`` = one program for each row's K and one for its V (default: for
-    fewer than ``_SPLIT_BELOW`` rows), else one program per row; ``head_groups`` = split launches divide a row's
-    heads among this many programs (a power of two; default ``_SPLIT_HEAD_GROUPS``); ``pdl`` = launch with programmatic
-    dependent launch (CUDA graphs on Hopper: the kernel is scheduled while the previous one drains, and
-    waits for it before reading anything); ``early`` = RoPE and quantization before the wait for the block
-    table rather than after it (default: for split launches and int8 / int4). ``None`` takes the defaults.
+    Tuning overrides (``None`` takes the defaults):
+
+    * ``num_warps``;
+    * ``split`` = one program for each row's K and one for its V (default: for fewer than ``_SPLIT_BELOW``
+      rows), else one program per row;
+    * ``head_groups`` = split launches divide a row's heads among this many programs (a power of two; default
+      ``_SPLIT_HEAD_GROUPS``);
+    * ``pdl`` = launch with programmatic dependent launch (CUDA graphs on Hopper: the kernel is scheduled
+      while the previous one drains, and waits for it before reading anything);
+    * ``early`` = RoPE and quantization before the wait for the block table rather than after it (default:
+      for split launches);
+    * ``max_registers`` = a register cap per thread (none by default: caps of 40 and 32 measured no faster,
+      see BENCHMARKS.md).
 
     Returns an :class:`AppendPlan` for repeating this launch with new tensors of the same kind (compiled
     kernels on CUDA), else None.
@@ -805,9 +813,9 @@ def append_paged_kv_launch(
     if hg < 1 or hg & (hg - 1) or hg > next_pow2(H):
         raise ValueError(f"head_groups: expected a power of two <= {next_pow2(H)}, got {head_groups}")
     if early is None:
-        # measured on an H100 (benchmarks/append_ab.py): 0.03-0.1 us less per decode layer in every format, +0-2
-        # points on int8 / int4 prefills with RoPE; -1 point on the fp8 prefill, none on fp16
-        early = split or quant >= 2
+        # measured on an H100 (benchmarks/append_ab.py): 0.03-0.1 us less per decode layer in every format; on
+        # prefills (with the cache hints) no gain, and -1 to -4 points for fp8 and int4 with RoPE
+        early = split
     hnd = layout == "HND"
     bs = pool.shape[3] if hnd else pool.shape[2]
     n_seqs = 0 if slot_mapping is not None else cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
@@ -838,6 +846,8 @@ def append_paged_kv_launch(
     )
     if pdl:
         consts["launch_pdl"] = True
+    if max_registers:  # ptxas register cap (occupancy experiments; no default)
+        consts["maxnreg"] = max_registers
     per_row = 2 * hg if split else 1
     prepared = _append_kernel.launch(pool.device, (per_row * n_tokens,), *args, **consts)
     if prepared is None:
