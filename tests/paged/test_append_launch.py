@@ -417,3 +417,19 @@ def test_rope_positions_on_both_sides_of_the_fast_trig_range(device, kv_dtype, b
     cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device),
                  positions=torch.tensor(positions, device=device), rope=params)
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+
+
+@pytest.mark.parametrize("head_groups", [0, 3, 4])
+def test_head_groups_must_be_a_power_of_two_within_the_heads(head_groups):
+    """The launcher's head_groups override: a power of two no larger than next_pow2(H) (H = 2 here), else a
+    ValueError before anything runs."""
+    cache = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, kv_dtype="int8")
+    before = pr.bits(cache.pool(0)).clone()
+    k = torch.randn(3, 2, 16).half()
+    with pytest.raises(ValueError, match="head_groups"):
+        paged_ops.append_paged_kv_launch(
+            k, k, cache.pool(0), cache.params(0), kv_dtype="int8", layout="NHD",
+            block_tables=torch.tensor([[1, 2]], dtype=torch.int32), cu_q_lens=torch.tensor([0, 3], dtype=torch.int32),
+            kv_lens=torch.tensor([0], dtype=torch.int32), cu_k_lens=None, slot_mapping=None, positions=None,
+            rope=None, fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, split=True, head_groups=head_groups)
+    assert torch.equal(pr.bits(cache.pool(0)), before)

@@ -782,6 +782,9 @@ def append_paged_kv_launch(
     Returns an :class:`AppendPlan` for repeating this launch with new tensors of the same kind (compiled
     kernels on CUDA), else None.
     """
+    if head_groups is not None and (type(head_groups) is not int or head_groups < 1
+                                    or head_groups & (head_groups - 1) or head_groups > next_pow2(k.shape[1])):
+        raise ValueError(f"head_groups: expected a power of two <= {next_pow2(k.shape[1])}, got {head_groups!r}")
     if pdl and not _pdl_supported(pool.device):
         raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability >= 9.0 "
                          "and triton >= 3.4")
@@ -810,8 +813,6 @@ def append_paged_kv_launch(
         hg = min(_SPLIT_HEAD_GROUPS, next_pow2(H))
     else:
         hg = head_groups
-    if hg < 1 or hg & (hg - 1) or hg > next_pow2(H):
-        raise ValueError(f"head_groups: expected a power of two <= {next_pow2(H)}, got {head_groups}")
     if early is None:
         # measured on an H100 (benchmarks/append_ab.py): 0.03-0.1 us less per decode layer in every format; on
         # prefills (with the cache hints) no gain, and -1 to -4 points for fp8 and int4 with RoPE
