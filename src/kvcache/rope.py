@@ -64,9 +64,11 @@ class RopeKernelParams(NamedTuple):
     interleaved : bool
         False: pair ``i`` is dims ``(i, i + rotary_dim // 2)`` (rotate-half). True: dims ``(2i, 2i + 1)``.
     max_inv_freq : float
-        ``max(inv_freq)`` as a Python float, or 0.0 when unknown (the default). Kernels use it to bound a row's
-        angles without reading ``inv_freq``: with it, the fused append evaluates cos / sin with a short
-        polynomial while ``position * max_inv_freq <= 1e5``; without it, always with the full-range functions.
+        An upper bound of ``|inv_freq|`` as a Python float (``RopeConfig.kernel_params`` gives the maximum), or
+        0.0 when unknown (the default). Kernels use it to bound a row's angles without reading ``inv_freq``:
+        with it, the fused append evaluates cos / sin with a short polynomial while
+        ``|position| * max_inv_freq <= 1e5``; without it, always with the full-range functions. A value below
+        the true maximum gives wrong keys (``check=True`` on the append verifies it).
     """
 
     inv_freq: torch.Tensor
@@ -497,13 +499,13 @@ class RopeConfig:
         """
         if seq_len is not None:
             check_int("seq_len", seq_len, 1)
-        if self._uses_grown_base(seq_len):  # computed on `device` (as transformers does): its max is not read back
-            inv, top = self.inv_freq(seq_len, device), 0.0
-        else:  # computed on the CPU, then moved
-            inv = self.inv_freq(seq_len)
-            top = float(inv.max())
-            if device is not None:
-                inv = inv.to(device)
+        grown = self._uses_grown_base(seq_len)
+        # a grown dynamic base is computed on `device` (as transformers does) and not read back: its frequencies
+        # are 1 / grown_base ** e with e in [0, 1) and grown_base >= base, so 1.0 bounds them when base >= 1
+        inv = self.inv_freq(seq_len, device if grown else None)
+        top = (1.0 if self.base >= 1 else 0.0) if grown else float(inv.max())
+        if not grown and device is not None:
+            inv = inv.to(device)
         return RopeKernelParams(inv, self.attention_scaling, self.rotary_dim, self.interleaved, top)
 
     def cos_sin(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

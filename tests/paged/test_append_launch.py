@@ -404,7 +404,8 @@ def test_rope_positions_on_both_sides_of_the_fast_trig_range(device, kv_dtype, b
     if not known_max:
         params = params._replace(max_inv_freq=0.0)
     limit = paged_ops._SINCOS_MAX.value / fmax
-    positions = [0, 1, int(limit) - 1, int(limit), int(limit) + 1, int(limit) + 2, int(3 * limit), 2**24 - 1]
+    positions = [0, 1, int(limit) - 1, int(limit), int(limit) + 1, int(limit) + 2, int(3 * limit), 2**24 - 1, -1,
+                 -int(limit), -int(limit) - 2, -int(3 * limit)]
     n = len(positions)
     slots = list(range(0, 3 * n, 3))
     gen = pr.generator(901)
@@ -433,3 +434,72 @@ def test_head_groups_must_be_a_power_of_two_within_the_heads(head_groups):
             kv_lens=torch.tensor([0], dtype=torch.int32), cu_k_lens=None, slot_mapping=None, positions=None,
             rope=None, fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, split=True, head_groups=head_groups)
     assert torch.equal(pr.bits(cache.pool(0)), before)
+
+
+def test_launch_carries_the_angle_bound(monkeypatch):
+    """FMAX, the append's bound on a row's angles, is the params' max_inv_freq (RopeConfig.kernel_params fills
+    it in), 0.0 when the params do not carry it or KVCACHE_FAST_TRIG=0 (full-range cos / sin everywhere)."""
+    fake = _FakeKernel()
+    monkeypatch.setattr(paged_ops, "_append_kernel", fake)
+    monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
+    cache = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, kv_dtype="int8")
+    k = torch.randn(3, 2, 16).half()
+    params = RopeConfig(head_dim=16, base=0.5).kernel_params()
+    assert params.max_inv_freq == float(params.inv_freq.max()) > 1.0
+
+    def launch(rope):  # type: ignore[no-untyped-def]
+        paged_ops.append_paged_kv_launch(
+            k, k, cache.pool(0), cache.params(0), kv_dtype="int8", layout="NHD", block_tables=None, cu_q_lens=None,
+            kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor([0, 1, 2]), positions=torch.tensor([0, 1, 2]),
+            rope=rope, fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1)
+        return fake.log[-1][3]["FMAX"]
+
+    assert launch(params) == params.max_inv_freq
+    assert launch(params._replace(max_inv_freq=0.0)) == 0.0
+    assert launch(None) == 0.0
+    monkeypatch.setattr(paged_ops, "_FAST_TRIG", False)
+    assert launch(params) == 0.0
+
+
+def test_grown_dynamic_base_keeps_a_known_bound():
+    """A dynamic-NTK base grown past max_position_embeddings is computed on the positions' device and not
+    read back; 1.0 still bounds its frequencies when base >= 1."""
+    rope = RopeConfig(head_dim=16, rope_type="dynamic", factor=4.0, max_position_embeddings=64)
+    params = rope.kernel_params(seq_len=1000)
+    assert params.max_inv_freq == 1.0 >= float(params.inv_freq.max())
+
+
+@pytest.mark.parametrize("bad", ["1.0", float("nan"), -1.0, True])
+def test_bad_max_inv_freq_is_rejected(device, bad):
+    cache = pr.sentinel_cache(device, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8)
+    before = pr.bits(cache.pool(0)).clone()
+    k = torch.randn(3, 2, 16).half().to(device)
+    params = RopeConfig(head_dim=16).kernel_params(device=device)._replace(max_inv_freq=bad)
+    with pytest.raises(ValueError, match="max_inv_freq"):
+        cache.append(0, k, k, slot_mapping=torch.tensor([0, 1, 2], device=device),
+                     positions=torch.tensor([0, 1, 2], device=device), rope=params)
+    assert torch.equal(pr.bits(cache.pool(0)), before)
+
+
+def test_check_true_rejects_a_bound_below_the_frequencies(device):
+    """max_inv_freq below max |inv_freq| would send out-of-range angles to the short polynomial: check=True
+    (which syncs anyway) reports it and writes nothing."""
+    cache = pr.sentinel_cache(device, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8)
+    before = pr.bits(cache.pool(0)).clone()
+    k = torch.randn(3, 2, 16).half().to(device)
+    params = RopeConfig(head_dim=16).kernel_params(device=device)._replace(max_inv_freq=0.5)
+    with pytest.raises(ValueError, match="max_inv_freq"):
+        cache.append(0, k, k, slot_mapping=torch.tensor([0, 1, 2], device=device),
+                     positions=torch.tensor([0, 1, 2], device=device), rope=params, check=True)
+    assert torch.equal(pr.bits(cache.pool(0)), before)
+
+
+@pytest.mark.parametrize("bad", [0, 8, 300, 40.0, True])
+def test_max_registers_is_validated(bad):
+    cache = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8)
+    k = torch.randn(3, 2, 16).half()
+    with pytest.raises(ValueError, match="max_registers"):
+        paged_ops.append_paged_kv_launch(
+            k, k, cache.pool(0), None, kv_dtype="auto", layout="NHD", block_tables=None, cu_q_lens=None,
+            kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor([0, 1, 2]), positions=None, rope=None,
+            fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, max_registers=bad)

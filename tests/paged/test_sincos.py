@@ -25,7 +25,7 @@ def _sincos_probe(x, cos_out, sin_out, n, BLOCK: tl.constexpr):
 
 
 def _angles(gen: torch.Generator) -> torch.Tensor:
-    """float32 angles in [0, 1e5]: random at every scale, RoPE's own (positions x default frequencies), and the
+    """float32 angles in [-1e5, 1e5]: random at every scale, RoPE's own (positions x default frequencies), and the
     float32 neighbours of multiples of pi / 4 (quadrant edges and the polynomial's interval ends)."""
     scales = torch.logspace(-6, 5, 4000, dtype=torch.float64)
     rand = torch.rand(4000, generator=gen, dtype=torch.float64) * scales
@@ -36,7 +36,8 @@ def _angles(gen: torch.Generator) -> torch.Tensor:
     edges = (k * math.pi / 4).float()
     near = torch.cat([torch.nextafter(edges, edges + 1), edges, torch.nextafter(edges, edges - 1)]).double()
     x = torch.cat([rand, rope, near, torch.tensor([0.0, 1e-30, 1e5], dtype=torch.float64)]).float()
-    return x[(x >= 0) & (x <= paged_ops._SINCOS_MAX.value)]
+    x = x[(x >= 0) & (x <= paged_ops._SINCOS_MAX.value)]
+    return torch.cat([x, -x])  # negative angles too (slot mapping takes negative positions)
 
 
 def test_sincos_matches_float64_within_2_pow_minus_22(device):

@@ -146,10 +146,11 @@ def _sincos(x):
     # (cos x, sin x) of float32 x, 0 <= |x| <= 1e5, in ~25 branch-free float32 operations (libdevice's cosf and
     # sinf each reduce the argument separately and branch). x = q * pi/2 + r with |r| <= pi/4 (Cody-Waite: pi/2
     # as 1.5703125 + 4.8446655e-4 - 6.4074993e-7 + 9.9209363e-10, the first three with <= 8 significant bits,
-    # so q * part is exact for q < 2**16 and the first subtraction is exact: no reliance on fused multiply-add,
-    # the same result compiled and under the interpreter), minimax polynomials of degree 8 / 9 on r, and the
-    # quadrant q mod 4 selecting sign and function. Error <= 2**-22 absolute (tests/paged/test_sincos.py), well
-    # inside the RoPE slack the tests allow.
+    # so q * part is exact for q < 2**16 and the first subtraction is exact: the reduction does not rely on
+    # fused multiply-adds, which the interpreter does not fuse), Cephes' minimax polynomials on r (degree 7
+    # for sin, 8 for cos), and the quadrant q mod 4 selecting sign and function. Error <= 2**-22 absolute,
+    # compiled (the compiler may fuse the polynomial's multiply-adds) and interpreted
+    # (tests/paged/test_sincos.py), well inside the RoPE slack the tests allow.
     t = x * 0.6366197723675814 + 12582912.0  # 1.5 * 2**23: the sum holds round(x * 2 / pi) in its low bits
     quad = t.to(tl.int32, bitcast=True) & 3
     q = t - 12582912.0
@@ -181,13 +182,7 @@ def _sincos_full(x, LIBDEVICE: tl.constexpr):
 def _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE: tl.constexpr):
     # x * cos + rotate_half(x) * sin, as transformers: cos / sin of (position * inv_freq) in float32 (one
     # [1, BLOCK] row of them per token, shared by every head), scaled by attention_scaling
-    angle = pos_f * f
-    if LIBDEVICE:  # accurate, full range reduction (angles reach 1e5 radians)
-        c = libdevice.cos(angle)
-        sn = libdevice.sin(angle)
-    else:
-        c = tl.cos(angle)
-        sn = tl.sin(angle)
+    c, sn = _sincos_full(pos_f * f, LIBDEVICE)  # accurate, full range reduction
     c = c * attn_scale
     sn = sn * attn_scale
     return tl.where(in_rot, x * c + xp * tl.where(first, -sn, sn), x)
@@ -370,7 +365,7 @@ def _rope_k(x1, x2, pos, freqs, FMAX: tl.constexpr, k, n, stride_kn, hh, i, m1, 
     if FAST_ROPE:  # one cos / sin per frequency, shared by every head
         angle = pos_f * freqs
         if FMAX > 0:  # max(inv_freq) known: one branch per program on its largest angle
-            if pos_f * FMAX <= _SINCOS_MAX:
+            if tl.abs(pos_f) * FMAX <= _SINCOS_MAX:  # (slot mapping takes any position, negative ones too)
                 c, sn = _sincos(angle)
             else:
                 c, sn = _sincos_full(angle, LIBDEVICE)
@@ -733,7 +728,7 @@ def _rope_args(rope, device):  # type: ignore[no-untyped-def]
 def _max_freq(rope) -> float:  # type: ignore[no-untyped-def]
     # the append's FMAX: max(inv_freq) when the params carry it (0.0: unknown, full-range cos / sin everywhere)
     top = getattr(rope, "max_inv_freq", 0.0) if rope is not None else 0.0
-    return float(top) if _FAST_TRIG and top and math.isfinite(top) and top > 0 else 0.0
+    return float(top) if _FAST_TRIG and top > 0 else 0.0  # (validated by the callers: a finite number >= 0)
 
 
 def append_paged_kv_launch(
@@ -771,7 +766,7 @@ def append_paged_kv_launch(
     * ``split`` = one program for each row's K and one for its V (default: for fewer than ``_SPLIT_BELOW``
       rows), else one program per row;
     * ``head_groups`` = split launches divide a row's heads among this many programs (a power of two; default
-      ``_SPLIT_HEAD_GROUPS``);
+      ``_SPLIT_HEAD_GROUPS``; validated, and unused by launches that do not split);
     * ``pdl`` = launch with programmatic dependent launch (CUDA graphs on Hopper: the kernel is scheduled
       while the previous one drains, and waits for it before reading anything);
     * ``early`` = RoPE and quantization before the wait for the block table rather than after it (default:
@@ -782,6 +777,8 @@ def append_paged_kv_launch(
     Returns an :class:`AppendPlan` for repeating this launch with new tensors of the same kind (compiled
     kernels on CUDA), else None.
     """
+    if max_registers is not None and (type(max_registers) is not int or not 16 <= max_registers <= 255):
+        raise ValueError(f"max_registers: expected an int in [16, 255] or None, got {max_registers!r}")
     if head_groups is not None and (type(head_groups) is not int or head_groups < 1
                                     or head_groups & (head_groups - 1) or head_groups > next_pow2(k.shape[1])):
         raise ValueError(f"head_groups: expected a power of two <= {next_pow2(k.shape[1])}, got {head_groups!r}")
@@ -1240,7 +1237,17 @@ def _check_rope(rope, d: int, device: torch.device):  # type: ignore[no-untyped-
         raise ValueError(f"rope: expected inv_freq on {device} (the device of pool), got {inv.device}")
     if not inv.is_contiguous():
         raise ValueError("rope: expected a contiguous inv_freq")
+    top = getattr(rope, "max_inv_freq", 0.0)
+    if isinstance(top, bool) or not isinstance(top, (int, float)) or not math.isfinite(top) or top < 0:
+        raise ValueError(f"rope: expected max_inv_freq a finite float >= 0 (0.0: unknown), got {top!r}")
     return rope
+
+
+def _host_check_rope_bound(rope) -> None:  # type: ignore[no-untyped-def]
+    # check=True: max_inv_freq must bound inv_freq (it selects the cos / sin evaluation by each row's largest angle)
+    if rope is not None and rope.max_inv_freq and float(rope.inv_freq.abs().max()) > rope.max_inv_freq:
+        raise ValueError(f"rope: max_inv_freq {rope.max_inv_freq} is below max |inv_freq| "
+                         f"{float(rope.inv_freq.abs().max())}")
 
 
 def _check_int_vec(name: str, t: object, n: int | None, device: torch.device, dtypes=(torch.int32,)) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -1343,6 +1350,8 @@ def append_paged_kv(
     dev = pool.device
     cp_rank, cp_size = _check_cp(cp_rank, cp_size)
     rope = _check_rope(rope, d, dev)
+    if check:
+        _host_check_rope_bound(rope)
     fp8_scales = _check_fp8_scales(fp8_scales, kv_dtype, dev)
     if slot_mapping is not None:
         if any(x is not None for x in (block_tables, cu_q_lens, kv_lens, cu_k_lens)):

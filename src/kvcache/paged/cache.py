@@ -202,7 +202,8 @@ class PagedKVCache:
             fast = (
                 0 <= layer < cfg.num_layers and len(ksh) == 3 and ksh[1] == H and ksh[2] == D and v.shape == ksh
                 and ks[2] == 1 and vs[2] == 1 and k.dtype is cfg.dtype and v.dtype is cfg.dtype
-                and k.get_device() == did and v.get_device() == did and (did >= 0 or (k.is_cpu and v.is_cpu))
+                and k.get_device() == did and v.get_device() == did
+                and ((k.is_cuda and v.is_cuda) if did >= 0 else (k.is_cpu and v.is_cpu))
             )
             n = ksh[0] if fast else 0
         use_rope = fast and rope is None and self._rope_params is not None
@@ -217,7 +218,8 @@ class PagedKVCache:
                 bst = block_tables.stride()  # type: ignore[union-attr]
                 fast = (
                     len(bsh) == 2 and bsh[0] == n_seqs and (bst[1] == 1 or bsh[1] <= 1)
-                    and block_tables.get_device() == did and (did >= 0 or block_tables.is_cpu)  # type: ignore[union-attr]
+                    and block_tables.get_device() == did  # type: ignore[union-attr]
+                    and (block_tables.is_cuda if did >= 0 else block_tables.is_cpu)  # type: ignore[union-attr]
                 )
         elif fast:
             fast = (
@@ -395,7 +397,8 @@ def _ints_len(t: object, device_id: int, int64: bool = False) -> int:
     sh = t.shape
     ok = (
         (dt is torch.int32 or (int64 and dt is torch.int64)) and len(sh) == 1 and (sh[0] <= 1 or t.stride(0) == 1)
-        and t.get_device() == device_id and (device_id >= 0 or t.is_cpu)  # -1: the CPU, and also "meta"
+        and t.get_device() == device_id and (t.is_cuda if device_id >= 0 else t.is_cpu)  # an index alone is
+        # ambiguous: -1 is the CPU and also "meta", 0 is cuda:0 and also other accelerators' first device
     )
     return sh[0] if ok else -1
 
