@@ -1,7 +1,16 @@
-"""A/B of the append kernel's EARLY constexpr (RoPE / quantization before the block-table wait) on a GPU:
-decode per layer in a 32-layer graph and the 16384-row prefill, interleaved, three rounds.
+"""A/B runs for the paged append on a GPU (a development tool), interleaved, three rounds each:
 
-    PYTHONPATH=src python3 benchmarks/early_ab.py
+* ``early``: the kernel's EARLY setting (RoPE / quantization before the block-table wait, or after it) and 1 or
+  2 warps, per decode layer in a 32-layer graph and on the 16384-row prefill;
+* ``hints``: cache hints (loads evict_first, stores .cs / evict_first) on the prefill's copy ceiling;
+* ``heads``: decode-sized (split) launches with a row's heads in 1 or 2 programs, 1 or 2 warps each, ragged
+  and slot mapping, with and without RoPE;
+* ``regs``: prefill-sized appends with a register cap (occupancy), with EARLY on / off.
+
+Environment switches read at import (``KVCACHE_FAST_TRIG``, ``KVCACHE_APPEND_HINTS``) are compared by running
+the script twice.
+
+    PYTHONPATH=src python3 benchmarks/append_ab.py [early] [hints] [heads] [regs]
 """
 
 from __future__ import annotations
@@ -14,13 +23,10 @@ import triton
 import triton.language as tl
 
 from kvcache.bench.linear import _copy_time, time_graph
-from kvcache.bench.paged import decode_batch, launch_decode_layers, prefill_batch
+from kvcache.bench.paged import D, H, _store_bytes, decode_batch, launch_decode_layers, prefill_batch
 from kvcache.ops.paged import append_paged_kv_launch
 from kvcache.paged import PagedConfig, PagedKVCache
 from kvcache.rope import RopeConfig
-
-H, D = 8, 128
-PER_ROW = {"auto": D * 2, "fp8": D, "int8": D + 8, "int4": D // 2 + 8}
 
 
 @triton.jit
@@ -107,7 +113,7 @@ def regs(dev: torch.device, copy_bw: float) -> None:
     for kv_dtype in ("fp8", "int8", "int4"):
         c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                      kv_dtype=kv_dtype, device=dev))
-        nbytes = 2 * n * H * D * 2 + 2 * n * H * PER_ROW[kv_dtype]
+        nbytes = 2 * n * H * D * 2 + _store_bytes(n, kv_dtype)
         res: dict[str, list[float]] = {}
         for _ in range(3):
             for use_rope in (False, True):
@@ -162,7 +168,7 @@ def early(dev: torch.device, copy_bw: float) -> None:
     for kv_dtype in ("auto", "fp8", "int8", "int4"):
         c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                      kv_dtype=kv_dtype, device=dev))
-        nbytes = 2 * n * H * D * 2 + 2 * n * H * PER_ROW[kv_dtype]
+        nbytes = 2 * n * H * D * 2 + _store_bytes(n, kv_dtype)
         res = {}
         for _ in range(3):
             for use_rope in (False, True):

@@ -114,7 +114,8 @@ def launch_decode_layers(cache: PagedKVCache, b: DecodeBatch, *, ragged: bool, r
                          **overrides: object) -> None:
     """One decode step: ``b`` appended to every layer of ``cache`` through ``append_paged_kv_launch`` (no
     validation, no prepared plan), ragged or by slot mapping, with ``rope`` (RopeKernelParams or None) and the
-    launcher's tuning ``overrides`` (num_warps, split, pdl, early, head_groups). For the tuning scripts."""
+    launcher's tuning ``overrides`` (num_warps, split, pdl, early, head_groups, max_registers). For the tuning
+    scripts."""
     cfg = cache.config
     for layer in range(cfg.num_layers):
         paged_ops.append_paged_kv_launch(
