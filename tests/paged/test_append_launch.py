@@ -503,3 +503,32 @@ def test_max_registers_is_validated(bad):
             k, k, cache.pool(0), None, kv_dtype="auto", layout="NHD", block_tables=None, cu_q_lens=None,
             kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor([0, 1, 2]), positions=None, rope=None,
             fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, max_registers=bad)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
+@pytest.mark.parametrize("split_launch", [False, True], ids=["per-row", "split"])
+@pytest.mark.parametrize("early", [False, True], ids=["late", "early"])
+def test_early_override_in_both_launch_shapes(device, kv_dtype, split_launch, early):
+    """The EARLY order (RoPE / quantization before the block-table wait) and the late one write the same rows in
+    both launch shapes, defaults or not (the defaults pair EARLY with split launches only)."""
+    if device.type == "cpu" and not paged_ops.use_triton(device):
+        pytest.skip("the torch backend launches no kernel")
+    q_lens, kv_lens = [3, 1, 4], [2, 0, 7]
+    H, D, bs, nb = 3, 16, 4, 32
+    gen = pr.generator(950 + 2 * split_launch + early)
+    rope = RopeConfig(head_dim=D, base=10000.0)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+    cu = pr.cumsum0(q_lens)
+    tables = pr.block_tables_for(gen, [a + b for a, b in zip(kv_lens, q_lens)], block_size=bs, num_blocks=nb,
+                                 extra=1)
+    k = pr.randn((cu[-1] + 1, H, D), torch.float16, gen, device)
+    v = pr.randn((cu[-1] + 1, H, D), torch.float16, gen, device)
+    targets = pr.ragged_targets(cu[-1] + 1, tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
+                             rope=rope)
+    paged_ops.append_paged_kv_launch(
+        k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32(tables, device),
+        cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device), cu_k_lens=None, slot_mapping=None,
+        positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=0,
+        cp_size=1, split=split_launch, early=early)
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
