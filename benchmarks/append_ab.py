@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcache.bench.linear import _copy_time, time_graph
+from kvcache.bench.linear import copy_bandwidth, time_graph
 from kvcache.bench.paged import D, H, _store_bytes, decode_batch, launch_decode_layers, prefill_batch
 from kvcache.ops.paged import append_paged_kv_launch
 from kvcache.paged import PagedConfig, PagedKVCache
@@ -134,7 +134,7 @@ def regs(dev: torch.device, copy_bw: float) -> None:
 
 def main() -> None:
     dev = torch.device("cuda")
-    copy_bw = 2 * (1 << 29) * 2 / (_copy_time(1 << 29, torch.float16, dev) * 1e-6) / 1e9
+    copy_bw = copy_bandwidth(dev)
     print(f"copy {copy_bw:.0f} GB/s", flush=True)
     what = set(sys.argv[1:]) or {"early", "hints", "heads"}
     if "hints" in what:

@@ -16,7 +16,7 @@ import sys
 import torch
 from host_profile import profile_calls  # benchmarks/, the script's folder
 
-from kvcache.bench.linear import _copy_time, time_eager, time_graph, time_host
+from kvcache.bench.linear import copy_bandwidth, time_eager, time_graph, time_host
 from kvcache.bench.paged import _rows_copy, decode_batch, launch_decode_layers, prefill_batch
 from kvcache.ops import paged as paged_ops
 from kvcache.ops.paged import append_paged_kv_launch, gather_paged_kv_launch
@@ -187,7 +187,7 @@ def host(dev: torch.device) -> None:
 def main() -> None:
     dev = torch.device("cuda")
     what = set(sys.argv[1:]) or {"ceilings", "prefill", "decode", "gather", "host"}
-    copy_bw = 2 * (1 << 29) * 2 / (_copy_time(1 << 29, torch.float16, dev) * 1e-6) / 1e9
+    copy_bw = copy_bandwidth(dev)
     print(f"copy {copy_bw:.0f} GB/s", flush=True)
     if "host" in what:
         host(dev)

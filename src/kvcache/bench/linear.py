@@ -113,6 +113,11 @@ def _copy_time(n: int, dtype: torch.dtype, dev: torch.device) -> float:
     return time_eager(lambda: dst.copy_(src), iters=10)
 
 
+def copy_bandwidth(dev: torch.device, n: int = 1 << 29) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written per second) of ``n`` fp16 elements."""
+    return 2 * n * 2 / (_copy_time(n, torch.float16, dev) * 1e-6) / 1e9
+
+
 def _save_restore(cache: LinearKVCache, s: int) -> list[Row]:
     L, B, _, H, S, D = cache.buffer.shape
     buf, dtype, dev = cache.buffer, cache.dtype, cache.device

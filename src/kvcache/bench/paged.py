@@ -20,7 +20,7 @@ import triton.language as tl
 from ..ops import paged as paged_ops
 from ..paged import PagedConfig, PagedKVCache
 from ..rope import RopeConfig
-from .linear import Row, _copy_time, _fmt, time_eager, time_graph, time_host
+from .linear import Row, _fmt, copy_bandwidth, time_eager, time_graph, time_host
 
 H, D = 8, 128
 
@@ -343,9 +343,7 @@ def main(quick: bool = False, json_path: str | None = None) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
     print(f"device: {props.name} ({props.multi_processor_count} SMs) | torch {torch.__version__}")
-    n = (1 << 29) if not quick else (1 << 26)
-    t = _copy_time(n, torch.float16, dev)
-    copy_bw = 2 * n * 2 / (t * 1e-6) / 1e9
+    copy_bw = copy_bandwidth(dev, (1 << 29) if not quick else (1 << 26))
     print(f"device-to-device copy: {copy_bw:.0f} GB/s (read + write)")
     rows = _prefill_rows(dev, copy_bw, quick) + _decode_rows(dev, quick) + _gather_rows(dev, quick)
     err = attention_error(dev)
