@@ -79,14 +79,13 @@ def _round_even(y, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _codes(y, qmax):
-    # int32 codes round-half-to-even(clamp(y, 0, qmax)) of float32 y (qmax < 2**22), with two float ops and an
-    # integer subtraction instead of the quarter-rate conversions cvt.rni and cvt.rzi: adding 2**23 leaves an
-    # ulp of 1, so the IEEE addition rounds y half to even into the low mantissa bits. Clamping first gives the
-    # same codes (rounding is monotonic and the bounds are integers), and keeps the product above from being
-    # fused into the addition.
-    r = tl.minimum(tl.maximum(y, 0.0), qmax) + 8388608.0
-    return r.to(tl.int32, bitcast=True) - 0x4B000000
+def _codes(y):
+    # int32 whose low byte is the code round-half-to-even(y), for float32 0 <= y < qmax + 1/2 (qmax <= 255): adding
+    # 2**23 leaves an ulp of 1, so the IEEE addition rounds y half to even into the low mantissa bits (two float
+    # ops instead of the quarter-rate cvt.rni and cvt.rzi). The callers keep the low byte (int4: the low
+    # nibbles). No clamp is needed: y = RN(RN(x - min) * RN(1 / RN((max - min) / qmax))) with min <= x <= max
+    # is >= 0, and at most qmax * (1 + 2**-24)**3 < qmax + 1/2.
+    return (y + 8388608.0).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -226,13 +225,13 @@ def _encode(x1, x2, inv_fp8, hh, i, QUANT: tl.constexpr, H: tl.constexpr, D: tl.
         scale = _div(mx - zero, tl.zeros_like(zero) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
         # scale == 0: every code 0, a constant row round-trips exactly
         inv = tl.where(scale > 0.0, _rcp(tl.where(scale > 0.0, scale, 1.0), LIBDEVICE), 0.0)
-        q1 = _codes((x1 - zero) * inv, qmax)
-        q2 = _codes((x2 - zero) * inv, qmax)
-        if QUANT == 3:  # planar nibbles: byte i = element i | element HALF + i << 4
+        q1 = _codes((x1 - zero) * inv)  # low byte: the code (bits above it: 2**23's exponent)
+        q2 = _codes((x2 - zero) * inv)
+        if QUANT == 3:  # planar nibbles: byte i = element i | element HALF + i << 4 (q1, q2 < 16 in their low bits)
             c1 = (q1 | (q2 << 4)).to(tl.uint8)
             c2 = c1  # unused
         else:
-            c1 = q1.to(tl.uint8)
+            c1 = q1.to(tl.uint8)  # the low byte
             c2 = q2.to(tl.uint8)
     return c1, c2, scale, zero
 
