@@ -79,13 +79,18 @@ def _round_even(y, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _codes(y):
+def _codes(y, LIBDEVICE: tl.constexpr):
     # int32 whose low byte is the code round-half-to-even(y), for float32 0 <= y < qmax + 1/2 (qmax <= 255): adding
     # 2**23 leaves an ulp of 1, so the IEEE addition rounds y half to even into the low mantissa bits (two float
     # ops instead of the quarter-rate cvt.rni and cvt.rzi). The callers keep the low byte (int4: the low
     # nibbles). No clamp is needed: y = RN(RN(x - min) * RN(1 / RN((max - min) / qmax))) with min <= x <= max
-    # is >= 0, and at most qmax * (1 + 2**-24)**3 < qmax + 1/2.
-    return (y + 8388608.0).to(tl.int32, bitcast=True)
+    # is >= 0, and at most qmax * (1 + 2**-24)**3 < qmax + 1/2. The addition must round on its own: fused with
+    # the product that makes y (the compiler's default) it rounds once, and codes at ties move by one.
+    if LIBDEVICE:
+        r = libdevice.add_rn(y, 8388608.0)  # add.rn: never contracted into a multiply-add
+    else:
+        r = y + 8388608.0  # the interpreter does not fuse
+    return r.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -225,8 +230,8 @@ def _encode(x1, x2, inv_fp8, hh, i, QUANT: tl.constexpr, H: tl.constexpr, D: tl.
         scale = _div(mx - zero, tl.zeros_like(zero) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
         # scale == 0: every code 0, a constant row round-trips exactly
         inv = tl.where(scale > 0.0, _rcp(tl.where(scale > 0.0, scale, 1.0), LIBDEVICE), 0.0)
-        q1 = _codes((x1 - zero) * inv)  # low byte: the code (bits above it: 2**23's exponent)
-        q2 = _codes((x2 - zero) * inv)
+        q1 = _codes((x1 - zero) * inv, LIBDEVICE)  # low byte: the code (bits above it: 2**23's exponent)
+        q2 = _codes((x2 - zero) * inv, LIBDEVICE)
         if QUANT == 3:  # planar nibbles: byte i = element i | element HALF + i << 4 (q1, q2 < 16 in their low bits)
             c1 = (q1 | (q2 << 4)).to(tl.uint8)
             c2 = c1  # unused
