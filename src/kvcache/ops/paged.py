@@ -193,9 +193,10 @@ def _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE: tl.constexpr)
 
 
 @triton.jit
-def _encode(x1, x2, inv_fp8, hh, i, QUANT: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-            BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr):
-    # One token's rows, given as float32 half tiles [BLOCK_H, BLOCK_HF] of elements i (x1) and HALF + i (x2),
+def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
+            LIBDEVICE: tl.constexpr):
+    # One token's rows, given as float32 half tiles [BLOCK_H, BLOCK_HF] of elements i (x1) and HALF + i (x2)
+    # (m1 / m2: the elements that exist),
     # encoded in the pool's format: (codes of the first half, codes of the second half (QUANT 3: unused, both
     # halves are packed in the first), per-head scale, per-head zero (unused unless QUANT >= 2)). Pure
     # arithmetic: the caller runs it before it knows where the row goes (the block-table load), so that the
@@ -212,8 +213,6 @@ def _encode(x1, x2, inv_fp8, hh, i, QUANT: tl.constexpr, H: tl.constexpr, D: tl.
             c2 = _fp8_grid(c2, LIBDEVICE)
     elif QUANT >= 2:
         # per (token, head) asymmetric: masked lanes never take part in min / max
-        m1 = (hh < H) & (i < HALF)
-        m2 = (hh < H) & (i + HALF < D)
         if QUANT == 3:
             qmax = 15.0
         else:
@@ -242,13 +241,10 @@ def _encode(x1, x2, inv_fp8, hh, i, QUANT: tl.constexpr, H: tl.constexpr, D: tl.
 
 
 @triton.jit
-def _store_row(c1, c2, scale, zero, dst, par, hh, i, QUANT: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-               HALF: tl.constexpr, BLOCK_H: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr,
-               STORE_CM: tl.constexpr):
+def _store_row(c1, c2, scale, zero, dst, par, hh, i, m1, m2, QUANT: tl.constexpr, H: tl.constexpr,
+               HALF: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr, STORE_CM: tl.constexpr):
     # Store what _encode returned (or, unquantized, the values to store in any float dtype) at dst (data) and
-    # par (scale, zero)
-    m1 = (hh < H) & (i < HALF)
-    m2 = (hh < H) & (i + HALF < D)
+    # par (scale, zero); m1 / m2: the elements that exist
     p1 = dst + hh * S_HEAD + i
     tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1, cache_modifier=STORE_CM)
     if QUANT != 3:
@@ -398,8 +394,8 @@ def _write_row(
     hh, i, m1, m2, RAW: tl.constexpr, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr,
     INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr,
-    P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HF: tl.constexpr,
-    LIBDEVICE: tl.constexpr, VEC: tl.constexpr, EARLY: tl.constexpr, STORE_CM: tl.constexpr,
+    P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr,
+    VEC: tl.constexpr, EARLY: tl.constexpr, STORE_CM: tl.constexpr,
 ):
     # Store row n's K (is_v == 0: RoPE applied) or V (is_v == 1), given as half tiles r1 / r2 in the model
     # dtype, at (blk, off) in the pool's format. is_v is a constant or a per-program value; RAW: store r1 / r2
@@ -419,8 +415,8 @@ def _write_row(
         p_kv: tl.constexpr = BLOCK_SIZE * H * 2
         base = blk * (2 * s_kv) + off * S_TOK + is_v * s_kv
         pbase = blk * (2 * p_kv) + off * P_TOK + is_v * p_kv
-        _store_row(c1, c2, scale, zero, pool + base, qparams + pbase, hh, i, QUANT, H, D, HALF, BLOCK_H, S_HEAD,
-                   P_HEAD, STORE_CM)
+        _store_row(c1, c2, scale, zero, pool + base, qparams + pbase, hh, i, m1, m2, QUANT, H, HALF, S_HEAD, P_HEAD,
+                   STORE_CM)
 
 
 @triton.jit
@@ -446,7 +442,7 @@ def _row_codes(
             if is_v == 0:
                 x1, x2 = _rope_k(x1, x2, pos, freqs, FMAX, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
                                  ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
-        c1, c2, scale, zero = _encode(x1, x2, inv, hh, i, QUANT, H, D, HALF, BLOCK_H, LIBDEVICE)
+        c1, c2, scale, zero = _encode(x1, x2, inv, hh, m1, m2, QUANT, H, BLOCK_H, LIBDEVICE)
     return c1, c2, scale, zero
 
 
@@ -514,7 +510,7 @@ def _append_kernel(
             _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, pid,
                        stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
                        (not ROPE) or (is_v == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
-                       BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC, EARLY,
+                       BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
                        STORE_CM)
     else:
         n = pid // (2 * HG)
@@ -530,7 +526,7 @@ def _append_kernel(
         # with RoPE, V goes through float32 too: an exact round trip for every model dtype
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
                    fp8_scales, hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
-                   BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, BLOCK_HF, LIBDEVICE, VEC, EARLY,
+                   BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
                    STORE_CM)
 
 
