@@ -280,14 +280,14 @@ def test_prepared_launch_passes_what_the_generic_launch_passes(monkeypatch, mode
     fake = _FakeKernel()
     monkeypatch.setattr(paged_ops, "_append_kernel", fake)
     monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
-    monkeypatch.setattr(cache_mod, "_current_device", lambda: 0)
+    monkeypatch.setattr(cache_mod, "_current_device", lambda: -1)  # the CPU cache's device id
     monkeypatch.setattr(cache_mod, "_current_stream", lambda index: 777)
     monkeypatch.setattr(cache_mod, "_hooks_active", lambda: False)
     H, D, bs, nb, L = 2, 16, 4, 64, 3
     rope = RopeConfig(head_dim=D)
     cache = pr.sentinel_cache("cpu", num_layers=L, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                               kv_dtype="int8", rope=rope)
-    cache._direct, cache._device_index = True, 0
+    cache._direct = True
     gen = pr.generator(5)
 
     def batch(B):  # type: ignore[no-untyped-def]

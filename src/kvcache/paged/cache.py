@@ -89,11 +89,9 @@ class PagedKVCache:
         # frequencies, whether each is 16-byte aligned (part of a plan's key), and the plans seen so far
         self._row_shape = (config.num_kv_heads, config.head_dim)
         self._rope_fast = rope is None or self._rope_params is not None  # rope=None needs no per-call frequencies
-        self._dev_id = dev.index if dev.type == "cuda" else -1  # what get_device() returns (config: cuda:i / cpu)
+        # what get_device() returns for the cache's tensors, -1 for the CPU (the config resolves "cuda" to cuda:i)
+        self._dev_id = dev.index if dev.type == "cuda" else -1
         self._direct = dev.type == "cuda"
-        self._device_index = -1
-        if self._direct:
-            self._device_index = dev.index if dev.index is not None else torch.cuda.current_device()
         inv = self._rope_params.inv_freq if self._rope_params is not None else None
         self._ptrs = []
         self._layer_align = []
@@ -239,17 +237,19 @@ class PagedKVCache:
         if n == 0:
             return
         key = None
-        if self._direct and not _hooks_active() and _current_device() == self._device_index:
+        if self._direct and not _hooks_active() and _current_device() == did:
             # a prepared launch: keyed by everything that selects the compiled kernel besides the cache itself
             kp, vp = k.data_ptr(), v.data_ptr()
             if slot_mapping is None:
                 p1, p2, p3 = block_tables.data_ptr(), cu_q_lens.data_ptr(), kv_lens.data_ptr()  # type: ignore[union-attr]
                 bt_stride, width = bst[0], bsh[1]
+                ptrs = (p1, p2, p3, None, None)  # block tables, cu_q_lens, kv_lens; no slots / positions
                 key = (True, use_rope, ks, vs, n_seqs, self._layer_align[layer], n < paged_ops._SPLIT_BELOW,
                        paged_ops._PDL_ENV)
             else:
                 p1, p2, p3 = slot_mapping.data_ptr(), positions.data_ptr() if use_rope else 0, 0  # type: ignore[union-attr]
                 bt_stride = width = n_seqs = 0
+                ptrs = (None, None, None, p1, p2 if use_rope else None)
                 key = (False, use_rope, ks, vs, slot_mapping.dtype,  # type: ignore[union-attr]
                        positions.dtype if use_rope else None, self._layer_align[layer],  # type: ignore[union-attr]
                        n < paged_ops._SPLIT_BELOW, paged_ops._PDL_ENV)
@@ -258,13 +258,8 @@ class PagedKVCache:
             plan = self._plans.get(key) if key is not None else None
             if plan is not None:
                 pool_p, par_p, inv_p, sc_p = self._ptrs[layer]
-                if slot_mapping is None:
-                    plan.launch(_current_stream(self._device_index), n, kp, vp, ks[0], vs[0], pool_p, par_p,
-                                inv_p if use_rope else None, sc_p, p1, p2, p3, None, None, bt_stride, width, n_seqs)
-                else:
-                    plan.launch(_current_stream(self._device_index), n, kp, vp, ks[0], vs[0], pool_p, par_p,
-                                inv_p if use_rope else None, sc_p, None, None, None, p1, p2 if use_rope else None, 0,
-                                0, 0)
+                plan.launch(_current_stream(did), n, kp, vp, ks[0], vs[0], pool_p, par_p, inv_p if use_rope else None,
+                            sc_p, *ptrs, bt_stride, width, n_seqs)
                 self.prepared_launches += 1
                 return
         plan = paged_ops.append_paged_kv_launch(
