@@ -5,17 +5,21 @@
 * ``hints``: cache hints (loads evict_first, stores .cs / evict_first) on the prefill's copy ceiling;
 * ``heads``: decode-sized (split) launches with a row's heads in 1 or 2 programs, 1 or 2 warps each, ragged
   and slot mapping, with and without RoPE;
-* ``regs``: prefill-sized appends with a register cap (occupancy), with EARLY on / off.
+* ``regs``: prefill-sized appends with a register cap (occupancy), with EARLY on / off;
+* ``versions OLD.py``: this tree's append kernel against another version of ``kvcache/ops/paged.py`` (a file,
+  e.g. ``git show REV:src/kvcache/ops/paged.py > OLD.py``), prefill and decode, every format, with and
+  without RoPE, and split decode launches of 1 and 2 warps.
 
 Environment switches read at import (``KVCACHE_FAST_TRIG``, ``KVCACHE_APPEND_HINTS``) are compared by running
 the script twice.
 
-    PYTHONPATH=src python3 benchmarks/append_ab.py [early] [hints] [heads] [regs]
+    PYTHONPATH=src python3 benchmarks/append_ab.py [early] [hints] [heads] [regs] [versions OLD.py]
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import sys
 
 import torch
@@ -24,6 +28,7 @@ import triton.language as tl
 
 from kvcache.bench.linear import copy_bandwidth, time_graph
 from kvcache.bench.paged import D, H, _store_bytes, decode_batch, launch_decode_layers, prefill_batch
+from kvcache.ops import paged as paged_ops
 from kvcache.ops.paged import append_paged_kv_launch
 from kvcache.paged import PagedConfig, PagedKVCache
 from kvcache.rope import RopeConfig
@@ -132,11 +137,73 @@ def regs(dev: torch.device, copy_bw: float) -> None:
               + "  ".join(f"{n}: {' '.join(f'{p:.1f}' for p in ps)}" for n, ps in res.items()), flush=True)
 
 
+def _module_from(path: str):  # type: ignore[no-untyped-def]
+    """Another version of kvcache/ops/paged.py, imported inside the kvcache.ops package (its relative imports
+    resolve against this tree)."""
+    spec = importlib.util.spec_from_file_location("kvcache.ops._paged_other", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def versions(dev: torch.device, copy_bw: float, old_path: str) -> None:
+    old = _module_from(old_path)
+    mods = {"old": old, "new": paged_ops}
+    rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
+    for bs in (16, 64):  # prefill
+        k, v, cu_q, kv_lens, tables, nb = prefill_batch(dev, torch.Generator().manual_seed(0), bs)
+        n = k.shape[0]
+        for kv_dtype in ("auto", "fp8", "int8", "int4"):
+            c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                         kv_dtype=kv_dtype, device=dev))
+            nbytes = 2 * n * H * D * 2 + _store_bytes(n, kv_dtype)
+            res: dict[str, list[float]] = {}
+            for _ in range(3):
+                for use_rope in (False, True):
+                    for name, mod in mods.items():
+                        def fn(c=c, kv_dtype=kv_dtype, use_rope=use_rope, mod=mod, k=k, v=v, cu_q=cu_q,  # type: ignore[no-untyped-def]
+                               kv_lens=kv_lens, tables=tables) -> None:
+                            mod.append_paged_kv_launch(
+                                k, v, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=tables,
+                                cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None, slot_mapping=None, positions=None,
+                                rope=rope if use_rope else None, fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1)
+                        t = time_graph(fn, 3)
+                        res.setdefault(f"{'rope' if use_rope else 'norope'}-{name}", []).append(
+                            100 * nbytes / (t * 1e-6) / 1e9 / copy_bw)
+            print(f"prefill block {bs} {kv_dtype} (% of copy, 3 rounds): "
+                  + "  ".join(f"{n}: {' '.join(f'{p:.1f}' for p in ps)}" for n, ps in res.items()), flush=True)
+    rope, b, caches = _decode_setup(dev)
+    variants = [("old", old, {}), ("new", paged_ops, {}), ("new-w2", paged_ops, {"num_warps": 2})]
+    for kv_dtype, c in caches.items():
+        for ragged in (True, False):
+            res = {}
+            for _ in range(3):
+                for use_rope in (False, True):
+                    for name, mod, over in variants:
+                        def step(c=c, ragged=ragged, use_rope=use_rope, mod=mod, over=over) -> None:  # type: ignore[no-untyped-def]
+                            cfg = c.config
+                            for layer in range(cfg.num_layers):
+                                mod.append_paged_kv_launch(
+                                    b.k, b.v, c.pool(layer), c.params(layer), kv_dtype=cfg.kv_dtype,
+                                    layout=cfg.layout, block_tables=b.tables if ragged else None,
+                                    cu_q_lens=b.cu_q if ragged else None, kv_lens=b.kv_lens if ragged else None,
+                                    cu_k_lens=None, slot_mapping=None if ragged else b.slots,
+                                    positions=None if ragged or not use_rope else b.positions,
+                                    rope=rope if use_rope else None, fp8_scales=c.kv_scales[layer], cp_rank=0,
+                                    cp_size=1, **over)
+                        res.setdefault(f"{'rope' if use_rope else 'norope'}-{name}", []).append(
+                            time_graph(step, 1) / LAYERS)
+            print(f"decode {kv_dtype} {'ragged' if ragged else 'slots'} (us per layer, 3 rounds): "
+                  + "  ".join(f"{n}: {' '.join(f'{t:.2f}' for t in ts)}" for n, ts in res.items()), flush=True)
+
+
 def main() -> None:
     dev = torch.device("cuda")
     copy_bw = copy_bandwidth(dev)
     print(f"copy {copy_bw:.0f} GB/s", flush=True)
     what = set(sys.argv[1:]) or {"early", "hints", "heads"}
+    if "versions" in what:
+        versions(dev, copy_bw, sys.argv[sys.argv.index("versions") + 1])
     if "hints" in what:
         hints(dev, copy_bw)
     if "heads" in what:

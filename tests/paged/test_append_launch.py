@@ -532,3 +532,82 @@ def test_early_override_in_both_launch_shapes(device, kv_dtype, split_launch, ea
         positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=0,
         cp_size=1, split=split_launch, early=early)
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_pair_store_needs_ptx_and_eight_byte_aligned_params(monkeypatch, kv_dtype):
+    """int8 / int4 (scale, zero) go out as one 8-byte inline-PTX store per head (PAIR_ASM) only when the kernel
+    is compiled from PTX and the params pool is 8-byte aligned; otherwise, and for fp16 / fp8 (no params), by
+    tl.store. KVCACHE_PAIR_ASM=0 turns the PTX store off."""
+    fake = _FakeKernel()
+    monkeypatch.setattr(paged_ops, "_append_kernel", fake)
+    monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
+    cache = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, kv_dtype=kv_dtype)
+    k = torch.randn(3, 2, 16).half()
+
+    def launch(params):  # type: ignore[no-untyped-def]
+        paged_ops.append_paged_kv_launch(
+            k, k, cache.pool(0), params, kv_dtype=kv_dtype, layout="NHD", block_tables=None, cu_q_lens=None,
+            kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor([0, 1, 2]), positions=None, rope=None,
+            fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1)
+        return fake.log[-1][3]["PAIR_ASM"]
+
+    params = cache.params(0)
+    quantized = kv_dtype in ("int8", "int4")
+    assert launch(params) is False  # the CPU: no PTX
+    monkeypatch.setattr(paged_ops, "_ptx", lambda device: True)
+    assert launch(params) is quantized
+    if quantized:
+        flat = torch.empty(params.numel() + 1, dtype=params.dtype)
+        shifted = flat[1:].view(params.shape)  # 4 bytes past an 8-byte boundary
+        assert shifted.data_ptr() % 8 == 4
+        assert launch(shifted) is False
+    monkeypatch.setattr(paged_ops, "_PAIR_ASM", False)
+    assert launch(params) is False
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("split_launch", [False, True], ids=["per-row", "split"])
+@pytest.mark.parametrize("head_groups", [1, 2])
+def test_pair_store_and_tl_store_write_the_same_bytes(device, monkeypatch, kv_dtype, split_launch, head_groups):
+    """On a GPU the (scale, zero) of each head go out by inline PTX: the same bytes as tl.store, in both launch
+    shapes and head groups, for 3 heads of a 4-wide tile (the masked fourth head writes nothing), and a params
+    pool 4 bytes off an 8-byte boundary falls back to tl.store."""
+    if not paged_ops._ptx(torch.device(device.type)):
+        pytest.skip("inline PTX: NVIDIA GPUs only")
+    q_lens, kv_lens = [3, 1, 4], [2, 0, 7]
+    H, D, bs, nb = 3, 16, 4, 32
+    gen = pr.generator(970 + 2 * split_launch + head_groups)
+    rope = RopeConfig(head_dim=D, base=10000.0)
+    cu = pr.cumsum0(q_lens)
+    tables = pr.block_tables_for(gen, [a + b for a, b in zip(kv_lens, q_lens)], block_size=bs, num_blocks=nb,
+                                 extra=1)
+    k = pr.randn((cu[-1], H, D), torch.float16, gen, device)
+    v = pr.randn((cu[-1], H, D), torch.float16, gen, device)
+    targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
+
+    def append(pair_asm: bool, shift: bool):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(paged_ops, "_PAIR_ASM", pair_asm)
+        cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                  kv_dtype=kv_dtype)
+        params = cache.params(0)
+        if shift:
+            flat = torch.empty(params.numel() + 1, dtype=params.dtype, device=device)
+            params = flat[1:].view(params.shape)
+            params.copy_(cache.params(0))
+            assert params.data_ptr() % 8 == 4
+        exp = pr.append_expected(cache.pool(0), params, k, v, targets, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+        paged_ops.append_paged_kv_launch(
+            k, v, cache.pool(0), params, kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32(tables, device),
+            cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device), cu_k_lens=None, slot_mapping=None,
+            positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=0,
+            cp_size=1, split=split_launch, head_groups=head_groups if split_launch else None)
+        pr.assert_append_matches(cache.pool(0), params, exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+        return cache.pool(0).clone(), params.clone()
+
+    pool_asm, params_asm = append(True, False)
+    pool_st, params_st = append(False, False)
+    assert torch.equal(pool_asm.view(torch.uint8), pool_st.view(torch.uint8))
+    assert torch.equal(params_asm.view(torch.int32), params_st.view(torch.int32))
+    pool_sh, params_sh = append(True, True)
+    assert torch.equal(params_sh.view(torch.int32), params_st.view(torch.int32))

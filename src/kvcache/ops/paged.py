@@ -60,6 +60,14 @@ QUANT_CODES = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3}
 # KVCACHE_APPEND_HINTS=0 (read at import) turns them off.
 _HINTS = os.environ.get("KVCACHE_APPEND_HINTS", "1") != "0"
 _FP8_MAX = 448.0
+# int8 / int4 (scale, zero) stored by inline PTX, one 8-byte store per head in the values' own layout (see
+# _store_pair); KVCACHE_PAIR_ASM=0 (read at import) stores them with tl.store.
+_PAIR_ASM = os.environ.get("KVCACHE_PAIR_ASM", "1") != "0"
+
+
+def _ptx(device: torch.device) -> bool:
+    """Whether kernels for ``device`` are compiled from PTX (an NVIDIA GPU: inline PTX may be used)."""
+    return device.type == "cuda" and torch.version.hip is None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -242,7 +250,8 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
 
 @triton.jit
 def _store_row(c1, c2, scale, zero, dst, par, hh, i, m1, m2, QUANT: tl.constexpr, H: tl.constexpr,
-               HALF: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr, STORE_CM: tl.constexpr):
+               HALF: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr, STORE_CM: tl.constexpr,
+               PAIR_ASM: tl.constexpr):
     # Store what _encode returned (or, unquantized, the values to store in any float dtype) at dst (data) and
     # par (scale, zero); m1 / m2: the elements that exist
     p1 = dst + hh * S_HEAD + i
@@ -250,8 +259,28 @@ def _store_row(c1, c2, scale, zero, dst, par, hh, i, m1, m2, QUANT: tl.constexpr
     if QUANT != 3:
         tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2, cache_modifier=STORE_CM)
     if QUANT >= 2:  # scale / zero [BLOCK_H, 1]
-        tl.store(par + hh * P_HEAD, scale, mask=hh < H, cache_modifier=STORE_CM)
-        tl.store(par + hh * P_HEAD + 1, zero, mask=hh < H, cache_modifier=STORE_CM)
+        if PAIR_ASM:
+            _store_pair(par + hh * P_HEAD, scale, zero, hh < H, STORE_CM)
+        else:
+            tl.store(par + hh * P_HEAD, scale, mask=hh < H, cache_modifier=STORE_CM)
+            tl.store(par + hh * P_HEAD + 1, zero, mask=hh < H, cache_modifier=STORE_CM)
+
+
+@triton.jit
+def _store_pair(ptr, a, b, mask, STORE_CM: tl.constexpr):
+    # float32 (a, b) as one 8-byte store at ptr (8-byte aligned) where mask, by every thread that holds them
+    # (PTX). tl.store would first move the per-head values through shared memory (two barriers per store) into
+    # a layout with one owner per value; a value held by several threads of a warp is written by each of
+    # them here, to one address: one transaction.
+    args = [ptr.to(tl.int64), a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True), mask.to(tl.int32)]
+    if STORE_CM == ".cs":
+        tl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.s32 %p, $4, 0; @%p st.global.cs.v2.b32 [$1], {$2, $3}; mov.u32 $0, 0; }",
+            "=r,l,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.s32 %p, $4, 0; @%p st.global.v2.b32 [$1], {$2, $3}; mov.u32 $0, 0; }",
+            "=r,l,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -310,7 +339,7 @@ def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr
             hi = tl.where(go, hi, mid)
         b = lo
         q0, q1, start = _seq_rows(b, cu_q, kv_info, MODE)
-    return b.to(tl.int64), q0, q1, start
+    return b, q0, q1, start
 
 
 @triton.jit
@@ -329,9 +358,12 @@ def _target(
         if ROPE:
             pos = tl.load(positions + n).to(tl.int64)
     else:
-        # first guess: rows spread evenly over the sequences (exact for decode batches and equal-length
-        # prefills), checked with two loads; otherwise search
-        g = tl.minimum((n.to(tl.int64) * n_seqs) // n_rows, n_seqs - 1)
+        # first guess: rows spread evenly over the sequences, floor((n + 1/2) * n_seqs / n_rows) in float32
+        # (an integer division costs ~30 instructions a program); checked with two loads, otherwise search.
+        # Exact for decode batches and equal-length prefills: the 1/2 keeps the quotient that far from an
+        # integer, more than float32's error below 2**20 rows
+        g = ((n.to(tl.float32) + 0.5) * (n_seqs.to(tl.float32) / n_rows.to(tl.float32))).to(tl.int32)
+        g = tl.minimum(g, n_seqs - 1)
         c0, c1, s0 = _seq_rows(g, cu_q, kv_info, MODE)
         if (c0 <= n) & (n < c1):
             b = g
@@ -349,7 +381,7 @@ def _target(
             lpos = pos
         bi = lpos // BLOCK_SIZE
         valid = valid & (bi < table_width)
-        blk = tl.load(block_tables + b * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
+        blk = tl.load(block_tables + b.to(tl.int64) * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
         off = lpos % BLOCK_SIZE
     valid = valid & (blk >= 0) & (blk < NUM_BLOCKS)
     return valid, blk, off, pos
@@ -395,7 +427,7 @@ def _write_row(
     INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr,
-    VEC: tl.constexpr, EARLY: tl.constexpr, STORE_CM: tl.constexpr,
+    VEC: tl.constexpr, EARLY: tl.constexpr, STORE_CM: tl.constexpr, PAIR_ASM: tl.constexpr,
 ):
     # Store row n's K (is_v == 0: RoPE applied) or V (is_v == 1), given as half tiles r1 / r2 in the model
     # dtype, at (blk, off) in the pool's format. is_v is a constant or a per-program value; RAW: store r1 / r2
@@ -416,7 +448,7 @@ def _write_row(
         base = blk * (2 * s_kv) + off * S_TOK + is_v * s_kv
         pbase = blk * (2 * p_kv) + off * P_TOK + is_v * p_kv
         _store_row(c1, c2, scale, zero, pool + base, qparams + pbase, hh, i, m1, m2, QUANT, H, HALF, S_HEAD, P_HEAD,
-                   STORE_CM)
+                   STORE_CM, PAIR_ASM)
 
 
 @triton.jit
@@ -479,6 +511,7 @@ def _append_kernel(
     EARLY: tl.constexpr,  # RoPE / quantization before the block-table load returns (see _write_row)
     LOAD_EV: tl.constexpr, STORE_CM: tl.constexpr,  # cache hints: eviction policy of k / v loads, pool stores
     HG: tl.constexpr,  # SPLIT: head groups of BLOCK_H heads, one program each
+    PAIR_ASM: tl.constexpr,  # (scale, zero) stored by PTX inline assembly (see _store_pair); else tl.store
 ):
     # grid: (N,), or (2 HG N,) when SPLIT: a program per row's K or V and group of BLOCK_H heads. A row (one
     # token, BLOCK_H heads) is handled as two half tiles, elements [0, HALF) and [HALF, D): rotate-half RoPE
@@ -511,7 +544,7 @@ def _append_kernel(
                        stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
                        (not ROPE) or (is_v == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
                        BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
-                       STORE_CM)
+                       STORE_CM, PAIR_ASM)
     else:
         n = pid // (2 * HG)
         is_v = (pid // HG) % 2  # 0: this program writes the row's K, 1: its V
@@ -527,7 +560,7 @@ def _append_kernel(
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
                    fp8_scales, hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
                    BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
-                   STORE_CM)
+                   STORE_CM, PAIR_ASM)
 
 
 @triton.jit
@@ -838,6 +871,7 @@ def append_paged_kv_launch(
         BLOCK_HF=next_pow2((D + 1) // 2),
         LIBDEVICE=pool.device.type == "cuda", SPLIT=bool(split), PDL=bool(pdl), VEC=vec, EARLY=bool(early),
         LOAD_EV="evict_first" if hints else "", STORE_CM=".cs" if hints else "",
+        PAIR_ASM=_PAIR_ASM and quant >= 2 and _ptx(pool.device) and params.data_ptr() % 8 == 0,  # type: ignore[union-attr]
         # measured on an H100 (benchmarks/paged_tune.py, append_ab.py; 8 x 128 heads): 2 warps (1 KB of fp16 per
         # warp and row); 1 warp for split (decode-sized) launches (as fast or up to 0.1 us faster per layer)
         num_warps=num_warps or max(1, min(8, H * D // (1024 if split else 512))),
