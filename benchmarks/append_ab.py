@@ -8,7 +8,7 @@
 * ``regs``: prefill-sized appends with a register cap (occupancy), with EARLY on / off;
 * ``versions OLD.py``: this tree's append kernel against another version of ``kvcache/ops/paged.py`` (a file,
   e.g. ``git show REV:src/kvcache/ops/paged.py > OLD.py``), prefill and decode, every format, with and
-  without RoPE, and split decode launches of 1 and 2 warps.
+  without RoPE, and split decode launches of 1 and 2 warps, and of 2 head groups.
 
 Environment switches read at import (``KVCACHE_FAST_TRIG``, ``KVCACHE_APPEND_HINTS``) are compared by running
 the script twice.
@@ -18,6 +18,7 @@ the script twice.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import sys
@@ -146,9 +147,22 @@ def _module_from(path: str):  # type: ignore[no-untyped-def]
     return mod
 
 
+@contextlib.contextmanager
+def _flags(mod, over: dict):  # type: ignore[no-untyped-def]
+    """Module switches (the ``_NAME`` keys of ``over``) set on ``mod`` for the duration."""
+    flags = {a: x for a, x in over.items() if a.startswith("_")}
+    saved = {a: getattr(mod, a) for a in flags}
+    for a, x in flags.items():
+        setattr(mod, a, x)
+    try:
+        yield
+    finally:
+        for a, x in saved.items():
+            setattr(mod, a, x)
+
+
 def versions(dev: torch.device, copy_bw: float, old_path: str) -> None:
     old = _module_from(old_path)
-    mods = {"old": old, "new": paged_ops}
     rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
     for bs in (16, 64):  # prefill
         k, v, cu_q, kv_lens, tables, nb = prefill_batch(dev, torch.Generator().manual_seed(0), bs)
@@ -160,20 +174,23 @@ def versions(dev: torch.device, copy_bw: float, old_path: str) -> None:
             res: dict[str, list[float]] = {}
             for _ in range(3):
                 for use_rope in (False, True):
-                    for name, mod in mods.items():
-                        def fn(c=c, kv_dtype=kv_dtype, use_rope=use_rope, mod=mod, k=k, v=v, cu_q=cu_q,  # type: ignore[no-untyped-def]
+                    for name, mod, over in (("old", old, {}), ("new", paged_ops, {})):
+                        def fn(over=over, c=c, kv_dtype=kv_dtype, use_rope=use_rope, mod=mod, k=k, v=v, cu_q=cu_q,  # type: ignore[no-untyped-def]
                                kv_lens=kv_lens, tables=tables) -> None:
-                            mod.append_paged_kv_launch(
-                                k, v, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=tables,
-                                cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None, slot_mapping=None, positions=None,
-                                rope=rope if use_rope else None, fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1)
+                            with _flags(mod, over):
+                                mod.append_paged_kv_launch(
+                                    k, v, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD",
+                                    block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None,
+                                    slot_mapping=None, positions=None, rope=rope if use_rope else None,
+                                    fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1)
                         t = time_graph(fn, 3)
                         res.setdefault(f"{'rope' if use_rope else 'norope'}-{name}", []).append(
                             100 * nbytes / (t * 1e-6) / 1e9 / copy_bw)
             print(f"prefill block {bs} {kv_dtype} (% of copy, 3 rounds): "
                   + "  ".join(f"{n}: {' '.join(f'{p:.1f}' for p in ps)}" for n, ps in res.items()), flush=True)
     rope, b, caches = _decode_setup(dev)
-    variants = [("old", old, {}), ("new", paged_ops, {}), ("new-w2", paged_ops, {"num_warps": 2})]
+    variants = [("old", old, {}), ("new", paged_ops, {}), ("new-w2", paged_ops, {"num_warps": 2}),
+                ("new-g2", paged_ops, {"head_groups": 2})]
     for kv_dtype, c in caches.items():
         for ragged in (True, False):
             res = {}
@@ -182,15 +199,18 @@ def versions(dev: torch.device, copy_bw: float, old_path: str) -> None:
                     for name, mod, over in variants:
                         def step(c=c, ragged=ragged, use_rope=use_rope, mod=mod, over=over) -> None:  # type: ignore[no-untyped-def]
                             cfg = c.config
-                            for layer in range(cfg.num_layers):
-                                mod.append_paged_kv_launch(
-                                    b.k, b.v, c.pool(layer), c.params(layer), kv_dtype=cfg.kv_dtype,
-                                    layout=cfg.layout, block_tables=b.tables if ragged else None,
-                                    cu_q_lens=b.cu_q if ragged else None, kv_lens=b.kv_lens if ragged else None,
-                                    cu_k_lens=None, slot_mapping=None if ragged else b.slots,
-                                    positions=None if ragged or not use_rope else b.positions,
-                                    rope=rope if use_rope else None, fp8_scales=c.kv_scales[layer], cp_rank=0,
-                                    cp_size=1, **over)
+                            launch = {a: x for a, x in over.items() if not a.startswith("_")}
+                            with _flags(mod, over):
+                                for layer in range(cfg.num_layers):
+                                    mod.append_paged_kv_launch(
+                                        b.k, b.v, c.pool(layer), c.params(layer), kv_dtype=cfg.kv_dtype,
+                                        layout=cfg.layout, block_tables=b.tables if ragged else None,
+                                        cu_q_lens=b.cu_q if ragged else None,
+                                        kv_lens=b.kv_lens if ragged else None, cu_k_lens=None,
+                                        slot_mapping=None if ragged else b.slots,
+                                        positions=None if ragged or not use_rope else b.positions,
+                                        rope=rope if use_rope else None, fp8_scales=c.kv_scales[layer], cp_rank=0,
+                                        cp_size=1, **launch)
                         res.setdefault(f"{'rope' if use_rope else 'norope'}-{name}", []).append(
                             time_graph(step, 1) / LAYERS)
             print(f"decode {kv_dtype} {'ragged' if ragged else 'slots'} (us per layer, 3 rounds): "

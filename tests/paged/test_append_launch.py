@@ -242,6 +242,29 @@ def test_rope_pairings_and_dtypes(device, split, rope_name, dtype, kv_dtype):
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="HND", rope=rope)
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int4"])
+@pytest.mark.parametrize("rope_name", list(ROPES))
+def test_rope_pairings_by_slot_mapping(device, split, rope_name, kv_dtype):
+    """Every RoPE pairing by slot mapping, positions up to 9000 and padding rows; split launches of quantized
+    formats rotate in K and V programs and keep V's row (ROPE_SELECT), fp16 ones branch."""
+    H, D, bs, nb = 3, 16, 4, 16
+    rope = RopeConfig(head_dim=D, **ROPES[rope_name])
+    gen = pr.generator(640 + len(rope_name) + split)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+    n = 9
+    k = pr.randn((n, H, D), torch.float16, gen, device)
+    v = pr.randn((n, H, D), torch.float16, gen, device)
+    slots = torch.randperm(nb * bs, generator=gen)[:n].tolist()
+    slots[2] = -1
+    positions = torch.randint(0, 9000, (n,), generator=gen).tolist()
+    targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb, positions=positions)
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
+                             rope=rope)
+    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device),
+                 positions=torch.tensor(positions, device=device), rope=rope)
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+
+
 class _FakePrepared:
     """Stands in for a compiled kernel's launcher: records what a prepared launch passes."""
 
@@ -534,50 +557,72 @@ def test_early_override_in_both_launch_shapes(device, kv_dtype, split_launch, ea
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 
-@pytest.mark.parametrize("kv_dtype", FORMATS)
-def test_pair_store_needs_ptx_and_eight_byte_aligned_params(monkeypatch, kv_dtype):
-    """int8 / int4 (scale, zero) go out as one 8-byte inline-PTX store per head (PAIR_ASM) only when the kernel
-    is compiled from PTX and the params pool is 8-byte aligned; otherwise, and for fp16 / fp8 (no params), by
-    tl.store. KVCACHE_PAIR_ASM=0 turns the PTX store off."""
+def _launch_consts(monkeypatch, kv_dtype: str, *, split: bool, slots: bool = True, rope: bool = False,
+                   params=None) -> dict:  # type: ignore[no-untyped-def]
+    """The constexprs of one launch of the fake kernel (3 rows of 2 heads x 16, a slot mapping or a ragged
+    batch of one sequence)."""
     fake = _FakeKernel()
     monkeypatch.setattr(paged_ops, "_append_kernel", fake)
     monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
     cache = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, kv_dtype=kv_dtype)
     k = torch.randn(3, 2, 16).half()
+    index = (dict(block_tables=None, cu_q_lens=None, kv_lens=None, slot_mapping=torch.tensor([0, 1, 2]),
+                  positions=torch.tensor([0, 1, 2]) if rope else None) if slots else
+             dict(block_tables=pr.i32([[0, 1]], "cpu"), cu_q_lens=pr.i32([0, 3], "cpu"), kv_lens=pr.i32([0], "cpu"),
+                  slot_mapping=None, positions=None))
+    paged_ops.append_paged_kv_launch(
+        k, k, cache.pool(0), cache.params(0) if params is None else params, kv_dtype=kv_dtype, layout="NHD",
+        cu_k_lens=None, rope=RopeConfig(head_dim=16).kernel_params() if rope else None,
+        fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, split=split, **index)
+    return fake.log[-1][3]
 
-    def launch(params):  # type: ignore[no-untyped-def]
-        paged_ops.append_paged_kv_launch(
-            k, k, cache.pool(0), params, kv_dtype=kv_dtype, layout="NHD", block_tables=None, cu_q_lens=None,
-            kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor([0, 1, 2]), positions=None, rope=None,
-            fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1)
-        return fake.log[-1][3]["PAIR_ASM"]
 
-    params = cache.params(0)
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_pair_store_needs_ptx_aligned_params_and_a_per_row_launch(monkeypatch, kv_dtype):
+    """int8 / int4 (scale, zero) go out as one 8-byte inline-PTX store per head (PAIR_ASM) only in launches of
+    one program per row (prefill-sized; split decode launches measured no faster), when the kernel is compiled
+    from PTX and the params pool is 8-byte aligned; otherwise, and for fp16 / fp8 (no params), by tl.store.
+    KVCACHE_PAIR_ASM=0 turns the PTX store off."""
     quantized = kv_dtype in ("int8", "int4")
-    assert launch(params) is False  # the CPU: no PTX
+    assert _launch_consts(monkeypatch, kv_dtype, split=False)["PAIR_ASM"] is False  # the CPU: no PTX
     monkeypatch.setattr(paged_ops, "_ptx", lambda device: True)
-    assert launch(params) is quantized
+    assert _launch_consts(monkeypatch, kv_dtype, split=False)["PAIR_ASM"] is quantized
+    assert _launch_consts(monkeypatch, kv_dtype, split=False, slots=False)["PAIR_ASM"] is quantized
+    assert _launch_consts(monkeypatch, kv_dtype, split=True)["PAIR_ASM"] is False
     if quantized:
+        params = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8,
+                                   kv_dtype=kv_dtype).params(0)
         flat = torch.empty(params.numel() + 1, dtype=params.dtype)
         shifted = flat[1:].view(params.shape)  # 4 bytes past an 8-byte boundary
         assert shifted.data_ptr() % 8 == 4
-        assert launch(shifted) is False
+        assert _launch_consts(monkeypatch, kv_dtype, split=False, params=shifted)["PAIR_ASM"] is False
     monkeypatch.setattr(paged_ops, "_PAIR_ASM", False)
-    assert launch(params) is False
+    assert _launch_consts(monkeypatch, kv_dtype, split=False)["PAIR_ASM"] is False
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_rope_select_only_for_quantized_split_slot_mapping(monkeypatch, kv_dtype):
+    """K and V programs both rotate (ROPE_SELECT) only in split launches by slot mapping with RoPE, of a
+    quantized format: where it was measured faster."""
+    quantized = kv_dtype != "auto"
+    assert _launch_consts(monkeypatch, kv_dtype, split=True, rope=True)["ROPE_SELECT"] is quantized
+    assert _launch_consts(monkeypatch, kv_dtype, split=True, rope=False)["ROPE_SELECT"] is False
+    assert _launch_consts(monkeypatch, kv_dtype, split=False, rope=True)["ROPE_SELECT"] is False
+    assert _launch_consts(monkeypatch, kv_dtype, split=True, slots=False)["ROPE_SELECT"] is False
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-@pytest.mark.parametrize("split_launch", [False, True], ids=["per-row", "split"])
-@pytest.mark.parametrize("head_groups", [1, 2])
-def test_pair_store_and_tl_store_write_the_same_bytes(device, monkeypatch, kv_dtype, split_launch, head_groups):
-    """On a GPU the (scale, zero) of each head go out by inline PTX: the same bytes as tl.store, in both launch
-    shapes and head groups, for 3 heads of a 4-wide tile (the masked fourth head writes nothing), and a params
-    pool 4 bytes off an 8-byte boundary falls back to tl.store."""
+@pytest.mark.parametrize("hints", [False, True], ids=["plain", "streaming"])
+def test_pair_store_and_tl_store_write_the_same_bytes(device, monkeypatch, kv_dtype, hints):
+    """On a GPU the (scale, zero) of each head go out by inline PTX in per-row launches: the same bytes as
+    tl.store, with and without the streaming-store hint, for 3 heads of a 4-wide tile (the masked fourth head
+    writes nothing); a params pool 4 bytes off an 8-byte boundary falls back to tl.store."""
     if not paged_ops._ptx(torch.device(device.type)):
         pytest.skip("inline PTX: NVIDIA GPUs only")
     q_lens, kv_lens = [3, 1, 4], [2, 0, 7]
     H, D, bs, nb = 3, 16, 4, 32
-    gen = pr.generator(970 + 2 * split_launch + head_groups)
+    monkeypatch.setattr(paged_ops, "_HINTS", hints)
+    gen = pr.generator(970 + hints)
     rope = RopeConfig(head_dim=D, base=10000.0)
     cu = pr.cumsum0(q_lens)
     tables = pr.block_tables_for(gen, [a + b for a, b in zip(kv_lens, q_lens)], block_size=bs, num_blocks=nb,
@@ -601,7 +646,7 @@ def test_pair_store_and_tl_store_write_the_same_bytes(device, monkeypatch, kv_dt
             k, v, cache.pool(0), params, kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32(tables, device),
             cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device), cu_k_lens=None, slot_mapping=None,
             positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=0,
-            cp_size=1, split=split_launch, head_groups=head_groups if split_launch else None)
+            cp_size=1, split=False)
         pr.assert_append_matches(cache.pool(0), params, exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
         return cache.pool(0).clone(), params.clone()
 

@@ -60,8 +60,11 @@ QUANT_CODES = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3}
 # KVCACHE_APPEND_HINTS=0 (read at import) turns them off.
 _HINTS = os.environ.get("KVCACHE_APPEND_HINTS", "1") != "0"
 _FP8_MAX = 448.0
-# int8 / int4 (scale, zero) stored by inline PTX, one 8-byte store per head in the values' own layout (see
-# _store_pair); KVCACHE_PAIR_ASM=0 (read at import) stores them with tl.store.
+# int8 / int4 (scale, zero) of per-row (prefill-sized) launches stored by inline PTX, one 8-byte store per head in
+# the values' own layout (see _store_pair). Measured on an H100 (benchmarks/append_ab.py versions, 21:48-22:00 UTC):
+# int8 prefill with RoPE 86.6-88.8 -> 87.1-89.4% of copy bandwidth (+0.5-1 point in every paired run), int4 and
+# without RoPE within noise; split (decode) launches no faster (int4 ragged +0.1 us), so they keep tl.store.
+# KVCACHE_PAIR_ASM=0 (read at import) stores them with tl.store everywhere.
 _PAIR_ASM = os.environ.get("KVCACHE_PAIR_ASM", "1") != "0"
 
 
@@ -339,7 +342,7 @@ def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr
             hi = tl.where(go, hi, mid)
         b = lo
         q0, q1, start = _seq_rows(b, cu_q, kv_info, MODE)
-    return b, q0, q1, start
+    return b.to(tl.int64), q0, q1, start
 
 
 @triton.jit
@@ -358,12 +361,9 @@ def _target(
         if ROPE:
             pos = tl.load(positions + n).to(tl.int64)
     else:
-        # first guess: rows spread evenly over the sequences, floor((n + 1/2) * n_seqs / n_rows) in float32
-        # (an integer division costs ~30 instructions a program); checked with two loads, otherwise search.
-        # Exact for decode batches and equal-length prefills: the 1/2 keeps the quotient that far from an
-        # integer, more than float32's error below 2**20 rows
-        g = ((n.to(tl.float32) + 0.5) * (n_seqs.to(tl.float32) / n_rows.to(tl.float32))).to(tl.int32)
-        g = tl.minimum(g, n_seqs - 1)
+        # first guess: rows spread evenly over the sequences (exact for decode batches and equal-length
+        # prefills), checked with two loads; otherwise search
+        g = tl.minimum((n.to(tl.int64) * n_seqs) // n_rows, n_seqs - 1)
         c0, c1, s0 = _seq_rows(g, cu_q, kv_info, MODE)
         if (c0 <= n) & (n < c1):
             b = g
@@ -381,7 +381,7 @@ def _target(
             lpos = pos
         bi = lpos // BLOCK_SIZE
         valid = valid & (bi < table_width)
-        blk = tl.load(block_tables + b.to(tl.int64) * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
+        blk = tl.load(block_tables + b * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
         off = lpos % BLOCK_SIZE
     valid = valid & (blk >= 0) & (blk < NUM_BLOCKS)
     return valid, blk, off, pos
@@ -427,7 +427,7 @@ def _write_row(
     INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr,
-    VEC: tl.constexpr, EARLY: tl.constexpr, STORE_CM: tl.constexpr, PAIR_ASM: tl.constexpr,
+    VEC: tl.constexpr, EARLY: tl.constexpr, STORE_CM: tl.constexpr, PAIR_ASM: tl.constexpr, SELECT: tl.constexpr,
 ):
     # Store row n's K (is_v == 0: RoPE applied) or V (is_v == 1), given as half tiles r1 / r2 in the model
     # dtype, at (blk, off) in the pool's format. is_v is a constant or a per-program value; RAW: store r1 / r2
@@ -437,12 +437,12 @@ def _write_row(
     if EARLY:
         c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales, hh,
                                          i, m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, HALF,
-                                         STRIDE_KH, BLOCK_H, LIBDEVICE, VEC)
+                                         STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT)
     if valid:
         if not EARLY:
             c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales,
                                              hh, i, m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D,
-                                             HALF, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC)
+                                             HALF, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT)
         s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's K (or V) region, data and params
         p_kv: tl.constexpr = BLOCK_SIZE * H * 2
         base = blk * (2 * s_kv) + off * S_TOK + is_v * s_kv
@@ -456,9 +456,10 @@ def _row_codes(
     r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX: tl.constexpr, fp8_scales, hh, i, m1, m2,
     RAW: tl.constexpr, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
     ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, STRIDE_KH: tl.constexpr,
-    BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr,
+    BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr, SELECT: tl.constexpr,
 ):
-    # what _store_row stores for row n's K or V (see _write_row)
+    # what _store_row stores for row n's K or V (see _write_row); SELECT: is_v is a per-program value, RoPE
+    # computed by K and V programs and kept by K
     if RAW and (QUANT == 0):
         c1 = r1
         c2 = r2
@@ -471,7 +472,19 @@ def _row_codes(
         x1 = r1.to(tl.float32)
         x2 = r2.to(tl.float32)
         if ROPE:
-            if is_v == 0:
+            if SELECT:
+                # is_v per program (split launches): V programs rotate too and keep x. Branching on is_v instead,
+                # ptxas moves a slot mapping's position load into the branch, after the wait for K / V: two
+                # memory latencies in a row. V programs are not the critical path. Measured on an H100
+                # (append_ab.py versions, 22:00 UTC): slot-mapping decode with RoPE, us per layer, fp8
+                # 1.79-1.87 -> 1.47-1.52, int8 2.03-2.08 -> 1.91-1.96, int4 1.99-2.04 -> 1.83-1.89; fp16 (V
+                # then leaves its model dtype) and ragged batches (their position loads are not in the branch)
+                # no faster, so the launch selects it for quantized slot-mapping launches only
+                y1, y2 = _rope_k(x1, x2, pos, freqs, FMAX, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT,
+                                 INTERLEAVED, ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
+                x1 = tl.where(is_v == 0, y1, x1)
+                x2 = tl.where(is_v == 0, y2, x2)
+            elif is_v == 0:
                 x1, x2 = _rope_k(x1, x2, pos, freqs, FMAX, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
                                  ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
         c1, c2, scale, zero = _encode(x1, x2, inv, hh, m1, m2, QUANT, H, BLOCK_H, LIBDEVICE)
@@ -512,6 +525,7 @@ def _append_kernel(
     LOAD_EV: tl.constexpr, STORE_CM: tl.constexpr,  # cache hints: eviction policy of k / v loads, pool stores
     HG: tl.constexpr,  # SPLIT: head groups of BLOCK_H heads, one program each
     PAIR_ASM: tl.constexpr,  # (scale, zero) stored by PTX inline assembly (see _store_pair); else tl.store
+    ROPE_SELECT: tl.constexpr,  # SPLIT: K and V programs both rotate, V keeps its row (see _row_codes)
 ):
     # grid: (N,), or (2 HG N,) when SPLIT: a program per row's K or V and group of BLOCK_H heads. A row (one
     # token, BLOCK_H heads) is handled as two half tiles, elements [0, HALF) and [HALF, D): rotate-half RoPE
@@ -544,7 +558,7 @@ def _append_kernel(
                        stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
                        (not ROPE) or (is_v == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
                        BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
-                       STORE_CM, PAIR_ASM)
+                       STORE_CM, PAIR_ASM, False)
     else:
         n = pid // (2 * HG)
         is_v = (pid // HG) % 2  # 0: this program writes the row's K, 1: its V
@@ -560,7 +574,7 @@ def _append_kernel(
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
                    fp8_scales, hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
                    BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
-                   STORE_CM, PAIR_ASM)
+                   STORE_CM, PAIR_ASM, ROPE_SELECT)
 
 
 @triton.jit
@@ -871,7 +885,8 @@ def append_paged_kv_launch(
         BLOCK_HF=next_pow2((D + 1) // 2),
         LIBDEVICE=pool.device.type == "cuda", SPLIT=bool(split), PDL=bool(pdl), VEC=vec, EARLY=bool(early),
         LOAD_EV="evict_first" if hints else "", STORE_CM=".cs" if hints else "",
-        PAIR_ASM=_PAIR_ASM and quant >= 2 and _ptx(pool.device) and params.data_ptr() % 8 == 0,  # type: ignore[union-attr]
+        ROPE_SELECT=bool(split) and has_rope and quant >= 1 and slot_mapping is not None,
+        PAIR_ASM=_PAIR_ASM and not split and quant >= 2 and _ptx(pool.device) and params.data_ptr() % 8 == 0,  # type: ignore[union-attr]
         # measured on an H100 (benchmarks/paged_tune.py, append_ab.py; 8 x 128 heads): 2 warps (1 KB of fp16 per
         # warp and row); 1 warp for split (decode-sized) launches (as fast or up to 0.1 us faster per layer)
         num_warps=num_warps or max(1, min(8, H * D // (1024 if split else 512))),
