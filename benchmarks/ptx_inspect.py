@@ -2,6 +2,12 @@
 by width (a development tool: checks that loads and stores are vectorised before spending GPU time).
 
     PYTHONPATH=src python benchmarks/ptx_inspect.py
+    PYTHONPATH=src python benchmarks/ptx_inspect.py gather
+    PYTHONPATH=src python benchmarks/ptx_inspect.py sass [split]
+
+``sass`` disassembles the append (bundled ptxas + nvdisasm) for every format with RoPE and counts SASS
+opcodes: static counts (both sides of every branch), and the order of the first global loads, which shows
+whether ptxas kept the K / V loads ahead of the index loads.
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ def append_consts(quant: int, rope: bool, **kw):  # type: ignore[no-untyped-def]
     c = dict(MODE=0, QUANT=quant, ROPE=rope, ROT=128, INTERLEAVED=False, ATTN_SCALE=1.0, H=8, D=128,
              DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, CP_RANK=0, CP_SIZE=1,
              SEARCH=8, LOG_B=3, STRIDE_KH=128, STRIDE_VH=128, VEC=8, BLOCK_H=8, BLOCK_HF=64, LIBDEVICE=True,
-             SPLIT=False, PDL=False, FMAX=0.0, EARLY=False, LOAD_EV="evict_first", STORE_CM=".cs", HG=1)
+             SPLIT=False, PDL=False, FMAX=0.0, EARLY=False, LOAD_EV="evict_first", STORE_CM=".cs", HG=1,
+             PAIR_ASM=quant >= 2, ROPE_SELECT=False)
     c.update(P._block_strides(False, 8, c["DP"], 16))
     c.update(kw)
     return c
@@ -82,7 +89,32 @@ def main() -> None:
     sys.stdout.flush()
 
 
-if __name__ == "__main__" and "gather" not in sys.argv:
+def sass_main(split: bool) -> None:
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    store = {0: "*fp16", 1: "*fp8e4nv", 2: "*u8", 3: "*u8"}
+    for quant in (0, 1, 2, 3):
+        ptrs = dict(k="*fp16", v="*fp16", pool=store[quant], qparams="*fp32", block_tables="*i32", cu_q="*i32",
+                    kv_info="*i32", slots="*i64", positions="*i64", inv_freq="*fp32", fp8_scales="*fp32")
+        extra = dict(SPLIT=True, EARLY=True, PDL=True, LOAD_EV="", STORE_CM="", PAIR_ASM=False) if split else {}
+        consts = append_consts(quant, True, FMAX=1.0, **extra)
+        ptx = compile_ptx(P._append_kernel, ptrs, {}, consts, 1 if split else 2)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", path, "-o", path + ".cubin"], check=True)
+            sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", path + ".cubin"], capture_output=True,
+                                  text=True, check=True).stdout
+        ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+        counts = collections.Counter(o.split(".")[0] for o in ops)
+        loads = [o for o in ops if o.startswith("LDG")][:6]
+        print(f"append quant={quant} rope {'split' if split else 'per-row'}: {len(ops)} instructions, "
+              f"BAR {counts['BAR']}, SHFL {counts['SHFL']}, first loads {' '.join(loads)}")
+
+
+if __name__ == "__main__" and "sass" in sys.argv:
+    sass_main("split" in sys.argv)
+elif __name__ == "__main__" and "gather" not in sys.argv:
     main()
 
 

@@ -61,9 +61,9 @@ QUANT_CODES = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3}
 _HINTS = os.environ.get("KVCACHE_APPEND_HINTS", "1") != "0"
 _FP8_MAX = 448.0
 # int8 / int4 (scale, zero) of per-row (prefill-sized) launches stored by inline PTX, one 8-byte store per head in
-# the values' own layout (see _store_pair). Measured on an H100 (benchmarks/append_ab.py versions, 21:48-22:00 UTC):
-# int8 prefill with RoPE 86.6-88.8 -> 87.1-89.4% of copy bandwidth (+0.5-1 point in every paired run), int4 and
-# without RoPE within noise; split (decode) launches no faster (int4 ragged +0.1 us), so they keep tl.store.
+# the values' own layout (see _store_pair). Measured on an H100 (benchmarks/append_ab.py versions, 21:56-22:00
+# UTC): int8 prefill with RoPE +0.0 to +3.0 points of copy bandwidth per interleaved pair (median +0.9), 4% fewer
+# instructions (Nsight Compute); split (decode) launches no faster (int4 ragged +0.1 us), so they keep tl.store.
 # KVCACHE_PAIR_ASM=0 (read at import) stores them with tl.store everywhere.
 _PAIR_ASM = os.environ.get("KVCACHE_PAIR_ASM", "1") != "0"
 
