@@ -162,6 +162,9 @@ def _flags(mod, over: dict):  # type: ignore[no-untyped-def]
 
 
 def versions(dev: torch.device, copy_bw: float, old_path: str) -> None:
+    """This tree's append against the one in ``old_path``, interleaved, three rounds: the 16384-row prefill
+    (block 16 and 64, every format, with and without RoPE; % of ``copy_bw``) and the 32-layer decode graph
+    (every format, ragged and slot mapping; us per layer), the latter also with 2 warps and 2 head groups."""
     old = _module_from(old_path)
     rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
     for bs in (16, 64):  # prefill

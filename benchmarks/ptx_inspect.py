@@ -3,11 +3,12 @@ by width (a development tool: checks that loads and stores are vectorised before
 
     PYTHONPATH=src python benchmarks/ptx_inspect.py
     PYTHONPATH=src python benchmarks/ptx_inspect.py gather
-    PYTHONPATH=src python benchmarks/ptx_inspect.py sass [split]
+    PYTHONPATH=src python benchmarks/ptx_inspect.py sass [split] [slots]
 
 ``sass`` disassembles the append (bundled ptxas + nvdisasm) for every format with RoPE and counts SASS
-opcodes: static counts (both sides of every branch), and the order of the first global loads, which shows
-whether ptxas kept the K / V loads ahead of the index loads.
+opcodes: static counts (both sides of every branch), and the order of the global loads up to the first
+conversion of K / V (HADD2.F32, which waits for them): loads listed after it are issued only once K / V
+have arrived. ``slots``: slot mapping, and for split launches with ROPE_SELECT off and on.
 """
 
 from __future__ import annotations
@@ -89,14 +90,20 @@ def main() -> None:
     sys.stdout.flush()
 
 
-def sass_main(split: bool) -> None:
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+def sass_main(split: bool, slots: bool) -> None:
     store = {0: "*fp16", 1: "*fp8e4nv", 2: "*u8", 3: "*u8"}
     for quant in (0, 1, 2, 3):
+        for select in ((False, True) if split and slots else (False,)):
+            sass_one(quant, split, slots, select, store)
+
+
+def sass_one(quant: int, split: bool, slots: bool, select: bool, store: dict) -> None:
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if True:  # one kernel
         ptrs = dict(k="*fp16", v="*fp16", pool=store[quant], qparams="*fp32", block_tables="*i32", cu_q="*i32",
                     kv_info="*i32", slots="*i64", positions="*i64", inv_freq="*fp32", fp8_scales="*fp32")
         extra = dict(SPLIT=True, EARLY=True, PDL=True, LOAD_EV="", STORE_CM="", PAIR_ASM=False) if split else {}
-        consts = append_consts(quant, True, FMAX=1.0, **extra)
+        consts = append_consts(quant, True, FMAX=1.0, MODE=2 if slots else 0, ROPE_SELECT=select, **extra)
         ptx = compile_ptx(P._append_kernel, ptrs, {}, consts, 1 if split else 2)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "k.ptx")
@@ -107,13 +114,16 @@ def sass_main(split: bool) -> None:
                                   text=True, check=True).stdout
         ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
         counts = collections.Counter(o.split(".")[0] for o in ops)
-        loads = [o for o in ops if o.startswith("LDG")][:6]
-        print(f"append quant={quant} rope {'split' if split else 'per-row'}: {len(ops)} instructions, "
-              f"BAR {counts['BAR']}, SHFL {counts['SHFL']}, first loads {' '.join(loads)}")
+        first_use = next((j for j, o in enumerate(ops) if o.startswith("HADD2.F32")), len(ops))
+        before = [o for o in ops[:first_use] if o.startswith("LDG")]
+        after = [o for o in ops[first_use:] if o.startswith("LDG")][:3]
+        print(f"append quant={quant} rope {'split' if split else 'per-row'}{' slots' if slots else ''}"
+              f"{' ROPE_SELECT' if select else ''}: {len(ops)} instructions, BAR {counts['BAR']}, SHFL "
+              f"{counts['SHFL']}; loads before the K/V wait: {len(before)}, next ones after it: {' '.join(after)}")
 
 
 if __name__ == "__main__" and "sass" in sys.argv:
-    sass_main("split" in sys.argv)
+    sass_main("split" in sys.argv, "slots" in sys.argv)
 elif __name__ == "__main__" and "gather" not in sys.argv:
     main()
 

@@ -8,6 +8,8 @@ derived bounds with RoPE. Both CPU backends; compiled on a GPU.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import triton
@@ -249,7 +251,7 @@ def test_rope_pairings_by_slot_mapping(device, split, rope_name, kv_dtype):
     formats rotate in K and V programs and keep V's row (ROPE_SELECT), fp16 ones branch."""
     H, D, bs, nb = 3, 16, 4, 16
     rope = RopeConfig(head_dim=D, **ROPES[rope_name])
-    gen = pr.generator(640 + len(rope_name) + split)
+    gen = pr.generator(640 + 4 * list(ROPES).index(rope_name) + split)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
     n = 9
     k = pr.randn((n, H, D), torch.float16, gen, device)
@@ -583,6 +585,7 @@ def test_pair_store_needs_ptx_aligned_params_and_a_per_row_launch(monkeypatch, k
     one program per row (prefill-sized; split decode launches measured no faster), when the kernel is compiled
     from PTX and the params pool is 8-byte aligned; otherwise, and for fp16 / fp8 (no params), by tl.store.
     KVCACHE_PAIR_ASM=0 turns the PTX store off."""
+    monkeypatch.setattr(paged_ops, "_PAIR_ASM", True)  # whatever KVCACHE_PAIR_ASM this run was started with
     quantized = kv_dtype in ("int8", "int4")
     assert _launch_consts(monkeypatch, kv_dtype, split=False)["PAIR_ASM"] is False  # the CPU: no PTX
     monkeypatch.setattr(paged_ops, "_ptx", lambda device: True)
@@ -608,21 +611,27 @@ def test_rope_select_only_for_quantized_split_slot_mapping(monkeypatch, kv_dtype
     assert _launch_consts(monkeypatch, kv_dtype, split=True, rope=True)["ROPE_SELECT"] is quantized
     assert _launch_consts(monkeypatch, kv_dtype, split=True, rope=False)["ROPE_SELECT"] is False
     assert _launch_consts(monkeypatch, kv_dtype, split=False, rope=True)["ROPE_SELECT"] is False
-    assert _launch_consts(monkeypatch, kv_dtype, split=True, slots=False)["ROPE_SELECT"] is False
+    assert _launch_consts(monkeypatch, kv_dtype, split=True, slots=False, rope=True)["ROPE_SELECT"] is False
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("hints", [False, True], ids=["plain", "streaming"])
-def test_pair_store_and_tl_store_write_the_same_bytes(device, monkeypatch, kv_dtype, hints):
+@pytest.mark.parametrize("shape", [(3, 16, "NHD", None), (8, 128, "NHD", None), (8, 128, "HND", 8),
+                                   (5, 80, "NHD", 1), (5, 80, "HND", 4)],
+                         ids=["3x16", "8x128", "8x128-hnd-w8", "5x80-w1", "5x80-hnd-w4"])
+def test_pair_store_and_tl_store_write_the_same_bytes(device, monkeypatch, kv_dtype, hints, shape):
     """On a GPU the (scale, zero) of each head go out by inline PTX in per-row launches: the same bytes as
-    tl.store, with and without the streaming-store hint, for 3 heads of a 4-wide tile (the masked fourth head
-    writes nothing); a params pool 4 bytes off an 8-byte boundary falls back to tl.store."""
+    tl.store, with and without the streaming-store hint, in both layouts, for the benchmarked 8 x 128 heads
+    (values held by several threads and warps: duplicate stores), and for head counts that leave masked heads
+    in the tile (3 of 4, 5 of 8: they write nothing), at 1 to 8 warps; a params pool 4 bytes off an 8-byte
+    boundary falls back to tl.store."""
     if not paged_ops._ptx(torch.device(device.type)):
-        pytest.skip("inline PTX: NVIDIA GPUs only")
+        pytest.skip("inline PTX: NVIDIA GPUs only (tests/paged/test_append_launch.py checks the PTX on the CPU)")
+    H, D, layout, warps = shape
     q_lens, kv_lens = [3, 1, 4], [2, 0, 7]
-    H, D, bs, nb = 3, 16, 4, 32
+    bs, nb = 4, 32
     monkeypatch.setattr(paged_ops, "_HINTS", hints)
-    gen = pr.generator(970 + hints)
+    gen = pr.generator(970 + hints + 2 * H)
     rope = RopeConfig(head_dim=D, base=10000.0)
     cu = pr.cumsum0(q_lens)
     tables = pr.block_tables_for(gen, [a + b for a, b in zip(kv_lens, q_lens)], block_size=bs, num_blocks=nb,
@@ -634,20 +643,21 @@ def test_pair_store_and_tl_store_write_the_same_bytes(device, monkeypatch, kv_dt
     def append(pair_asm: bool, shift: bool):  # type: ignore[no-untyped-def]
         monkeypatch.setattr(paged_ops, "_PAIR_ASM", pair_asm)
         cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
-                                  kv_dtype=kv_dtype)
+                                  kv_dtype=kv_dtype, layout=layout)
         params = cache.params(0)
         if shift:
             flat = torch.empty(params.numel() + 1, dtype=params.dtype, device=device)
             params = flat[1:].view(params.shape)
             params.copy_(cache.params(0))
             assert params.data_ptr() % 8 == 4
-        exp = pr.append_expected(cache.pool(0), params, k, v, targets, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+        exp = pr.append_expected(cache.pool(0), params, k, v, targets, kv_dtype=kv_dtype, layout=layout,
+                                 rope=rope)
         paged_ops.append_paged_kv_launch(
-            k, v, cache.pool(0), params, kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32(tables, device),
+            k, v, cache.pool(0), params, kv_dtype=kv_dtype, layout=layout, block_tables=pr.i32(tables, device),
             cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device), cu_k_lens=None, slot_mapping=None,
             positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=0,
-            cp_size=1, split=False)
-        pr.assert_append_matches(cache.pool(0), params, exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+            cp_size=1, split=False, num_warps=warps)
+        pr.assert_append_matches(cache.pool(0), params, exp, kv_dtype=kv_dtype, layout=layout, rope=rope)
         return cache.pool(0).clone(), params.clone()
 
     pool_asm, params_asm = append(True, False)
@@ -656,3 +666,56 @@ def test_pair_store_and_tl_store_write_the_same_bytes(device, monkeypatch, kv_dt
     assert torch.equal(params_asm.view(torch.int32), params_st.view(torch.int32))
     pool_sh, params_sh = append(True, True)
     assert torch.equal(params_sh.view(torch.int32), params_st.view(torch.int32))
+
+
+def test_ptx_means_an_nvidia_build():
+    """Inline PTX only where kernels compile from PTX: CUDA devices of an NVIDIA build, not ROCm's "cuda"."""
+    assert paged_ops._ptx(torch.device("cpu")) is False
+    import unittest.mock
+
+    with unittest.mock.patch.object(torch.version, "hip", None):
+        assert paged_ops._ptx(torch.device("cuda")) is True
+    with unittest.mock.patch.object(torch.version, "hip", "6.2"):
+        assert paged_ops._ptx(torch.device("cuda")) is False
+
+
+def _append_ptx(**over) -> str:  # type: ignore[no-untyped-def]
+    """PTX of the int8 append with RoPE for sm_90, 8 x 128 heads, 2 warps, compiled without a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = dict(MODE=0, QUANT=2, ROPE=True, ROT=128, INTERLEAVED=False, ATTN_SCALE=1.0, H=8, D=128, DP=128,
+                  BLOCK_SIZE=16, NUM_BLOCKS=64, CP_RANK=0, CP_SIZE=1, SEARCH=8, LOG_B=3, STRIDE_KH=128,
+                  STRIDE_VH=128, VEC=8, BLOCK_H=8, BLOCK_HF=64, LIBDEVICE=True, SPLIT=False, PDL=False, FMAX=1.0,
+                  EARLY=False, LOAD_EV="", STORE_CM="", HG=1, PAIR_ASM=False, ROPE_SELECT=False,
+                  **paged_ops._block_strides(False, 8, 128, 16))
+    consts.update(over)
+    ptrs = dict(k="*fp16", v="*fp16", pool="*u8", qparams="*fp32", block_tables="*i32", cu_q="*i32",
+                kv_info="*i32", slots="*i64", positions="*i64", inv_freq="*fp32", fp8_scales="*fp32")
+    fn = paged_ops._append_kernel.compiled
+    sig, attrs = {}, {}
+    for idx, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(idx,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
+
+
+@pytest.mark.parametrize("hints", [False, True], ids=["plain", "streaming"])
+def test_pair_store_compiles_to_one_predicated_vector_store_per_head(hints):
+    """The kernel compiled for sm_90 without a GPU (the PTX the driver gets): with PAIR_ASM, (scale, zero) leave
+    as _store_pair's predicated 8-byte stores (streaming where asked), and tl.store's shared-memory round trips
+    are gone (fewer barriers); without it, no such store."""
+    pytest.importorskip("triton.backends.nvidia")
+    cm = ".cs" if hints else ""
+    pair = re.compile(r"@%p st\.global" + re.escape(cm) + r"\.v2\.b32 \[")  # _store_pair's unnumbered %p
+    with_asm = _append_ptx(PAIR_ASM=True, STORE_CM=cm, LOAD_EV="evict_first" if hints else "")
+    plain = _append_ptx(PAIR_ASM=False, STORE_CM=cm, LOAD_EV="evict_first" if hints else "")
+    assert len(pair.findall(with_asm)) >= 2  # K's and V's (scale, zero)
+    assert len(pair.findall(plain)) == 0
+    assert with_asm.count("bar.sync") < plain.count("bar.sync")

@@ -477,9 +477,9 @@ def _row_codes(
                 # ptxas moves a slot mapping's position load into the branch, after the wait for K / V: two
                 # memory latencies in a row. V programs are not the critical path. Measured on an H100
                 # (append_ab.py versions, 22:00 UTC): slot-mapping decode with RoPE, us per layer, fp8
-                # 1.79-1.87 -> 1.47-1.52, int8 2.03-2.08 -> 1.91-1.96, int4 1.99-2.04 -> 1.83-1.89; fp16 (V
-                # then leaves its model dtype) and ragged batches (their position loads are not in the branch)
-                # no faster, so the launch selects it for quantized slot-mapping launches only
+                # 1.79-1.87 -> 1.47-1.52, int8 2.03-2.08 -> 1.91-1.96, int4 1.99-2.04 -> 1.83-1.89; fp16 and
+                # ragged batches (their position loads are not in the branch) no faster, so the launch selects
+                # it for quantized slot-mapping launches only
                 y1, y2 = _rope_k(x1, x2, pos, freqs, FMAX, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT,
                                  INTERLEAVED, ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
                 x1 = tl.where(is_v == 0, y1, x1)
@@ -739,7 +739,8 @@ def _copy_blocks_kernel(
 _SPLIT_BELOW = 2048
 # Split launches give each group of next_pow2(H) // _SPLIT_HEAD_GROUPS heads of a row's K (or V) a program.
 # Measured (benchmarks/append_ab.py heads, 256-row decode, 8 x 128 heads): two groups are 0.1-0.2 us slower per
-# layer, except slot-mapping int8 / int4 appends with RoPE (0.1 us faster); one group by default.
+# layer, except slot-mapping int8 / int4 appends with RoPE (0.1 us faster, session 3, before ROPE_SELECT; with
+# it, append_ab.py versions at 22:00 UTC: within 0.07 us); one group by default.
 _SPLIT_HEAD_GROUPS = 1
 
 
@@ -917,8 +918,9 @@ def _append_args(k, v, pool, params, block_tables, cu_q, kv_info, slots, positio
 class AppendPlan:
     """A compiled append launch, repeated with raw pointers for new tensors of the same kind.
 
-    "The same kind": the same dtypes, 16-byte alignment of every pointer, k / v strides, mode, RoPE, format,
-    number of sequences, K/V split and PDL setting; the caller keys plans by those (see
+    "The same kind": the same dtypes, 16-byte alignment of every pointer (and 8-byte alignment of ``params``,
+    which selects the inline-PTX (scale, zero) store), k / v strides, mode, RoPE, format, number of sequences,
+    K/V split and PDL setting; the caller keys plans by those (see
     ``PagedKVCache.append``). :meth:`launch` skips argument binding and the launcher's per-tensor pointer
     checks, which are most of an eager call's host time.
     """
