@@ -8,8 +8,6 @@ derived bounds with RoPE. Both CPU backends; compiled on a GPU.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import triton
@@ -679,20 +677,24 @@ def test_ptx_means_an_nvidia_build():
         assert paged_ops._ptx(torch.device("cuda")) is False
 
 
-def _append_ptx(**over) -> str:  # type: ignore[no-untyped-def]
-    """PTX of the int8 append with RoPE for sm_90, 8 x 128 heads, 2 warps, compiled without a GPU."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+_PTX_SCRIPT = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvcache.ops import paged as P
 
+cm = sys.argv[1]
+out = {}
+for pair_asm in (False, True):
     consts = dict(MODE=0, QUANT=2, ROPE=True, ROT=128, INTERLEAVED=False, ATTN_SCALE=1.0, H=8, D=128, DP=128,
                   BLOCK_SIZE=16, NUM_BLOCKS=64, CP_RANK=0, CP_SIZE=1, SEARCH=8, LOG_B=3, STRIDE_KH=128,
                   STRIDE_VH=128, VEC=8, BLOCK_H=8, BLOCK_HF=64, LIBDEVICE=True, SPLIT=False, PDL=False, FMAX=1.0,
-                  EARLY=False, LOAD_EV="", STORE_CM="", HG=1, PAIR_ASM=False, ROPE_SELECT=False,
-                  **paged_ops._block_strides(False, 8, 128, 16))
-    consts.update(over)
+                  EARLY=False, LOAD_EV="evict_first" if cm else "", STORE_CM=cm, HG=1, PAIR_ASM=pair_asm,
+                  ROPE_SELECT=False, **P._block_strides(False, 8, 128, 16))
     ptrs = dict(k="*fp16", v="*fp16", pool="*u8", qparams="*fp32", block_tables="*i32", cu_q="*i32",
                 kv_info="*i32", slots="*i64", positions="*i64", inv_freq="*fp32", fp8_scales="*fp32")
-    fn = paged_ops._append_kernel.compiled
+    fn = P._append_kernel.compiled
     sig, attrs = {}, {}
     for idx, name in enumerate(fn.arg_names):
         if name in consts:
@@ -703,19 +705,34 @@ def _append_ptx(**over) -> str:  # type: ignore[no-untyped-def]
         else:
             sig[name] = "i32"
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
+    pair = re.compile(r"@%p st\.global" + re.escape(cm) + r"\.v2\.b32 \[")  # _store_pair's unnumbered %p
+    out[str(pair_asm)] = [len(pair.findall(ptx)), ptx.count("bar.sync")]
+print(json.dumps(out))
+"""
 
 
 @pytest.mark.parametrize("hints", [False, True], ids=["plain", "streaming"])
 def test_pair_store_compiles_to_one_predicated_vector_store_per_head(hints):
-    """The kernel compiled for sm_90 without a GPU (the PTX the driver gets): with PAIR_ASM, (scale, zero) leave
-    as _store_pair's predicated 8-byte stores (streaming where asked), and tl.store's shared-memory round trips
-    are gone (fewer barriers); without it, no such store."""
+    """The int8 append with RoPE compiled for sm_90 without a GPU (the PTX the driver gets; 8 x 128 heads, 2
+    warps): with PAIR_ASM, (scale, zero) leave as _store_pair's predicated 8-byte stores (streaming where
+    asked), and tl.store's shared-memory round trips are gone (fewer barriers); without it, no such store.
+    Compiled in a fresh process without TRITON_INTERPRET: where it is set (the CPU CI), this process's kernels
+    are interpreted functions, which do not compile."""
     pytest.importorskip("triton.backends.nvidia")
-    cm = ".cs" if hints else ""
-    pair = re.compile(r"@%p st\.global" + re.escape(cm) + r"\.v2\.b32 \[")  # _store_pair's unnumbered %p
-    with_asm = _append_ptx(PAIR_ASM=True, STORE_CM=cm, LOAD_EV="evict_first" if hints else "")
-    plain = _append_ptx(PAIR_ASM=False, STORE_CM=cm, LOAD_EV="evict_first" if hints else "")
-    assert len(pair.findall(with_asm)) >= 2  # K's and V's (scale, zero)
-    assert len(pair.findall(plain)) == 0
-    assert with_asm.count("bar.sync") < plain.count("bar.sync")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {key: val for key, val in os.environ.items() if key not in ("TRITON_INTERPRET", "KVCACHE_TRITON_INTERPRET")}
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, ".cs" if hints else ""], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    counts = json.loads(res.stdout.strip().splitlines()[-1])
+    (pairs_plain, bars_plain), (pairs_asm, bars_asm) = counts["False"], counts["True"]
+    assert pairs_asm >= 2  # K's and V's (scale, zero)
+    assert pairs_plain == 0
+    assert bars_asm < bars_plain
