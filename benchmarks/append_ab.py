@@ -111,15 +111,20 @@ def heads(dev: torch.device) -> None:
                   + "  ".join(f"{n}: {' '.join(f'{t:.2f}' for t in ts)}" for n, ts in res.items()), flush=True)
 
 
+def _prefill_cache(dev: torch.device, bs: int, nb: int, kv_dtype: str, n: int) -> tuple[PagedKVCache, int]:
+    """A one-layer cache for the n-row prefill, and the bytes one append moves."""
+    c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                 kv_dtype=kv_dtype, device=dev))
+    return c, 2 * n * H * D * 2 + _store_bytes(n, kv_dtype)
+
+
 def regs(dev: torch.device, copy_bw: float) -> None:
     rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
     bs = 16
     k, v, cu_q, kv_lens, tables, nb = prefill_batch(dev, torch.Generator().manual_seed(0), bs)
     n = k.shape[0]
     for kv_dtype in ("fp8", "int8", "int4"):
-        c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
-                                     kv_dtype=kv_dtype, device=dev))
-        nbytes = 2 * n * H * D * 2 + _store_bytes(n, kv_dtype)
+        c, nbytes = _prefill_cache(dev, bs, nb, kv_dtype, n)
         res: dict[str, list[float]] = {}
         for _ in range(3):
             for use_rope in (False, True):
@@ -171,9 +176,7 @@ def versions(dev: torch.device, copy_bw: float, old_path: str) -> None:
         k, v, cu_q, kv_lens, tables, nb = prefill_batch(dev, torch.Generator().manual_seed(0), bs)
         n = k.shape[0]
         for kv_dtype in ("auto", "fp8", "int8", "int4"):
-            c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
-                                         kv_dtype=kv_dtype, device=dev))
-            nbytes = 2 * n * H * D * 2 + _store_bytes(n, kv_dtype)
+            c, nbytes = _prefill_cache(dev, bs, nb, kv_dtype, n)
             res: dict[str, list[float]] = {}
             for _ in range(3):
                 for use_rope in (False, True):
@@ -256,9 +259,7 @@ def early(dev: torch.device, copy_bw: float) -> None:
     k, v, cu_q, kv_lens, tables, nb = prefill_batch(dev, torch.Generator().manual_seed(0), bs)
     n = k.shape[0]
     for kv_dtype in ("auto", "fp8", "int8", "int4"):
-        c = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
-                                     kv_dtype=kv_dtype, device=dev))
-        nbytes = 2 * n * H * D * 2 + _store_bytes(n, kv_dtype)
+        c, nbytes = _prefill_cache(dev, bs, nb, kv_dtype, n)
         res = {}
         for _ in range(3):
             for use_rope in (False, True):

@@ -85,14 +85,21 @@ def test_cu_k_lens_launch_variants(device, split, kv_dtype):
 def test_slot_mapping_launch_variants(device, split, kv_dtype):
     H, D, bs, nb = 2, 16, 4, 8
     gen = pr.generator(53 + split)
-    rope = RopeConfig(head_dim=D)
+    _check_slot_append(device, gen, kv_dtype, RopeConfig(head_dim=D), H=H, D=D, bs=bs, nb=nb, n=11, padding=(0, 7),
+                       max_position=5000)
+
+
+def _check_slot_append(device, gen, kv_dtype: str, rope: RopeConfig, *, H: int, D: int, bs: int, nb: int, n: int,  # type: ignore[no-untyped-def]
+                       padding: tuple[int, ...], max_position: int) -> None:
+    """n random rows appended by slot mapping (rows ``padding`` get -1) at positions below ``max_position``,
+    with RoPE, into a sentinel cache, against the reference."""
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
-    n = 11
     k = pr.randn((n, H, D), torch.float16, gen, device)
     v = pr.randn((n, H, D), torch.float16, gen, device)
     slots = torch.randperm(nb * bs, generator=gen)[:n].tolist()
-    slots[0] = slots[7] = -1
-    positions = torch.randint(0, 5000, (n,), generator=gen).tolist()
+    for row in padding:
+        slots[row] = -1
+    positions = torch.randint(0, max_position, (n,), generator=gen).tolist()
     targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb, positions=positions)
     exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
                              rope=rope)
@@ -247,22 +254,10 @@ def test_rope_pairings_and_dtypes(device, split, rope_name, dtype, kv_dtype):
 def test_rope_pairings_by_slot_mapping(device, split, rope_name, kv_dtype):
     """Every RoPE pairing by slot mapping, positions up to 9000 and padding rows; split launches of quantized
     formats rotate in K and V programs and keep V's row (ROPE_SELECT), fp16 ones branch."""
-    H, D, bs, nb = 3, 16, 4, 16
-    rope = RopeConfig(head_dim=D, **ROPES[rope_name])
+    H, D = 3, 16
     gen = pr.generator(640 + 4 * list(ROPES).index(rope_name) + split)
-    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
-    n = 9
-    k = pr.randn((n, H, D), torch.float16, gen, device)
-    v = pr.randn((n, H, D), torch.float16, gen, device)
-    slots = torch.randperm(nb * bs, generator=gen)[:n].tolist()
-    slots[2] = -1
-    positions = torch.randint(0, 9000, (n,), generator=gen).tolist()
-    targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb, positions=positions)
-    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
-                             rope=rope)
-    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device),
-                 positions=torch.tensor(positions, device=device), rope=rope)
-    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+    _check_slot_append(device, gen, kv_dtype, RopeConfig(head_dim=D, **ROPES[rope_name]), H=H, D=D, bs=4, nb=16,
+                       n=9, padding=(2,), max_position=9000)
 
 
 class _FakePrepared:
@@ -679,34 +674,19 @@ def test_ptx_means_an_nvidia_build():
 
 _PTX_SCRIPT = r"""
 import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+sys.path.insert(0, sys.argv[2])
+import ptx_inspect as PI
 from kvcache.ops import paged as P
 
 cm = sys.argv[1]
+ptrs = dict(k="*fp16", v="*fp16", pool="*u8", qparams="*fp32", block_tables="*i32", cu_q="*i32", kv_info="*i32",
+            slots="*i64", positions="*i64", inv_freq="*fp32", fp8_scales="*fp32")
+pair = re.compile(r"@%p st\.global" + re.escape(cm) + r"\.v2\.b32 \[")  # _store_pair's unnumbered %p
 out = {}
 for pair_asm in (False, True):
-    consts = dict(MODE=0, QUANT=2, ROPE=True, ROT=128, INTERLEAVED=False, ATTN_SCALE=1.0, H=8, D=128, DP=128,
-                  BLOCK_SIZE=16, NUM_BLOCKS=64, CP_RANK=0, CP_SIZE=1, SEARCH=8, LOG_B=3, STRIDE_KH=128,
-                  STRIDE_VH=128, VEC=8, BLOCK_H=8, BLOCK_HF=64, LIBDEVICE=True, SPLIT=False, PDL=False, FMAX=1.0,
-                  EARLY=False, LOAD_EV="evict_first" if cm else "", STORE_CM=cm, HG=1, PAIR_ASM=pair_asm,
-                  ROPE_SELECT=False, **P._block_strides(False, 8, 128, 16))
-    ptrs = dict(k="*fp16", v="*fp16", pool="*u8", qparams="*fp32", block_tables="*i32", cu_q="*i32",
-                kv_info="*i32", slots="*i64", positions="*i64", inv_freq="*fp32", fp8_scales="*fp32")
-    fn = P._append_kernel.compiled
-    sig, attrs = {}, {}
-    for idx, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name] = ptrs[name]
-            attrs[(idx,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-    src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
-    pair = re.compile(r"@%p st\.global" + re.escape(cm) + r"\.v2\.b32 \[")  # _store_pair's unnumbered %p
+    consts = PI.append_consts(2, True, FMAX=1.0, NUM_BLOCKS=64, LOAD_EV="evict_first" if cm else "", STORE_CM=cm,
+                              PAIR_ASM=pair_asm)
+    ptx = PI.compile_ptx(P._append_kernel, ptrs, {}, consts, 2)
     out[str(pair_asm)] = [len(pair.findall(ptx)), ptx.count("bar.sync")]
 print(json.dumps(out))
 """
@@ -714,9 +694,10 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("hints", [False, True], ids=["plain", "streaming"])
 def test_pair_store_compiles_to_one_predicated_vector_store_per_head(hints):
-    """The int8 append with RoPE compiled for sm_90 without a GPU (the PTX the driver gets; 8 x 128 heads, 2
-    warps): with PAIR_ASM, (scale, zero) leave as _store_pair's predicated 8-byte stores (streaming where
-    asked), and tl.store's shared-memory round trips are gone (fewer barriers); without it, no such store.
+    """The int8 append with RoPE compiled for sm_90 without a GPU by benchmarks/ptx_inspect.py (the PTX the
+    driver gets; 8 x 128 heads, 2 warps): with PAIR_ASM, (scale, zero) leave as _store_pair's predicated
+    8-byte stores (streaming where asked), and tl.store's shared-memory round trips are gone (fewer
+    barriers); without it, no such store.
     Compiled in a fresh process without TRITON_INTERPRET: where it is set (the CPU CI), this process's kernels
     are interpreted functions, which do not compile."""
     pytest.importorskip("triton.backends.nvidia")
@@ -726,10 +707,10 @@ def test_pair_store_compiles_to_one_predicated_vector_store_per_head(hints):
     import sys
 
     env = {key: val for key, val in os.environ.items() if key not in ("TRITON_INTERPRET", "KVCACHE_TRITON_INTERPRET")}
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, ".cs" if hints else ""], capture_output=True, text=True,
-                         env=env, timeout=300)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, ".cs" if hints else "", os.path.join(root, "benchmarks")],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     (pairs_plain, bars_plain), (pairs_asm, bars_asm) = counts["False"], counts["True"]
