@@ -66,6 +66,15 @@ def summary(ptx: str) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(c.items()))
 
 
+STORE = {0: "*fp16", 1: "*fp8e4nv", 2: "*u8", 3: "*u8"}  # the pool's pointer type by QUANT
+
+
+def append_ptrs(quant: int) -> dict[str, str]:
+    """Pointer types of the append kernel's arguments (fp16 model dtype)."""
+    return dict(k="*fp16", v="*fp16", pool=STORE[quant], qparams="*fp32", block_tables="*i32", cu_q="*i32",
+                kv_info="*i32", slots="*i64", positions="*i64", inv_freq="*fp32", fp8_scales="*fp32")
+
+
 def append_consts(quant: int, rope: bool, **kw):  # type: ignore[no-untyped-def]
     c = dict(MODE=0, QUANT=quant, ROPE=rope, ROT=128, INTERLEAVED=False, ATTN_SCALE=1.0, H=8, D=128,
              DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, CP_RANK=0, CP_SIZE=1,
@@ -78,11 +87,9 @@ def append_consts(quant: int, rope: bool, **kw):  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    store = {0: "*fp16", 1: "*fp8e4nv", 2: "*u8", 3: "*u8"}
     for quant in (0, 1, 2, 3):
         for rope in (False, True):
-            ptrs = dict(k="*fp16", v="*fp16", pool=store[quant], qparams="*fp32", block_tables="*i32", cu_q="*i32",
-                        kv_info="*i32", slots="*i64", positions="*i64", inv_freq="*fp32", fp8_scales="*fp32")
+            ptrs = append_ptrs(quant)
             consts = append_consts(quant, rope)
             extra = {k: v for k, v in consts.items() if k.startswith("VEC")}
             ptx = compile_ptx(P._append_kernel, ptrs, {}, consts, 4 if quant == 0 else 2)
@@ -91,35 +98,31 @@ def main() -> None:
 
 
 def sass_main(split: bool, slots: bool) -> None:
-    store = {0: "*fp16", 1: "*fp8e4nv", 2: "*u8", 3: "*u8"}
     for quant in (0, 1, 2, 3):
         for select in ((False, True) if split and slots else (False,)):
-            sass_one(quant, split, slots, select, store)
+            sass_one(quant, split, slots, select)
 
 
-def sass_one(quant: int, split: bool, slots: bool, select: bool, store: dict) -> None:
+def sass_one(quant: int, split: bool, slots: bool, select: bool) -> None:
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if True:  # one kernel
-        ptrs = dict(k="*fp16", v="*fp16", pool=store[quant], qparams="*fp32", block_tables="*i32", cu_q="*i32",
-                    kv_info="*i32", slots="*i64", positions="*i64", inv_freq="*fp32", fp8_scales="*fp32")
-        extra = dict(SPLIT=True, EARLY=True, PDL=True, LOAD_EV="", STORE_CM="", PAIR_ASM=False) if split else {}
-        consts = append_consts(quant, True, FMAX=1.0, MODE=2 if slots else 0, ROPE_SELECT=select, **extra)
-        ptx = compile_ptx(P._append_kernel, ptrs, {}, consts, 1 if split else 2)
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.ptx")
-            with open(path, "w") as f:
-                f.write(ptx)
-            subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", path, "-o", path + ".cubin"], check=True)
-            sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", path + ".cubin"], capture_output=True,
-                                  text=True, check=True).stdout
-        ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
-        counts = collections.Counter(o.split(".")[0] for o in ops)
-        first_use = next((j for j, o in enumerate(ops) if o.startswith("HADD2.F32")), len(ops))
-        before = [o for o in ops[:first_use] if o.startswith("LDG")]
-        after = [o for o in ops[first_use:] if o.startswith("LDG")][:3]
-        print(f"append quant={quant} rope {'split' if split else 'per-row'}{' slots' if slots else ''}"
-              f"{' ROPE_SELECT' if select else ''}: {len(ops)} instructions, BAR {counts['BAR']}, SHFL "
-              f"{counts['SHFL']}; loads before the K/V wait: {len(before)}, next ones after it: {' '.join(after)}")
+    extra = dict(SPLIT=True, EARLY=True, PDL=True, LOAD_EV="", STORE_CM="", PAIR_ASM=False) if split else {}
+    consts = append_consts(quant, True, FMAX=1.0, MODE=2 if slots else 0, ROPE_SELECT=select, **extra)
+    ptx = compile_ptx(P._append_kernel, append_ptrs(quant), {}, consts, 1 if split else 2)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", path, "-o", path + ".cubin"], check=True)
+        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", path + ".cubin"], capture_output=True,
+                              text=True, check=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    counts = collections.Counter(o.split(".")[0] for o in ops)
+    first_use = next((j for j, o in enumerate(ops) if o.startswith("HADD2.F32")), len(ops))
+    before = [o for o in ops[:first_use] if o.startswith("LDG")]
+    after = [o for o in ops[first_use:] if o.startswith("LDG")][:3]
+    print(f"append quant={quant} rope {'split' if split else 'per-row'}{' slots' if slots else ''}"
+          f"{' ROPE_SELECT' if select else ''}: {len(ops)} instructions, BAR {counts['BAR']}, SHFL "
+          f"{counts['SHFL']}; loads before the K/V wait: {len(before)}, next ones after it: {' '.join(after)}")
 
 
 if __name__ == "__main__" and "sass" in sys.argv:
@@ -129,9 +132,8 @@ elif __name__ == "__main__" and "gather" not in sys.argv:
 
 
 def gather_main() -> None:
-    store = {0: "*fp16", 1: "*fp8e4nv", 2: "*u8", 3: "*u8"}
     for quant in (0, 1, 2, 3):
-        ptrs = dict(k_out="*fp16", v_out="*fp16", pool=store[quant], qparams="*fp32", block_tables="*i32",
+        ptrs = dict(k_out="*fp16", v_out="*fp16", pool=STORE[quant], qparams="*fp32", block_tables="*i32",
                     kv_info="*i32", inv_freq="*fp32", fp8_scales="*fp32")
         consts = dict(MODE=0, QUANT=quant, ROPE=False, ROT=128, INTERLEAVED=False, ATTN_SCALE=1.0, H=8, D=128,
                       DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, CP_RANK=0, CP_SIZE=1,

@@ -100,11 +100,19 @@ def _check_slot_append(device, gen, kv_dtype: str, rope: RopeConfig, *, H: int, 
     for row in padding:
         slots[row] = -1
     positions = torch.randint(0, max_position, (n,), generator=gen).tolist()
+    _append_slots_and_compare(cache, k, v, slots, positions, kv_dtype, rope, rope)
+
+
+def _append_slots_and_compare(cache, k, v, slots: list[int], positions: list[int], kv_dtype: str,  # type: ignore[no-untyped-def]
+                              rope: RopeConfig, rope_arg) -> None:
+    """Append k / v at ``slots`` (``positions`` for RoPE; ``rope_arg``: what the append is given) into layer 0 of
+    ``cache`` and compare pools and params with the reference's expectation for ``rope``."""
+    bs, nb = cache.config.block_size, cache.config.num_blocks
     targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb, positions=positions)
     exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
                              rope=rope)
-    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device),
-                 positions=torch.tensor(positions, device=device), rope=rope)
+    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=k.device),
+                 positions=torch.tensor(positions, device=k.device), rope=rope_arg)
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 
@@ -430,12 +438,7 @@ def test_rope_positions_on_both_sides_of_the_fast_trig_range(device, kv_dtype, b
     k = pr.randn((n, H, D), torch.float16, gen, device) * 4
     v = pr.randn((n, H, D), torch.float16, gen, device)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
-    targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb, positions=positions)
-    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
-                             rope=rope)
-    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device),
-                 positions=torch.tensor(positions, device=device), rope=params)
-    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+    _append_slots_and_compare(cache, k, v, slots, positions, kv_dtype, rope, params)
 
 
 @pytest.mark.parametrize("head_groups", [0, 3, 4])
@@ -679,8 +682,7 @@ import ptx_inspect as PI
 from kvcache.ops import paged as P
 
 cm = sys.argv[1]
-ptrs = dict(k="*fp16", v="*fp16", pool="*u8", qparams="*fp32", block_tables="*i32", cu_q="*i32", kv_info="*i32",
-            slots="*i64", positions="*i64", inv_freq="*fp32", fp8_scales="*fp32")
+ptrs = PI.append_ptrs(2)
 pair = re.compile(r"@%p st\.global" + re.escape(cm) + r"\.v2\.b32 \[")  # _store_pair's unnumbered %p
 out = {}
 for pair_asm in (False, True):
