@@ -3,6 +3,7 @@
 * ``early``: the kernel's EARLY setting (RoPE / quantization before the block-table wait, or after it) and 1 or
   2 warps, per decode layer in a 32-layer graph and on the 16384-row prefill;
 * ``hints``: cache hints (loads evict_first, stores .cs / evict_first) on the prefill's copy ceiling;
+* ``ceiling``: that ceiling by block size (16, 64), stored row width (fp16, 1 byte) and program order;
 * ``heads``: decode-sized (split) launches with a row's heads in 1 or 2 programs, 1 or 2 warps each, ragged
   and slot mapping, with and without RoPE;
 * ``regs``: prefill-sized appends with a register cap (occupancy), with EARLY on / off;
@@ -13,7 +14,7 @@
 Environment switches read at import (``KVCACHE_FAST_TRIG``, ``KVCACHE_APPEND_HINTS``) are compared by running
 the script twice.
 
-    PYTHONPATH=src python3 benchmarks/append_ab.py [early] [hints] [heads] [regs] [versions OLD.py]
+    PYTHONPATH=src python3 benchmarks/append_ab.py [early] [hints] [ceiling] [heads] [regs] [versions OLD.py [quick]]
 """
 
 from __future__ import annotations
@@ -81,6 +82,51 @@ def hints(dev: torch.device, copy_bw: float) -> None:
 
 
 LAYERS = 32
+
+
+@triton.jit
+def _order_copy(k, v, pool, blocks, ROW: tl.constexpr, BS: tl.constexpr, SEQS: tl.constexpr, SEQ_LEN: tl.constexpr,
+                ORDER: tl.constexpr):
+    # one fp16 row of k and v [N, ROW] into its token slot of a pool [nb, 2, BS, ROW] of the pool's dtype (fp16,
+    # or 1 byte: the traffic of an fp8 / int8 append without its parameters), block blocks[n // BS], with the
+    # prefill's cache hints. ORDER 0: program p copies row p (the append's order: a sequence's rows one after
+    # another); 1: row (p % SEQS) * SEQ_LEN + p // SEQS (programs in flight spread over every sequence)
+    p = tl.program_id(0).to(tl.int64)
+    if ORDER == 1:
+        n = (p % SEQS) * SEQ_LEN + p // SEQS
+    else:
+        n = p
+    e = tl.arange(0, ROW)
+    xk = tl.load(k + n * ROW + e, eviction_policy="evict_first")
+    xv = tl.load(v + n * ROW + e, eviction_policy="evict_first")
+    blk = tl.load(blocks + n // BS).to(tl.int64)
+    base = blk * (2 * BS * ROW) + (n % BS) * ROW
+    tl.store(pool + base + e, xk.to(pool.dtype.element_ty), cache_modifier=".cs")
+    tl.store(pool + base + BS * ROW + e, xv.to(pool.dtype.element_ty), cache_modifier=".cs")
+
+
+def ceiling(dev: torch.device, copy_bw: float) -> None:
+    """The prefill's copy ceiling (random blocks, no index work) by block size, stored row width (fp16, or
+    1-byte like fp8 / int8) and program order, three rounds, % of ``copy_bw``: is the block-64 deficit of the
+    1-byte formats the memory system's, and does spreading programs over the sequences change it?"""
+    g = torch.Generator().manual_seed(0)
+    seqs, seq_len = 8, 2048
+    n = seqs * seq_len
+    kv = torch.randn(2, n, H * D, dtype=torch.float16, device=dev)
+    for out_dtype in (torch.float16, torch.int8):
+        for bs in (16, 64):
+            pool = torch.empty(n // bs, 2, bs, H * D, dtype=out_dtype, device=dev)
+            perm = torch.randperm(n // bs, generator=g).to(torch.int32).to(dev)
+            moved = kv.numel() * 2 + 2 * n * H * D * pool.element_size()
+            res: dict[str, list[float]] = {}
+            for _ in range(3):
+                for order in (0, 1):
+                    t = time_graph(lambda order=order, pool=pool, perm=perm, bs=bs: _order_copy[(n,)](
+                        kv[0], kv[1], pool, perm, ROW=H * D, BS=bs, SEQS=seqs, SEQ_LEN=seq_len, ORDER=order,
+                        num_warps=2), 3)
+                    res.setdefault(f"order{order}", []).append(100 * moved / (t * 1e-6) / 1e9 / copy_bw)
+            print(f"ceiling {str(out_dtype).split('.')[-1]} block {bs} (% of copy, 3 rounds): "
+                  + "  ".join(f"{k}: {' '.join(f'{p:.1f}' for p in ps)}" for k, ps in res.items()), flush=True)
 
 
 def _decode_setup(dev: torch.device):  # type: ignore[no-untyped-def]
@@ -166,7 +212,7 @@ def _flags(mod, over: dict):  # type: ignore[no-untyped-def]
             setattr(mod, a, x)
 
 
-def versions(dev: torch.device, copy_bw: float, old_path: str) -> None:
+def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = False) -> None:
     """This tree's append against the one in ``old_path``, interleaved, three rounds: the 16384-row prefill
     (block 16 and 64, every format, with and without RoPE; % of ``copy_bw``) and the 32-layer decode graph
     (every format, ragged and slot mapping; us per layer), the latter also with 2 warps and 2 head groups."""
@@ -195,8 +241,9 @@ def versions(dev: torch.device, copy_bw: float, old_path: str) -> None:
             print(f"prefill block {bs} {kv_dtype} (% of copy, 3 rounds): "
                   + "  ".join(f"{n}: {' '.join(f'{p:.1f}' for p in ps)}" for n, ps in res.items()), flush=True)
     rope, b, caches = _decode_setup(dev)
-    variants = [("old", old, {}), ("new", paged_ops, {}), ("new-w2", paged_ops, {"num_warps": 2}),
-                ("new-g2", paged_ops, {"head_groups": 2})]
+    variants = [("old", old, {}), ("new", paged_ops, {})]
+    if not quick:
+        variants += [("new-w2", paged_ops, {"num_warps": 2}), ("new-g2", paged_ops, {"head_groups": 2})]
     for kv_dtype, c in caches.items():
         for ragged in (True, False):
             res = {}
@@ -229,9 +276,11 @@ def main() -> None:
     print(f"copy {copy_bw:.0f} GB/s", flush=True)
     what = set(sys.argv[1:]) or {"early", "hints", "heads"}
     if "versions" in what:
-        versions(dev, copy_bw, sys.argv[sys.argv.index("versions") + 1])
+        versions(dev, copy_bw, sys.argv[sys.argv.index("versions") + 1], "quick" in what)
     if "hints" in what:
         hints(dev, copy_bw)
+    if "ceiling" in what:
+        ceiling(dev, copy_bw)
     if "heads" in what:
         heads(dev)
     if "regs" in what:

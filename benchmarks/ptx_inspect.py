@@ -103,11 +103,11 @@ def sass_main(split: bool, slots: bool) -> None:
             sass_one(quant, split, slots, select)
 
 
-def sass_one(quant: int, split: bool, slots: bool, select: bool) -> None:
+def sass_ops(consts: dict, num_warps: int, quant: int) -> list[str]:
+    """The append's SASS opcodes (with modifiers, predicates dropped), in program order: compiled for sm_90a
+    by the bundled ptxas and disassembled by nvdisasm."""
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    extra = dict(SPLIT=True, EARLY=True, PDL=True, LOAD_EV="", STORE_CM="", PAIR_ASM=False) if split else {}
-    consts = append_consts(quant, True, FMAX=1.0, MODE=2 if slots else 0, ROPE_SELECT=select, **extra)
-    ptx = compile_ptx(P._append_kernel, append_ptrs(quant), {}, consts, 1 if split else 2)
+    ptx = compile_ptx(P._append_kernel, append_ptrs(quant), {}, consts, num_warps)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
@@ -115,14 +115,26 @@ def sass_one(quant: int, split: bool, slots: bool, select: bool) -> None:
         subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", path, "-o", path + ".cubin"], check=True)
         sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", path + ".cubin"], capture_output=True,
                               text=True, check=True).stdout
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+
+
+def sass_consts(quant: int, split: bool, slots: bool, select: bool = False):  # type: ignore[no-untyped-def]
+    """The constexprs of the append with RoPE as the launch picks them (8 x 128 heads), and its warps."""
+    extra = dict(SPLIT=True, EARLY=True, PDL=True, LOAD_EV="", STORE_CM="", PAIR_ASM=False) if split else {}
+    return append_consts(quant, True, FMAX=1.0, MODE=2 if slots else 0, ROPE_SELECT=select, **extra), 1 if split else 2
+
+
+def sass_one(quant: int, split: bool, slots: bool, select: bool) -> None:
+    ops = sass_ops(*sass_consts(quant, split, slots, select), quant)
     counts = collections.Counter(o.split(".")[0] for o in ops)
     first_use = next((j for j, o in enumerate(ops) if o.startswith("HADD2.F32")), len(ops))
     before = [o for o in ops[:first_use] if o.startswith("LDG")]
     after = [o for o in ops[first_use:] if o.startswith("LDG")][:3]
+    branch = next((j for j, o in enumerate(ops) if o.startswith("BRA")), len(ops))
     print(f"append quant={quant} rope {'split' if split else 'per-row'}{' slots' if slots else ''}"
           f"{' ROPE_SELECT' if select else ''}: {len(ops)} instructions, BAR {counts['BAR']}, SHFL "
-          f"{counts['SHFL']}; loads before the K/V wait: {len(before)}, next ones after it: {' '.join(after)}")
+          f"{counts['SHFL']}; loads before the K/V wait: {len(before)}, before the first branch: "
+          f"{sum(o.startswith('LDG') for o in ops[:branch])}; next ones after the wait: {' '.join(after)}")
 
 
 if __name__ == "__main__" and "sass" in sys.argv:

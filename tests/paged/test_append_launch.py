@@ -694,14 +694,10 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("hints", [False, True], ids=["plain", "streaming"])
-def test_pair_store_compiles_to_one_predicated_vector_store_per_head(hints):
-    """The int8 append with RoPE compiled for sm_90 without a GPU by benchmarks/ptx_inspect.py (the PTX the
-    driver gets; 8 x 128 heads, 2 warps): with PAIR_ASM, (scale, zero) leave as _store_pair's predicated
-    8-byte stores (streaming where asked), and tl.store's shared-memory round trips are gone (fewer
-    barriers); without it, no such store.
-    Compiled in a fresh process without TRITON_INTERPRET: where it is set (the CPU CI), this process's kernels
-    are interpreted functions, which do not compile."""
+def _compile_in_subprocess(script: str, arg: str):  # type: ignore[no-untyped-def]
+    """Run ``script`` (argv: ``arg``, the benchmarks directory) in a fresh process without TRITON_INTERPRET and
+    return the JSON of its last line. Where TRITON_INTERPRET is set (the CPU CI), this process's kernels are
+    interpreted functions, which do not compile."""
     pytest.importorskip("triton.backends.nvidia")
     import json
     import os
@@ -711,11 +707,71 @@ def test_pair_store_compiles_to_one_predicated_vector_store_per_head(hints):
     env = {key: val for key, val in os.environ.items() if key not in ("TRITON_INTERPRET", "KVCACHE_TRITON_INTERPRET")}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, ".cs" if hints else "", os.path.join(root, "benchmarks")],
+    res = subprocess.run([sys.executable, "-c", script, arg, os.path.join(root, "benchmarks")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    counts = json.loads(res.stdout.strip().splitlines()[-1])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("hints", [False, True], ids=["plain", "streaming"])
+def test_pair_store_compiles_to_one_predicated_vector_store_per_head(hints):
+    """The int8 append with RoPE compiled for sm_90 without a GPU by benchmarks/ptx_inspect.py (the PTX the
+    driver gets; 8 x 128 heads, 2 warps): with PAIR_ASM, (scale, zero) leave as _store_pair's predicated
+    8-byte stores (streaming where asked), and tl.store's shared-memory round trips are gone (fewer
+    barriers); without it, no such store.
+    Compiled in a fresh process without TRITON_INTERPRET: where it is set (the CPU CI), this process's kernels
+    are interpreted functions, which do not compile."""
+    counts = _compile_in_subprocess(_PTX_SCRIPT, ".cs" if hints else "")
     (pairs_plain, bars_plain), (pairs_asm, bars_asm) = counts["False"], counts["True"]
     assert pairs_asm >= 2  # K's and V's (scale, zero)
     assert pairs_plain == 0
     assert bars_asm < bars_plain
+
+
+def test_guess_mul_is_exact_for_decode_and_equal_prefills():
+    """The sequence lookup's first guess, (n * guess_mul) >> 30, is n for a decode batch (a row per sequence)
+    and n // L for prefills of L rows each; for any batch it is floor(n * n_seqs / n_rows) or one more, and
+    guess_mul fits an int32 argument."""
+    shift = int(paged_ops._GUESS_SHIFT)
+    for n_seqs in (1, 2, 7, 256, 1000, 4096):
+        m = paged_ops._guess_mul(n_seqs, n_seqs)
+        assert m == 1 << shift
+        assert all((n * m) >> shift == n for n in range(n_seqs))
+    for n_seqs, rows in ((8, 2048), (3, 6), (5, 1000), (64, 777), (1, 65536), (300, 3)):
+        m = paged_ops._guess_mul(n_seqs, n_seqs * rows)
+        assert all((n * m) >> shift == n // rows for n in range(n_seqs * rows))
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        n_seqs, n_rows = (int(x) for x in torch.randint(1, 1 << 20, (2,), generator=gen))
+        m = paged_ops._guess_mul(n_seqs, n_rows)
+        assert 0 <= m <= 1 << shift < 2**31
+        for n in (0, n_rows // 3, n_rows - 1):
+            exact = n * n_seqs // n_rows
+            assert (n * m) >> shift in ((exact, exact + 1) if n_seqs <= n_rows else (n, n))
+    assert paged_ops._guess_mul(5, 0) == 0
+
+
+_SASS_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import ptx_inspect as PI
+
+out = {}
+for split in (False, True):
+    ops = PI.sass_ops(*PI.sass_consts(2, split, slots=False), 2)
+    branch = next(j for j, o in enumerate(ops) if o.startswith("BRA"))
+    out[str(split)] = [sum(o.startswith("LDG") and o.endswith(".128") for o in ops[:branch]),
+                       sum(o.startswith("LDG") and o.endswith(".128") for o in ops)]
+print(json.dumps(out))
+"""
+
+
+def test_row_loads_are_issued_before_the_sequence_lookup_branches():
+    """The ragged int8 append with RoPE in SASS (bundled ptxas for sm_90a, per-row and split launches): the K / V
+    row loads (16-byte vectors) are all issued before the first branch (the check of the lookup's guess), so
+    their latency overlaps the index loads. ptxas sank them past that branch into its join when the fallback
+    search was inlined into it; as a call (`_find_seq`, noinline) it keeps them first."""
+    counts = _compile_in_subprocess(_SASS_SCRIPT, "")
+    for split, (before, total) in counts.items():
+        assert total == 4  # a 16-byte vector per thread for each half row of K and V (per-row), of K or V (split)
+        assert before == total, (split, before, total)

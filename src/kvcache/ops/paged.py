@@ -315,10 +315,13 @@ def _seq_rows(b, cu_q, kv_info, MODE: tl.constexpr):
     return q0, q1, start
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr):
     # (b, cu_q[b], cu_q[b + 1], tokens cached before the append) of the sequence that owns row n, the largest
     # b with cu_q[b] <= n. One vector load of SEARCH entries, or a binary search when SEARCH == 0.
+    # A call (noinline), taken only where _target's guess misses: inlined into that branch, its registers made
+    # ptxas sink the K / V row loads of split launches past the branch, after the guess's index loads returned
+    # (SASS, benchmarks/ptx_inspect.py sass split); a call keeps every load ahead of it
     if SEARCH > 0:
         ib = tl.arange(0, SEARCH)
         ends = tl.load(cu_q + 1 + ib, mask=ib < n_seqs, other=2147483647)  # cu_q[1 .. B]
@@ -345,9 +348,26 @@ def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr
     return b.to(tl.int64), q0, q1, start
 
 
+_GUESS_BITS = 30
+_GUESS_SHIFT = tl.constexpr(_GUESS_BITS)
+
+
+def _guess_mul(n_seqs: int, n_rows: int) -> int:
+    """The append kernel's ``guess_mul``: ceil(n_seqs * 2**30 / n_rows), at most 2**30 (an int32 argument).
+
+    The kernel's first guess of row n's sequence, ``(n * guess_mul) >> 30``, is floor(n * n_seqs / n_rows) +
+    floor(frac + n * d / 2**30) with ``d`` the ceiling's excess (< 1): exact for decode batches (n_seqs ==
+    n_rows: guess_mul = 2**30, the guess is n) and for prefills of L rows each until n reaches 2**30 / L. A
+    multiply and a shift where a 64-bit division took about 25 dependent instructions ahead of the first index
+    loads. The guess is checked in the kernel; a wrong one costs a search, never a wrong row."""
+    if n_rows <= 0:
+        return 0
+    return min(((n_seqs << _GUESS_BITS) + n_rows - 1) // n_rows, 1 << _GUESS_BITS)
+
+
 @triton.jit
 def _target(
-    n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, n_rows,
+    n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul,
     MODE: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr,
 ):
@@ -361,9 +381,10 @@ def _target(
         if ROPE:
             pos = tl.load(positions + n).to(tl.int64)
     else:
-        # first guess: rows spread evenly over the sequences (exact for decode batches and equal-length
-        # prefills), checked with two loads; otherwise search
-        g = tl.minimum((n.to(tl.int64) * n_seqs) // n_rows, n_seqs - 1)
+        # first guess: rows spread evenly over the sequences, floor(n * n_seqs / n_rows) by a multiply and a shift
+        # (see _guess_mul; exact for decode batches and equal-length prefills), checked with two loads;
+        # otherwise search
+        g = tl.minimum((n.to(tl.int64) * guess_mul) >> _GUESS_SHIFT, n_seqs - 1)
         c0, c1, s0 = _seq_rows(g, cu_q, kv_info, MODE)
         if (c0 <= n) & (n < c1):
             b = g
@@ -491,7 +512,7 @@ def _row_codes(
     return c1, c2, scale, zero
 
 
-@kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs", "n_rows"))
+@kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "n_seqs", "guess_mul"))
 def _append_kernel(
     k, v,  # model dtype [N, H, D], head_dim contiguous; row strides stride_kn * VEC / stride_vn * VEC
     pool,  # storage dtype, one layer (see kvcache.paged.config)
@@ -504,7 +525,8 @@ def _append_kernel(
     positions,  # int32 / int64 [N] (MODE 2 with ROPE)
     inv_freq,  # float32 [ROT // 2] (ROPE)
     fp8_scales,  # float32 [2]: k_scale, v_scale (QUANT == 1)
-    stride_kn, stride_vn, bt_stride, table_width, n_seqs, n_rows,
+    stride_kn, stride_vn, bt_stride, table_width, n_seqs,
+    guess_mul,  # see _guess_mul
     MODE: tl.constexpr,  # 0: cu_q_lens + kv_lens, 1: cu_q_lens + cu_k_lens, 2: slot mapping
     QUANT: tl.constexpr,  # 0 none, 1 fp8, 2 int8, 3 int4
     ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
@@ -551,7 +573,7 @@ def _append_kernel(
         k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH, VEC,
                                      LOAD_EV)
         valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
-                                       n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
+                                       n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
                                        SEARCH, LOG_B)
         for is_v in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
             _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, pid,
@@ -568,7 +590,7 @@ def _append_kernel(
         r1 = tl.load(row + hoff + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
         r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
         valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
-                                       n_seqs, n_rows, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
+                                       n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
                                        SEARCH, LOG_B)
         # with RoPE, V goes through float32 too: an exact round trip for every model dtype
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
@@ -911,7 +933,8 @@ def _append_args(k, v, pool, params, block_tables, cu_q, kv_info, slots, positio
         k, v, pool, pool if params is None else params, pool if block_tables is None else block_tables,
         pool if cu_q is None else cu_q, pool if kv_info is None else kv_info, pool if slots is None else slots,
         pool if positions is None else positions, pool if inv_freq is None else inv_freq,
-        pool if fp8_scales is None else fp8_scales, stride_kn, stride_vn, bt_stride, table_width, n_seqs, n_rows,
+        pool if fp8_scales is None else fp8_scales, stride_kn, stride_vn, bt_stride, table_width, n_seqs,
+        _guess_mul(n_seqs, n_rows),
     )
 
 
