@@ -14,11 +14,13 @@
 Environment switches read at import (``KVCACHE_FAST_TRIG``, ``KVCACHE_APPEND_HINTS``) are compared by running
 the script twice.
 
-    PYTHONPATH=src python3 benchmarks/append_ab.py [early] [hints] [ceiling] [heads] [regs] [versions OLD.py [quick]]
+    PYTHONPATH=src python3 benchmarks/append_ab.py [early] [hints] [ceiling] [heads] [regs]
+        [versions OLD.py [quick] [NAME:PATH | NAME:_FLAG=VALUE ...]]
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import importlib.util
@@ -189,10 +191,10 @@ def regs(dev: torch.device, copy_bw: float) -> None:
               + "  ".join(f"{n}: {' '.join(f'{p:.1f}' for p in ps)}" for n, ps in res.items()), flush=True)
 
 
-def _module_from(path: str):  # type: ignore[no-untyped-def]
+def _module_from(path: str, name: str = "other"):  # type: ignore[no-untyped-def]
     """Another version of kvcache/ops/paged.py, imported inside the kvcache.ops package (its relative imports
     resolve against this tree)."""
-    spec = importlib.util.spec_from_file_location("kvcache.ops._paged_other", path)
+    spec = importlib.util.spec_from_file_location(f"kvcache.ops._paged_{name}", path)
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod
@@ -212,11 +214,23 @@ def _flags(mod, over: dict):  # type: ignore[no-untyped-def]
             setattr(mod, a, x)
 
 
-def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = False) -> None:
+def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = False,
+             extra: tuple[str, ...] = ()) -> None:
     """This tree's append against the one in ``old_path``, interleaved, three rounds: the 16384-row prefill
     (block 16 and 64, every format, with and without RoPE; % of ``copy_bw``) and the 32-layer decode graph
-    (every format, ragged and slot mapping; us per layer), the latter also with 2 warps and 2 head groups."""
+    (every format, ragged and slot mapping; us per layer), the latter also with 2 warps and 2 head groups unless
+    ``quick``. ``extra``: more variants, ``NAME:PATH`` (another paged.py) or ``NAME:_FLAG=VALUE`` (this tree with a
+    module switch set, VALUE a Python literal)."""
     old = _module_from(old_path)
+    more = []
+    for spec in extra:
+        name, what = spec.split(":", 1)
+        if what.startswith("_") and "=" in what:
+            flag, val = what.split("=", 1)
+            more.append((name, paged_ops, {flag: ast.literal_eval(val)}))
+        else:
+            more.append((name, _module_from(what, name), {}))
+    pairs = [("old", old, {}), ("new", paged_ops, {})] + more
     rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
     for bs in (16, 64):  # prefill
         k, v, cu_q, kv_lens, tables, nb = prefill_batch(dev, torch.Generator().manual_seed(0), bs)
@@ -226,7 +240,7 @@ def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = Fal
             res: dict[str, list[float]] = {}
             for _ in range(3):
                 for use_rope in (False, True):
-                    for name, mod, over in (("old", old, {}), ("new", paged_ops, {})):
+                    for name, mod, over in pairs:
                         def fn(over=over, c=c, kv_dtype=kv_dtype, use_rope=use_rope, mod=mod, k=k, v=v, cu_q=cu_q,  # type: ignore[no-untyped-def]
                                kv_lens=kv_lens, tables=tables) -> None:
                             with _flags(mod, over):
@@ -241,7 +255,7 @@ def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = Fal
             print(f"prefill block {bs} {kv_dtype} (% of copy, 3 rounds): "
                   + "  ".join(f"{n}: {' '.join(f'{p:.1f}' for p in ps)}" for n, ps in res.items()), flush=True)
     rope, b, caches = _decode_setup(dev)
-    variants = [("old", old, {}), ("new", paged_ops, {})]
+    variants = list(pairs)
     if not quick:
         variants += [("new-w2", paged_ops, {"num_warps": 2}), ("new-g2", paged_ops, {"head_groups": 2})]
     for kv_dtype, c in caches.items():
@@ -276,7 +290,8 @@ def main() -> None:
     print(f"copy {copy_bw:.0f} GB/s", flush=True)
     what = set(sys.argv[1:]) or {"early", "hints", "heads"}
     if "versions" in what:
-        versions(dev, copy_bw, sys.argv[sys.argv.index("versions") + 1], "quick" in what)
+        versions(dev, copy_bw, sys.argv[sys.argv.index("versions") + 1], "quick" in what,
+                 tuple(a for a in sys.argv[sys.argv.index("versions") + 2:] if ":" in a))
     if "hints" in what:
         hints(dev, copy_bw)
     if "ceiling" in what:

@@ -80,7 +80,7 @@ def append_consts(quant: int, rope: bool, **kw):  # type: ignore[no-untyped-def]
              DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, CP_RANK=0, CP_SIZE=1,
              SEARCH=8, LOG_B=3, STRIDE_KH=128, STRIDE_VH=128, VEC=8, BLOCK_H=8, BLOCK_HF=64, LIBDEVICE=True,
              SPLIT=False, PDL=False, FMAX=0.0, EARLY=False, LOAD_EV="evict_first", STORE_CM=".cs", HG=1,
-             PAIR_ASM=quant >= 2, ROPE_SELECT=False)
+             PAIR_ASM=quant >= 2, ROPE_SELECT=False, MASKED=False)
     c.update(P._block_strides(False, 8, c["DP"], 16))
     c.update(kw)
     return c
@@ -104,8 +104,8 @@ def sass_main(split: bool, slots: bool) -> None:
 
 
 def sass_ops(consts: dict, num_warps: int, quant: int) -> list[str]:
-    """The append's SASS opcodes (with modifiers, predicates dropped), in program order: compiled for sm_90a
-    by the bundled ptxas and disassembled by nvdisasm."""
+    """The append's SASS instructions (opcode with modifiers, then operands; predicates dropped), in program
+    order: compiled for sm_90a by the bundled ptxas and disassembled by nvdisasm."""
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptx = compile_ptx(P._append_kernel, append_ptrs(quant), {}, consts, num_warps)
     with tempfile.TemporaryDirectory() as d:
@@ -115,17 +115,19 @@ def sass_ops(consts: dict, num_warps: int, quant: int) -> list[str]:
         subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", path, "-o", path + ".cubin"], check=True)
         sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", path + ".cubin"], capture_output=True,
                               text=True, check=True).stdout
-    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][^;]*?)\s*;", sass, re.M)
 
 
 def sass_consts(quant: int, split: bool, slots: bool, select: bool = False):  # type: ignore[no-untyped-def]
     """The constexprs of the append with RoPE as the launch picks them (8 x 128 heads), and its warps."""
-    extra = dict(SPLIT=True, EARLY=True, PDL=True, LOAD_EV="", STORE_CM="", PAIR_ASM=False) if split else {}
+    extra = {}
+    if split:
+        extra = dict(SPLIT=True, EARLY=True, PDL=True, LOAD_EV="", STORE_CM="", PAIR_ASM=False, MASKED=not select)
     return append_consts(quant, True, FMAX=1.0, MODE=2 if slots else 0, ROPE_SELECT=select, **extra), 1 if split else 2
 
 
 def sass_one(quant: int, split: bool, slots: bool, select: bool) -> None:
-    ops = sass_ops(*sass_consts(quant, split, slots, select), quant)
+    ops = [ins.split()[0] for ins in sass_ops(*sass_consts(quant, split, slots, select), quant)]
     counts = collections.Counter(o.split(".")[0] for o in ops)
     first_use = next((j for j, o in enumerate(ops) if o.startswith("HADD2.F32")), len(ops))
     before = [o for o in ops[:first_use] if o.startswith("LDG")]

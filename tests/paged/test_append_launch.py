@@ -556,7 +556,7 @@ def test_early_override_in_both_launch_shapes(device, kv_dtype, split_launch, ea
 
 
 def _launch_consts(monkeypatch, kv_dtype: str, *, split: bool, slots: bool = True, rope: bool = False,
-                   params=None) -> dict:  # type: ignore[no-untyped-def]
+                   params=None, early: bool | None = None) -> dict:  # type: ignore[no-untyped-def]
     """The constexprs of one launch of the fake kernel (3 rows of 2 heads x 16, a slot mapping or a ragged
     batch of one sequence)."""
     fake = _FakeKernel()
@@ -571,7 +571,7 @@ def _launch_consts(monkeypatch, kv_dtype: str, *, split: bool, slots: bool = Tru
     paged_ops.append_paged_kv_launch(
         k, k, cache.pool(0), cache.params(0) if params is None else params, kv_dtype=kv_dtype, layout="NHD",
         cu_k_lens=None, rope=RopeConfig(head_dim=16).kernel_params() if rope else None,
-        fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, split=split, **index)
+        fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, split=split, early=early, **index)
     return fake.log[-1][3]
 
 
@@ -608,6 +608,21 @@ def test_rope_select_only_for_quantized_split_slot_mapping(monkeypatch, kv_dtype
     assert _launch_consts(monkeypatch, kv_dtype, split=True, rope=False)["ROPE_SELECT"] is False
     assert _launch_consts(monkeypatch, kv_dtype, split=False, rope=True)["ROPE_SELECT"] is False
     assert _launch_consts(monkeypatch, kv_dtype, split=True, slots=False, rope=True)["ROPE_SELECT"] is False
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_masked_stores_for_early_launches_except_rope_select(monkeypatch, kv_dtype):
+    """Split (EARLY) launches predicate their stores on the row's validity instead of branching on it (MASKED),
+    except quantized slot-mapping launches with RoPE (ROPE_SELECT: measured slower); per-row launches branch.
+    An explicit early=True on a per-row launch masks too; _MASKED_STORES=False turns it off."""
+    quantized = kv_dtype != "auto"
+    assert _launch_consts(monkeypatch, kv_dtype, split=True)["MASKED"] is True
+    assert _launch_consts(monkeypatch, kv_dtype, split=True, slots=False, rope=True)["MASKED"] is True
+    assert _launch_consts(monkeypatch, kv_dtype, split=True, rope=True)["MASKED"] is (not quantized)
+    assert _launch_consts(monkeypatch, kv_dtype, split=False)["MASKED"] is False
+    assert _launch_consts(monkeypatch, kv_dtype, split=False, early=True)["MASKED"] is True
+    monkeypatch.setattr(paged_ops, "_MASKED_STORES", False)
+    assert _launch_consts(monkeypatch, kv_dtype, split=True)["MASKED"] is False
+
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
@@ -756,22 +771,20 @@ import json, sys
 sys.path.insert(0, sys.argv[2])
 import ptx_inspect as PI
 
-out = {}
-for split in (False, True):
-    ops = PI.sass_ops(*PI.sass_consts(2, split, slots=False), 2)
-    branch = next(j for j, o in enumerate(ops) if o.startswith("BRA"))
-    out[str(split)] = [sum(o.startswith("LDG") and o.endswith(".128") for o in ops[:branch]),
-                       sum(o.startswith("LDG") and o.endswith(".128") for o in ops)]
-print(json.dumps(out))
+ins = PI.sass_ops(*PI.sass_consts(2, False, slots=False), 2)
+ops = [i.split()[0] for i in ins]
+branch = next(j for j, o in enumerate(ops) if o.startswith("BRA"))
+call = next(j for j, i in enumerate(ins) if i.startswith("CALL") and "_find_seq" in i)
+row_loads = [j for j, o in enumerate(ops) if o.startswith("LDG") and o.endswith(".128")]
+print(json.dumps([branch, call, row_loads]))
 """
 
 
-def test_row_loads_are_issued_before_the_sequence_lookup_branches():
-    """The ragged int8 append with RoPE in SASS (bundled ptxas for sm_90a, per-row and split launches): the K / V
-    row loads (16-byte vectors) are all issued before the first branch (the check of the lookup's guess), so
-    their latency overlaps the index loads. ptxas sank them past that branch into its join when the fallback
-    search was inlined into it; as a call (`_find_seq`, noinline) it keeps them first."""
-    counts = _compile_in_subprocess(_SASS_SCRIPT, "")
-    for split, (before, total) in counts.items():
-        assert total == 4  # a 16-byte vector per thread for each half row of K and V (per-row), of K or V (split)
-        assert before == total, (split, before, total)
+def test_prefill_search_is_a_call_behind_the_row_loads():
+    """The ragged int8 append with RoPE of a per-row (prefill-sized) launch in SASS (bundled ptxas for sm_90a):
+    the K / V row loads (16-byte vectors, one per thread and half row of K and of V) are all issued before the
+    first branch (the check of the lookup's guess), and the fallback search is a call (`_find_seq_call`)
+    behind it."""
+    branch, call, row_loads = _compile_in_subprocess(_SASS_SCRIPT, "")
+    assert len(row_loads) == 4
+    assert max(row_loads) < branch < call

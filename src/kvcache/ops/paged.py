@@ -66,6 +66,9 @@ _FP8_MAX = 448.0
 # instructions (Nsight Compute); split (decode) launches no faster (int4 ragged +0.1 us), so they keep tl.store.
 # KVCACHE_PAIR_ASM=0 (read at import) stores them with tl.store everywhere.
 _PAIR_ASM = os.environ.get("KVCACHE_PAIR_ASM", "1") != "0"
+# EARLY launches store with masks (the row's validity) instead of behind a branch on it (see _write_row). A
+# module switch for A/B runs (benchmarks/append_ab.py).
+_MASKED_STORES = True
 
 
 def _ptx(device: torch.device) -> bool:
@@ -252,21 +255,21 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
 
 
 @triton.jit
-def _store_row(c1, c2, scale, zero, dst, par, hh, i, m1, m2, QUANT: tl.constexpr, H: tl.constexpr,
+def _store_row(c1, c2, scale, zero, dst, par, hh, i, m1, m2, ok, QUANT: tl.constexpr, H: tl.constexpr,
                HALF: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr, STORE_CM: tl.constexpr,
                PAIR_ASM: tl.constexpr):
     # Store what _encode returned (or, unquantized, the values to store in any float dtype) at dst (data) and
-    # par (scale, zero); m1 / m2: the elements that exist
+    # par (scale, zero); m1 / m2: the elements that exist; ok: a scalar, False stores nothing
     p1 = dst + hh * S_HEAD + i
-    tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1, cache_modifier=STORE_CM)
+    tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1 & ok, cache_modifier=STORE_CM)
     if QUANT != 3:
-        tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2, cache_modifier=STORE_CM)
+        tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2 & ok, cache_modifier=STORE_CM)
     if QUANT >= 2:  # scale / zero [BLOCK_H, 1]
         if PAIR_ASM:
-            _store_pair(par + hh * P_HEAD, scale, zero, hh < H, STORE_CM)
+            _store_pair(par + hh * P_HEAD, scale, zero, (hh < H) & ok, STORE_CM)
         else:
-            tl.store(par + hh * P_HEAD, scale, mask=hh < H, cache_modifier=STORE_CM)
-            tl.store(par + hh * P_HEAD + 1, zero, mask=hh < H, cache_modifier=STORE_CM)
+            tl.store(par + hh * P_HEAD, scale, mask=(hh < H) & ok, cache_modifier=STORE_CM)
+            tl.store(par + hh * P_HEAD + 1, zero, mask=(hh < H) & ok, cache_modifier=STORE_CM)
 
 
 @triton.jit
@@ -315,13 +318,10 @@ def _seq_rows(b, cu_q, kv_info, MODE: tl.constexpr):
     return q0, q1, start
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr):
     # (b, cu_q[b], cu_q[b + 1], tokens cached before the append) of the sequence that owns row n, the largest
     # b with cu_q[b] <= n. One vector load of SEARCH entries, or a binary search when SEARCH == 0.
-    # A call (noinline), taken only where _target's guess misses: inlined into that branch, its registers made
-    # ptxas sink the K / V row loads of split launches past the branch, after the guess's index loads returned
-    # (SASS, benchmarks/ptx_inspect.py sass split); a call keeps every load ahead of it
     if SEARCH > 0:
         ib = tl.arange(0, SEARCH)
         ends = tl.load(cu_q + 1 + ib, mask=ib < n_seqs, other=2147483647)  # cu_q[1 .. B]
@@ -348,6 +348,16 @@ def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr
     return b.to(tl.int64), q0, q1, start
 
 
+@triton.jit(noinline=True)
+def _find_seq_call(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr):
+    # _find_seq as a call, for per-row (prefill-sized) launches. It is taken only where _target's guess misses,
+    # and keeps the search's code and registers out of the hot path: 0.5-2.5 points of copy bandwidth for int4
+    # prefills against the inlined search (H100, append_ab.py versions, 23:48 UTC), the other formats within
+    # noise. Split (decode) launches inline it: there ptxas then issues the K / V loads after the guess's check,
+    # and yet measured up to 0.1 us per layer faster (fp8, int4).
+    return _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
+
+
 _GUESS_BITS = 30
 _GUESS_SHIFT = tl.constexpr(_GUESS_BITS)
 
@@ -369,7 +379,7 @@ def _guess_mul(n_seqs: int, n_rows: int) -> int:
 def _target(
     n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul,
     MODE: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-    CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr,
+    CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # where row n goes: (valid, block id, offset in the block, global position)
     pos = n.to(tl.int64) * 0
@@ -392,7 +402,10 @@ def _target(
             q1 = c1
             start = s0
         else:
-            b, q0, q1, start = _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
+            if SPLIT:
+                b, q0, q1, start = _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
+            else:
+                b, q0, q1, start = _find_seq_call(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
         pos = (start + (n - q0)).to(tl.int64)
         valid = (b < n_seqs) & (n < q1) & (pos >= 0)
         if CP_SIZE > 1:
@@ -449,6 +462,7 @@ def _write_row(
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr,
     VEC: tl.constexpr, EARLY: tl.constexpr, STORE_CM: tl.constexpr, PAIR_ASM: tl.constexpr, SELECT: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     # Store row n's K (is_v == 0: RoPE applied) or V (is_v == 1), given as half tiles r1 / r2 in the model
     # dtype, at (blk, off) in the pool's format. is_v is a constant or a per-program value; RAW: store r1 / r2
@@ -459,17 +473,23 @@ def _write_row(
         c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales, hh,
                                          i, m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, HALF,
                                          STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT)
-    if valid:
+    s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's K (or V) region, data and params
+    p_kv: tl.constexpr = BLOCK_SIZE * H * 2
+    if EARLY and MASKED:
+        # no branch on `valid`: the stores are predicated on it. Behind a branch, ptxas hoisted the branch (and
+        # so the wait for the block table) above the per-head division and the codes, which then ran after the
+        # block-table load returned instead of overlapping it
+        _store_row(c1, c2, scale, zero, pool + (blk * (2 * s_kv) + off * S_TOK + is_v * s_kv),
+                   qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv), hh, i, m1, m2, valid, QUANT, H, HALF,
+                   S_HEAD, P_HEAD, STORE_CM, PAIR_ASM)
+    elif valid:
         if not EARLY:
             c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales,
                                              hh, i, m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D,
                                              HALF, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT)
-        s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's K (or V) region, data and params
-        p_kv: tl.constexpr = BLOCK_SIZE * H * 2
-        base = blk * (2 * s_kv) + off * S_TOK + is_v * s_kv
-        pbase = blk * (2 * p_kv) + off * P_TOK + is_v * p_kv
-        _store_row(c1, c2, scale, zero, pool + base, qparams + pbase, hh, i, m1, m2, QUANT, H, HALF, S_HEAD, P_HEAD,
-                   STORE_CM, PAIR_ASM)
+        _store_row(c1, c2, scale, zero, pool + (blk * (2 * s_kv) + off * S_TOK + is_v * s_kv),
+                   qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv), hh, i, m1, m2, True, QUANT, H, HALF,
+                   S_HEAD, P_HEAD, STORE_CM, PAIR_ASM)
 
 
 @triton.jit
@@ -548,6 +568,7 @@ def _append_kernel(
     HG: tl.constexpr,  # SPLIT: head groups of BLOCK_H heads, one program each
     PAIR_ASM: tl.constexpr,  # (scale, zero) stored by PTX inline assembly (see _store_pair); else tl.store
     ROPE_SELECT: tl.constexpr,  # SPLIT: K and V programs both rotate, V keeps its row (see _row_codes)
+    MASKED: tl.constexpr,  # EARLY: stores predicated on the row's validity rather than behind a branch (_write_row)
 ):
     # grid: (N,), or (2 HG N,) when SPLIT: a program per row's K or V and group of BLOCK_H heads. A row (one
     # token, BLOCK_H heads) is handled as two half tiles, elements [0, HALF) and [HALF, D): rotate-half RoPE
@@ -574,13 +595,13 @@ def _append_kernel(
                                      LOAD_EV)
         valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
                                        n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
-                                       SEARCH, LOG_B)
+                                       SEARCH, LOG_B, SPLIT)
         for is_v in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
             _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, pid,
                        stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
                        (not ROPE) or (is_v == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
                        BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
-                       STORE_CM, PAIR_ASM, False)
+                       STORE_CM, PAIR_ASM, False, MASKED)
     else:
         n = pid // (2 * HG)
         is_v = (pid // HG) % 2  # 0: this program writes the row's K, 1: its V
@@ -591,12 +612,12 @@ def _append_kernel(
         r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
         valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
                                        n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
-                                       SEARCH, LOG_B)
+                                       SEARCH, LOG_B, SPLIT)
         # with RoPE, V goes through float32 too: an exact round trip for every model dtype
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
                    fp8_scales, hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
                    BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
-                   STORE_CM, PAIR_ASM, ROPE_SELECT)
+                   STORE_CM, PAIR_ASM, ROPE_SELECT, MASKED)
 
 
 @triton.jit
@@ -888,6 +909,7 @@ def append_paged_kv_launch(
     bs = pool.shape[3] if hnd else pool.shape[2]
     n_seqs = 0 if slot_mapping is not None else cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
+    rope_select = bool(split) and has_rope and quant >= 1 and slot_mapping is not None
     # vector loads of k / v rows: the row strides (runtime ints) are passed in units of VEC elements (up to 16
     # bytes); the head strides and the half-row offset are constexprs, whose divisibility the compiler sees
     vec = vec_elems(k.element_size(), (k.stride(0), v.stride(0)))
@@ -908,7 +930,11 @@ def append_paged_kv_launch(
         BLOCK_HF=next_pow2((D + 1) // 2),
         LIBDEVICE=pool.device.type == "cuda", SPLIT=bool(split), PDL=bool(pdl), VEC=vec, EARLY=bool(early),
         LOAD_EV="evict_first" if hints else "", STORE_CM=".cs" if hints else "",
-        ROPE_SELECT=bool(split) and has_rope and quant >= 1 and slot_mapping is not None,
+        ROPE_SELECT=rope_select,
+        # measured on an H100 (append_ab.py versions, 23:48 UTC), us per decode layer: without RoPE fp8 1.81-1.83 ->
+        # 1.60, int8 1.71-1.91 -> 1.61-1.64, int4 1.67-1.74 -> 1.57 (ragged; fp8 by slot mapping 1.53 -> 1.40),
+        # with RoPE up to 0.1 faster (ragged); quantized slot mapping with RoPE (ROPE_SELECT) 0.05-0.1 slower
+        MASKED=bool(early) and _MASKED_STORES and not rope_select,
         PAIR_ASM=_PAIR_ASM and not split and quant >= 2 and _ptx(pool.device) and params.data_ptr() % 8 == 0,  # type: ignore[union-attr]
         # measured on an H100 (benchmarks/paged_tune.py, append_ab.py; 8 x 128 heads): 2 warps (1 KB of fp16 per
         # warp and row); 1 warp for split (decode-sized) launches (as fast or up to 0.1 us faster per layer)
