@@ -15,7 +15,7 @@ Environment switches read at import (``KVCACHE_FAST_TRIG``, ``KVCACHE_APPEND_HIN
 the script twice.
 
     PYTHONPATH=src python3 benchmarks/append_ab.py [early] [hints] [ceiling] [heads] [regs]
-        [versions OLD.py [quick] [NAME:PATH | NAME:_FLAG=VALUE ...]]
+        [versions OLD.py [quick] [decode] [NAME:PATH | NAME:_FLAG=VALUE ...]]
 """
 
 from __future__ import annotations
@@ -215,12 +215,12 @@ def _flags(mod, over: dict):  # type: ignore[no-untyped-def]
 
 
 def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = False,
-             extra: tuple[str, ...] = ()) -> None:
+             extra: tuple[str, ...] = (), decode_only: bool = False) -> None:
     """This tree's append against the one in ``old_path``, interleaved, three rounds: the 16384-row prefill
     (block 16 and 64, every format, with and without RoPE; % of ``copy_bw``) and the 32-layer decode graph
     (every format, ragged and slot mapping; us per layer), the latter also with 2 warps and 2 head groups unless
-    ``quick``. ``extra``: more variants, ``NAME:PATH`` (another paged.py) or ``NAME:_FLAG=VALUE`` (this tree with a
-    module switch set, VALUE a Python literal)."""
+    ``quick``; no prefill if ``decode_only``. ``extra``: more variants, ``NAME:PATH`` (another paged.py) or
+    ``NAME:_FLAG=VALUE`` (this tree with a module switch set, VALUE a Python literal)."""
     old = _module_from(old_path)
     more = []
     for spec in extra:
@@ -232,7 +232,7 @@ def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = Fal
             more.append((name, _module_from(what, name), {}))
     pairs = [("old", old, {}), ("new", paged_ops, {})] + more
     rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
-    for bs in (16, 64):  # prefill
+    for bs in () if decode_only else (16, 64):  # prefill
         k, v, cu_q, kv_lens, tables, nb = prefill_batch(dev, torch.Generator().manual_seed(0), bs)
         n = k.shape[0]
         for kv_dtype in ("auto", "fp8", "int8", "int4"):
@@ -291,7 +291,7 @@ def main() -> None:
     what = set(sys.argv[1:]) or {"early", "hints", "heads"}
     if "versions" in what:
         versions(dev, copy_bw, sys.argv[sys.argv.index("versions") + 1], "quick" in what,
-                 tuple(a for a in sys.argv[sys.argv.index("versions") + 2:] if ":" in a))
+                 tuple(a for a in sys.argv[sys.argv.index("versions") + 2:] if ":" in a), "decode" in what)
     if "hints" in what:
         hints(dev, copy_bw)
     if "ceiling" in what:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvcache.ops import append_paged_kv
+from kvcache.ops import paged as paged_ops
 from kvcache.rope import RopeConfig, apply_rope_reference
 
 from . import paged_reference as pr
@@ -175,12 +176,17 @@ def test_no_tokens_is_a_no_op(device):
     pr.assert_bits_equal(cache.buffer, before, "pool")
 
 
-def test_rows_outside_the_block_table_are_skipped_without_check(device):
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("split", [False, True], ids=["per-row", "split"])
+def test_rows_outside_the_block_table_are_skipped_without_check(device, monkeypatch, split, kv_dtype):
     """Without check=True, rows whose block index is past the table, or whose block id is -1 or past the
-    pool, are skipped on the device; the other rows are written."""
+    pool, are skipped on the device; the other rows are written. Both launch shapes: one program per row
+    (stores behind a branch on the row's validity) and split (stores predicated on it), every format (data
+    and scale / zero)."""
+    monkeypatch.setattr(paged_ops, "_SPLIT_BELOW", 1 << 40 if split else 0)
     H, D, bs, nb = 2, 8, 4, 8
     gen = pr.generator(9)
-    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
     q_lens, kv_lens = [10, 6, 5], [0, 2, 0]
     cu = pr.cumsum0(q_lens)
     k = pr.randn((cu[-1], H, D), torch.float16, gen, device)
@@ -189,10 +195,10 @@ def test_rows_outside_the_block_table_are_skipped_without_check(device):
     tables = [[3, 5], [6, -1], [1, nb + 3]]
     targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
     assert len(targets) == 8 + 2 + 4
-    exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout="NHD")
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD")
     cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
                  kv_lens=pr.i32(kv_lens, device))
-    pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout="NHD")
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD")
 
 
 def test_only_the_given_layer_is_written(device):
@@ -234,17 +240,21 @@ def test_slot_mapping_with_padding(device, layout, slot_dtype):
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout=layout)
 
 
-def test_slot_mapping_past_the_pool_is_skipped_without_check(device):
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("split", [False, True], ids=["per-row", "split"])
+def test_slot_mapping_past_the_pool_is_skipped_without_check(device, monkeypatch, split, kv_dtype):
+    """Slots -1 and past the pool write nothing, in both launch shapes and every format (see above)."""
+    monkeypatch.setattr(paged_ops, "_SPLIT_BELOW", 1 << 40 if split else 0)
     H, D, bs, nb = 2, 8, 4, 4
     gen = pr.generator(12)
-    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
     k = pr.randn((4, H, D), torch.float16, gen, device)
     v = pr.randn((4, H, D), torch.float16, gen, device)
     slots = [2, nb * bs, -1, nb * bs + 7]
     targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb)
-    exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout="NHD")
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD")
     cache.append(0, k, v, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device))
-    pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout="NHD")
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD")
 
 
 # ---------------------------------------------------------------------------------------------------------

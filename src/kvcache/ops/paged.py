@@ -931,9 +931,10 @@ def append_paged_kv_launch(
         LIBDEVICE=pool.device.type == "cuda", SPLIT=bool(split), PDL=bool(pdl), VEC=vec, EARLY=bool(early),
         LOAD_EV="evict_first" if hints else "", STORE_CM=".cs" if hints else "",
         ROPE_SELECT=rope_select,
-        # measured on an H100 (append_ab.py versions, 23:48 UTC), us per decode layer: without RoPE fp8 1.81-1.83 ->
-        # 1.60, int8 1.71-1.91 -> 1.61-1.64, int4 1.67-1.74 -> 1.57 (ragged; fp8 by slot mapping 1.53 -> 1.40),
-        # with RoPE up to 0.1 faster (ragged); quantized slot mapping with RoPE (ROPE_SELECT) 0.05-0.1 slower
+        # measured on an H100 (append_ab.py versions, 23:48 UTC), us per decode layer, branch -> masked: without
+        # RoPE fp8 1.84-1.88 -> 1.60-1.61, int8 1.75-1.95 -> 1.61-1.64, int4 1.61-1.66 -> 1.57-1.58 (ragged; fp8
+        # by slot mapping 1.53-1.54 -> 1.39-1.41); ragged with RoPE up to 0.1 faster; quantized slot mapping with
+        # RoPE (ROPE_SELECT) int8 1.91-1.97 -> 2.02-2.03, so not there
         MASKED=bool(early) and _MASKED_STORES and not rope_select,
         PAIR_ASM=_PAIR_ASM and not split and quant >= 2 and _ptx(pool.device) and params.data_ptr() % 8 == 0,  # type: ignore[union-attr]
         # measured on an H100 (benchmarks/paged_tune.py, append_ab.py; 8 x 128 heads): 2 warps (1 KB of fp16 per
