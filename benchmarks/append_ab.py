@@ -15,7 +15,7 @@ Environment switches read at import (``KVCACHE_FAST_TRIG``, ``KVCACHE_APPEND_HIN
 the script twice.
 
     PYTHONPATH=src python3 benchmarks/append_ab.py [early] [hints] [ceiling] [heads] [regs]
-        [versions OLD.py [quick] [decode] [NAME:PATH | NAME:_FLAG=VALUE ...]]
+        [versions OLD.py [quick] [decode | prefill] [NAME:PATH | NAME:KEY=VALUE ...]]
 """
 
 from __future__ import annotations
@@ -215,19 +215,20 @@ def _flags(mod, over: dict):  # type: ignore[no-untyped-def]
 
 
 def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = False,
-             extra: tuple[str, ...] = (), decode_only: bool = False) -> None:
+             extra: tuple[str, ...] = (), decode_only: bool = False, prefill_only: bool = False) -> None:
     """This tree's append against the one in ``old_path``, interleaved, three rounds: the 16384-row prefill
     (block 16 and 64, every format, with and without RoPE; % of ``copy_bw``) and the 32-layer decode graph
     (every format, ragged and slot mapping; us per layer), the latter also with 2 warps and 2 head groups unless
-    ``quick``; no prefill if ``decode_only``. ``extra``: more variants, ``NAME:PATH`` (another paged.py) or
-    ``NAME:_FLAG=VALUE`` (this tree with a module switch set, VALUE a Python literal)."""
+    ``quick``; no prefill if ``decode_only``, no decode if ``prefill_only``. ``extra``: more variants,
+    ``NAME:PATH`` (another paged.py) or ``NAME:KEY=VALUE`` (this tree with a module switch ``_KEY`` set, or the
+    launch override ``KEY``, e.g. ``num_warps=4``; VALUE a Python literal)."""
     old = _module_from(old_path)
     more = []
     for spec in extra:
         name, what = spec.split(":", 1)
-        if what.startswith("_") and "=" in what:
-            flag, val = what.split("=", 1)
-            more.append((name, paged_ops, {flag: ast.literal_eval(val)}))
+        if "=" in what and not what.endswith(".py"):
+            key, val = what.split("=", 1)
+            more.append((name, paged_ops, {key: ast.literal_eval(val)}))
         else:
             more.append((name, _module_from(what, name), {}))
     pairs = [("old", old, {}), ("new", paged_ops, {})] + more
@@ -243,17 +244,20 @@ def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = Fal
                     for name, mod, over in pairs:
                         def fn(over=over, c=c, kv_dtype=kv_dtype, use_rope=use_rope, mod=mod, k=k, v=v, cu_q=cu_q,  # type: ignore[no-untyped-def]
                                kv_lens=kv_lens, tables=tables) -> None:
+                            launch = {a: x for a, x in over.items() if not a.startswith("_")}
                             with _flags(mod, over):
                                 mod.append_paged_kv_launch(
                                     k, v, c.pool(0), c.params(0), kv_dtype=kv_dtype, layout="NHD",
                                     block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None,
                                     slot_mapping=None, positions=None, rope=rope if use_rope else None,
-                                    fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1)
+                                    fp8_scales=c.kv_scales[0], cp_rank=0, cp_size=1, **launch)
                         t = time_graph(fn, 3)
                         res.setdefault(f"{'rope' if use_rope else 'norope'}-{name}", []).append(
                             100 * nbytes / (t * 1e-6) / 1e9 / copy_bw)
             print(f"prefill block {bs} {kv_dtype} (% of copy, 3 rounds): "
                   + "  ".join(f"{n}: {' '.join(f'{p:.1f}' for p in ps)}" for n, ps in res.items()), flush=True)
+    if prefill_only:
+        return
     rope, b, caches = _decode_setup(dev)
     variants = list(pairs)
     if not quick:
@@ -291,7 +295,8 @@ def main() -> None:
     what = set(sys.argv[1:]) or {"early", "hints", "heads"}
     if "versions" in what:
         versions(dev, copy_bw, sys.argv[sys.argv.index("versions") + 1], "quick" in what,
-                 tuple(a for a in sys.argv[sys.argv.index("versions") + 2:] if ":" in a), "decode" in what)
+                 tuple(a for a in sys.argv[sys.argv.index("versions") + 2:] if ":" in a), "decode" in what,
+                 "prefill" in what)
     if "hints" in what:
         hints(dev, copy_bw)
     if "ceiling" in what:

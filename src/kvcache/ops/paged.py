@@ -938,8 +938,10 @@ def append_paged_kv_launch(
         MASKED=bool(early) and _MASKED_STORES and not rope_select,
         PAIR_ASM=_PAIR_ASM and not split and quant >= 2 and _ptx(pool.device) and params.data_ptr() % 8 == 0,  # type: ignore[union-attr]
         # measured on an H100 (benchmarks/paged_tune.py, append_ab.py; 8 x 128 heads): 2 warps (1 KB of fp16 per
-        # warp and row); 1 warp for split (decode-sized) launches (as fast or up to 0.1 us faster per layer)
-        num_warps=num_warps or max(1, min(8, H * D // (1024 if split else 512))),
+        # warp and row); 4 for unquantized rows (append_ab.py, 00:08 UTC: +0.5-1.5 points of copy bandwidth on the
+        # fp16 prefill, fp8 within noise, int8 / int4 with RoPE -3 / -10 points); 1 warp for split (decode-sized)
+        # launches (as fast or up to 0.1 us faster per layer)
+        num_warps=num_warps or max(1, min(8, H * D // (1024 if split else (256 if quant == 0 else 512)))),
     )
     if pdl:
         consts["launch_pdl"] = True
