@@ -30,6 +30,11 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def compile_ptx(kern, ptrs: dict[str, str], ints: dict[str, str], consts: dict, num_warps: int) -> str:  # type: ignore[no-untyped-def]
+    return compile_kernel(kern, ptrs, ints, consts, num_warps).asm["ptx"]
+
+
+def compile_kernel(kern, ptrs: dict[str, str], ints: dict[str, str], consts: dict, num_warps: int):  # type: ignore[no-untyped-def]
+    """``triton.compile`` of a :class:`kvcache._backend.Kernel` for sm_90 (PTX and cubin, no GPU needed)."""
     fn = kern.compiled
     sig = {}
     attrs = {}
@@ -42,8 +47,7 @@ def compile_ptx(kern, ptrs: dict[str, str], ints: dict[str, str], consts: dict, 
         else:
             sig[name] = ints.get(name, "i32")
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    ck = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
-    return ck.asm["ptx"]
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
 def registers(ptx: str) -> str:
@@ -105,25 +109,27 @@ def sass_main(split: bool, slots: bool) -> None:
 
 def sass_ops(consts: dict, num_warps: int, quant: int) -> list[str]:
     """The append's SASS instructions (opcode with modifiers, then operands; predicates dropped), in program
-    order: compiled for sm_90a by the bundled ptxas and disassembled by nvdisasm."""
+    order: compiled for sm_90 by triton (with the ptxas it picks) and disassembled by the bundled nvdisasm."""
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptx = compile_ptx(P._append_kernel, append_ptrs(quant), {}, consts, num_warps)
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", path, "-o", path + ".cubin"], check=True)
-        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", path + ".cubin"], capture_output=True,
-                              text=True, check=True).stdout
+    cubin = compile_kernel(P._append_kernel, append_ptrs(quant), {}, consts, num_warps).asm["cubin"]
+    with tempfile.TemporaryDirectory() as d:  # triton's own ptxas made the cubin (its PTX version may need it)
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", path], capture_output=True, text=True,
+                              check=True).stdout
     return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][^;]*?)\s*;", sass, re.M)
 
 
 def sass_consts(quant: int, split: bool, slots: bool, select: bool = False):  # type: ignore[no-untyped-def]
-    """The constexprs of the append with RoPE as the launch picks them (8 x 128 heads), and its warps."""
-    extra = {}
+    """The constexprs of the append with RoPE, and its warps, with the launch's choices on an H100 for 8 x 128
+    heads (PDL; split: EARLY, MASKED; per-row: cache hints, the (scale, zero) store; warps); the pool size and
+    the lookup's SEARCH width are fixed (2000 blocks, 8 sequences)."""
+    extra: dict = dict(PDL=True)
     if split:
-        extra = dict(SPLIT=True, EARLY=True, PDL=True, LOAD_EV="", STORE_CM="", PAIR_ASM=False, MASKED=not select)
-    return append_consts(quant, True, FMAX=1.0, MODE=2 if slots else 0, ROPE_SELECT=select, **extra), 1 if split else 2
+        extra.update(SPLIT=True, EARLY=True, LOAD_EV="", STORE_CM="", PAIR_ASM=False, MASKED=not select)
+    warps = 1 if split else (4 if quant == 0 else 2)
+    return append_consts(quant, True, FMAX=1.0, MODE=2 if slots else 0, ROPE_SELECT=select, **extra), warps
 
 
 def sass_one(quant: int, split: bool, slots: bool, select: bool) -> None:

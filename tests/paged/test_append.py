@@ -240,21 +240,27 @@ def test_slot_mapping_with_padding(device, layout, slot_dtype):
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout=layout)
 
 
+@pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
 @pytest.mark.parametrize("split", [False, True], ids=["per-row", "split"])
-def test_slot_mapping_past_the_pool_is_skipped_without_check(device, monkeypatch, split, kv_dtype):
-    """Slots -1 and past the pool write nothing, in both launch shapes and every format (see above)."""
+def test_slot_mapping_past_the_pool_is_skipped_without_check(device, monkeypatch, split, kv_dtype, use_rope):
+    """Slots -1 and past the pool write nothing, in both launch shapes and every format (see above), with RoPE
+    too (quantized split launches with RoPE keep the branch on the row's validity: ROPE_SELECT)."""
     monkeypatch.setattr(paged_ops, "_SPLIT_BELOW", 1 << 40 if split else 0)
     H, D, bs, nb = 2, 8, 4, 4
     gen = pr.generator(12)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
     k = pr.randn((4, H, D), torch.float16, gen, device)
     v = pr.randn((4, H, D), torch.float16, gen, device)
-    slots = [2, nb * bs, -1, nb * bs + 7]
-    targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb)
-    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD")
-    cache.append(0, k, v, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device))
-    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD")
+    slots, positions = [2, nb * bs, -1, nb * bs + 7], [5, 1, 0, 9]
+    rope = RopeConfig(head_dim=D, base=10000.0) if use_rope else None
+    targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb, positions=positions)
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
+                             rope=rope)
+    cache.append(0, k, v, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+                 positions=torch.tensor(positions, device=device) if use_rope else None,
+                 rope=rope if use_rope else False)
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 
 # ---------------------------------------------------------------------------------------------------------

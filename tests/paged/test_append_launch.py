@@ -609,6 +609,7 @@ def test_rope_select_only_for_quantized_split_slot_mapping(monkeypatch, kv_dtype
     assert _launch_consts(monkeypatch, kv_dtype, split=False, rope=True)["ROPE_SELECT"] is False
     assert _launch_consts(monkeypatch, kv_dtype, split=True, slots=False, rope=True)["ROPE_SELECT"] is False
 
+
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 def test_masked_stores_for_early_launches_except_rope_select(monkeypatch, kv_dtype):
     """Split (EARLY) launches predicate their stores on the row's validity instead of branching on it (MASKED),
@@ -620,9 +621,9 @@ def test_masked_stores_for_early_launches_except_rope_select(monkeypatch, kv_dty
     assert _launch_consts(monkeypatch, kv_dtype, split=True, rope=True)["MASKED"] is (not quantized)
     assert _launch_consts(monkeypatch, kv_dtype, split=False)["MASKED"] is False
     assert _launch_consts(monkeypatch, kv_dtype, split=False, early=True)["MASKED"] is True
+    assert _launch_consts(monkeypatch, kv_dtype, split=True, early=False)["MASKED"] is False
     monkeypatch.setattr(paged_ops, "_MASKED_STORES", False)
     assert _launch_consts(monkeypatch, kv_dtype, split=True)["MASKED"] is False
-
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
@@ -709,7 +710,7 @@ print(json.dumps(out))
 """
 
 
-def _compile_in_subprocess(script: str, arg: str):  # type: ignore[no-untyped-def]
+def _compile_in_subprocess(script: str, arg: str) -> object:
     """Run ``script`` (argv: ``arg``, the benchmarks directory) in a fresh process without TRITON_INTERPRET and
     return the JSON of its last line. Where TRITON_INTERPRET is set (the CPU CI), this process's kernels are
     interpreted functions, which do not compile."""
@@ -764,6 +765,7 @@ def test_guess_mul_is_exact_for_decode_and_equal_prefills():
             exact = n * n_seqs // n_rows
             assert (n * m) >> shift in ((exact, exact + 1) if n_seqs <= n_rows else (n, n))
     assert paged_ops._guess_mul(5, 0) == 0
+    assert paged_ops._GUESS_ONE == paged_ops._guess_mul(7, 7)  # the launch's shortcut for decode batches
 
 
 _SASS_SCRIPT = r"""
@@ -776,15 +778,30 @@ ops = [i.split()[0] for i in ins]
 branch = next(j for j, o in enumerate(ops) if o.startswith("BRA"))
 call = next(j for j, i in enumerate(ins) if i.startswith("CALL") and "_find_seq" in i)
 row_loads = [j for j, o in enumerate(ops) if o.startswith("LDG") and o.endswith(".128")]
-print(json.dumps([branch, call, row_loads]))
+split = {}
+for masked in (False, True):  # int8 split (decode) launch without RoPE, ragged: the first exit against the first store
+    consts, warps = PI.sass_consts(2, True, slots=False)
+    consts.update(ROPE=False, MASKED=masked)
+    o = [i.split()[0] for i in PI.sass_ops(consts, warps, 2)]
+    first_exit = next(j for j, x in enumerate(o) if x == "EXIT")
+    split[str(masked)] = [first_exit, next(j for j, x in enumerate(o) if x.startswith("STG"))]
+print(json.dumps([branch, call, row_loads, split]))
 """
 
 
-def test_prefill_search_is_a_call_behind_the_row_loads():
-    """The ragged int8 append with RoPE of a per-row (prefill-sized) launch in SASS (bundled ptxas for sm_90a):
-    the K / V row loads (16-byte vectors, one per thread and half row of K and of V) are all issued before the
-    first branch (the check of the lookup's guess), and the fallback search is a call (`_find_seq_call`)
-    behind it."""
-    branch, call, row_loads = _compile_in_subprocess(_SASS_SCRIPT, "")
+def test_search_call_and_masked_stores_in_sass():
+    """The ragged int8 append in SASS (compiled by triton for sm_90, no GPU needed):
+
+    * per-row (prefill-sized) launch with RoPE: the K / V row loads (16-byte vectors, one per thread and half row
+      of K and of V) are all issued before the first branch (the check of the lookup's guess), and the fallback
+      search is a call (`_find_seq_call`) behind it;
+    * split (decode-sized) launch: with MASKED the first exit comes after the first store (the row's validity
+      predicates the stores: nothing waits on the block table before the codes are done); with a branch on the
+      validity, an exit for invalid rows comes before any store (ptxas hoists it above the quantization)."""
+    branch, call, row_loads, split = _compile_in_subprocess(_SASS_SCRIPT, "")  # type: ignore[misc]
     assert len(row_loads) == 4
     assert max(row_loads) < branch < call
+    exit_masked, store_masked = split["True"]
+    exit_branch, store_branch = split["False"]
+    assert exit_masked > store_masked
+    assert exit_branch < store_branch

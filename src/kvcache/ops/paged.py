@@ -66,9 +66,9 @@ _FP8_MAX = 448.0
 # instructions (Nsight Compute); split (decode) launches no faster (int4 ragged +0.1 us), so they keep tl.store.
 # KVCACHE_PAIR_ASM=0 (read at import) stores them with tl.store everywhere.
 _PAIR_ASM = os.environ.get("KVCACHE_PAIR_ASM", "1") != "0"
-# EARLY launches store with masks (the row's validity) instead of behind a branch on it (see _write_row). A
-# module switch for A/B runs (benchmarks/append_ab.py).
-_MASKED_STORES = True
+# EARLY launches, except ROPE_SELECT ones, store with masks (the row's validity) instead of behind a branch on it
+# (see _write_row and the launch's MASKED). KVCACHE_MASKED_STORES=0 (read at import) branches everywhere.
+_MASKED_STORES = os.environ.get("KVCACHE_MASKED_STORES", "1") != "0"
 
 
 def _ptx(device: torch.device) -> bool:
@@ -257,19 +257,24 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
 @triton.jit
 def _store_row(c1, c2, scale, zero, dst, par, hh, i, m1, m2, ok, QUANT: tl.constexpr, H: tl.constexpr,
                HALF: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr, STORE_CM: tl.constexpr,
-               PAIR_ASM: tl.constexpr):
+               PAIR_ASM: tl.constexpr, MASKED: tl.constexpr):
     # Store what _encode returned (or, unquantized, the values to store in any float dtype) at dst (data) and
-    # par (scale, zero); m1 / m2: the elements that exist; ok: a scalar, False stores nothing
+    # par (scale, zero); m1 / m2: the elements that exist; MASKED: ok (a scalar) masks every store too
+    hm = hh < H
+    if MASKED:  # tl.where: `tile & scalar` is an int32 tile under triton 3.9's interpreter, not a mask
+        m1 = tl.where(ok, m1, False)
+        m2 = tl.where(ok, m2, False)
+        hm = tl.where(ok, hm, False)
     p1 = dst + hh * S_HEAD + i
-    tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1 & ok, cache_modifier=STORE_CM)
+    tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1, cache_modifier=STORE_CM)
     if QUANT != 3:
-        tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2 & ok, cache_modifier=STORE_CM)
+        tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2, cache_modifier=STORE_CM)
     if QUANT >= 2:  # scale / zero [BLOCK_H, 1]
         if PAIR_ASM:
-            _store_pair(par + hh * P_HEAD, scale, zero, (hh < H) & ok, STORE_CM)
+            _store_pair(par + hh * P_HEAD, scale, zero, hm, STORE_CM)
         else:
-            tl.store(par + hh * P_HEAD, scale, mask=(hh < H) & ok, cache_modifier=STORE_CM)
-            tl.store(par + hh * P_HEAD + 1, zero, mask=(hh < H) & ok, cache_modifier=STORE_CM)
+            tl.store(par + hh * P_HEAD, scale, mask=hm, cache_modifier=STORE_CM)
+            tl.store(par + hh * P_HEAD + 1, zero, mask=hm, cache_modifier=STORE_CM)
 
 
 @triton.jit
@@ -350,16 +355,18 @@ def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr
 
 @triton.jit(noinline=True)
 def _find_seq_call(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr):
-    # _find_seq as a call, for per-row (prefill-sized) launches. It is taken only where _target's guess misses,
-    # and keeps the search's code and registers out of the hot path: 0.5-2.5 points of copy bandwidth for int4
-    # prefills against the inlined search (H100, append_ab.py versions, 23:48 UTC), the other formats within
-    # noise. Split (decode) launches inline it: there ptxas then issues the K / V loads after the guess's check,
-    # and yet measured up to 0.1 us per layer faster (fp8, int4).
+    # _find_seq as a call (see _target's CALL). It is taken only where the guess misses, and keeps the search's
+    # code and registers out of the hot path. Measured on an H100 against the inlined search (append_ab.py
+    # versions, 23:48 and 23:58 UTC): per-row (prefill) launches 0.5-2.5 points of copy bandwidth faster for
+    # int4, the other formats within noise; split (decode) launches of unquantized rows without RoPE 0.1 us per
+    # layer faster (1.57-1.63 against 1.66-1.73), while the other split launches were as fast or up to 0.1 us
+    # faster inlined (fp8, int4), although ptxas then issues their K / V loads after the guess's check.
     return _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
 
 
 _GUESS_BITS = 30
 _GUESS_SHIFT = tl.constexpr(_GUESS_BITS)
+_GUESS_ONE = 1 << _GUESS_BITS  # _guess_mul(n, n): one row per sequence
 
 
 def _guess_mul(n_seqs: int, n_rows: int) -> int:
@@ -379,9 +386,10 @@ def _guess_mul(n_seqs: int, n_rows: int) -> int:
 def _target(
     n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul,
     MODE: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-    CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr, SPLIT: tl.constexpr,
+    CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr, CALL: tl.constexpr,
 ):
-    # where row n goes: (valid, block id, offset in the block, global position)
+    # where row n goes: (valid, block id, offset in the block, global position); CALL: a guess that misses calls
+    # the search (_find_seq_call) rather than inlining it
     pos = n.to(tl.int64) * 0
     if MODE == 2:
         slot = tl.load(slots + n).to(tl.int64)
@@ -402,10 +410,10 @@ def _target(
             q1 = c1
             start = s0
         else:
-            if SPLIT:
-                b, q0, q1, start = _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
-            else:
+            if CALL:
                 b, q0, q1, start = _find_seq_call(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
+            else:
+                b, q0, q1, start = _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
         pos = (start + (n - q0)).to(tl.int64)
         valid = (b < n_seqs) & (n < q1) & (pos >= 0)
         if CP_SIZE > 1:
@@ -481,15 +489,15 @@ def _write_row(
         # block-table load returned instead of overlapping it
         _store_row(c1, c2, scale, zero, pool + (blk * (2 * s_kv) + off * S_TOK + is_v * s_kv),
                    qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv), hh, i, m1, m2, valid, QUANT, H, HALF,
-                   S_HEAD, P_HEAD, STORE_CM, PAIR_ASM)
+                   S_HEAD, P_HEAD, STORE_CM, PAIR_ASM, True)
     elif valid:
         if not EARLY:
             c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales,
                                              hh, i, m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D,
                                              HALF, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT)
         _store_row(c1, c2, scale, zero, pool + (blk * (2 * s_kv) + off * S_TOK + is_v * s_kv),
-                   qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv), hh, i, m1, m2, True, QUANT, H, HALF,
-                   S_HEAD, P_HEAD, STORE_CM, PAIR_ASM)
+                   qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv), hh, i, m1, m2, valid, QUANT, H, HALF,
+                   S_HEAD, P_HEAD, STORE_CM, PAIR_ASM, False)
 
 
 @triton.jit
@@ -595,7 +603,7 @@ def _append_kernel(
                                      LOAD_EV)
         valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
                                        n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
-                                       SEARCH, LOG_B, SPLIT)
+                                       SEARCH, LOG_B, (not SPLIT) or (QUANT == 0 and not ROPE))
         for is_v in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
             _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, pid,
                        stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
@@ -612,7 +620,7 @@ def _append_kernel(
         r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
         valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
                                        n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
-                                       SEARCH, LOG_B, SPLIT)
+                                       SEARCH, LOG_B, (not SPLIT) or (QUANT == 0 and not ROPE))
         # with RoPE, V goes through float32 too: an exact round trip for every model dtype
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
                    fp8_scales, hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
@@ -860,8 +868,9 @@ def append_paged_kv_launch(
       ``_SPLIT_HEAD_GROUPS``; validated, and unused by launches that do not split);
     * ``pdl`` = launch with programmatic dependent launch (CUDA graphs on Hopper: the kernel is scheduled
       while the previous one drains, and waits for it before reading anything);
-    * ``early`` = RoPE and quantization before the wait for the block table rather than after it (default:
-      for split launches);
+    * ``early`` = RoPE and quantization before the wait for the block table rather than after it, the stores
+      then predicated on the row's validity instead of behind a branch on it (except quantized slot-mapping
+      launches with RoPE, and with ``KVCACHE_MASKED_STORES=0``) (default: for split launches);
     * ``max_registers`` = a register cap per thread (none by default: caps of 40 and 32 measured no faster,
       see BENCHMARKS.md).
 
@@ -934,7 +943,8 @@ def append_paged_kv_launch(
         # measured on an H100 (append_ab.py versions, 23:48 UTC), us per decode layer, branch -> masked: without
         # RoPE fp8 1.84-1.88 -> 1.60-1.61, int8 1.75-1.95 -> 1.61-1.64, int4 1.61-1.66 -> 1.57-1.58 (ragged; fp8
         # by slot mapping 1.53-1.54 -> 1.39-1.41); ragged with RoPE up to 0.1 faster; quantized slot mapping with
-        # RoPE (ROPE_SELECT) int8 1.91-1.97 -> 2.02-2.03, so not there
+        # RoPE (ROPE_SELECT) int8 1.91-1.97 -> 2.02-2.03, int4 1.92-1.94 -> 1.94-2.03, fp8 1.55 -> 1.51-1.52, so
+        # those keep the branch
         MASKED=bool(early) and _MASKED_STORES and not rope_select,
         PAIR_ASM=_PAIR_ASM and not split and quant >= 2 and _ptx(pool.device) and params.data_ptr() % 8 == 0,  # type: ignore[union-attr]
         # measured on an H100 (benchmarks/paged_tune.py, append_ab.py; 8 x 128 heads): 2 warps (1 KB of fp16 per
@@ -963,7 +973,7 @@ def _append_args(k, v, pool, params, block_tables, cu_q, kv_info, slots, positio
         pool if cu_q is None else cu_q, pool if kv_info is None else kv_info, pool if slots is None else slots,
         pool if positions is None else positions, pool if inv_freq is None else inv_freq,
         pool if fp8_scales is None else fp8_scales, stride_kn, stride_vn, bt_stride, table_width, n_seqs,
-        _guess_mul(n_seqs, n_rows),
+        _GUESS_ONE if n_seqs == n_rows else _guess_mul(n_seqs, n_rows),  # a decode batch: no call (host time)
     )
 
 
