@@ -214,6 +214,13 @@ def _flags(mod, over: dict):  # type: ignore[no-untyped-def]
             setattr(mod, a, x)
 
 
+def _rope_table(rope, positions: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """float32 [N, 2, ROT / 2]: cos and sin of each row's angles (position * inv_freq, one float32 product),
+    for A/B variants that take per-row cos / sin through the ``inv_freq`` pointer (``_AB_ROPE_TABLE``)."""
+    angle = positions.to(torch.float32)[:, None] * rope.inv_freq[None, :]
+    return torch.stack((torch.cos(angle), torch.sin(angle)), dim=1).contiguous()
+
+
 def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = False,
              extra: tuple[str, ...] = (), decode_only: bool = False, prefill_only: bool = False) -> None:
     """This tree's append against the one in ``old_path``, interleaved, three rounds: the 16384-row prefill
@@ -268,7 +275,13 @@ def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = Fal
             for _ in range(3):
                 for use_rope in (False, True):
                     for name, mod, over in variants:
-                        def step(c=c, ragged=ragged, use_rope=use_rope, mod=mod, over=over) -> None:  # type: ignore[no-untyped-def]
+                        mod_rope = rope
+                        if getattr(mod, "_AB_ROPE_TABLE", False):  # a variant that takes per-row cos / sin
+                            mod_rope = rope._replace(inv_freq=_rope_table(rope, b.positions if not ragged else
+                                                                           b.kv_lens.long()))
+
+                        def step(c=c, ragged=ragged, use_rope=use_rope, mod=mod, over=over,  # type: ignore[no-untyped-def]
+                                 rope=mod_rope) -> None:
                             cfg = c.config
                             launch = {a: x for a, x in over.items() if not a.startswith("_")}
                             with _flags(mod, over):
