@@ -51,15 +51,23 @@ def compile_kernel(kern, ptrs: dict[str, str], ints: dict[str, str], consts: dic
 
 
 def registers(ptx: str) -> str:
-    """Registers per thread and spills, from the bundled ptxas (-v)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", "--warn-on-spills", path, "-o", os.path.join(d, "k.cubin")],
-                             capture_output=True, text=True)
-    out = out.stdout + out.stderr
+    """Registers per thread and spills, from a bundled ptxas (-v): ``ptxas``, or ``ptxas-blackwell`` where the
+    PTX is newer than ``ptxas`` reads (triton 3.9 emits PTX 9.x)."""
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    out = ""
+    for tool in ("ptxas", "ptxas-blackwell"):
+        ptxas = os.path.join(bindir, tool)
+        if not os.path.exists(ptxas):
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            res = subprocess.run([ptxas, "-arch=sm_90a", "-v", "--warn-on-spills", path, "-o",
+                                  os.path.join(d, "k.cubin")], capture_output=True, text=True)
+        out = res.stdout + res.stderr
+        if res.returncode == 0:
+            break
     m = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
     return f"{m.group(1) if m else '?'} regs, {spill.group(1) if spill else '?'} B spilled"
