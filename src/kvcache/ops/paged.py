@@ -255,11 +255,17 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
 
 
 @triton.jit
-def _store_row(c1, c2, scale, zero, dst, par, hh, i, m1, m2, ok, QUANT: tl.constexpr, H: tl.constexpr,
-               HALF: tl.constexpr, S_HEAD: tl.constexpr, P_HEAD: tl.constexpr, STORE_CM: tl.constexpr,
+def _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2, ok, QUANT: tl.constexpr,
+               H: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr,
+               S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, STORE_CM: tl.constexpr,
                PAIR_ASM: tl.constexpr, MASKED: tl.constexpr):
-    # Store what _encode returned (or, unquantized, the values to store in any float dtype) at dst (data) and
-    # par (scale, zero); m1 / m2: the elements that exist; MASKED: ok (a scalar) masks every store too
+    # Store what _encode returned (or, unquantized, the values to store in any float dtype) as the K (is_v == 0)
+    # or V row at (blk, off) of the data pool and of the (scale, zero) pool; m1 / m2: the elements that exist;
+    # MASKED: ok (a scalar) masks every store too
+    s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's K (or V) region, data and params
+    p_kv: tl.constexpr = BLOCK_SIZE * H * 2
+    dst = pool + (blk * (2 * s_kv) + off * S_TOK + is_v * s_kv)
+    par = qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv)
     hm = hh < H
     if MASKED:  # tl.where: `tile & scalar` is an int32 tile under triton 3.9's interpreter, not a mask
         m1 = tl.where(ok, m1, False)
@@ -481,23 +487,19 @@ def _write_row(
         c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales, hh,
                                          i, m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, HALF,
                                          STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT)
-    s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's K (or V) region, data and params
-    p_kv: tl.constexpr = BLOCK_SIZE * H * 2
     if EARLY and MASKED:
         # no branch on `valid`: the stores are predicated on it. Behind a branch, ptxas hoisted the branch (and
         # so the wait for the block table) above the per-head division and the codes, which then ran after the
         # block-table load returned instead of overlapping it
-        _store_row(c1, c2, scale, zero, pool + (blk * (2 * s_kv) + off * S_TOK + is_v * s_kv),
-                   qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv), hh, i, m1, m2, valid, QUANT, H, HALF,
-                   S_HEAD, P_HEAD, STORE_CM, PAIR_ASM, True)
+        _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2, valid, QUANT, H, HALF, DP,
+                   BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STORE_CM, PAIR_ASM, True)
     elif valid:
         if not EARLY:
             c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales,
                                              hh, i, m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D,
                                              HALF, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT)
-        _store_row(c1, c2, scale, zero, pool + (blk * (2 * s_kv) + off * S_TOK + is_v * s_kv),
-                   qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv), hh, i, m1, m2, valid, QUANT, H, HALF,
-                   S_HEAD, P_HEAD, STORE_CM, PAIR_ASM, False)
+        _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2, valid, QUANT, H, HALF, DP,
+                   BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STORE_CM, PAIR_ASM, False)
 
 
 @triton.jit
@@ -582,6 +584,8 @@ def _append_kernel(
     # token, BLOCK_H heads) is handled as two half tiles, elements [0, HALF) and [HALF, D): rotate-half RoPE
     # pairs them directly, int4 packs them into one byte.
     HALF: tl.constexpr = (D + 1) // 2
+    # a missed guess calls the search (see _find_seq_call): per-row launches, and split ones of raw rows
+    SEARCH_CALL: tl.constexpr = (not SPLIT) or (QUANT == 0 and not ROPE)
     if PDL:
         gdc_wait()  # everything below may read what the previous kernel wrote
         gdc_launch_dependents()  # the next kernel may be scheduled now: it waits for this grid to finish
@@ -603,7 +607,7 @@ def _append_kernel(
                                      LOAD_EV)
         valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
                                        n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
-                                       SEARCH, LOG_B, (not SPLIT) or (QUANT == 0 and not ROPE))
+                                       SEARCH, LOG_B, SEARCH_CALL)
         for is_v in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
             _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, pid,
                        stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
@@ -620,7 +624,7 @@ def _append_kernel(
         r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
         valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
                                        n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
-                                       SEARCH, LOG_B, (not SPLIT) or (QUANT == 0 and not ROPE))
+                                       SEARCH, LOG_B, SEARCH_CALL)
         # with RoPE, V goes through float32 too: an exact round trip for every model dtype
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
                    fp8_scales, hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
