@@ -15,7 +15,7 @@ Environment switches read at import (``KVCACHE_FAST_TRIG``, ``KVCACHE_APPEND_HIN
 the script twice.
 
     PYTHONPATH=src python3 benchmarks/append_ab.py [early] [hints] [ceiling] [heads] [regs]
-        [versions OLD.py [quick] [decode | prefill] [NAME:PATH | NAME:KEY=VALUE ...]]
+        [versions OLD.py [quick] [decode | prefill] [NAME:PATH | NAME:KEY=VALUE[,KEY=VALUE] ...]]
 """
 
 from __future__ import annotations
@@ -227,15 +227,18 @@ def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = Fal
     (block 16 and 64, every format, with and without RoPE; % of ``copy_bw``) and the 32-layer decode graph
     (every format, ragged and slot mapping; us per layer), the latter also with 2 warps and 2 head groups unless
     ``quick``; no prefill if ``decode_only``, no decode if ``prefill_only``. ``extra``: more variants,
-    ``NAME:PATH`` (another paged.py) or ``NAME:KEY=VALUE`` (this tree with a module switch ``_KEY`` set, or the
-    launch override ``KEY``, e.g. ``num_warps=4``; VALUE a Python literal)."""
+    ``NAME:PATH`` (another paged.py) or ``NAME:KEY=VALUE[,KEY=VALUE ...]`` (this tree with module switches
+    ``_KEY`` set, or launch overrides ``KEY``, e.g. ``num_warps=4``; VALUE a Python literal)."""
     old = _module_from(old_path)
     more = []
     for spec in extra:
         name, what = spec.split(":", 1)
-        if "=" in what and not what.endswith(".py"):
-            key, val = what.split("=", 1)
-            more.append((name, paged_ops, {key: ast.literal_eval(val)}))
+        if "=" in what and not what.endswith(".py"):  # KEY=VALUE[,KEY=VALUE ...]
+            over = {}
+            for item in what.split(","):
+                key, val = item.split("=", 1)
+                over[key] = ast.literal_eval(val)
+            more.append((name, paged_ops, over))
         else:
             more.append((name, _module_from(what, name), {}))
     pairs = [("old", old, {}), ("new", paged_ops, {})] + more

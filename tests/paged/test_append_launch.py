@@ -555,23 +555,25 @@ def test_early_override_in_both_launch_shapes(device, kv_dtype, split_launch, ea
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 
-def _launch_consts(monkeypatch, kv_dtype: str, *, split: bool, slots: bool = True, rope: bool = False,
-                   params=None, early: bool | None = None) -> dict:  # type: ignore[no-untyped-def]
-    """The constexprs of one launch of the fake kernel (3 rows of 2 heads x 16, a slot mapping or a ragged
-    batch of one sequence)."""
+def _launch_consts(monkeypatch, kv_dtype: str, *, split: bool | None, slots: bool = True, rope: bool = False,  # type: ignore[no-untyped-def]
+                   params=None, early: bool | None = None, pdl: bool | None = None, ready: bool = False,
+                   rows: int = 3) -> dict:
+    """The constexprs of one launch of the fake kernel (``rows`` rows of 2 heads x 16, a slot mapping or a
+    ragged batch of one sequence; ``ready``: metadata_ready)."""
     fake = _FakeKernel()
     monkeypatch.setattr(paged_ops, "_append_kernel", fake)
     monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
     cache = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, kv_dtype=kv_dtype)
-    k = torch.randn(3, 2, 16).half()
-    index = (dict(block_tables=None, cu_q_lens=None, kv_lens=None, slot_mapping=torch.tensor([0, 1, 2]),
-                  positions=torch.tensor([0, 1, 2]) if rope else None) if slots else
-             dict(block_tables=pr.i32([[0, 1]], "cpu"), cu_q_lens=pr.i32([0, 3], "cpu"), kv_lens=pr.i32([0], "cpu"),
-                  slot_mapping=None, positions=None))
+    k = torch.randn(rows, 2, 16).half()
+    index = (dict(block_tables=None, cu_q_lens=None, kv_lens=None, slot_mapping=torch.arange(rows) % 32,
+                  positions=torch.arange(rows) if rope else None) if slots else
+             dict(block_tables=pr.i32([[0, 1]], "cpu"), cu_q_lens=pr.i32([0, rows], "cpu"),
+                  kv_lens=pr.i32([0], "cpu"), slot_mapping=None, positions=None))
     paged_ops.append_paged_kv_launch(
         k, k, cache.pool(0), cache.params(0) if params is None else params, kv_dtype=kv_dtype, layout="NHD",
         cu_k_lens=None, rope=RopeConfig(head_dim=16).kernel_params() if rope else None,
-        fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, split=split, early=early, **index)
+        fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, split=split, early=early, pdl=pdl,
+        metadata_ready=ready, **index)
     return fake.log[-1][3]
 
 
@@ -805,3 +807,169 @@ def test_search_call_and_masked_stores_in_sass():
     exit_branch, store_branch = split["False"]
     assert exit_masked > store_masked
     assert exit_branch < store_branch
+
+
+# ----------------------------------------------------------------------------------------- metadata_ready
+
+
+@pytest.mark.parametrize("cs_first", [False, True], ids=["cs-after", "cs-first"])
+@pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+@pytest.mark.parametrize("shape", ["split", "per-row"])
+@pytest.mark.parametrize("batch", [BATCHES[0], BATCHES[2], BATCHES[3]])
+def test_index_first_launches_match_the_reference(device, batch, shape, kv_dtype, use_rope, cs_first):
+    """The lookup (and RoPE's cos / sin) before the wait for the previous kernel (``index_first``, what
+    ``metadata_ready`` selects for decode-sized appends), in both launch shapes, with the decode / mixed /
+    padded batches of the ragged tests and by slot mapping (with -1 rows): the reference's bytes (within the
+    RoPE bounds). On a GPU with PDL the wait is real; on the CPU the order alone is exercised."""
+    if device.type == "cpu" and not paged_ops.use_triton(device):
+        pytest.skip("the torch backend launches no kernel")
+    q_lens, kv_lens, pad = batch
+    H, D, bs, nb = 2, 16, 4, 32
+    gen = pr.generator(11 * len(q_lens) + pad)
+    rope = RopeConfig(head_dim=D, base=10000.0) if use_rope else None
+    params = rope.kernel_params(device=device) if use_rope else None
+    over = dict(split=shape == "split", index_first=True, cs_first=cs_first, early=True)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+    cu = pr.cumsum0(q_lens)
+    totals = [a + b for a, b in zip(kv_lens, q_lens)]
+    tables = pr.block_tables_for(gen, totals, block_size=bs, num_blocks=nb, extra=1)
+    n = cu[-1] + pad
+    k = pr.randn((n, H, D), torch.float16, gen, device)
+    v = pr.randn((n, H, D), torch.float16, gen, device)
+    targets = pr.ragged_targets(n, tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
+                             rope=rope)
+    paged_ops.append_paged_kv_launch(
+        k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32(tables, device),
+        cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device), cu_k_lens=None, slot_mapping=None,
+        positions=None, rope=params, fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, **over)
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+    # the same rows by slot mapping (their targets, -1 for padding rows), positions from the ragged batch
+    cache2 = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+    slots = [-1] * n
+    positions = [0] * n
+    for t in targets:
+        slots[t.row] = t.block * bs + t.offset
+        positions[t.row] = t.position
+    paged_ops.append_paged_kv_launch(
+        k, v, cache2.pool(0), cache2.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=None, cu_q_lens=None,
+        kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor(slots, device=device),
+        positions=torch.tensor(positions, device=device) if use_rope else None, rope=params,
+        fp8_scales=cache2.kv_scales[0], cp_rank=0, cp_size=1, **over)
+    pr.assert_append_matches(cache2.pool(0), cache2.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_metadata_ready_selects_index_first_for_decode_with_pdl(monkeypatch, kv_dtype):
+    """``metadata_ready`` changes only decode-sized launches with PDL: the lookup goes before the wait
+    (INDEX_FIRST), with RoPE's cos / sin too except for fp8 (CS_FIRST), one program per row (of the per-row
+    launch's warps) except fp8 (split), stores predicated (EARLY); without PDL, for prefill-sized appends and
+    without the promise, nothing changes."""
+    monkeypatch.setattr(paged_ops, "_pdl_supported", lambda device: True)
+    fp8 = kv_dtype == "fp8"
+    for slots in (True, False):
+        base = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, pdl=True)
+        assert (base["INDEX_FIRST"], base["CS_FIRST"], base["SPLIT"]) == (False, False, True)
+        ready = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, pdl=True, ready=True)
+        assert ready["INDEX_FIRST"] is True and ready["EARLY"] is True
+        assert ready["CS_FIRST"] is (not fp8) and ready["SPLIT"] is fp8
+        shape = _launch_consts(monkeypatch, kv_dtype, split=fp8, slots=slots, rope=True, pdl=True)
+        assert ready["num_warps"] == shape["num_warps"]
+        no_rope = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, pdl=True, ready=True)
+        assert no_rope["INDEX_FIRST"] is True and no_rope["CS_FIRST"] is False
+        for other in (dict(pdl=False), dict(pdl=True, rows=paged_ops._SPLIT_BELOW)):
+            c = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, ready=True, **other)  # type: ignore[arg-type]
+            assert c["INDEX_FIRST"] is False and c["CS_FIRST"] is False, other
+            assert c["SPLIT"] is (other["pdl"] is False), other
+
+
+def test_metadata_ready_must_be_a_bool(device):
+    cache = pr.sentinel_cache(device, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=4, kv_dtype="int8")
+    k = torch.zeros(1, 2, 8, dtype=torch.float16, device=device)
+    before = cache.pool(0).clone()
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="metadata_ready"):
+            cache.append(0, k, k, slot_mapping=torch.tensor([0], device=device), metadata_ready=bad)
+    assert torch.equal(cache.pool(0).view(torch.uint8), before.view(torch.uint8))
+
+
+def test_prepared_launches_are_kept_apart_by_metadata_ready(monkeypatch):
+    """The cache's prepared launches are keyed by ``metadata_ready``: a promise made once does not carry over to
+    later calls without it (and back)."""
+    from kvcache.paged import cache as cache_mod
+
+    fake = _FakeKernel()
+    monkeypatch.setattr(paged_ops, "_append_kernel", fake)
+    monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
+    monkeypatch.setattr(paged_ops, "_pdl_supported", lambda device: True)
+    monkeypatch.setattr(paged_ops, "_PDL_ENV", True)
+    monkeypatch.setattr(cache_mod, "_current_device", lambda: -1)
+    monkeypatch.setattr(cache_mod, "_current_stream", lambda index: 1)
+    monkeypatch.setattr(cache_mod, "_hooks_active", lambda: False)
+    cache = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, kv_dtype="int8")
+    cache._direct = True
+    k = torch.randn(2, 2, 16).half()
+    slots = torch.tensor([0, 5])
+    for ready in (True, False, True, False):
+        cache.append(0, k, k, slot_mapping=slots, metadata_ready=ready)
+    generic = [e[3] for e in fake.log if e[0] == "generic"]
+    assert [c["INDEX_FIRST"] for c in generic] == [True, False]
+    assert [e[0] for e in fake.log] == ["generic", "generic", "prepared", "prepared"]
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+@pytest.mark.parametrize("mode", ["ragged", "slots"])
+def test_cache_append_with_metadata_ready(device, mode, kv_dtype):
+    """``PagedKVCache.append(..., metadata_ready=True)`` on a decode batch with the cache's RoPE, through its
+    prepared launch on a GPU (called twice: generic, then prepared), against the reference."""
+    H, D, bs, nb = 2, 16, 4, 32
+    kv_lens = [3, 0, 9, 4, 1, 12, 6]
+    gen = pr.generator(77)
+    rope = RopeConfig(head_dim=D, base=10000.0)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype,
+                              rope=rope)
+    n = len(kv_lens)
+    cu = list(range(n + 1))
+    tables = pr.block_tables_for(gen, [x + 1 for x in kv_lens], block_size=bs, num_blocks=nb, extra=1)
+    targets = pr.ragged_targets(n, tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
+    for _ in range(2):
+        k = pr.randn((n, H, D), torch.float16, gen, device)
+        v = pr.randn((n, H, D), torch.float16, gen, device)
+        exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
+                                 rope=rope)
+        if mode == "ragged":
+            cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                         kv_lens=pr.i32(kv_lens, device), metadata_ready=True)
+        else:
+            cache.append(0, k, v, slot_mapping=torch.tensor([t.block * bs + t.offset for t in targets], device=device),
+                         positions=torch.tensor([t.position for t in targets], device=device), metadata_ready=True)
+        pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+
+
+_SASS_INDEX_FIRST = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import ptx_inspect as PI
+
+out = {}
+for first in (False, True):  # int8 decode with RoPE, ragged, one program per row (metadata_ready's launch)
+    consts, warps = PI.sass_consts(2, False, slots=False)
+    consts.update(EARLY=True, MASKED=True, INDEX_FIRST=first, CS_FIRST=first)
+    ops = [i.split()[0] for i in PI.sass_ops(consts, warps, 2)]
+    wait = ops.index("ACQBULK")
+    out[str(first)] = [wait, [j for j, o in enumerate(ops) if o.startswith("LDG") and not o.endswith(".128")][:3],
+                       [j for j, o in enumerate(ops) if o.startswith("LDG") and o.endswith(".128")]]
+print(json.dumps(out))
+"""
+
+
+def test_index_first_puts_the_lookup_before_the_wait_in_sass():
+    """The int8 decode append with RoPE in SASS (compiled by triton for sm_90 without a GPU): with INDEX_FIRST
+    the lookup's loads come before the wait for the previous kernel (griddepcontrol.wait, ACQBULK) and the K / V
+    row loads (16-byte vectors) after it; without, the wait comes before any load."""
+    out = _compile_in_subprocess(_SASS_INDEX_FIRST, "")  # type: ignore[misc]
+    wait, index_loads, row_loads = out["True"]  # type: ignore[index]
+    assert len(index_loads) == 3 and max(index_loads) < wait < min(row_loads) and len(row_loads) == 4
+    wait, index_loads, row_loads = out["False"]  # type: ignore[index]
+    assert wait < min(index_loads + row_loads)

@@ -8,6 +8,7 @@ what must be read + written (K and V in the model dtype read, the stored bytes a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict
@@ -217,17 +218,18 @@ def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
                                              device=dev),
                                  rope=rope_cfg)
 
-            def step(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
+            def step(cache=cache, b=b, ready=False) -> None:  # type: ignore[no-untyped-def]
                 for layer in range(layers):
-                    cache.append(layer, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens)
+                    cache.append(layer, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens,
+                                 metadata_ready=ready)
 
             def one(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
                 cache.append(0, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens)
 
-            def step_norope(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
+            def step_norope(cache=cache, b=b, ready=False) -> None:  # type: ignore[no-untyped-def]
                 for layer in range(layers):
                     cache.append(layer, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens,
-                                 rope=False)
+                                 rope=False, metadata_ready=ready)
 
             per_layer = time_graph(step, 1) / layers
             rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} + rope (ragged)",
@@ -237,9 +239,9 @@ def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
                             graph_us=time_graph(step_norope, 1) / layers,
                             bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
             # slot-mapping mode (vLLM's convention): one index load per token instead of a batch search
-            def step_slots(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
+            def step_slots(cache=cache, b=b, ready=False) -> None:  # type: ignore[no-untyped-def]
                 for layer in range(layers):
-                    cache.append(layer, b.k, b.v, slot_mapping=b.slots, positions=b.positions)
+                    cache.append(layer, b.k, b.v, slot_mapping=b.slots, positions=b.positions, metadata_ready=ready)
 
             def one_slots(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
                 cache.append(0, b.k, b.v, slot_mapping=b.slots, positions=b.positions)
@@ -248,6 +250,21 @@ def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
                             eager_us=time_eager(one_slots, 200), graph_us=time_graph(step_slots, 1) / layers,
                             host_us=time_host(one_slots),
                             bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
+
+            def step_slots_norope(cache=cache, b=b, ready=False) -> None:  # type: ignore[no-untyped-def]
+                for layer in range(layers):
+                    cache.append(layer, b.k, b.v, slot_mapping=b.slots, rope=False, metadata_ready=ready)
+
+            rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} (slots, no rope)",
+                            graph_us=time_graph(step_slots_norope, 1) / layers,
+                            bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
+            if paged_ops._pdl_default(dev):  # metadata_ready: the lookup overlaps the previous kernel's tail
+                for mode, rope_on, fn in (("ragged", True, step), ("ragged", False, step_norope),
+                                          ("slots", True, step_slots), ("slots", False, step_slots_norope)):
+                    name = f"kvcache {kv_dtype}{' + rope' if rope_on else ''} ({mode}{'' if rope_on else ', no rope'}"
+                    rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"{name}, metadata ready)",
+                                    graph_us=time_graph(functools.partial(fn, ready=True), 1) / layers,
+                                    bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
             if paged_ops._pdl_default(dev):  # the same graphs without programmatic dependent launch
                 with _pdl_off():
                     for impl, fn in (("ragged", step), ("slots", step_slots)):

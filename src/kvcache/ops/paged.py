@@ -71,6 +71,7 @@ _PAIR_ASM = os.environ.get("KVCACHE_PAIR_ASM", "1") != "0"
 _MASKED_STORES = os.environ.get("KVCACHE_MASKED_STORES", "1") != "0"
 
 
+
 def _ptx(device: torch.device) -> bool:
     """Whether kernels for ``device`` are compiled from PTX (an NVIDIA GPU: inline PTX may be used)."""
     return device.type == "cuda" and torch.version.hip is None
@@ -436,23 +437,35 @@ def _target(
 
 
 @triton.jit
+def _rope_cs(pos, freqs, FMAX: tl.constexpr, ATTN_SCALE: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # rotate-half RoPE over all of D: cos and sin of pos * freqs (freqs [BLOCK_HF]: the frequency of each pair
+    # (j, HALF + j)) scaled by the attention scaling, as [1, BLOCK_HF] rows shared by every head
+    pos_f = pos.to(tl.float32)
+    angle = pos_f * freqs
+    if FMAX > 0:  # max(inv_freq) known: one branch per program on its largest angle
+        if tl.abs(pos_f) * FMAX <= _SINCOS_MAX:  # (slot mapping takes any position, negative ones too)
+            c, sn = _sincos(angle)
+        else:
+            c, sn = _sincos_full(angle, LIBDEVICE)
+    else:
+        c, sn = _sincos_full(angle, LIBDEVICE)
+    return (c * ATTN_SCALE)[None, :], (sn * ATTN_SCALE)[None, :]
+
+
+@triton.jit
 def _rope_k(x1, x2, pos, freqs, FMAX: tl.constexpr, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT: tl.constexpr,
             INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-            STRIDE_KH: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr):
-    # RoPE on one key row given as float32 half tiles x1 (elements i) and x2 (HALF + i), at position pos
+            STRIDE_KH: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr, cs_c, cs_s, CS_GIVEN: tl.constexpr):
+    # RoPE on one key row given as float32 half tiles x1 (elements i) and x2 (HALF + i), at position pos;
+    # CS_GIVEN (rotate-half over all of D only): cos / sin are cs_c / cs_s (from _rope_cs)
     FAST_ROPE: tl.constexpr = (not INTERLEAVED) and (ROT == D)  # pairs (i, HALF + i): no partner loads
     pos_f = pos.to(tl.float32)
     if FAST_ROPE:  # one cos / sin per frequency, shared by every head
-        angle = pos_f * freqs
-        if FMAX > 0:  # max(inv_freq) known: one branch per program on its largest angle
-            if tl.abs(pos_f) * FMAX <= _SINCOS_MAX:  # (slot mapping takes any position, negative ones too)
-                c, sn = _sincos(angle)
-            else:
-                c, sn = _sincos_full(angle, LIBDEVICE)
+        if CS_GIVEN:
+            c = cs_c
+            sn = cs_s
         else:
-            c, sn = _sincos_full(angle, LIBDEVICE)
-        c = (c * ATTN_SCALE)[None, :]
-        sn = (sn * ATTN_SCALE)[None, :]
+            c, sn = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
         y1 = x1 * c - x2 * sn
         y2 = x2 * c + x1 * sn
     else:  # partial rotary or interleaved pairs: partner elements re-read (L1 / L2 hits)
@@ -476,7 +489,7 @@ def _write_row(
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr,
     VEC: tl.constexpr, EARLY: tl.constexpr, STORE_CM: tl.constexpr, PAIR_ASM: tl.constexpr, SELECT: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, cs_c, cs_s, CS_GIVEN: tl.constexpr,
 ):
     # Store row n's K (is_v == 0: RoPE applied) or V (is_v == 1), given as half tiles r1 / r2 in the model
     # dtype, at (blk, off) in the pool's format. is_v is a constant or a per-program value; RAW: store r1 / r2
@@ -486,7 +499,7 @@ def _write_row(
     if EARLY:
         c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales, hh,
                                          i, m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, HALF,
-                                         STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT)
+                                         STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT, cs_c, cs_s, CS_GIVEN)
     if EARLY and MASKED:
         # no branch on `valid`: the stores are predicated on it. Behind a branch, ptxas hoisted the branch (and
         # so the wait for the block table) above the per-head division and the codes, which then ran after the
@@ -497,7 +510,8 @@ def _write_row(
         if not EARLY:
             c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales,
                                              hh, i, m1, m2, RAW, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D,
-                                             HALF, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT)
+                                             HALF, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT, cs_c, cs_s,
+                                             CS_GIVEN)
         _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2, valid, QUANT, H, HALF, DP,
                    BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STORE_CM, PAIR_ASM, False)
 
@@ -507,10 +521,11 @@ def _row_codes(
     r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX: tl.constexpr, fp8_scales, hh, i, m1, m2,
     RAW: tl.constexpr, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
     ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, STRIDE_KH: tl.constexpr,
-    BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr, SELECT: tl.constexpr,
+    BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr, VEC: tl.constexpr, SELECT: tl.constexpr, cs_c, cs_s,
+    CS_GIVEN: tl.constexpr,
 ):
     # what _store_row stores for row n's K or V (see _write_row); SELECT: is_v is a per-program value, RoPE
-    # computed by K and V programs and kept by K
+    # computed by K and V programs and kept by K; CS_GIVEN: RoPE's cos / sin are cs_c / cs_s (see _rope_k)
     if RAW and (QUANT == 0):
         c1 = r1
         c2 = r2
@@ -532,12 +547,12 @@ def _row_codes(
                 # ragged batches (their position loads are not in the branch) no faster, so the launch selects
                 # it for quantized slot-mapping launches only
                 y1, y2 = _rope_k(x1, x2, pos, freqs, FMAX, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT,
-                                 INTERLEAVED, ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
+                                 INTERLEAVED, ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC, cs_c, cs_s, CS_GIVEN)
                 x1 = tl.where(is_v == 0, y1, x1)
                 x2 = tl.where(is_v == 0, y2, x2)
             elif is_v == 0:
                 x1, x2 = _rope_k(x1, x2, pos, freqs, FMAX, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
-                                 ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC)
+                                 ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC, cs_c, cs_s, CS_GIVEN)
         c1, c2, scale, zero = _encode(x1, x2, inv, hh, m1, m2, QUANT, H, BLOCK_H, LIBDEVICE)
     return c1, c2, scale, zero
 
@@ -579,6 +594,9 @@ def _append_kernel(
     PAIR_ASM: tl.constexpr,  # (scale, zero) stored by PTX inline assembly (see _store_pair); else tl.store
     ROPE_SELECT: tl.constexpr,  # SPLIT: K and V programs both rotate, V keeps its row (see _row_codes)
     MASKED: tl.constexpr,  # EARLY: stores predicated on the row's validity rather than behind a branch (_write_row)
+    CS_FIRST: tl.constexpr,  # rotate-half over all of D: RoPE's cos / sin right after the lookup (_rope_cs)
+    INDEX_FIRST: tl.constexpr,  # the lookup (and CS_FIRST's cos / sin) before the wait for the previous kernel
+    # (PDL); only for index tensors and inv_freq that kernel does not write (see _ready_launch)
 ):
     # grid: (N,), or (2 HG N,) when SPLIT: a program per row's K or V and group of BLOCK_H heads. A row (one
     # token, BLOCK_H heads) is handled as two half tiles, elements [0, HALF) and [HALF, D): rotate-half RoPE
@@ -586,7 +604,8 @@ def _append_kernel(
     HALF: tl.constexpr = (D + 1) // 2
     # a missed guess calls the search (see _find_seq_call): per-row launches, and split ones of raw rows
     SEARCH_CALL: tl.constexpr = (not SPLIT) or (QUANT == 0 and not ROPE)
-    if PDL:
+    CS_GIVEN: tl.constexpr = CS_FIRST and ROPE and (not INTERLEAVED) and (ROT == D)
+    if PDL and not INDEX_FIRST:
         gdc_wait()  # everything below may read what the previous kernel wrote
         gdc_launch_dependents()  # the next kernel may be scheduled now: it waits for this grid to finish
     pid = tl.program_id(0)
@@ -601,35 +620,71 @@ def _append_kernel(
     if ROPE and (not INTERLEAVED) and (ROT == D):  # rotate-half over all of D: frequencies j of pairs (j, HALF + j)
         freqs = tl.load(inv_freq + tl.arange(0, BLOCK_HF), mask=tl.arange(0, BLOCK_HF) < HALF, other=0.0)
     if not SPLIT:
-        # the row's K and V first: they do not depend on where it goes, so their latency overlaps the
-        # index loads
-        k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH, VEC,
-                                     LOAD_EV)
-        valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
-                                       n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
-                                       SEARCH, LOG_B, SEARCH_CALL)
+        if INDEX_FIRST:
+            valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride,
+                                           table_width, n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK,
+                                           CP_SIZE, SEARCH, LOG_B, SEARCH_CALL)
+            cs_c = freqs[None, :]  # unused unless CS_GIVEN
+            cs_s = cs_c
+            if CS_GIVEN:
+                cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
+            k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH,
+                                         VEC, LOAD_EV)
+        else:
+            # the row's K and V first: they do not depend on where it goes, so their latency overlaps the
+            # index loads
+            k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH,
+                                         VEC, LOAD_EV)
+            valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride,
+                                           table_width, n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK,
+                                           CP_SIZE, SEARCH, LOG_B, SEARCH_CALL)
+            cs_c = freqs[None, :]  # unused unless CS_GIVEN
+            cs_s = cs_c
+            if CS_GIVEN:
+                cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
         for is_v in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
             _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, pid,
                        stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
                        (not ROPE) or (is_v == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
                        BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
-                       STORE_CM, PAIR_ASM, False, MASKED)
+                       STORE_CM, PAIR_ASM, False, MASKED, cs_c, cs_s, CS_GIVEN)
     else:
         n = pid // (2 * HG)
         is_v = (pid // HG) % 2  # 0: this program writes the row's K, 1: its V
         nn = n.to(tl.int64)
         row = tl.where(is_v == 1, v + nn * (stride_vn * VEC), k + nn * (stride_kn * VEC))
         hoff = tl.where(is_v == 1, hh * STRIDE_VH, hh * STRIDE_KH)
-        r1 = tl.load(row + hoff + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
-        r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
-        valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
-                                       n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
-                                       SEARCH, LOG_B, SEARCH_CALL)
+        if INDEX_FIRST:
+            valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
+                                           n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
+                                           SEARCH, LOG_B, SEARCH_CALL)
+            cs_c = freqs[None, :]  # unused unless CS_GIVEN
+            cs_s = cs_c
+            if CS_GIVEN:
+                cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
+            r1 = tl.load(row + hoff + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
+            r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
+        else:
+            r1 = tl.load(row + hoff + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
+            r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
+            valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
+                                           n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
+                                           SEARCH, LOG_B, SEARCH_CALL)
+            cs_c = freqs[None, :]  # unused unless CS_GIVEN
+            cs_s = cs_c
+            if CS_GIVEN:
+                cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
         # with RoPE, V goes through float32 too: an exact round trip for every model dtype
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
                    fp8_scales, hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
                    BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
-                   STORE_CM, PAIR_ASM, ROPE_SELECT, MASKED)
+                   STORE_CM, PAIR_ASM, ROPE_SELECT, MASKED, cs_c, cs_s, CS_GIVEN)
 
 
 @triton.jit
@@ -834,6 +889,23 @@ def _max_freq(rope) -> float:  # type: ignore[no-untyped-def]
     return float(top) if _FAST_TRIG and top > 0 else 0.0  # (validated by the callers: a finite number >= 0)
 
 
+def _ready_launch(metadata_ready: bool, pdl: bool, n_tokens: int, quant: int) -> tuple[bool, bool, bool]:
+    """For an append whose caller promised ``metadata_ready`` (see :func:`append_paged_kv`): (INDEX_FIRST,
+    split, CS_FIRST's format condition) of its default launch.
+
+    Only decode-sized appends (fewer than ``_SPLIT_BELOW`` rows) with PDL look up their rows before the wait
+    for the previous kernel: without PDL there is no wait to overlap, and prefills are not latency-bound.
+    Those launches then take one program per row for fp16 / int8 / int4 (half the programs of a split launch,
+    and the K and V chains side by side) and split programs for fp8; cos / sin go before the wait too except
+    for fp8. Measured on an H100 (``benchmarks/append_ab.py versions``, session 6, 01:25 UTC), us per decode
+    layer of a 32-layer graph, ragged / slot mapping, with RoPE, default -> metadata ready: auto 1.60-1.68 ->
+    1.48-1.50 / 1.53-1.57 -> 1.41-1.43, fp8 1.82-1.89 -> 1.42-1.50 / 1.50-1.77 -> 1.38-1.67, int8 1.87-1.92
+    -> 1.49-1.51 / 1.84-1.92 -> 1.47-1.48, int4 1.84-1.91 -> 1.50-1.55 / 1.82-1.84 -> 1.50-1.51.
+    """
+    first = metadata_ready and pdl and n_tokens < _SPLIT_BELOW
+    return first, first and quant == 1, quant != 1
+
+
 def append_paged_kv_launch(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -858,6 +930,9 @@ def append_paged_kv_launch(
     early: bool | None = None,
     head_groups: int | None = None,
     max_registers: int | None = None,
+    metadata_ready: bool = False,
+    index_first: bool | None = None,
+    cs_first: bool | None = None,
 ) -> AppendPlan | None:
     """Launch the append kernel; the arguments are those of :func:`append_paged_kv`, already validated
     (``k`` / ``v`` model dtype ``[N, H, D]``, ``pool`` / ``params`` one layer's pools, index tensors int32 /
@@ -867,16 +942,24 @@ def append_paged_kv_launch(
 
     * ``num_warps``;
     * ``split`` = one program for each row's K and one for its V (default: for fewer than ``_SPLIT_BELOW``
-      rows), else one program per row;
+      rows, and with ``metadata_ready`` there only for fp8, see :func:`_ready_launch`), else one program per
+      row;
     * ``head_groups`` = split launches divide a row's heads among this many programs (a power of two; default
       ``_SPLIT_HEAD_GROUPS``; validated, and unused by launches that do not split);
     * ``pdl`` = launch with programmatic dependent launch (CUDA graphs on Hopper: the kernel is scheduled
       while the previous one drains, and waits for it before reading anything);
     * ``early`` = RoPE and quantization before the wait for the block table rather than after it, the stores
       then predicated on the row's validity instead of behind a branch on it (except quantized slot-mapping
-      launches with RoPE, and with ``KVCACHE_MASKED_STORES=0``) (default: for split launches);
+      launches with RoPE, and with ``KVCACHE_MASKED_STORES=0``) (default: for split launches and for those
+      with ``index_first``);
     * ``max_registers`` = a register cap per thread (none by default: caps of 40 and 32 measured no faster,
-      see BENCHMARKS.md).
+      see BENCHMARKS.md);
+    * ``index_first`` = look up where each row goes (and compute RoPE's cos / sin) before waiting for the
+      previous kernel (default: :func:`_ready_launch`, from ``metadata_ready``, the caller's promise that the
+      index tensors were complete before the previous kernel started; see :func:`append_paged_kv`). Forced on
+      without that promise it reads them unsynchronised;
+    * ``cs_first`` = with ``index_first``, RoPE's cos / sin computed before the wait too (rotate-half over the
+      whole head only; default: :func:`_ready_launch`).
 
     Returns an :class:`AppendPlan` for repeating this launch with new tensors of the same kind (compiled
     kernels on CUDA), else None.
@@ -901,12 +984,13 @@ def append_paged_kv_launch(
         return None
     if slot_mapping is None and cu_q_lens.shape[0] == 1:  # type: ignore[union-attr]
         return None  # no sequence: every row is padding
-    if split is None:
-        split = n_tokens < _SPLIT_BELOW
     if pdl is None:
         pdl = _pdl_default(pool.device)
     H, D = k.shape[1], k.shape[2]
     quant = QUANT_CODES[kv_dtype]
+    ready_first, ready_split, ready_cs = _ready_launch(bool(metadata_ready), bool(pdl), n_tokens, quant)
+    if split is None:
+        split = ready_split if ready_first else n_tokens < _SPLIT_BELOW
     hints = _HINTS and not split
     if not split:
         hg = 1
@@ -917,12 +1001,15 @@ def append_paged_kv_launch(
     if early is None:
         # measured on an H100 (benchmarks/append_ab.py): 0.03-0.1 us less per decode layer in every format; on
         # prefills (with the cache hints) no gain, and -1 to -4 points for fp8 and int4 with RoPE
-        early = split
+        early = split or ready_first
     hnd = layout == "HND"
     bs = pool.shape[3] if hnd else pool.shape[2]
     n_seqs = 0 if slot_mapping is not None else cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     rope_select = bool(split) and has_rope and quant >= 1 and slot_mapping is not None
+    fast_rope = has_rope and not inter and rot == D
+    index_first = bool(ready_first if index_first is None else index_first)
+    cs_first = bool(ready_cs if cs_first is None else cs_first) and index_first and fast_rope
     # vector loads of k / v rows: the row strides (runtime ints) are passed in units of VEC elements (up to 16
     # bytes); the head strides and the half-row offset are constexprs, whose divisibility the compiler sees
     vec = vec_elems(k.element_size(), (k.stride(0), v.stride(0)))
@@ -950,6 +1037,7 @@ def append_paged_kv_launch(
         # RoPE (ROPE_SELECT) int8 1.91-1.97 -> 2.02-2.03, int4 1.92-1.94 -> 1.94-2.03, fp8 1.55 -> 1.51-1.52, so
         # those keep the branch
         MASKED=bool(early) and _MASKED_STORES and not rope_select,
+        INDEX_FIRST=index_first, CS_FIRST=cs_first,
         PAIR_ASM=_PAIR_ASM and not split and quant >= 2 and _ptx(pool.device) and params.data_ptr() % 8 == 0,  # type: ignore[union-attr]
         # measured on an H100 (benchmarks/paged_tune.py, append_ab.py; 8 x 128 heads): 2 warps (1 KB of fp16 per
         # warp and row); 4 for unquantized rows (append_ab.py, 00:08 UTC: +0.5-1.5 points of copy bandwidth on the
@@ -1418,6 +1506,7 @@ def append_paged_kv(
     cp_rank: int = 0,
     cp_size: int = 1,
     check: bool = False,
+    metadata_ready: bool = False,
 ) -> None:
     """Write new keys and values into paged blocks in one pass: RoPE on K and quantization fused.
 
@@ -1456,11 +1545,24 @@ def append_paged_kv(
     check : bool
         Debug mode (syncs): verify lengths, block-table capacity and block ids on the host and raise
         ValueError before writing. Without it, such rows are skipped on the device.
+    metadata_ready : bool
+        The caller's promise that the index tensors (``block_tables``, ``cu_q_lens``, ``kv_lens`` /
+        ``cu_k_lens``, ``slot_mapping``, ``positions``) and ``rope.inv_freq`` were complete before the kernel
+        launched just before this append on the stream started: not written by that kernel (nor by one it
+        may still overlap: every kernel that waits for its predecessor before releasing its dependents, as
+        kvcache's and those without programmatic dependent launch do, passes the guarantee on). True of
+        metadata copied in or computed before a forward pass and read by every layer's append. Decode-sized
+        launches with programmatic dependent launch (CUDA graphs on Hopper) then read them, and find where
+        each row goes, while the previous kernel drains, and wait for it only before reading ``k`` / ``v``.
+        Default False: every read waits. A broken promise reads stale indices: rows written to the wrong
+        slots.
 
     Note
     ----
     One kernel launch, no allocation, no host sync: capturable in a CUDA graph.
     """
+    if type(metadata_ready) is not bool:
+        raise TypeError(f"metadata_ready: expected a bool, got {type(metadata_ready).__name__}")
     nb, bs, h, dp = _pool_geometry(pool, params, kv_dtype, layout)
     d = _check_kv_rows(k, v, pool, kv_dtype, h, dp)
     n = k.shape[0]
@@ -1508,7 +1610,7 @@ def append_paged_kv(
     append_paged_kv_launch(
         k, v, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, cu_q_lens=cu_q_lens,
         kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping, positions=positions, rope=rope,
-        fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size,
+        fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size, metadata_ready=metadata_ready,
     )
 
 

@@ -177,11 +177,15 @@ class PagedKVCache:
         cp_rank: int = 0,
         cp_size: int = 1,
         check: bool = False,
+        metadata_ready: bool = False,
     ) -> None:
         """Write new K / V of one layer into the blocks: see :func:`kvcache.ops.append_paged_kv`.
 
         ``rope``: None uses the cache's RopeConfig (if any), False disables, or a RopeConfig /
         RopeKernelParams for this call; ``rope_seq_len`` is the current length for ``"dynamic"`` scaling.
+        ``metadata_ready``: the index tensors were complete before the previous kernel on the stream started
+        (see :func:`kvcache.ops.append_paged_kv`): decode appends in a CUDA graph then overlap their lookup
+        with that kernel's tail.
         """
         cfg = self._config
         # fast paths: the common calls (ragged with kv_lens, or slot mapping; the cache's own RoPE or none), every
@@ -190,7 +194,7 @@ class PagedKVCache:
         fast = (
             type(k) is torch.Tensor and type(v) is torch.Tensor and type(layer) is int and check is False
             and type(cp_size) is int and cp_size == 1 and type(cp_rank) is int and cp_rank == 0
-            and (rope is False or (rope is None and self._rope_fast))
+            and (rope is False or (rope is None and self._rope_fast)) and type(metadata_ready) is bool
         )
         if fast:
             ksh = k.shape
@@ -231,7 +235,7 @@ class PagedKVCache:
                 kv_dtype=self._config.kv_dtype, layout=self._config.layout, block_tables=block_tables,
                 cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping,
                 positions=positions, rope=self._rope_for(rope, rope_seq_len), fp8_scales=self.kv_scales[i],
-                cp_rank=cp_rank, cp_size=cp_size, check=check,
+                cp_rank=cp_rank, cp_size=cp_size, check=check, metadata_ready=metadata_ready,
             )
             return
         if n == 0:
@@ -245,14 +249,14 @@ class PagedKVCache:
                 bt_stride, width = bst[0], bsh[1]
                 ptrs = (p1, p2, p3, None, None)  # block tables, cu_q_lens, kv_lens; no slots / positions
                 key = (True, use_rope, ks, vs, n_seqs, self._layer_align[layer], n < paged_ops._SPLIT_BELOW,
-                       paged_ops._PDL_ENV)
+                       paged_ops._PDL_ENV, metadata_ready)
             else:
                 p1, p2, p3 = slot_mapping.data_ptr(), positions.data_ptr() if use_rope else 0, 0  # type: ignore[union-attr]
                 bt_stride = width = n_seqs = 0
                 ptrs = (None, None, None, p1, p2 if use_rope else None)
                 key = (False, use_rope, ks, vs, slot_mapping.dtype,  # type: ignore[union-attr]
                        positions.dtype if use_rope else None, self._layer_align[layer],  # type: ignore[union-attr]
-                       n < paged_ops._SPLIT_BELOW, paged_ops._PDL_ENV)
+                       n < paged_ops._SPLIT_BELOW, paged_ops._PDL_ENV, metadata_ready)
             if (kp | vp | p1 | p2 | p3) & 15 or max(n, ks[0], vs[0], bt_stride, width) > 0x7FFFFFFF:
                 key = None  # unaligned, or an int past int32: the generic launch
             plan = self._plans.get(key) if key is not None else None
@@ -267,6 +271,7 @@ class PagedKVCache:
             block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=None,
             slot_mapping=slot_mapping, positions=positions if use_rope else None,
             rope=self._rope_params if use_rope else None, fp8_scales=self._scales[layer], cp_rank=0, cp_size=1,
+            metadata_ready=metadata_ready,
         )
         if key is not None and plan is not None:
             if len(self._plans) >= 256:  # one per kind of call; bounded for callers whose batch size wanders
