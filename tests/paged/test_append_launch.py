@@ -34,6 +34,7 @@ def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> in
     below which appends split, and the head groups of split launches."""
     monkeypatch.setattr(paged_ops, "_SPLIT_BELOW", 1 << 40 if request.param else 0)
     monkeypatch.setattr(paged_ops, "_SPLIT_HEAD_GROUPS", 2 if request.param == 2 else 1)
+    monkeypatch.setattr(paged_ops, "_SLOT_ROPE_ROWS", False)  # split launches for every kind of row
     return request.param
 
 
@@ -557,21 +558,22 @@ def test_early_override_in_both_launch_shapes(device, kv_dtype, split_launch, ea
 
 def _launch_consts(monkeypatch, kv_dtype: str, *, split: bool | None, slots: bool = True, rope: bool = False,  # type: ignore[no-untyped-def]
                    params=None, early: bool | None = None, pdl: bool | None = None, ready: bool = False,
-                   rows: int = 3) -> dict:
-    """The constexprs of one launch of the fake kernel (``rows`` rows of 2 heads x 16, a slot mapping or a
+                   rows: int = 3, heads: tuple[int, int] = (2, 16)) -> dict:
+    """The constexprs of one launch of the fake kernel (``rows`` rows of ``heads`` (H, D), a slot mapping or a
     ragged batch of one sequence; ``ready``: metadata_ready)."""
     fake = _FakeKernel()
     monkeypatch.setattr(paged_ops, "_append_kernel", fake)
     monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
-    cache = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, kv_dtype=kv_dtype)
-    k = torch.randn(rows, 2, 16).half()
+    H, D = heads
+    cache = pr.sentinel_cache("cpu", num_kv_heads=H, head_dim=D, block_size=4, num_blocks=8, kv_dtype=kv_dtype)
+    k = torch.randn(rows, H, D).half()
     index = (dict(block_tables=None, cu_q_lens=None, kv_lens=None, slot_mapping=torch.arange(rows) % 32,
                   positions=torch.arange(rows) if rope else None) if slots else
              dict(block_tables=pr.i32([[0, 1]], "cpu"), cu_q_lens=pr.i32([0, rows], "cpu"),
                   kv_lens=pr.i32([0], "cpu"), slot_mapping=None, positions=None))
     paged_ops.append_paged_kv_launch(
         k, k, cache.pool(0), cache.params(0) if params is None else params, kv_dtype=kv_dtype, layout="NHD",
-        cu_k_lens=None, rope=RopeConfig(head_dim=16).kernel_params() if rope else None,
+        cu_k_lens=None, rope=RopeConfig(head_dim=D).kernel_params() if rope else None,
         fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, split=split, early=early, pdl=pdl,
         metadata_ready=ready, **index)
     return fake.log[-1][3]
@@ -870,18 +872,21 @@ def test_metadata_ready_selects_index_first_for_decode_with_pdl(monkeypatch, kv_
     fp8 = kv_dtype == "fp8"
     for slots in (True, False):
         base = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, pdl=True)
-        assert (base["INDEX_FIRST"], base["CS_FIRST"], base["SPLIT"]) == (False, False, True)
+        rows4 = slots and kv_dtype in ("int8", "int4")  # _SLOT_ROPE_ROWS
+        assert (base["INDEX_FIRST"], base["CS_FIRST"], base["SPLIT"]) == (False, False, not rows4)
         ready = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, pdl=True, ready=True)
         assert ready["INDEX_FIRST"] is True and ready["EARLY"] is True
         assert ready["CS_FIRST"] is (not fp8) and ready["SPLIT"] is fp8
-        shape = _launch_consts(monkeypatch, kv_dtype, split=fp8, slots=slots, rope=True, pdl=True)
-        assert ready["num_warps"] == shape["num_warps"]
+        shape = _launch_consts(monkeypatch, kv_dtype, split=fp8, slots=slots, rope=True, pdl=True, heads=(8, 128))
+        big = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, pdl=True, ready=True,
+                             heads=(8, 128))
+        assert big["num_warps"] == shape["num_warps"] == (1 if fp8 else 4 if kv_dtype == "auto" else 2)
         no_rope = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, pdl=True, ready=True)
         assert no_rope["INDEX_FIRST"] is True and no_rope["CS_FIRST"] is False
         for other in (dict(pdl=False), dict(pdl=True, rows=paged_ops._SPLIT_BELOW)):
             c = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, ready=True, **other)  # type: ignore[arg-type]
             assert c["INDEX_FIRST"] is False and c["CS_FIRST"] is False, other
-            assert c["SPLIT"] is (other["pdl"] is False), other
+            assert c["SPLIT"] is (other["pdl"] is False and not rows4), other
 
 
 def test_metadata_ready_must_be_a_bool(device):
@@ -973,3 +978,23 @@ def test_index_first_puts_the_lookup_before_the_wait_in_sass():
     assert len(index_loads) == 3 and max(index_loads) < wait < min(row_loads) and len(row_loads) == 4
     wait, index_loads, row_loads = out["False"]  # type: ignore[index]
     assert wait < min(index_loads + row_loads)
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_quantized_slot_mapping_decode_with_rope_takes_four_warp_rows(monkeypatch, kv_dtype):
+    """Decode-sized int8 / int4 appends by slot mapping with RoPE take one program per row of 4 warps, stores
+    predicated (measured faster than split programs); ragged ones, fp16 / fp8, those without RoPE, prefill-sized
+    ones and _SLOT_ROPE_ROWS=False split as before (or, prefill-sized, take the per-row default)."""
+    rows4 = kv_dtype in ("int8", "int4")
+    c = _launch_consts(monkeypatch, kv_dtype, split=None, rope=True)
+    assert c["SPLIT"] is (not rows4)
+    if rows4:
+        assert c["EARLY"] is True and c["MASKED"] is True and c["ROPE_SELECT"] is False
+        big_heads = _launch_consts(monkeypatch, kv_dtype, split=None, rope=True, heads=(8, 128))
+        assert big_heads["SPLIT"] is False and big_heads["num_warps"] == 4  # 8 x 128 heads
+    assert _launch_consts(monkeypatch, kv_dtype, split=None, rope=False)["SPLIT"] is True
+    assert _launch_consts(monkeypatch, kv_dtype, split=None, slots=False, rope=True)["SPLIT"] is True
+    big = _launch_consts(monkeypatch, kv_dtype, split=None, rope=True, rows=paged_ops._SPLIT_BELOW)
+    assert big["SPLIT"] is False and big["EARLY"] is False
+    monkeypatch.setattr(paged_ops, "_SLOT_ROPE_ROWS", False)
+    assert _launch_consts(monkeypatch, kv_dtype, split=None, rope=True)["SPLIT"] is True

@@ -852,6 +852,9 @@ _SPLIT_BELOW = 2048
 # layer, except slot-mapping int8 / int4 appends with RoPE (0.1 us faster, session 3, before ROPE_SELECT; with
 # it, append_ab.py versions at 22:00 UTC: within 0.07 us); one group by default.
 _SPLIT_HEAD_GROUPS = 1
+# Decode-sized int8 / int4 appends by slot mapping with RoPE take one program per row of 4 warps rather than
+# split programs (see append_paged_kv_launch); False: split like the others.
+_SLOT_ROPE_ROWS = True
 
 
 @functools.cache
@@ -942,7 +945,8 @@ def append_paged_kv_launch(
 
     * ``num_warps``;
     * ``split`` = one program for each row's K and one for its V (default: for fewer than ``_SPLIT_BELOW``
-      rows, and with ``metadata_ready`` there only for fp8, see :func:`_ready_launch`), else one program per
+      rows, except int8 / int4 by slot mapping with RoPE (``_SLOT_ROPE_ROWS``: one program of 4 warps per
+      row), and with ``metadata_ready`` there only for fp8, see :func:`_ready_launch`), else one program per
       row;
     * ``head_groups`` = split launches divide a row's heads among this many programs (a power of two; default
       ``_SPLIT_HEAD_GROUPS``; validated, and unused by launches that do not split);
@@ -988,9 +992,16 @@ def append_paged_kv_launch(
         pdl = _pdl_default(pool.device)
     H, D = k.shape[1], k.shape[2]
     quant = QUANT_CODES[kv_dtype]
+    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     ready_first, ready_split, ready_cs = _ready_launch(bool(metadata_ready), bool(pdl), n_tokens, quant)
+    # int8 / int4 decode by slot mapping with RoPE: one program per row of 4 warps (_SLOT_ROPE_ROWS). Measured
+    # on an H100 (append_ab.py versions, session 6, us per layer of a 32-layer graph, against split launches
+    # with ROPE_SELECT): int8 1.84-1.96 -> 1.72-1.76, int4 1.83-1.92 -> 1.74-1.77; ragged, fp8 and fp16 were
+    # slower that way
+    rows4 = (_SLOT_ROPE_ROWS and not ready_first and slot_mapping is not None and has_rope and quant >= 2
+             and n_tokens < _SPLIT_BELOW and split is None)
     if split is None:
-        split = ready_split if ready_first else n_tokens < _SPLIT_BELOW
+        split = ready_split if ready_first else (n_tokens < _SPLIT_BELOW and not rows4)
     hints = _HINTS and not split
     if not split:
         hg = 1
@@ -1001,11 +1012,10 @@ def append_paged_kv_launch(
     if early is None:
         # measured on an H100 (benchmarks/append_ab.py): 0.03-0.1 us less per decode layer in every format; on
         # prefills (with the cache hints) no gain, and -1 to -4 points for fp8 and int4 with RoPE
-        early = split or ready_first
+        early = split or ready_first or rows4
     hnd = layout == "HND"
     bs = pool.shape[3] if hnd else pool.shape[2]
     n_seqs = 0 if slot_mapping is not None else cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
-    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     rope_select = bool(split) and has_rope and quant >= 1 and slot_mapping is not None
     fast_rope = has_rope and not inter and rot == D
     index_first = bool(ready_first if index_first is None else index_first)
@@ -1043,7 +1053,7 @@ def append_paged_kv_launch(
         # warp and row); 4 for unquantized rows (append_ab.py, 00:08 UTC: +0.5-1.5 points of copy bandwidth on the
         # fp16 prefill, fp8 within noise, int8 / int4 with RoPE -3 / -10 points); 1 warp for split (decode-sized)
         # launches (as fast or up to 0.1 us faster per layer)
-        num_warps=num_warps or max(1, min(8, H * D // (1024 if split else (256 if quant == 0 else 512)))),
+        num_warps=num_warps or max(1, min(8, H * D // (1024 if split else (256 if quant == 0 or rows4 else 512)))),
     )
     if pdl:
         consts["launch_pdl"] = True
