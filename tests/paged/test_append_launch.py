@@ -998,3 +998,33 @@ def test_quantized_slot_mapping_decode_with_rope_takes_four_warp_rows(monkeypatc
     assert big["SPLIT"] is False and big["EARLY"] is False
     monkeypatch.setattr(paged_ops, "_SLOT_ROPE_ROWS", False)
     assert _launch_consts(monkeypatch, kv_dtype, split=None, rope=True)["SPLIT"] is True
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+@pytest.mark.parametrize("shape", ["split", "per-row"])
+def test_index_first_with_context_parallel(device, shape, kv_dtype):
+    """The lookup before the wait keeps context parallelism's rule: rank 1 of 2 stores only tokens at odd
+    positions, at local position p // 2, and rotates them by their global position."""
+    if device.type == "cpu" and not paged_ops.use_triton(device):
+        pytest.skip("the torch backend launches no kernel")
+    q_lens, kv_lens = [1, 3, 1, 2], [4, 0, 9, 5]
+    H, D, bs, nb = 2, 16, 4, 32
+    gen = pr.generator(1234)
+    rope = RopeConfig(head_dim=D, base=10000.0)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+    cu = pr.cumsum0(q_lens)
+    local = [(a + b + 1) // 2 for a, b in zip(kv_lens, q_lens)]
+    tables = pr.block_tables_for(gen, local, block_size=bs, num_blocks=nb, extra=0)
+    k = pr.randn((cu[-1], H, D), torch.float16, gen, device)
+    v = pr.randn((cu[-1], H, D), torch.float16, gen, device)
+    targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb, cp_rank=1,
+                                cp_size=2)
+    assert 0 < len(targets) < cu[-1]
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
+                             rope=rope)
+    paged_ops.append_paged_kv_launch(
+        k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32(tables, device),
+        cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device), cu_k_lens=None, slot_mapping=None,
+        positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=1, cp_size=2,
+        split=shape == "split", index_first=True, cs_first=True, early=True)
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)

@@ -900,10 +900,11 @@ def _ready_launch(metadata_ready: bool, pdl: bool, n_tokens: int, quant: int) ->
     for the previous kernel: without PDL there is no wait to overlap, and prefills are not latency-bound.
     Those launches then take one program per row for fp16 / int8 / int4 (half the programs of a split launch,
     and the K and V chains side by side) and split programs for fp8; cos / sin go before the wait too except
-    for fp8. Measured on an H100 (``benchmarks/append_ab.py versions``, session 6, 01:25 UTC), us per decode
-    layer of a 32-layer graph, ragged / slot mapping, with RoPE, default -> metadata ready: auto 1.60-1.68 ->
-    1.48-1.50 / 1.53-1.57 -> 1.41-1.43, fp8 1.82-1.89 -> 1.42-1.50 / 1.50-1.77 -> 1.38-1.67, int8 1.87-1.92
-    -> 1.49-1.51 / 1.84-1.92 -> 1.47-1.48, int4 1.84-1.91 -> 1.50-1.55 / 1.82-1.84 -> 1.50-1.51.
+    for fp8. Measured on an H100 (``benchmarks/append_ab.py versions``, session 6, 01:46 UTC; the variants
+    behind the choice in BENCHMARKS.md), us per decode layer of a 32-layer graph, ragged / slot mapping, with
+    RoPE, default -> metadata ready: fp16 1.57-1.59 -> 1.42-1.43 / 1.50-1.51 -> 1.30-1.31, fp8 1.82-1.85 ->
+    1.41-1.46 / 1.48-1.68 -> 1.33-1.54, int8 1.86-1.89 -> 1.48-1.49 / 1.71-1.72 -> 1.53-1.54, int4 1.85-1.87
+    -> 1.48-1.51 / 1.67-1.68 -> 1.51-1.52.
     """
     first = metadata_ready and pdl and n_tokens < _SPLIT_BELOW
     return first, first and quant == 1, quant != 1
