@@ -62,7 +62,9 @@ def main() -> None:
                 else:
                     fin = torch.isfinite(p0.float())
                     code = float((pool.float() - p0.float())[fin].abs().max())
-                rel = "" if par is None else f", params max rel diff {float(((par - q0) / q0).nan_to_num().abs().max()):.2e}"
+                rel = ""
+                if par is not None:
+                    rel = f", params max rel diff {float(((par - q0) / q0).nan_to_num().abs().max()):.2e}"
                 what = f"DIFFERENT: {nbytes} bytes, max code / value diff {code}{rel}"
             print(f"{kv_dtype} {'ragged' if ragged else 'slots'} rope={use_rope} {over}: {what}", flush=True)
     print("variant check:", "all identical" if bad == 0 else f"{bad} different")
