@@ -1,7 +1,8 @@
-"""Bit-exact check of the append's decode-sized (split) launch orderings against the default one: the lookup
-before the wait for the previous kernel (``index_first``), with and without RoPE's cos / sin there too
-(``cs_first``), every format, ragged and slot mapping, with and without RoPE (a development tool, run on the
-GPU before timing them: the orderings must store the same bytes, or say by how much they differ).
+"""Bit-exact check of the append's decode-sized launch orderings against the default one: the lookup before
+the wait for the previous kernel (``index_first``), with and without RoPE's cos / sin there too (``cs_first``,
+also alone), split and per-row, every format, ragged and slot mapping, with and without RoPE (a development
+tool, run on the GPU before timing them: the orderings must store the same bytes, or say by how much they
+differ).
 
     PYTHONPATH=src python3 benchmarks/variant_check.py
 """
@@ -31,7 +32,8 @@ def main() -> None:
         for over in ({}, {"index_first": True, "cs_first": False}, {"index_first": True, "cs_first": True},
                      {"metadata_ready": True}, {"split": False},
                      {"split": False, "index_first": True, "cs_first": True, "num_warps": 2},
-                     {"split": False, "index_first": True, "cs_first": False, "early": True}):
+                     {"split": False, "index_first": True, "cs_first": False, "early": True},
+                     {"cs_first": True}, {"split": False, "cs_first": True}):
             c.pool(0).view(torch.uint8).fill_(0xA5)
             if c.params(0) is not None:
                 c.params(0).fill_(float("nan"))

@@ -1028,3 +1028,30 @@ def test_index_first_with_context_parallel(device, shape, kv_dtype):
         positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=1, cp_size=2,
         split=shape == "split", index_first=True, cs_first=True, early=True)
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("shape", ["split", "per-row"])
+@pytest.mark.parametrize("rope_name", list(ROPES))
+def test_index_first_with_every_rope_pairing_in_hnd(device, rope_name, shape, kv_dtype):
+    """The lookup before the wait with every RoPE pairing (partial and interleaved ones re-read partner
+    elements of K after the wait; cos / sin before it only for rotate-half over the whole head), positions past
+    2048, the HND layout, bf16 rows."""
+    if device.type == "cpu" and not paged_ops.use_triton(device):
+        pytest.skip("the torch backend launches no kernel")
+    H, D, bs, nb = 3, 16, 4, 16
+    rope = RopeConfig(head_dim=D, **ROPES[rope_name])
+    gen = pr.generator(700 + len(rope_name))
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, dtype=torch.bfloat16,
+                              kv_dtype=kv_dtype, layout="HND")
+    k, v, tables, cu, kv_lens = pr.long_position_batch(device, gen, H, D, bs, torch.bfloat16, q_lens=(1, 1, 2),
+                                                       kv_lens=(0, 2100, 5), num_blocks=nb)
+    targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="HND",
+                             rope=rope)
+    paged_ops.append_paged_kv_launch(
+        k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="HND", block_tables=pr.i32(tables, device),
+        cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device), cu_k_lens=None, slot_mapping=None,
+        positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1,
+        split=shape == "split", index_first=True, cs_first=True, early=True)
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="HND", rope=rope)

@@ -963,8 +963,9 @@ def append_paged_kv_launch(
       previous kernel (default: :func:`_ready_launch`, from ``metadata_ready``, the caller's promise that the
       index tensors were complete before the previous kernel started; see :func:`append_paged_kv`). Forced on
       without that promise it reads them unsynchronised;
-    * ``cs_first`` = with ``index_first``, RoPE's cos / sin computed before the wait too (rotate-half over the
-      whole head only; default: :func:`_ready_launch`).
+    * ``cs_first`` = RoPE's cos / sin computed right after the lookup (with ``index_first``: before the wait
+      too), not after the K / V rows arrive (rotate-half over the whole head only; default: with
+      ``index_first``, per :func:`_ready_launch`).
 
     Returns an :class:`AppendPlan` for repeating this launch with new tensors of the same kind (compiled
     kernels on CUDA), else None.
@@ -1020,7 +1021,7 @@ def append_paged_kv_launch(
     rope_select = bool(split) and has_rope and quant >= 1 and slot_mapping is not None
     fast_rope = has_rope and not inter and rot == D
     index_first = bool(ready_first if index_first is None else index_first)
-    cs_first = bool(ready_cs if cs_first is None else cs_first) and index_first and fast_rope
+    cs_first = (ready_cs and index_first if cs_first is None else bool(cs_first)) and fast_rope
     # vector loads of k / v rows: the row strides (runtime ints) are passed in units of VEC elements (up to 16
     # bytes); the head strides and the half-row offset are constexprs, whose divisibility the compiler sees
     vec = vec_elems(k.element_size(), (k.stride(0), v.stride(0)))
