@@ -24,6 +24,7 @@ import ast
 import contextlib
 import functools
 import importlib.util
+import re
 import sys
 
 import torch
@@ -235,7 +236,7 @@ def versions(dev: torch.device, copy_bw: float, old_path: str, quick: bool = Fal
         name, what = spec.split(":", 1)
         if "=" in what and not what.endswith(".py"):  # KEY=VALUE[,KEY=VALUE ...]
             over = {}
-            for item in what.split(","):
+            for item in re.split(r",(?=\w+=)", what):  # a VALUE may hold commas (a tuple)
                 key, val = item.split("=", 1)
                 over[key] = ast.literal_eval(val)
             more.append((name, paged_ops, over))

@@ -272,12 +272,14 @@ def test_rope_pairings_by_slot_mapping(device, split, rope_name, kv_dtype):
 class _FakePrepared:
     """Stands in for a compiled kernel's launcher: records what a prepared launch passes."""
 
-    def __init__(self, log: list) -> None:
+    def __init__(self, log: list, launch_consts: dict | None = None) -> None:
         self.head, self.consts, self.log = ("fn", "packed", None, None, None), ("CONSTS",), log
+        self.launch_consts = launch_consts or {}  # the generic launch's constexprs (which plan ran)
 
     def run(self, gx, gy, gz, stream, *rest):  # type: ignore[no-untyped-def]
         assert rest[:len(self.head)] == self.head
         self.log.append(("prepared", (gx, gy, gz), stream, rest[len(self.head):]))
+        self.runs = getattr(self, "runs", 0) + 1
 
 
 class _FakeKernel:
@@ -288,7 +290,7 @@ class _FakeKernel:
 
     def launch(self, device, grid, *args, **consts):  # type: ignore[no-untyped-def]
         self.log.append(("generic", grid, args, consts))
-        return _FakePrepared(self.log)
+        return _FakePrepared(self.log, consts)
 
 
 def _raw(args: tuple) -> tuple:
@@ -916,18 +918,31 @@ def test_prepared_launches_are_kept_apart_by_metadata_ready(monkeypatch):
     cache._direct = True
     k = torch.randn(2, 2, 16).half()
     slots = torch.tensor([0, 5])
-    for ready in (True, False, True, False):
+    for ready in (True, False, True, False, True):
         cache.append(0, k, k, slot_mapping=slots, metadata_ready=ready)
     generic = [e[3] for e in fake.log if e[0] == "generic"]
     assert [c["INDEX_FIRST"] for c in generic] == [True, False]
-    assert [e[0] for e in fake.log] == ["generic", "generic", "prepared", "prepared"]
+    assert [e[0] for e in fake.log] == ["generic", "generic", "prepared", "prepared", "prepared"]
+    plans = {p.prepared.launch_consts["INDEX_FIRST"]: p.prepared for p in cache._plans.values()}
+    assert plans[True].runs == 2 and plans[False].runs == 1  # each call took its own kind's plan
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 @pytest.mark.parametrize("mode", ["ragged", "slots"])
-def test_cache_append_with_metadata_ready(device, mode, kv_dtype):
-    """``PagedKVCache.append(..., metadata_ready=True)`` on a decode batch with the cache's RoPE, through its
-    prepared launch on a GPU (called twice: generic, then prepared), against the reference."""
+def test_cache_append_with_metadata_ready(device, monkeypatch, mode, kv_dtype):
+    """``PagedKVCache.append(..., metadata_ready=True)`` on a decode batch with the cache's RoPE (called twice: on
+    a GPU the generic launch, then the prepared one), against the reference. Without PDL (the CPU, pre-Hopper
+    GPUs) the promise would change nothing, so the gate is opened here: the launches take INDEX_FIRST
+    everywhere (checked), and on the interpreter there is simply no wait."""
+    real = paged_ops._ready_launch
+    seen: list = []
+
+    def gate_open(metadata_ready, pdl, n_tokens, quant):  # type: ignore[no-untyped-def]
+        out = real(metadata_ready, True, n_tokens, quant)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(paged_ops, "_ready_launch", gate_open)
     H, D, bs, nb = 2, 16, 4, 32
     kv_lens = [3, 0, 9, 4, 1, 12, 6]
     gen = pr.generator(77)
@@ -950,6 +965,8 @@ def test_cache_append_with_metadata_ready(device, mode, kv_dtype):
             cache.append(0, k, v, slot_mapping=torch.tensor([t.block * bs + t.offset for t in targets], device=device),
                          positions=torch.tensor([t.position for t in targets], device=device), metadata_ready=True)
         pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+    if paged_ops.use_triton(torch.device(device.type)):
+        assert seen and all(seen)  # every launch that was not a prepared repeat took INDEX_FIRST
 
 
 _SASS_INDEX_FIRST = r"""
@@ -958,26 +975,47 @@ sys.path.insert(0, sys.argv[2])
 import ptx_inspect as PI
 
 out = {}
-for first in (False, True):  # int8 decode with RoPE, ragged, one program per row (metadata_ready's launch)
-    consts, warps = PI.sass_consts(2, False, slots=False)
-    consts.update(EARLY=True, MASKED=True, INDEX_FIRST=first, CS_FIRST=first)
-    ops = [i.split()[0] for i in PI.sass_ops(consts, warps, 2)]
-    wait = ops.index("ACQBULK")
-    out[str(first)] = [wait, [j for j, o in enumerate(ops) if o.startswith("LDG") and not o.endswith(".128")][:3],
-                       [j for j, o in enumerate(ops) if o.startswith("LDG") and o.endswith(".128")]]
+# metadata_ready's launch shapes with RoPE: int8 one program per row (cos / sin first), fp8 split programs;
+# ragged and slot mapping; INDEX_FIRST off and on
+for quant, split in ((2, False), (1, True)):
+    for slots in (False, True):
+        for first in (False, True):
+            consts, warps = PI.sass_consts(quant, split, slots=slots)
+            consts.update(EARLY=True, MASKED=True, ROPE_SELECT=False, INDEX_FIRST=first,
+                          CS_FIRST=first and quant != 1)
+            ops = [i.split()[0] for i in PI.sass_ops(consts, warps, quant)]
+            wait = ops.index("ACQBULK")
+            store = next(j for j, o in enumerate(ops) if o.startswith("STG"))
+            # (libdevice's cos / sin fallback reads constant tables: not index tensors)
+            loads = [(j, o.endswith(".128")) for j, o in enumerate(ops[:store])
+                     if o.startswith("LDG") and ".CONSTANT" not in o]
+            fp = sum(o.startswith(("FFMA", "FMUL")) for o in ops[:wait])
+            out[f"{quant}-{int(split)}-{int(slots)}-{int(first)}"] = [wait, loads, fp]
 print(json.dumps(out))
 """
 
 
 def test_index_first_puts_the_lookup_before_the_wait_in_sass():
-    """The int8 decode append with RoPE in SASS (compiled by triton for sm_90 without a GPU): with INDEX_FIRST
-    the lookup's loads come before the wait for the previous kernel (griddepcontrol.wait, ACQBULK) and the K / V
-    row loads (16-byte vectors) after it; without, the wait comes before any load."""
-    out = _compile_in_subprocess(_SASS_INDEX_FIRST, "")  # type: ignore[misc]
-    wait, index_loads, row_loads = out["True"]  # type: ignore[index]
-    assert len(index_loads) == 3 and max(index_loads) < wait < min(row_loads) and len(row_loads) == 4
-    wait, index_loads, row_loads = out["False"]  # type: ignore[index]
-    assert wait < min(index_loads + row_loads)
+    """metadata_ready's launches in SASS (compiled by triton for sm_90 without a GPU), int8 per row and fp8
+    split, ragged and by slot mapping: with INDEX_FIRST every index load (the lookup, the block table or slot,
+    the position, inv_freq) comes before the wait for the previous kernel (griddepcontrol.wait: ACQBULK) and
+    after it, up to the first store, only the K / V row loads (16-byte vectors; fp8 also reads its scale);
+    with CS_FIRST the cos / sin polynomial is before the wait too. Without INDEX_FIRST the wait comes first."""
+    out = _compile_in_subprocess(_SASS_INDEX_FIRST, "")
+    for key, (wait, loads, fp) in out.items():  # type: ignore[union-attr]
+        quant, split, slots, first = (int(x) for x in key.split("-"))
+        index = [j for j, wide in loads if not wide]
+        rows = [j for j, wide in loads if wide]
+        assert len(rows) == 4, key  # 16 bytes of K and V per thread and half row (per row), or of one (split)
+        if not first:
+            assert wait < min(j for j, _ in loads), key
+            continue
+        after = [j for j in index if j > wait]
+        assert len(after) == (1 if quant == 1 else 0), key  # fp8's k / v scale: not an index tensor
+        assert len(index) - len(after) >= (2 if slots else 4), key  # slot (+ position); guess, length, table
+        assert min(rows) > wait, key
+        if quant != 1:
+            assert fp >= 20, key  # cos / sin (Cody-Waite reduction and the polynomials)
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
@@ -1055,3 +1093,127 @@ def test_index_first_with_every_rope_pairing_in_hnd(device, rope_name, shape, kv
         positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1,
         split=shape == "split", index_first=True, cs_first=True, early=True)
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="HND", rope=rope)
+
+
+def _ready_fake(monkeypatch):  # type: ignore[no-untyped-def]
+    """A fake kernel and an open PDL gate (the CPU stands in for a Hopper GPU): what each launch would take."""
+    fake = _FakeKernel()
+    monkeypatch.setattr(paged_ops, "_append_kernel", fake)
+    monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
+    monkeypatch.setattr(paged_ops, "_pdl_supported", lambda device: True)
+    monkeypatch.setattr(paged_ops, "_PDL_ENV", True)
+    return fake
+
+
+def test_the_public_op_passes_metadata_ready_on(monkeypatch):
+    """``append_paged_kv(..., metadata_ready=True)`` (the validating op) reaches the launch; a non-bool is a
+    TypeError that names the value, before anything is written."""
+    fake = _ready_fake(monkeypatch)
+    cache = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, kv_dtype="int8")
+    k = torch.randn(3, 2, 16).half()
+    args = dict(kv_dtype="int8", slot_mapping=torch.tensor([0, 5, 9]), fp8_scales=None)
+    for ready in (True, False):
+        paged_ops.append_paged_kv(k, k, cache.pool(0), cache.params(0), metadata_ready=ready, **args)
+        assert fake.log[-1][3]["INDEX_FIRST"] is ready
+    n = len(fake.log)
+    with pytest.raises(TypeError, match=r"metadata_ready: expected a bool, got 1 \(int\)"):
+        paged_ops.append_paged_kv(k, k, cache.pool(0), cache.params(0), metadata_ready=1, **args)
+    assert len(fake.log) == n
+
+
+def test_rope_built_in_the_call_drops_the_promise(monkeypatch):
+    """The cache's own RoPE parameters (built once) are covered by the promise; parameters built in the call (a
+    RopeConfig given to append, dynamic scaling) may have their inv_freq written on the device just before the
+    kernel, so those calls wait as without it."""
+    fake = _ready_fake(monkeypatch)
+    D = 16
+    k = torch.randn(3, 2, D).half()
+    index = dict(slot_mapping=torch.tensor([0, 5, 9]), positions=torch.tensor([1, 40, 200]))
+    static = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=D, block_size=4, num_blocks=8, kv_dtype="int8",
+                               rope=RopeConfig(head_dim=D))
+    static.append(0, k, k, metadata_ready=True, **index)
+    assert fake.log[-1][3]["INDEX_FIRST"] is True and fake.log[-1][3]["CS_FIRST"] is True
+    static.append(0, k, k, metadata_ready=True, rope=static._rope_params, **index)  # the same params, given
+    assert fake.log[-1][3]["INDEX_FIRST"] is True
+    static.append(0, k, k, metadata_ready=True, rope=RopeConfig(head_dim=D, base=5e5), **index)
+    assert fake.log[-1][3]["INDEX_FIRST"] is False
+    dynamic = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=D, block_size=4, num_blocks=8, kv_dtype="int8",
+                                rope=RopeConfig(head_dim=D, rope_type="dynamic", factor=2.0,
+                                                max_position_embeddings=32))
+    for seq_len in (16, 300):
+        dynamic.append(0, k, k, metadata_ready=True, rope_seq_len=seq_len, **index)
+        assert fake.log[-1][3]["INDEX_FIRST"] is False and fake.log[-1][3]["ROPE"] is True
+
+
+_LATE_WRITER = None
+
+
+def _late_writer_kernel():  # type: ignore[no-untyped-def]
+    """A Triton kernel launched with PDL that releases its dependents at once, then spins and only then writes
+    ``dst`` (built on first use: GPU only)."""
+    global _LATE_WRITER
+    if _LATE_WRITER is None:
+        import triton.language as tl
+        from triton.language.extra.cuda import gdc_launch_dependents
+
+        @triton.jit
+        def late_writer(src, dst, n, SPIN: tl.constexpr, BLOCK: tl.constexpr):
+            gdc_launch_dependents()  # the next kernel may start now, long before dst is written
+            acc = tl.program_id(0).to(tl.float32)
+            for _ in range(SPIN):
+                acc = acc * 0.999 + 1.0
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(src + offs, mask=offs < n)
+            tl.store(dst + offs, x + (acc * 0.0).to(x.dtype), mask=offs < n)
+
+        @triton.jit
+        def eager_copy(src, dst, n, BLOCK: tl.constexpr):  # no wait for the previous kernel: a control
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+        _LATE_WRITER = late_writer, eager_copy
+    return _LATE_WRITER
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("mode", ["ragged", "slots"])
+def test_metadata_ready_still_waits_for_k_and_v(device, mode, kv_dtype):
+    """With the promise the append reads the index tensors before the wait for the previous kernel, but K / V
+    after it: a PDL kernel that releases its dependents at once and writes K / V only after spinning must
+    have its values stored, not the stale ones (which a K / V read before the wait would get)."""
+    if device.type != "cuda" or not paged_ops._pdl_default(device):
+        pytest.skip("programmatic dependent launch needs a CUDA GPU of compute capability >= 9.0")
+    H, D, bs, nb = 8, 128, 16, 64
+    gen = pr.generator(31)
+    rope = RopeConfig(head_dim=D, base=10000.0)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype,
+                              rope=rope)
+    kv_lens = [5, 17, 0, 40, 33, 2, 60, 11]
+    n = len(kv_lens)
+    cu = list(range(n + 1))
+    tables = pr.block_tables_for(gen, [x + 1 for x in kv_lens], block_size=bs, num_blocks=nb, extra=0)
+    targets = pr.ragged_targets(n, tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
+    fresh = pr.randn((2, n, H, D), torch.float16, gen, device)
+    kv = torch.zeros_like(fresh)  # stale values, overwritten late by the writer
+    exp = pr.append_expected(cache.pool(0), cache.params(0), fresh[0], fresh[1], targets, kv_dtype=kv_dtype,
+                             layout="NHD", rope=rope)
+    index = (dict(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device))
+             if mode == "ragged" else
+             dict(slot_mapping=torch.tensor([t.block * bs + t.offset for t in targets], device=device),
+                  positions=torch.tensor([t.position for t in targets], device=device)))
+    writer, eager_copy = _late_writer_kernel()
+    block = 1024
+    grid = (triton.cdiv(fresh.numel(), block),)
+    # control: a PDL kernel that reads without waiting sees the stale K / V (else this test could not tell)
+    snap = torch.empty_like(kv)
+    torch.cuda.synchronize()
+    writer[grid](fresh, kv, fresh.numel(), SPIN=20000, BLOCK=block, launch_pdl=True)
+    eager_copy[grid](kv, snap, kv.numel(), BLOCK=block, launch_pdl=True)
+    torch.cuda.synchronize()
+    assert torch.equal(kv, fresh) and bool((snap == 0).any()), "the writer did not write late: no test"
+    kv.zero_()
+    torch.cuda.synchronize()
+    writer[grid](fresh, kv, fresh.numel(), SPIN=20000, BLOCK=block, launch_pdl=True)
+    cache.append(0, kv[0], kv[1], metadata_ready=True, **index)
+    torch.cuda.synchronize()
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)

@@ -261,8 +261,9 @@ def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
             if paged_ops._pdl_default(dev):  # metadata_ready: the lookup overlaps the previous kernel's tail
                 for mode, rope_on, fn in (("ragged", True, step), ("ragged", False, step_norope),
                                           ("slots", True, step_slots), ("slots", False, step_slots_norope)):
-                    name = f"kvcache {kv_dtype}{' + rope' if rope_on else ''} ({mode}{'' if rope_on else ', no rope'}"
-                    rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"{name}, metadata ready)",
+                    name = (f"kvcache {kv_dtype} + rope ({mode}, metadata ready)" if rope_on else
+                            f"kvcache {kv_dtype} ({mode}, no rope, metadata ready)")
+                    rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", name,
                                     graph_us=time_graph(functools.partial(fn, ready=True), 1) / layers,
                                     bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
             if paged_ops._pdl_default(dev):  # the same graphs without programmatic dependent launch

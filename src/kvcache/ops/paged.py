@@ -71,7 +71,6 @@ _PAIR_ASM = os.environ.get("KVCACHE_PAIR_ASM", "1") != "0"
 _MASKED_STORES = os.environ.get("KVCACHE_MASKED_STORES", "1") != "0"
 
 
-
 def _ptx(device: torch.device) -> bool:
     """Whether kernels for ``device`` are compiled from PTX (an NVIDIA GPU: inline PTX may be used)."""
     return device.type == "cuda" and torch.version.hip is None
@@ -459,7 +458,6 @@ def _rope_k(x1, x2, pos, freqs, FMAX: tl.constexpr, k, n, stride_kn, hh, i, m1, 
     # RoPE on one key row given as float32 half tiles x1 (elements i) and x2 (HALF + i), at position pos;
     # CS_GIVEN (rotate-half over all of D only): cos / sin are cs_c / cs_s (from _rope_cs)
     FAST_ROPE: tl.constexpr = (not INTERLEAVED) and (ROT == D)  # pairs (i, HALF + i): no partner loads
-    pos_f = pos.to(tl.float32)
     if FAST_ROPE:  # one cos / sin per frequency, shared by every head
         if CS_GIVEN:
             c = cs_c
@@ -469,6 +467,7 @@ def _rope_k(x1, x2, pos, freqs, FMAX: tl.constexpr, k, n, stride_kn, hh, i, m1, 
         y1 = x1 * c - x2 * sn
         y2 = x2 * c + x1 * sn
     else:  # partial rotary or interleaved pairs: partner elements re-read (L1 / L2 hits)
+        pos_f = pos.to(tl.float32)
         krow = k + n.to(tl.int64) * (stride_kn * VEC) + hh * STRIDE_KH
         pa1, j1, fi1, r1 = _rope_pairs(i, ROT, INTERLEAVED)
         pa2, j2, fi2, r2 = _rope_pairs(i + HALF, ROT, INTERLEAVED)
@@ -479,6 +478,25 @@ def _rope_k(x1, x2, pos, freqs, FMAX: tl.constexpr, k, n, stride_kn, hh, i, m1, 
         y1 = _rotate(x1, kp1, f1, fi1, r1, pos_f, ATTN_SCALE, LIBDEVICE)
         y2 = _rotate(x2, kp2, f2, fi2, r2, pos_f, ATTN_SCALE, LIBDEVICE)
     return y1, y2
+
+
+@triton.jit
+def _lookup(
+    n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs,
+    MODE: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, CP_RANK: tl.constexpr,
+    CP_SIZE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr, CALL: tl.constexpr, CS_GIVEN: tl.constexpr,
+    FMAX: tl.constexpr, ATTN_SCALE: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    # _target of row n, and with CS_GIVEN RoPE's cos / sin at its position (_rope_cs; else placeholders):
+    # (valid, block id, offset, position, cos, sin). Reads only index tensors and freqs: with INDEX_FIRST it
+    # runs before the wait for the previous kernel
+    valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs,
+                                   guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, CALL)
+    cs_c = freqs[None, :]  # unused unless CS_GIVEN
+    cs_s = cs_c
+    if CS_GIVEN:
+        cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
+    return valid, blk, off, pos, cs_c, cs_s
 
 
 @triton.jit
@@ -585,7 +603,8 @@ def _append_kernel(
     BLOCK_H: tl.constexpr, BLOCK_HF: tl.constexpr, LIBDEVICE: tl.constexpr,
     SPLIT: tl.constexpr,  # False: a program writes one row's K and V; True: two programs per row, one for K and
     # one for V (half the work on each program's critical path: short decode launches)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel first
+    PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the previous kernel before the
+    # first read (after the lookup with INDEX_FIRST), release the next one after that wait
     FMAX: tl.constexpr,  # max(inv_freq) (ROPE), 0.0 when unknown: bounds a row's angles (see _sincos)
     VEC: tl.constexpr,  # stride_kn / stride_vn are in units of VEC elements (a power of two)
     EARLY: tl.constexpr,  # RoPE / quantization before the block-table load returns (see _write_row)
@@ -621,15 +640,12 @@ def _append_kernel(
         freqs = tl.load(inv_freq + tl.arange(0, BLOCK_HF), mask=tl.arange(0, BLOCK_HF) < HALF, other=0.0)
     if not SPLIT:
         if INDEX_FIRST:
-            valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride,
-                                           table_width, n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK,
-                                           CP_SIZE, SEARCH, LOG_B, SEARCH_CALL)
-            cs_c = freqs[None, :]  # unused unless CS_GIVEN
-            cs_s = cs_c
-            if CS_GIVEN:
-                cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
+            valid, blk, off, pos, cs_c, cs_s = _lookup(
+                pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs,
+                MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX,
+                ATTN_SCALE, LIBDEVICE)
             if PDL:
-                gdc_wait()
+                gdc_wait()  # K / V may come from the previous kernel
                 gdc_launch_dependents()
             k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH,
                                          VEC, LOAD_EV)
@@ -638,13 +654,10 @@ def _append_kernel(
             # index loads
             k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH,
                                          VEC, LOAD_EV)
-            valid, blk, off, pos = _target(pid, block_tables, cu_q, kv_info, slots, positions, bt_stride,
-                                           table_width, n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK,
-                                           CP_SIZE, SEARCH, LOG_B, SEARCH_CALL)
-            cs_c = freqs[None, :]  # unused unless CS_GIVEN
-            cs_s = cs_c
-            if CS_GIVEN:
-                cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
+            valid, blk, off, pos, cs_c, cs_s = _lookup(
+                pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs,
+                MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX,
+                ATTN_SCALE, LIBDEVICE)
         for is_v in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
             _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, pid,
                        stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
@@ -658,28 +671,22 @@ def _append_kernel(
         row = tl.where(is_v == 1, v + nn * (stride_vn * VEC), k + nn * (stride_kn * VEC))
         hoff = tl.where(is_v == 1, hh * STRIDE_VH, hh * STRIDE_KH)
         if INDEX_FIRST:
-            valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
-                                           n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
-                                           SEARCH, LOG_B, SEARCH_CALL)
-            cs_c = freqs[None, :]  # unused unless CS_GIVEN
-            cs_s = cs_c
-            if CS_GIVEN:
-                cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
+            valid, blk, off, pos, cs_c, cs_s = _lookup(
+                n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs,
+                MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX,
+                ATTN_SCALE, LIBDEVICE)
             if PDL:
-                gdc_wait()
+                gdc_wait()  # K / V may come from the previous kernel
                 gdc_launch_dependents()
             r1 = tl.load(row + hoff + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
             r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
         else:
             r1 = tl.load(row + hoff + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
             r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
-            valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width,
-                                           n_seqs, guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE,
-                                           SEARCH, LOG_B, SEARCH_CALL)
-            cs_c = freqs[None, :]  # unused unless CS_GIVEN
-            cs_s = cs_c
-            if CS_GIVEN:
-                cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
+            valid, blk, off, pos, cs_c, cs_s = _lookup(
+                n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs,
+                MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX,
+                ATTN_SCALE, LIBDEVICE)
         # with RoPE, V goes through float32 too: an exact round trip for every model dtype
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
                    fp8_scales, hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
@@ -868,7 +875,9 @@ _PDL_ENV = os.environ.get("KVCACHE_PDL", "1") != "0"  # read once, at import
 def _pdl_default(device: torch.device) -> bool:
     """Programmatic dependent launch for the append: on where supported (compute capability >= 9.0);
     ``KVCACHE_PDL=0`` (read at import) turns it off. Safe with any neighbour: the kernel waits for the
-    previous grid before its first read, and a kernel launched after it without PDL starts as usual."""
+    previous grid before its first read (before its first read of ``k`` / ``v`` when the caller promised
+    ``metadata_ready``), releases the next one only after that wait, and a kernel launched after it without
+    PDL starts as usual."""
     return _PDL_ENV and _pdl_supported(device)
 
 
@@ -894,7 +903,7 @@ def _max_freq(rope) -> float:  # type: ignore[no-untyped-def]
 
 def _ready_launch(metadata_ready: bool, pdl: bool, n_tokens: int, quant: int) -> tuple[bool, bool, bool]:
     """For an append whose caller promised ``metadata_ready`` (see :func:`append_paged_kv`): (INDEX_FIRST,
-    split, CS_FIRST's format condition) of its default launch.
+    split, whether the format takes CS_FIRST with it) of its default launch.
 
     Only decode-sized appends (fewer than ``_SPLIT_BELOW`` rows) with PDL look up their rows before the wait
     for the previous kernel: without PDL there is no wait to overlap, and prefills are not latency-bound.
@@ -946,17 +955,18 @@ def append_paged_kv_launch(
 
     * ``num_warps``;
     * ``split`` = one program for each row's K and one for its V (default: for fewer than ``_SPLIT_BELOW``
-      rows, except int8 / int4 by slot mapping with RoPE (``_SLOT_ROPE_ROWS``: one program of 4 warps per
-      row), and with ``metadata_ready`` there only for fp8, see :func:`_ready_launch`), else one program per
-      row;
+      rows, except int8 / int4 by slot mapping with RoPE (``_SLOT_ROPE_ROWS``: one program of ``H * D / 256``
+      warps per row), and with ``metadata_ready`` there only for fp8, see :func:`_ready_launch`), else one
+      program per row;
     * ``head_groups`` = split launches divide a row's heads among this many programs (a power of two; default
       ``_SPLIT_HEAD_GROUPS``; validated, and unused by launches that do not split);
     * ``pdl`` = launch with programmatic dependent launch (CUDA graphs on Hopper: the kernel is scheduled
-      while the previous one drains, and waits for it before reading anything);
+      while the previous one drains, and waits for it before reading anything; with ``index_first``, before
+      reading ``k`` / ``v``);
     * ``early`` = RoPE and quantization before the wait for the block table rather than after it, the stores
       then predicated on the row's validity instead of behind a branch on it (except quantized slot-mapping
-      launches with RoPE, and with ``KVCACHE_MASKED_STORES=0``) (default: for split launches and for those
-      with ``index_first``);
+      launches with RoPE, and with ``KVCACHE_MASKED_STORES=0``) (default: for split launches, for those with
+      ``index_first`` and for the per-row int8 / int4 slot-mapping decode launches with RoPE);
     * ``max_registers`` = a register cap per thread (none by default: caps of 40 and 32 measured no faster,
       see BENCHMARKS.md);
     * ``index_first`` = look up where each row goes (and compute RoPE's cos / sin) before waiting for the
@@ -995,15 +1005,19 @@ def append_paged_kv_launch(
     H, D = k.shape[1], k.shape[2]
     quant = QUANT_CODES[kv_dtype]
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
-    ready_first, ready_split, ready_cs = _ready_launch(bool(metadata_ready), bool(pdl), n_tokens, quant)
-    # int8 / int4 decode by slot mapping with RoPE: one program per row of 4 warps (_SLOT_ROPE_ROWS). Measured
-    # on an H100 (append_ab.py versions, session 6, us per layer of a 32-layer graph, against split launches
-    # with ROPE_SELECT): int8 1.84-1.96 -> 1.72-1.76, int4 1.83-1.92 -> 1.74-1.77; ragged, fp8 and fp16 were
-    # slower that way
-    rows4 = (_SLOT_ROPE_ROWS and not ready_first and slot_mapping is not None and has_rope and quant >= 2
-             and n_tokens < _SPLIT_BELOW and split is None)
+    fast_rope = has_rope and not inter and rot == D
+    ready_first, ready_split, cs_format = _ready_launch(bool(metadata_ready), bool(pdl), n_tokens, quant)
+    # int8 / int4 decode by slot mapping with RoPE: one program per row of H * D / 256 warps (4 for 8 x 128
+    # heads), with the per-row launch's cache hints and (scale, zero) store (_SLOT_ROPE_ROWS). Measured on an
+    # H100 (append_ab.py versions, session 6, 01:37 UTC, us per layer of a 32-layer graph, 8 x 128 heads,
+    # against split launches with ROPE_SELECT): int8 1.93-1.96 -> 1.74-1.76 (2 warps: 1.78-1.80), int4
+    # 1.83-1.92 -> 1.74-1.77 (2 warps: 1.83-1.84); ragged, fp8 and fp16 were slower that way
+    slot_rope_rows = (_SLOT_ROPE_ROWS and not ready_first and slot_mapping is not None and has_rope and quant >= 2
+                      and n_tokens < _SPLIT_BELOW and split is None)
     if split is None:
-        split = ready_split if ready_first else (n_tokens < _SPLIT_BELOW and not rows4)
+        split = ready_split if ready_first else (n_tokens < _SPLIT_BELOW and not slot_rope_rows)
+    index_first = bool(ready_first if index_first is None else index_first)
+    cs_first = (cs_format and index_first if cs_first is None else bool(cs_first)) and fast_rope
     hints = _HINTS and not split
     if not split:
         hg = 1
@@ -1014,14 +1028,11 @@ def append_paged_kv_launch(
     if early is None:
         # measured on an H100 (benchmarks/append_ab.py): 0.03-0.1 us less per decode layer in every format; on
         # prefills (with the cache hints) no gain, and -1 to -4 points for fp8 and int4 with RoPE
-        early = split or ready_first or rows4
+        early = split or index_first or slot_rope_rows
     hnd = layout == "HND"
     bs = pool.shape[3] if hnd else pool.shape[2]
     n_seqs = 0 if slot_mapping is not None else cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
     rope_select = bool(split) and has_rope and quant >= 1 and slot_mapping is not None
-    fast_rope = has_rope and not inter and rot == D
-    index_first = bool(ready_first if index_first is None else index_first)
-    cs_first = (ready_cs and index_first if cs_first is None else bool(cs_first)) and fast_rope
     # vector loads of k / v rows: the row strides (runtime ints) are passed in units of VEC elements (up to 16
     # bytes); the head strides and the half-row offset are constexprs, whose divisibility the compiler sees
     vec = vec_elems(k.element_size(), (k.stride(0), v.stride(0)))
@@ -1055,7 +1066,8 @@ def append_paged_kv_launch(
         # warp and row); 4 for unquantized rows (append_ab.py, 00:08 UTC: +0.5-1.5 points of copy bandwidth on the
         # fp16 prefill, fp8 within noise, int8 / int4 with RoPE -3 / -10 points); 1 warp for split (decode-sized)
         # launches (as fast or up to 0.1 us faster per layer)
-        num_warps=num_warps or max(1, min(8, H * D // (1024 if split else (256 if quant == 0 or rows4 else 512)))),
+        num_warps=num_warps or max(1, min(8, H * D // (1024 if split else
+                                                         (256 if quant == 0 or slot_rope_rows else 512)))),
     )
     if pdl:
         consts["launch_pdl"] = True
@@ -1086,7 +1098,7 @@ class AppendPlan:
 
     "The same kind": the same dtypes, 16-byte alignment of every pointer (and 8-byte alignment of ``params``,
     which selects the inline-PTX (scale, zero) store), k / v strides, mode, RoPE, format, number of sequences,
-    K/V split and PDL setting; the caller keys plans by those (see
+    K/V split, PDL setting and ``metadata_ready``; the caller keys plans by those (see
     ``PagedKVCache.append``). :meth:`launch` skips argument binding and the launcher's per-tensor pointer
     checks, which are most of an eager call's host time.
     """
@@ -1558,23 +1570,27 @@ def append_paged_kv(
         Debug mode (syncs): verify lengths, block-table capacity and block ids on the host and raise
         ValueError before writing. Without it, such rows are skipped on the device.
     metadata_ready : bool
-        The caller's promise that the index tensors (``block_tables``, ``cu_q_lens``, ``kv_lens`` /
-        ``cu_k_lens``, ``slot_mapping``, ``positions``) and ``rope.inv_freq`` were complete before the kernel
-        launched just before this append on the stream started: not written by that kernel (nor by one it
-        may still overlap: every kernel that waits for its predecessor before releasing its dependents, as
-        kvcache's and those without programmatic dependent launch do, passes the guarantee on). True of
-        metadata copied in or computed before a forward pass and read by every layer's append. Decode-sized
-        launches with programmatic dependent launch (CUDA graphs on Hopper) then read them, and find where
-        each row goes, while the previous kernel drains, and wait for it only before reading ``k`` / ``v``.
-        Default False: every read waits. A broken promise reads stale indices: rows written to the wrong
-        slots.
+        The caller's promise that no kernel that may still be running when this append starts writes the index
+        tensors (``block_tables``, ``cu_q_lens``, ``kv_lens`` / ``cu_k_lens``, ``slot_mapping``,
+        ``positions``) or ``rope.inv_freq``. That is: not the kernel just before this append on the stream,
+        and not any kernel that one may overlap. A kernel launched without programmatic dependent launch (PDL)
+        starts only after its predecessor has finished; a kernel launched with PDL may overlap its
+        predecessor, and passes the guarantee on only if it waits for it before releasing its own dependents
+        (kvcache's kernels do). Typically true of metadata copied in or computed at the start of a step and
+        read by every layer's append. Decode-sized appends (fewer than 2048 rows) launched with PDL (Hopper)
+        then find where each row goes, and compute RoPE's cos / sin (rotate-half over the whole head; not for
+        fp8), before waiting for the previous kernel, which they wait for only to read ``k`` / ``v``; see
+        :func:`_ready_launch`. The launch shape changes with it, and with it the compiler's contraction of the
+        RoPE arithmetic: rotated keys may differ from the default launch's in the last bit (within the same
+        bounds). Default False: every read waits. A broken promise reads stale indices: rows written to the
+        wrong slots.
 
     Note
     ----
     One kernel launch, no allocation, no host sync: capturable in a CUDA graph.
     """
     if type(metadata_ready) is not bool:
-        raise TypeError(f"metadata_ready: expected a bool, got {type(metadata_ready).__name__}")
+        raise TypeError(f"metadata_ready: expected a bool, got {metadata_ready!r} ({type(metadata_ready).__name__})")
     nb, bs, h, dp = _pool_geometry(pool, params, kv_dtype, layout)
     d = _check_kv_rows(k, v, pool, kv_dtype, h, dp)
     n = k.shape[0]

@@ -183,9 +183,11 @@ class PagedKVCache:
 
         ``rope``: None uses the cache's RopeConfig (if any), False disables, or a RopeConfig /
         RopeKernelParams for this call; ``rope_seq_len`` is the current length for ``"dynamic"`` scaling.
-        ``metadata_ready``: the index tensors were complete before the previous kernel on the stream started
-        (see :func:`kvcache.ops.append_paged_kv`): decode appends in a CUDA graph then overlap their lookup
-        with that kernel's tail.
+        ``metadata_ready``: no kernel that may still be running when this append starts writes the index
+        tensors (see :func:`kvcache.ops.append_paged_kv`): decode-sized appends with programmatic dependent
+        launch then overlap their lookup and RoPE's cos / sin with the previous kernel's tail. The cache's own
+        RoPE parameters are covered (built once); parameters built in this call (a RopeConfig given here,
+        dynamic scaling past the original length) are not, and such calls wait as if without the promise.
         """
         cfg = self._config
         # fast paths: the common calls (ragged with kv_lens, or slot mapping; the cache's own RoPE or none), every
@@ -230,11 +232,17 @@ class PagedKVCache:
             )
         if not fast:
             i = self._layer(layer)
+            params = self._rope_for(rope, rope_seq_len)
+            if params is not None and params is not rope and params is not self._rope_params:
+                # RoPE parameters built in this call (a RopeConfig given here, dynamic scaling past the
+                # original length): their inv_freq may have just been written on the device, so the promise
+                # that it was ready before the previous kernel does not hold for it; the append waits
+                metadata_ready = False if type(metadata_ready) is bool else metadata_ready
             paged_ops.append_paged_kv(
                 k, v, self.buffer[i], None if self.params_buffer is None else self.params_buffer[i],
                 kv_dtype=self._config.kv_dtype, layout=self._config.layout, block_tables=block_tables,
                 cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping,
-                positions=positions, rope=self._rope_for(rope, rope_seq_len), fp8_scales=self.kv_scales[i],
+                positions=positions, rope=params, fp8_scales=self.kv_scales[i],
                 cp_rank=cp_rank, cp_size=cp_size, check=check, metadata_ready=metadata_ready,
             )
             return
