@@ -1204,8 +1204,15 @@ def test_metadata_ready_still_waits_for_k_and_v(device, mode, kv_dtype):
     writer, eager_copy = _late_writer_kernel()
     block = 1024
     grid = (triton.cdiv(fresh.numel(), block),)
-    # control: a PDL kernel that reads without waiting sees the stale K / V (else this test could not tell)
     snap = torch.empty_like(kv)
+    # warm-up: compile the three kernels first (a compile between two launches lets the writer finish before the
+    # next one starts); the real append below overwrites every row this one writes
+    writer[grid](fresh, kv, fresh.numel(), SPIN=20000, BLOCK=block, launch_pdl=True)
+    eager_copy[grid](kv, snap, kv.numel(), BLOCK=block, launch_pdl=True)
+    cache.append(0, kv[0], kv[1], metadata_ready=True, **index)
+    torch.cuda.synchronize()
+    kv.zero_()
+    # control: a PDL kernel that reads without waiting sees the stale K / V (else this test could not tell)
     torch.cuda.synchronize()
     writer[grid](fresh, kv, fresh.numel(), SPIN=20000, BLOCK=block, launch_pdl=True)
     eager_copy[grid](kv, snap, kv.numel(), BLOCK=block, launch_pdl=True)
