@@ -1180,7 +1180,9 @@ def _late_writer_kernel():  # type: ignore[no-untyped-def]
 def test_metadata_ready_still_waits_for_k_and_v(device, mode, kv_dtype):
     """With the promise the append reads the index tensors before the wait for the previous kernel, but K / V
     after it: a PDL kernel that releases its dependents at once and writes K / V only after spinning must
-    have its values stored, not the stale ones (which a K / V read before the wait would get)."""
+    have its values stored, not the stale ones (which a K / V read before the wait would get). The spin (about
+    1 ms) outlasts the host's gap between two launches by far; a control kernel that reads without waiting
+    checks that the race is real."""
     if device.type != "cuda" or not paged_ops._pdl_default(device):
         pytest.skip("programmatic dependent launch needs a CUDA GPU of compute capability >= 9.0")
     H, D, bs, nb = 8, 128, 16, 64
@@ -1207,20 +1209,20 @@ def test_metadata_ready_still_waits_for_k_and_v(device, mode, kv_dtype):
     snap = torch.empty_like(kv)
     # warm-up: compile the three kernels first (a compile between two launches lets the writer finish before the
     # next one starts); the real append below overwrites every row this one writes
-    writer[grid](fresh, kv, fresh.numel(), SPIN=20000, BLOCK=block, launch_pdl=True)
+    writer[grid](fresh, kv, fresh.numel(), SPIN=500000, BLOCK=block, launch_pdl=True)
     eager_copy[grid](kv, snap, kv.numel(), BLOCK=block, launch_pdl=True)
     cache.append(0, kv[0], kv[1], metadata_ready=True, **index)
     torch.cuda.synchronize()
     kv.zero_()
     # control: a PDL kernel that reads without waiting sees the stale K / V (else this test could not tell)
     torch.cuda.synchronize()
-    writer[grid](fresh, kv, fresh.numel(), SPIN=20000, BLOCK=block, launch_pdl=True)
+    writer[grid](fresh, kv, fresh.numel(), SPIN=500000, BLOCK=block, launch_pdl=True)
     eager_copy[grid](kv, snap, kv.numel(), BLOCK=block, launch_pdl=True)
     torch.cuda.synchronize()
     assert torch.equal(kv, fresh) and bool((snap == 0).any()), "the writer did not write late: no test"
     kv.zero_()
     torch.cuda.synchronize()
-    writer[grid](fresh, kv, fresh.numel(), SPIN=20000, BLOCK=block, launch_pdl=True)
+    writer[grid](fresh, kv, fresh.numel(), SPIN=500000, BLOCK=block, launch_pdl=True)
     cache.append(0, kv[0], kv[1], metadata_ready=True, **index)
     torch.cuda.synchronize()
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
