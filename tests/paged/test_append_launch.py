@@ -8,6 +8,8 @@ derived bounds with RoPE. Both CPU backends; compiled on a GPU.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import triton
@@ -43,9 +45,30 @@ def split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> in
 @pytest.mark.parametrize("batch", BATCHES)
 def test_ragged_launch_variants(device, split, batch, kv_dtype, use_rope):
     q_lens, kv_lens, pad = batch
-    H, D, bs, nb = 2, 16, 4, 32
     gen = pr.generator(7 * len(q_lens) + pad + split)
-    rope = RopeConfig(head_dim=D, base=10000.0) if use_rope else None
+    c = _ragged_case(device, gen, batch, kv_dtype, RopeConfig(head_dim=16, base=10000.0) if use_rope else None)
+    assert len(c.targets) == c.cu[-1]  # every token has a slot, padding rows none
+    c.cache.append(0, c.k, c.v, block_tables=pr.i32(c.tables, device), cu_q_lens=pr.i32(c.cu, device),
+                   kv_lens=pr.i32(kv_lens, device), rope=c.rope if use_rope else False)
+    pr.assert_append_matches(c.cache.pool(0), c.cache.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
+
+
+class _RaggedCase(NamedTuple):
+    cache: object
+    k: torch.Tensor
+    v: torch.Tensor
+    tables: list
+    cu: list
+    targets: list
+    exp: object
+    rope: RopeConfig | None
+
+
+def _ragged_case(device, gen, batch, kv_dtype: str, rope: RopeConfig | None) -> _RaggedCase:  # type: ignore[no-untyped-def]
+    """A sentinel cache of 2 heads x 16 (block 4, 32 blocks) and a ragged batch ``(q_lens, kv_lens, padding
+    rows)`` of random fp16 rows, with its targets and the reference's expected pools for ``rope``."""
+    q_lens, kv_lens, pad = batch
+    H, D, bs, nb = 2, 16, 4, 32
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
     cu = pr.cumsum0(q_lens)
     totals = [a + b for a, b in zip(kv_lens, q_lens)]
@@ -54,12 +77,9 @@ def test_ragged_launch_variants(device, split, batch, kv_dtype, use_rope):
     k = pr.randn((n, H, D), torch.float16, gen, device)
     v = pr.randn((n, H, D), torch.float16, gen, device)
     targets = pr.ragged_targets(n, tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
-    assert len(targets) == cu[-1]  # every token has a slot, padding rows none
     exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
                              rope=rope)
-    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32(kv_lens, device), rope=rope if use_rope else False)
-    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+    return _RaggedCase(cache, k, v, tables, cu, targets, exp, rope)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
@@ -829,39 +849,31 @@ def test_index_first_launches_match_the_reference(device, batch, shape, kv_dtype
     if device.type == "cpu" and not paged_ops.use_triton(device):
         pytest.skip("the torch backend launches no kernel")
     q_lens, kv_lens, pad = batch
-    H, D, bs, nb = 2, 16, 4, 32
     gen = pr.generator(11 * len(q_lens) + pad)
-    rope = RopeConfig(head_dim=D, base=10000.0) if use_rope else None
-    params = rope.kernel_params(device=device) if use_rope else None
+    c = _ragged_case(device, gen, batch, kv_dtype, RopeConfig(head_dim=16, base=10000.0) if use_rope else None)
+    params = c.rope.kernel_params(device=device) if use_rope else None
     over = dict(split=shape == "split", index_first=True, cs_first=cs_first, early=True)
-    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
-    cu = pr.cumsum0(q_lens)
-    totals = [a + b for a, b in zip(kv_lens, q_lens)]
-    tables = pr.block_tables_for(gen, totals, block_size=bs, num_blocks=nb, extra=1)
-    n = cu[-1] + pad
-    k = pr.randn((n, H, D), torch.float16, gen, device)
-    v = pr.randn((n, H, D), torch.float16, gen, device)
-    targets = pr.ragged_targets(n, tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
-    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
-                             rope=rope)
     paged_ops.append_paged_kv_launch(
-        k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32(tables, device),
-        cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device), cu_k_lens=None, slot_mapping=None,
-        positions=None, rope=params, fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, **over)
-    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+        c.k, c.v, c.cache.pool(0), c.cache.params(0), kv_dtype=kv_dtype, layout="NHD",
+        block_tables=pr.i32(c.tables, device), cu_q_lens=pr.i32(c.cu, device), kv_lens=pr.i32(kv_lens, device),
+        cu_k_lens=None, slot_mapping=None, positions=None, rope=params, fp8_scales=c.cache.kv_scales[0], cp_rank=0,
+        cp_size=1, **over)
+    pr.assert_append_matches(c.cache.pool(0), c.cache.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
     # the same rows by slot mapping (their targets, -1 for padding rows), positions from the ragged batch
+    H, D, bs, nb = 2, 16, 4, 32
     cache2 = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+    n = c.k.shape[0]
     slots = [-1] * n
     positions = [0] * n
-    for t in targets:
+    for t in c.targets:
         slots[t.row] = t.block * bs + t.offset
         positions[t.row] = t.position
     paged_ops.append_paged_kv_launch(
-        k, v, cache2.pool(0), cache2.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=None, cu_q_lens=None,
-        kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor(slots, device=device),
+        c.k, c.v, cache2.pool(0), cache2.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=None,
+        cu_q_lens=None, kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor(slots, device=device),
         positions=torch.tensor(positions, device=device) if use_rope else None, rope=params,
         fp8_scales=cache2.kv_scales[0], cp_rank=0, cp_size=1, **over)
-    pr.assert_append_matches(cache2.pool(0), cache2.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+    pr.assert_append_matches(cache2.pool(0), cache2.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
@@ -1060,12 +1072,19 @@ def test_index_first_with_context_parallel(device, shape, kv_dtype):
     assert 0 < len(targets) < cu[-1]
     exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
                              rope=rope)
-    paged_ops.append_paged_kv_launch(
-        k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32(tables, device),
-        cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device), cu_k_lens=None, slot_mapping=None,
-        positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=1, cp_size=2,
-        split=shape == "split", index_first=True, cs_first=True, early=True)
+    _ragged_index_first(cache, k, v, tables, cu, kv_lens, rope, "NHD", shape == "split", cp_rank=1, cp_size=2)
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+
+
+def _ragged_index_first(cache, k, v, tables, cu, kv_lens, rope: RopeConfig, layout: str, split: bool,  # type: ignore[no-untyped-def]
+                        cp_rank: int = 0, cp_size: int = 1) -> None:
+    """A ragged append into layer 0 of ``cache`` with the lookup (and cos / sin) before the wait."""
+    dev = k.device
+    paged_ops.append_paged_kv_launch(
+        k, v, cache.pool(0), cache.params(0), kv_dtype=cache.config.kv_dtype, layout=layout,
+        block_tables=pr.i32(tables, dev), cu_q_lens=pr.i32(cu, dev), kv_lens=pr.i32(kv_lens, dev), cu_k_lens=None,
+        slot_mapping=None, positions=None, rope=rope.kernel_params(device=dev), fp8_scales=cache.kv_scales[0],
+        cp_rank=cp_rank, cp_size=cp_size, split=split, index_first=True, cs_first=True, early=True)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
@@ -1087,11 +1106,7 @@ def test_index_first_with_every_rope_pairing_in_hnd(device, rope_name, shape, kv
     targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
     exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="HND",
                              rope=rope)
-    paged_ops.append_paged_kv_launch(
-        k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="HND", block_tables=pr.i32(tables, device),
-        cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device), cu_k_lens=None, slot_mapping=None,
-        positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1,
-        split=shape == "split", index_first=True, cs_first=True, early=True)
+    _ragged_index_first(cache, k, v, tables, cu, kv_lens, rope, "HND", shape == "split")
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="HND", rope=rope)
 
 

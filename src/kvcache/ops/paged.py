@@ -638,60 +638,48 @@ def _append_kernel(
     freqs = tl.zeros([BLOCK_HF], tl.float32)
     if ROPE and (not INTERLEAVED) and (ROT == D):  # rotate-half over all of D: frequencies j of pairs (j, HALF + j)
         freqs = tl.load(inv_freq + tl.arange(0, BLOCK_HF), mask=tl.arange(0, BLOCK_HF) < HALF, other=0.0)
-    if not SPLIT:
-        if INDEX_FIRST:
-            valid, blk, off, pos, cs_c, cs_s = _lookup(
-                pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs,
-                MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX,
-                ATTN_SCALE, LIBDEVICE)
-            if PDL:
-                gdc_wait()  # K / V may come from the previous kernel
-                gdc_launch_dependents()
-            k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH,
-                                         VEC, LOAD_EV)
-        else:
-            # the row's K and V first: they do not depend on where it goes, so their latency overlaps the
-            # index loads
-            k1, k2, v1, v2 = _load_token(k, v, pid, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH,
-                                         VEC, LOAD_EV)
-            valid, blk, off, pos, cs_c, cs_s = _lookup(
-                pid, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs,
-                MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX,
-                ATTN_SCALE, LIBDEVICE)
-        for is_v in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
-            _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, pid,
-                       stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
-                       (not ROPE) or (is_v == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
-                       BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
-                       STORE_CM, PAIR_ASM, False, MASKED, cs_c, cs_s, CS_GIVEN)
-    else:
+    if SPLIT:
         n = pid // (2 * HG)
         is_v = (pid // HG) % 2  # 0: this program writes the row's K, 1: its V
         nn = n.to(tl.int64)
         row = tl.where(is_v == 1, v + nn * (stride_vn * VEC), k + nn * (stride_kn * VEC))
         hoff = tl.where(is_v == 1, hh * STRIDE_VH, hh * STRIDE_KH)
-        if INDEX_FIRST:
-            valid, blk, off, pos, cs_c, cs_s = _lookup(
-                n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs,
-                MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX,
-                ATTN_SCALE, LIBDEVICE)
-            if PDL:
-                gdc_wait()  # K / V may come from the previous kernel
-                gdc_launch_dependents()
-            r1 = tl.load(row + hoff + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
-            r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
-        else:
-            r1 = tl.load(row + hoff + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
-            r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
-            valid, blk, off, pos, cs_c, cs_s = _lookup(
-                n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs,
-                MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX,
-                ATTN_SCALE, LIBDEVICE)
+    else:
+        n = pid
+    if INDEX_FIRST:  # the lookup (and cos / sin) before the wait: reads only index tensors and inv_freq
+        valid, blk, off, pos, cs_c, cs_s = _lookup(
+            n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs, MODE,
+            ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX, ATTN_SCALE,
+            LIBDEVICE)
+        if PDL:
+            gdc_wait()  # K / V may come from the previous kernel
+            gdc_launch_dependents()
+    # otherwise the row's K and V first: they do not depend on where it goes, so their latency overlaps the
+    # index loads
+    if SPLIT:
+        r1 = tl.load(row + hoff + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
+        r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
+    else:
+        k1, k2, v1, v2 = _load_token(k, v, n, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH, VEC,
+                                     LOAD_EV)
+    if not INDEX_FIRST:
+        valid, blk, off, pos, cs_c, cs_s = _lookup(
+            n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs, MODE,
+            ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX, ATTN_SCALE,
+            LIBDEVICE)
+    if SPLIT:
         # with RoPE, V goes through float32 too: an exact round trip for every model dtype
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
                    fp8_scales, hh, i, m1, m2, not ROPE, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
                    BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
                    STORE_CM, PAIR_ASM, ROPE_SELECT, MASKED, cs_c, cs_s, CS_GIVEN)
+    else:
+        for is_v in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
+            _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, n,
+                       stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
+                       (not ROPE) or (is_v == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
+                       BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
+                       STORE_CM, PAIR_ASM, False, MASKED, cs_c, cs_s, CS_GIVEN)
 
 
 @triton.jit
