@@ -144,3 +144,78 @@ def test_paged_decode_append_graph(kv_dtype: str, pdl: bool, monkeypatch: pytest
         assert torch.equal(graphed.buffer.view(torch.uint8), eager.buffer.view(torch.uint8))
         if graphed.params_buffer is not None:
             assert torch.equal(graphed.params_buffer, eager.params_buffer)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
+def test_paged_decode_graph_with_metadata_ready(kv_dtype: str) -> None:
+    """A captured decode step in which each layer's K / V come from a PDL kernel that releases its dependents at
+    once and writes them only after spinning, then the append with ``metadata_ready=True`` (lookup and cos / sin
+    before the wait). Replayed on new K / V and new lengths (copied into the captured buffers before each replay):
+    it stores the same bytes as the same step run eagerly, and its rows are the new K / V (not the stale ones)."""
+    import triton
+    import triton.language as tl
+
+    from kvcache import PagedConfig, PagedKVCache, RopeConfig
+    from kvcache.ops import paged as paged_ops
+
+    if not paged_ops._pdl_default(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    from triton.language.extra.cuda import gdc_launch_dependents
+
+    @triton.jit
+    def produce(src, dst, n, SPIN: tl.constexpr, BLOCK: tl.constexpr):
+        gdc_launch_dependents()  # the append may start now; dst is written only after the spin
+        acc = tl.program_id(0).to(tl.float32)
+        for _ in range(SPIN):
+            acc = acc * 0.999 + 1.0
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(src + offs, mask=offs < n)
+        tl.store(dst + offs, x + (acc * 0.0).to(x.dtype), mask=offs < n)
+
+    dev = torch.device("cuda")
+    L, n, H, D = 2, 8, 4, 64
+    cfg = PagedConfig(num_layers=L, num_kv_heads=H, head_dim=D, block_size=16, num_blocks=64, kv_dtype=kv_dtype,
+                      device=dev)
+    rope = RopeConfig(head_dim=D)
+    graphed, eager = PagedKVCache(cfg, rope=rope), PagedKVCache(cfg, rope=rope)
+    src = torch.empty(L, 2, n, H, D, dtype=torch.float16, device=dev)  # what each layer's producer writes
+    kv = torch.zeros_like(src)  # each layer's K / V, written late by its producer
+    cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
+    kv_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+    tables = torch.arange(n * 4, dtype=torch.int32, device=dev).view(n, 4)
+    block = 1024
+    grid = (triton.cdiv(2 * n * H * D, block),)
+
+    def step(cache: PagedKVCache) -> None:
+        for layer in range(L):
+            produce[grid](src[layer], kv[layer], 2 * n * H * D, SPIN=20000, BLOCK=block, launch_pdl=True)
+            cache.append(layer, kv[layer, 0], kv[layer, 1], block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
+                         metadata_ready=True)
+
+    src.normal_()
+    graph = _capture(lambda: step(graphed))
+    graphed.buffer.zero_()  # the warm-up before capture wrote tokens the eager cache never saw
+    if graphed.params_buffer is not None:
+        graphed.params_buffer.zero_()
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        src.copy_(torch.randn(src.shape, generator=gen).to(src.dtype))
+        kv_lens.copy_(torch.randint(0, 63, (n,), generator=gen, dtype=torch.int32))
+        kv.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(kv, src)  # the producers ran
+        got = graphed.buffer.clone(), None if graphed.params_buffer is None else graphed.params_buffer.clone()
+        kv.zero_()
+        step(eager)
+        torch.cuda.synchronize()
+        assert torch.equal(got[0].view(torch.uint8), eager.buffer.view(torch.uint8))
+        if got[1] is not None:
+            assert torch.equal(got[1], eager.params_buffer)
+        # the stored V rows are the new ones (V is stored as given for fp16; K is rotated)
+        if kv_dtype == "auto":
+            for layer in range(L):
+                lens = kv_lens.tolist()
+                for b in range(n):
+                    blk, off = tables[b, lens[b] // 16], lens[b] % 16
+                    assert torch.equal(graphed.buffer[layer, blk, 1, off], src[layer, 1, b])
