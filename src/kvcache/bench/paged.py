@@ -266,8 +266,7 @@ def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
                     rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", name,
                                     graph_us=time_graph(functools.partial(fn, ready=True), 1) / layers,
                                     bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
-            if paged_ops._pdl_default(dev):  # the same graphs without programmatic dependent launch
-                with _pdl_off():
+                with _pdl_off():  # the same graphs without programmatic dependent launch
                     for impl, fn in (("ragged", step), ("slots", step_slots)):
                         rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}",
                                         f"kvcache {kv_dtype} + rope ({impl}, no PDL)",

@@ -847,8 +847,8 @@ _SPLIT_BELOW = 2048
 # layer, except slot-mapping int8 / int4 appends with RoPE (0.1 us faster, session 3, before ROPE_SELECT; with
 # it, append_ab.py versions at 22:00 UTC: within 0.07 us); one group by default.
 _SPLIT_HEAD_GROUPS = 1
-# Decode-sized int8 / int4 appends by slot mapping with RoPE take one program per row of 4 warps rather than
-# split programs (see append_paged_kv_launch); False: split like the others.
+# Decode-sized int8 / int4 appends by slot mapping with RoPE take one program per row of H * D / 256 warps (4 at
+# 8 x 128 heads) rather than split programs (see append_paged_kv_launch); False: split like the others.
 _SLOT_ROPE_ROWS = True
 
 
@@ -958,8 +958,8 @@ def append_paged_kv_launch(
     * ``max_registers`` = a register cap per thread (none by default: caps of 40 and 32 measured no faster,
       see BENCHMARKS.md);
     * ``index_first`` = look up where each row goes (and compute RoPE's cos / sin) before waiting for the
-      previous kernel (default: :func:`_ready_launch`, from ``metadata_ready``, the caller's promise that the
-      index tensors were complete before the previous kernel started; see :func:`append_paged_kv`). Forced on
+      previous kernel (default: :func:`_ready_launch`, from ``metadata_ready``, the caller's promise that no
+      kernel that may still be running writes the index tensors; see :func:`append_paged_kv`). Forced on
       without that promise it reads them unsynchronised;
     * ``cs_first`` = RoPE's cos / sin computed right after the lookup (with ``index_first``: before the wait
       too), not after the K / V rows arrive (rotate-half over the whole head only; default: with

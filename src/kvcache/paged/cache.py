@@ -233,11 +233,11 @@ class PagedKVCache:
         if not fast:
             i = self._layer(layer)
             params = self._rope_for(rope, rope_seq_len)
-            if params is not None and params is not rope and params is not self._rope_params:
+            if metadata_ready is True and params is not None and params is not rope and params is not self._rope_params:
                 # RoPE parameters built in this call (a RopeConfig given here, dynamic scaling past the
                 # original length): their inv_freq may have just been written on the device, so the promise
-                # that it was ready before the previous kernel does not hold for it; the append waits
-                metadata_ready = False if type(metadata_ready) is bool else metadata_ready
+                # does not cover it; the append waits (a non-bool still reaches append_paged_kv's TypeError)
+                metadata_ready = False
             paged_ops.append_paged_kv(
                 k, v, self.buffer[i], None if self.params_buffer is None else self.params_buffer[i],
                 kv_dtype=self._config.kv_dtype, layout=self._config.layout, block_tables=block_tables,
