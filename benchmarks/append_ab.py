@@ -128,6 +128,21 @@ def ceiling(dev: torch.device, copy_bw: float) -> None:
                         kv[0], kv[1], pool, perm, ROW=H * D, BS=bs, SEQS=seqs, SEQ_LEN=seq_len, ORDER=order,
                         num_warps=2), 3)
                     res.setdefault(f"order{order}", []).append(100 * moved / (t * 1e-6) / 1e9 / copy_bw)
+                if out_dtype is torch.float16:
+                    # torch at block granularity: each block's K and V rows [bs, ROW] as one index_copy_ row
+                    # into randomly placed blocks, and into blocks in order (the same bytes, contiguous)
+                    kb = kv.view(2, n // bs, bs * H * D)
+                    dst = pool.view(n // bs, 2, bs * H * D)
+                    ident = torch.arange(n // bs, device=dev)
+                    for name, ids in (("torch-index_copy-random", perm.long()), ("torch-index_copy-in-order", ident)):
+                        def tfn(ids=ids, dst=dst, kb=kb) -> None:  # type: ignore[no-untyped-def]
+                            dst[:, 0].index_copy_(0, ids, kb[0])
+                            dst[:, 1].index_copy_(0, ids, kb[1])
+                        t = time_graph(tfn, 3)
+                        res.setdefault(name, []).append(100 * moved / (t * 1e-6) / 1e9 / copy_bw)
+                    flat = torch.empty_like(kv)
+                    t = time_graph(lambda flat=flat: flat.copy_(kv), 3)
+                    res.setdefault("torch-copy_-contiguous", []).append(100 * moved / (t * 1e-6) / 1e9 / copy_bw)
             print(f"ceiling {str(out_dtype).split('.')[-1]} block {bs} (% of copy, 3 rounds): "
                   + "  ".join(f"{k}: {' '.join(f'{p:.1f}' for p in ps)}" for k, ps in res.items()), flush=True)
 
