@@ -147,6 +147,85 @@ def ceiling(dev: torch.device, copy_bw: float) -> None:
                   + "  ".join(f"{k}: {' '.join(f'{p:.1f}' for p in ps)}" for k, ps in res.items()), flush=True)
 
 
+@triton.jit
+def _block_copy(k, v, pool, blocks, ROW: tl.constexpr, BS: tl.constexpr):
+    # block b's BS rows of k or v (axis 1: 0 = K, 1 = V) [N, ROW] into block blocks[b] of a pool [nb, 2, BS, ROW]
+    b = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)
+    t = tl.arange(0, BS)[:, None]
+    e = tl.arange(0, ROW)[None, :]
+    src = tl.where(kv == 0, k, v)
+    x = tl.load(src + (b * BS + t) * ROW + e, eviction_policy="evict_first")
+    blk = tl.load(blocks + b).to(tl.int64)
+    tl.store(pool + (blk * 2 + kv) * (BS * ROW) + t * ROW + e, x, cache_modifier=".cs")
+
+
+@triton.jit
+def _tma_copy(k_desc, v_desc, pool_desc, blocks, ROW: tl.constexpr, BS: tl.constexpr, CW: tl.constexpr,
+              CHUNKS: tl.constexpr):
+    # the same through TMA descriptors: k / v [N, ROW], the pool as [nb * 2 * BS, ROW], tiles [BS, CW]; program
+    # (b, kv * (ROW // CW // CHUNKS) + part) moves CHUNKS column tiles of block b's K or V
+    b = tl.program_id(0)
+    parts: tl.constexpr = ROW // CW // CHUNKS
+    kv = tl.program_id(1) // parts
+    part = tl.program_id(1) % parts
+    blk = tl.load(blocks + b)
+    for c in tl.static_range(CHUNKS):
+        col = (part * CHUNKS + c) * CW
+        if kv == 0:
+            x = k_desc.load([b * BS, col])
+        else:
+            x = v_desc.load([b * BS, col])
+        pool_desc.store([(blk * 2 + kv) * BS, col], x)
+
+
+def ceiling2(dev: torch.device, copy_bw: float) -> None:
+    """Is the fp16 random-block ceiling the placement or the program shape? Row copies, block copies and TMA
+    block copies into random blocks and into blocks in order, three rounds, % of ``copy_bw``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    g = torch.Generator().manual_seed(0)
+    n, row = 16384, H * D
+    kv = torch.randn(2, n, row, dtype=torch.float16, device=dev)
+    moved = 2 * kv.numel() * 2
+    for bs in (16, 64):
+        nb = n // bs
+        pool = torch.empty(nb, 2, bs, row, dtype=torch.float16, device=dev)
+        orders = {"random": torch.randperm(nb, generator=g).to(torch.int32).to(dev),
+                  "in-order": torch.arange(nb, dtype=torch.int32, device=dev)}
+        res: dict[str, list[float]] = {}
+        for _ in range(3):
+            for oname, perm in orders.items():
+                cands = {
+                    "rows": lambda perm=perm, pool=pool, bs=bs: _order_copy[(n,)](
+                        kv[0], kv[1], pool, perm, ROW=row, BS=bs, SEQS=8, SEQ_LEN=n // 8, ORDER=0, num_warps=4),
+                }
+                if bs == 16:
+                    cands["blocks"] = lambda perm=perm, pool=pool, bs=bs, nb=nb: _block_copy[(nb, 2)](
+                        kv[0], kv[1], pool, perm, ROW=row, BS=bs, num_warps=8)
+                for cw, chunks in ((256, 4), (256, 1), (128, 2)):
+                    kd = TensorDescriptor.from_tensor(kv[0], [bs, cw])
+                    vd = TensorDescriptor.from_tensor(kv[1], [bs, cw])
+                    pd = TensorDescriptor.from_tensor(pool.view(nb * 2 * bs, row), [bs, cw])
+                    cands[f"tma{cw}x{chunks}"] = (
+                        lambda perm=perm, kd=kd, vd=vd, pd=pd, cw=cw, chunks=chunks, bs=bs, nb=nb: _tma_copy[
+                            (nb, 2 * (row // cw // chunks))](kd, vd, pd, perm, ROW=row, BS=bs, CW=cw, CHUNKS=chunks,
+                                                             num_warps=4))
+                for cname, fn in cands.items():
+                    pool.zero_()
+                    fn()
+                    ref = kv.view(2, nb, bs, row).transpose(0, 1)
+                    if not torch.equal(pool[perm.long()], ref):
+                        raise RuntimeError(f"ceiling2 {cname} {oname}: wrong bytes")
+                    t = time_graph(fn, 3)
+                    res.setdefault(f"{cname}-{oname}", []).append(100 * moved / (t * 1e-6) / 1e9 / copy_bw)
+            flat = torch.empty_like(kv)
+            t = time_graph(lambda flat=flat: flat.copy_(kv), 3)
+            res.setdefault("torch-copy_-contiguous", []).append(100 * moved / (t * 1e-6) / 1e9 / copy_bw)
+        print(f"ceiling2 fp16 block {bs} (% of copy, 3 rounds): "
+              + "  ".join(f"{k}: {' '.join(f'{p:.1f}' for p in ps)}" for k, ps in res.items()), flush=True)
+
+
 def _decode_setup(dev: torch.device):  # type: ignore[no-untyped-def]
     """RoPE params, the decode batch (block 16) and a 32-layer cache of each format."""
     rope = RopeConfig(head_dim=D, base=500000.0).kernel_params(device=dev)
@@ -333,6 +412,8 @@ def main() -> None:
         hints(dev, copy_bw)
     if "ceiling" in what:
         ceiling(dev, copy_bw)
+    if "ceiling2" in what:
+        ceiling2(dev, copy_bw)
     if "heads" in what:
         heads(dev)
     if "regs" in what:
