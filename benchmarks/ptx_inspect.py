@@ -172,7 +172,7 @@ def gather_main() -> None:
         print(f"gather quant={quant}: {registers(ptx)} | {summary(ptx)}")
 
 
-GATHER_EXTRA = {"VEC": 8}
+GATHER_EXTRA = {"VEC": 8, "WIDE": False}
 
 if __name__ == "__main__" and "gather" in sys.argv:
     gather_main()

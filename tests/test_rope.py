@@ -560,11 +560,61 @@ def test_from_hf_per_layer_type() -> None:
         ({"rope_type": "proportional"}, "rope_type"),
         ({"rope_type": "default", "mrope_section": [16, 24, 24]}, "mrope_section"),
         ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}, "high_freq_factor"),
+        # a rope parameter the type needs, missing (was KeyError) or None (was TypeError naming `factor` only)
+        ({"rope_type": "linear"}, r"config\.rope_parameters\['factor'\]: required by rope_type 'linear'"),
+        ({"rope_type": "dynamic", "factor": None}, r"rope_parameters\['factor'\]: required.*got None"),
+        ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, r"rope_parameters\['low_freq_factor'\]"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, r"rope_parameters\['high_freq_factor'\]"),
+        # was "cannot convert float NaN to integer"
+        ({"partial_rotary_factor": float("nan")}, r"rope_parameters\['partial_rotary_factor'\]"),
+        ({"partial_rotary_factor": 0.0}, "partial_rotary_factor"),
     ],
 )
 def test_from_hf_rejects(params: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         RopeConfig.from_hf(_cfg(rope_parameters=params))
+
+
+@pytest.mark.parametrize(
+    "config, exc, match",
+    [
+        # head_dim absent / None: hidden_size // num_attention_heads (each was an AttributeError)
+        (SimpleNamespace(), ValueError, "config.hidden_size, config.num_attention_heads: required"),
+        (SimpleNamespace(hidden_size=512), ValueError, "config.num_attention_heads: required"),
+        (SimpleNamespace(head_dim=None, num_attention_heads=8), ValueError, "config.hidden_size: required"),
+        (_cfg(num_attention_heads=0), ValueError, "config.num_attention_heads"),  # was ZeroDivisionError
+        (_cfg(hidden_size=512.0), TypeError, "config.hidden_size"),
+        # yarn without factor: the ratio of the context lengths, which needs both (was a TypeError on None)
+        (
+            _cfg(
+                max_position_embeddings=None,
+                rope_parameters={"rope_type": "yarn", "original_max_position_embeddings": 64},
+            ),
+            ValueError,
+            r"rope_parameters\['factor'\]: required by rope_type 'yarn'",
+        ),
+        (_cfg(rope_parameters={"rope_type": "yarn"}, original_max_position_embeddings=0), ValueError, "original_max"),
+        # wrong types (were AttributeError / unnamed errors)
+        (dict(hidden_size=512, num_attention_heads=8), TypeError, "config: expected a transformers config object"),
+        (_cfg(rope_parameters=[("rope_type", "linear")]), TypeError, "config.rope_parameters"),
+        (_cfg(rope_scaling="linear"), TypeError, "config.rope_scaling"),
+        (_cfg(partial_rotary_factor="0.5"), TypeError, "config.partial_rotary_factor"),
+        (
+            _cfg(layer_types=["full_attention"], rope_parameters={"full_attention": 1.0}),
+            TypeError,
+            r"config.rope_parameters\['full_attention'\]",
+        ),
+    ],
+)
+def test_from_hf_rejects_config(config: object, exc: type, match: str) -> None:
+    layer_type = "full_attention" if getattr(config, "layer_types", None) else None
+    with pytest.raises(exc, match=match):
+        RopeConfig.from_hf(config, layer_type=layer_type)
+
+
+def test_from_hf_head_dim_without_hidden_size() -> None:
+    rope = RopeConfig.from_hf(SimpleNamespace(head_dim=64))  # hidden_size / num_attention_heads not needed
+    assert (rope.head_dim, rope.rotary_dim) == (64, 64)
 
 
 def test_module_does_not_import_transformers() -> None:
@@ -620,6 +670,35 @@ _Y = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096)
         (dict(head_dim=64, beta_fast=1.0, beta_slow=2.0, **_Y), ValueError, "beta_fast"),
         (dict(head_dim=64, beta_slow=0.0, **_Y), ValueError, "beta_slow"),
         (dict(head_dim=64, attention_factor=0.0, **_Y), ValueError, "attention_factor"),
+        # dynamic NTK raises the base to d / (d - 2): rotary dim 2 divides by zero (as in transformers)
+        (
+            dict(head_dim=8, rotary_dim=2, rope_type="dynamic", factor=2.0, max_position_embeddings=16),
+            ValueError,
+            "rotary_dim: rope_type 'dynamic'",
+        ),
+        # a factor so large that the initial base (factor * m / m - (factor - 1)) ** ... rounds to <= 0 or overflows
+        (dict(head_dim=8, rope_type="dynamic", factor=1e300, max_position_embeddings=7), ValueError, "factor"),
+        (dict(head_dim=8, rope_type="dynamic", factor=1e20, max_position_embeddings=3), ValueError, "factor"),
+        # yarn divides by log(base)
+        (dict(head_dim=8, base=1.0, **_Y), ValueError, "base: rope_type 'yarn'"),
+        (dict(head_dim=8, base=1, **_Y), ValueError, "base: rope_type 'yarn'"),
+        # correction dim log(original / (beta * 2 pi)): log(0) (math domain error) or log(inf) (OverflowError)
+        (dict(head_dim=64, beta_fast=1e308, **_Y), ValueError, "beta_fast: expected a float giving a finite"),
+        (dict(head_dim=64, beta_slow=1e-320, **_Y), ValueError, "beta_slow: expected a float giving a finite"),
+        # get_mscale(factor, mscale_all_dim) == 0 (ZeroDivisionError), or a scaling <= 0
+        (dict(head_dim=64, mscale=1.0, mscale_all_dim=-10.0, **dict(_Y, factor=math.e)), ValueError, "mscale_all_dim"),
+        (dict(head_dim=64, mscale=-20.0, mscale_all_dim=1.0, **_Y), ValueError, "mscale"),
+        # lengths are int64 (and floats in the formulas): was OverflowError in inv_freq
+        (
+            dict(head_dim=64, rope_type="yarn", factor=4.0, original_max_position_embeddings=2**63),
+            ValueError,
+            "original_max_position_embeddings",
+        ),
+        (
+            dict(head_dim=64, rope_type="dynamic", factor=2.0, max_position_embeddings=10**400),
+            ValueError,
+            "max_position_embeddings",
+        ),
         (dict(head_dim=64, truncate=1), TypeError, "truncate"),
         (dict(head_dim=64, interleaved="yes"), TypeError, "interleaved"),
     ],
@@ -627,6 +706,23 @@ _Y = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096)
 def test_config_validation(kwargs: dict, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
         RopeConfig(**kwargs)
+
+
+def test_validation_boundaries_still_accepted() -> None:
+    """Next to the rejected values: each constructs and gives finite frequencies and cos / sin."""
+    ropes = [
+        RopeConfig(head_dim=8, rotary_dim=4, rope_type="dynamic", factor=2.0, max_position_embeddings=16),
+        RopeConfig(head_dim=8, base=1.0, rope_type="dynamic", factor=2.0, max_position_embeddings=16),
+        RopeConfig(head_dim=8, base=1.0, low_freq_factor=1.0, high_freq_factor=4.0, **_L3),
+        RopeConfig(head_dim=8, base=0.5, **_Y),
+        RopeConfig(head_dim=8, base=1.0 + 2**-52, **_Y),
+        RopeConfig(head_dim=8, rotary_dim=2, **_Y),
+        RopeConfig(head_dim=8, mscale=1.0, mscale_all_dim=0.0, **_Y),  # 0 means unset, as in transformers
+    ]
+    for rope in ropes:
+        params = rope.kernel_params(seq_len=100)
+        cos, sin = rope.cos_sin(torch.arange(100))
+        assert params.inv_freq.isfinite().all() and cos.isfinite().all() and sin.isfinite().all(), rope
 
 
 def test_call_validation() -> None:
@@ -639,6 +735,9 @@ def test_call_validation() -> None:
         (lambda: rope.cos_sin([0, 1]), TypeError, "positions"),
         (lambda: rope.inv_freq(seq_len=0), ValueError, "seq_len"),
         (lambda: rope.inv_freq(seq_len=torch.tensor(5)), TypeError, "seq_len"),
+        # dynamic NTK makes seq_len an int64 tensor (was "Overflow when unpacking long long")
+        (lambda: ROPES["dynamic"].inv_freq(seq_len=2**63), ValueError, "seq_len"),
+        (lambda: ROPES["dynamic"].kernel_params(seq_len=2**63), ValueError, "seq_len"),
         (lambda: apply_rope_reference(x, pos, "rope"), TypeError, "config"),
         (
             lambda: apply_rope_reference(torch.zeros(3, 2, 32), pos, rope),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -47,6 +48,7 @@ _INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen", "cohere", "cohere2", "g
 
 
 _INT_POSITION_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_INT64_MAX = 2**63 - 1  # lengths are int64 tensors (dynamic NTK) and floats in the formulas
 
 
 class RopeKernelParams(NamedTuple):
@@ -108,10 +110,11 @@ class RopeConfig:
     head_dim : int
         Size of each head (>= 2).
     rotary_dim : int | None
-        Number of leading dims of each head that are rotated (even, 2..head_dim); the rest pass through
-        unchanged. ``None``: ``head_dim``. transformers: ``int(head_dim * partial_rotary_factor)``.
+        Number of leading dims of each head that are rotated (even, 2..head_dim; 4.. for ``"dynamic"``,
+        whose exponent ``d / (d - 2)`` needs ``d > 2``); the rest pass through unchanged. ``None``:
+        ``head_dim``. transformers: ``int(head_dim * partial_rotary_factor)``.
     base : float
-        ``rope_theta`` (> 0).
+        ``rope_theta`` (> 0; not 1.0 for ``"yarn"``, which divides by ``log(base)``).
     rope_type : str
         One of :data:`ROPE_TYPES`:
 
@@ -126,7 +129,8 @@ class RopeConfig:
           ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``truncate``) and cos/sin
           scaled by :attr:`attention_scaling`.
     factor : float
-        Scaling factor (> 0); must be 1.0 for ``"default"``.
+        Scaling factor (> 0); must be 1.0 for ``"default"``. ``"dynamic"``: the initial scaled base
+        (see above, ``seq_len = max_position_embeddings``) must be a finite float > 0.
     original_max_position_embeddings : int | None
         Pre-training context length; required by ``"llama3"`` and ``"yarn"``.
     max_position_embeddings : int | None
@@ -134,10 +138,12 @@ class RopeConfig:
     low_freq_factor, high_freq_factor : float | None
         ``"llama3"`` only (required there; ``high_freq_factor > low_freq_factor``).
     beta_fast, beta_slow : float | None
-        ``"yarn"`` only; ``None`` means transformers' defaults 32 and 1. ``beta_fast > beta_slow > 0``.
+        ``"yarn"`` only; ``None`` means transformers' defaults 32 and 1. ``beta_fast > beta_slow > 0``, each
+        giving a finite correction dim ``d * log(original_max_position_embeddings / (beta * 2 pi)) / (2 log(base))``.
     mscale, mscale_all_dim : float | None
         ``"yarn"`` only (DeepSeek style): when both are non-zero and ``attention_factor`` is None,
-        ``attention_scaling = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)``.
+        ``attention_scaling = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)``, which must
+        then be finite and > 0 (like ``attention_factor``).
     attention_factor : float | None
         ``"yarn"`` only: explicit cos/sin scaling (> 0); ``None`` infers it from ``factor`` (and mscale).
     truncate : bool
@@ -193,7 +199,7 @@ class RopeConfig:
         set_("factor", _check_float("factor", self.factor, positive=True))
         for name in ("original_max_position_embeddings", "max_position_embeddings"):
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 1)
+                check_int(name, getattr(self, name), 1, _INT64_MAX)
         for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
             set_(name, _check_float(name, getattr(self, name), allow_none=True))
         set_(
@@ -224,8 +230,25 @@ class RopeConfig:
                     f"{name}: only used by rope_type {owner!r}, expected None with rope_type {rope_type!r}, "
                     f"got {getattr(self, name)}"
                 )
-        if rope_type == "dynamic" and self.max_position_embeddings is None:
-            raise ValueError("max_position_embeddings: required by rope_type 'dynamic', got None")
+        if rope_type == "dynamic":
+            if self.max_position_embeddings is None:
+                raise ValueError("max_position_embeddings: required by rope_type 'dynamic', got None")
+            if self.rotary_dim == 2:
+                raise ValueError(
+                    "rotary_dim: rope_type 'dynamic' raises the base to the power d / (d - 2) (d = rotary_dim), "
+                    "expected an even int >= 4, got 2"
+                )
+            try:
+                initial_base = self._dynamic_initial_base()
+            except OverflowError:
+                initial_base = math.inf
+            # a negative power base gives a complex number; an overflow, inf
+            if not (isinstance(initial_base, float) and math.isfinite(initial_base) and initial_base > 0.0):
+                raise ValueError(
+                    "factor: rope_type 'dynamic' expected a factor for which the initial base "
+                    "base * (factor * m / m - (factor - 1)) ** (d / (d - 2)) (m = max_position_embeddings) is a "
+                    f"finite float > 0, got factor {self.factor} (base {initial_base})"
+                )
         if rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
             raise ValueError(f"original_max_position_embeddings: required by rope_type {rope_type!r}, got None")
         if rope_type == "llama3":
@@ -245,6 +268,31 @@ class RopeConfig:
                 raise ValueError(f"beta_slow: expected a float > 0, got {beta_slow}")
             if beta_fast <= beta_slow:
                 raise ValueError(f"beta_fast: expected a float > beta_slow ({beta_slow}), got {beta_fast}")
+            if self.base == 1.0:
+                raise ValueError(
+                    "base: rope_type 'yarn' divides by log(base), expected a float > 0 other than 1.0, got 1.0"
+                )
+            for name, beta in (("beta_fast", beta_fast), ("beta_slow", beta_slow)):
+                try:
+                    dim = self._yarn_correction_dim(beta)
+                except ValueError:  # math.log(0.0): original / (beta * 2 pi) underflowed
+                    dim = math.nan
+                if not math.isfinite(dim):
+                    raise ValueError(
+                        f"{name}: expected a float giving a finite yarn correction dim "
+                        f"d * log(original_max_position_embeddings / ({name} * 2 pi)) / (2 log(base)), got {beta}"
+                    )
+            if self.attention_factor is None and self.mscale and self.mscale_all_dim:
+                numerator = _yarn_mscale(self.factor, self.mscale)
+                denominator = _yarn_mscale(self.factor, self.mscale_all_dim)
+                scaling = numerator / denominator if denominator != 0.0 else math.nan
+                if not (math.isfinite(scaling) and scaling > 0.0):
+                    raise ValueError(
+                        "mscale, mscale_all_dim: expected an attention scaling get_mscale(factor, mscale) / "
+                        "get_mscale(factor, mscale_all_dim) that is finite and > 0, got "
+                        f"{numerator} / {denominator} (factor {self.factor}, mscale {self.mscale}, "
+                        f"mscale_all_dim {self.mscale_all_dim})"
+                    )
 
     # ------------------------------------------------------------------------------------------------
     # Construction from transformers
@@ -279,10 +327,19 @@ class RopeConfig:
 
         Raises
         ------
+        TypeError
+            ``config`` is a dict (wrap a ``config.json`` dict: ``types.SimpleNamespace(**d)``), or a field of
+            the wrong type.
         ValueError
             An unsupported rope type (longrope, proportional, multimodal ``mrope_section``...), a missing
-            ``layer_type``, or parameters that :class:`RopeConfig` rejects.
+            ``layer_type``, a missing attribute or rope parameter (``head_dim`` and ``hidden_size`` /
+            ``num_attention_heads``; ``factor``...), or parameters that :class:`RopeConfig` rejects.
         """
+        if isinstance(config, Mapping):
+            raise TypeError(
+                "config: expected a transformers config object (read through its attributes), got a "
+                f"{type(config).__name__} (wrap a config.json dict: types.SimpleNamespace(**d))"
+            )
         params = _hf_rope_params(config, layer_type)
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:
@@ -296,13 +353,26 @@ class RopeConfig:
                 f"got {params['mrope_section']!r}"
             )
 
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+        head_dim = getattr(config, "head_dim", None)
+        if not head_dim:
+            missing = [name for name in ("hidden_size", "num_attention_heads") if getattr(config, name, None) is None]
+            if missing:
+                raise ValueError(
+                    f"{', '.join('config.' + name for name in missing)}: required when config.head_dim is missing, "
+                    f"None or 0 (head_dim = hidden_size // num_attention_heads), got a {type(config).__name__} "
+                    f"without {' and '.join(missing)}"
+                )
+            hidden_size = check_int("config.hidden_size", config.hidden_size, 1)
+            head_dim = hidden_size // check_int("config.num_attention_heads", config.num_attention_heads, 1)
+        if "partial_rotary_factor" in params:
+            partial_name, partial = "config.rope_parameters['partial_rotary_factor']", params["partial_rotary_factor"]
+        else:
+            partial_name, partial = "config.partial_rotary_factor", getattr(config, "partial_rotary_factor", None)
         if partial is None:
-            partial = getattr(config, "rotary_pct", None)  # GPT-NeoX in transformers 4.x
+            partial_name, partial = "config.rotary_pct", getattr(config, "rotary_pct", None)  # GPT-NeoX, 4.x
         gptj_rotary_dim = getattr(config, "rotary_dim", None)
         if partial is not None:
-            rotary_dim = int(head_dim * partial)
+            rotary_dim = int(head_dim * _check_float(partial_name, partial, positive=True))
         elif isinstance(gptj_rotary_dim, int) and not isinstance(gptj_rotary_dim, bool):
             rotary_dim = gptj_rotary_dim  # GPT-J / CodeGen
         else:
@@ -326,8 +396,15 @@ class RopeConfig:
             "max_position_embeddings": max_pos,
             "interleaved": interleaved,
         }
+
+        def required(key: str) -> Any:
+            if params.get(key) is None:
+                got = "None" if key in params else "no such key"
+                raise ValueError(f"config.rope_parameters[{key!r}]: required by rope_type {rope_type!r}, got {got}")
+            return params[key]
+
         if rope_type in ("linear", "dynamic", "llama3"):
-            kwargs["factor"] = params["factor"]
+            kwargs["factor"] = required("factor")
         if rope_type in ("llama3", "yarn"):
             # transformers' standardize_rope_params: a top-level config attribute wins (Phi-3 style),
             # then the rope dict, then max_position_embeddings.
@@ -336,12 +413,21 @@ class RopeConfig:
                 original = params.get("original_max_position_embeddings") or max_pos
             kwargs["original_max_position_embeddings"] = original
         if rope_type == "llama3":
-            kwargs["low_freq_factor"] = params["low_freq_factor"]
-            kwargs["high_freq_factor"] = params["high_freq_factor"]
+            kwargs["low_freq_factor"] = required("low_freq_factor")
+            kwargs["high_freq_factor"] = required("high_freq_factor")
         if rope_type == "yarn":
             factor = params.get("factor")
             if factor is None:  # DeepSeek-V3 style: the ratio of the context lengths
-                factor = max_pos / kwargs["original_max_position_embeddings"]
+                original = kwargs["original_max_position_embeddings"]
+                if max_pos is None or original is None:
+                    raise ValueError(
+                        "config.rope_parameters['factor']: required by rope_type 'yarn' unless "
+                        "config.max_position_embeddings and original_max_position_embeddings are both set "
+                        f"(factor = their ratio), got None (max_position_embeddings {max_pos}, "
+                        f"original_max_position_embeddings {original})"
+                    )
+                max_pos = check_int("config.max_position_embeddings", max_pos, 1, _INT64_MAX)
+                factor = max_pos / check_int("original_max_position_embeddings", original, 1, _INT64_MAX)
             kwargs["factor"] = factor
             kwargs["beta_fast"] = params.get("beta_fast") or 32.0
             kwargs["beta_slow"] = params.get("beta_slow") or 1.0
@@ -399,7 +485,7 @@ class RopeConfig:
             ``shape: [rotary_dim // 2]``, float32.
         """
         if seq_len is not None:
-            check_int("seq_len", seq_len, 1)
+            check_int("seq_len", seq_len, 1, _INT64_MAX)
         if self._uses_grown_base(seq_len):
             return self._dynamic_inv_freq(seq_len, torch.device("cpu") if device is None else torch.device(device))
         out = {
@@ -423,12 +509,15 @@ class RopeConfig:
     def _linear_inv_freq(self) -> torch.Tensor:
         return self._default_inv_freq() / self.factor  # divided by float32(factor)
 
-    def _dynamic_initial_inv_freq(self) -> torch.Tensor:
+    def _dynamic_initial_base(self) -> float:
         # transformers at construction: seq_len = max_position_embeddings, base scaled in Python doubles
-        # (a factor of 1 up to double rounding), then rounded to float32 by the pow.
+        # (a factor of 1 up to double rounding). Checked finite and > 0 in __post_init__.
         d, m, f = self.rotary_dim, self.max_position_embeddings, self.factor
-        base = self.base * ((f * m / m) - (f - 1)) ** (d / (d - 2))
-        return 1.0 / (base ** self._exponents())
+        return self.base * ((f * m / m) - (f - 1)) ** (d / (d - 2))
+
+    def _dynamic_initial_inv_freq(self) -> torch.Tensor:
+        # the double base is rounded to float32 by the pow
+        return 1.0 / (self._dynamic_initial_base() ** self._exponents())
 
     def _dynamic_inv_freq(self, seq_len: int, device: torch.device) -> torch.Tensor:
         # transformers in the forward pass: seq_len is a 0-d integer tensor (max(position_ids) + 1), so the
@@ -451,16 +540,16 @@ class RopeConfig:
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
 
+    def _yarn_correction_dim(self, num_rotations: float) -> float:
+        # dim index at which a wavelength makes `num_rotations` turns over the original context (Python
+        # doubles, transformers' expression). Checked finite in __post_init__ (base != 1, no log(0) / log(inf)).
+        d, base, original = self.rotary_dim, self.base, self.original_max_position_embeddings
+        return (d * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
     def _yarn_inv_freq(self) -> torch.Tensor:
         d, base, factor = self.rotary_dim, self.base, self.factor
         beta_fast, beta_slow = self._yarn_betas()
-        original = self.original_max_position_embeddings
-
-        def correction_dim(num_rotations: float) -> float:
-            # dim index at which a wavelength makes `num_rotations` turns over the original context
-            return (d * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
-
-        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        low, high = self._yarn_correction_dim(beta_fast), self._yarn_correction_dim(beta_slow)
         if self.truncate:
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, d - 1)
@@ -498,7 +587,7 @@ class RopeConfig:
         CUDA graph.
         """
         if seq_len is not None:
-            check_int("seq_len", seq_len, 1)
+            check_int("seq_len", seq_len, 1, _INT64_MAX)
         grown = self._uses_grown_base(seq_len)
         # a grown dynamic base is computed on `device` (as transformers does) and not read back: its frequencies
         # are 1 / grown_base ** e with e in [0, 1) and grown_base >= base, so 1.0 bounds them when base >= 1
@@ -553,9 +642,11 @@ class RopeConfig:
 
 def _hf_rope_params(config: Any, layer_type: str | None) -> dict[str, Any]:
     """The rope dict of a transformers config (5.x ``rope_parameters``; 4.x ``rope_scaling`` + attributes)."""
-    params = getattr(config, "rope_parameters", None)
+    name, params = "config.rope_parameters", getattr(config, "rope_parameters", None)
     if params is None:
-        params = getattr(config, "rope_scaling", None)
+        name, params = "config.rope_scaling", getattr(config, "rope_scaling", None)
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"{name}: expected a dict or None, got {type(params).__name__}")
     params = dict(params or {})
     layer_types = getattr(config, "layer_types", None)
     nested = bool(params) and layer_types is not None and not set(params).isdisjoint(set(layer_types))
@@ -569,6 +660,8 @@ def _hf_rope_params(config: Any, layer_type: str | None) -> dict[str, Any]:
             raise ValueError(f"layer_type: expected one of {', '.join(sorted(params))}, got {layer_type!r}")
         if params[layer_type] is None:
             raise ValueError(f"layer_type: layer type {layer_type!r} has no rotary embedding (NoPE)")
+        if not isinstance(params[layer_type], Mapping):
+            raise TypeError(f"{name}[{layer_type!r}]: expected a dict or None, got {type(params[layer_type]).__name__}")
         return dict(params[layer_type])
     if layer_type is not None:
         raise ValueError(f"layer_type: this config has a single rope, expected None, got {layer_type!r}")

@@ -356,3 +356,61 @@ def test_gather_into_odd_strided_outputs(device, kv_dtype):
     pr.assert_gather_matches(k_out, v_out, exp, kv_dtype=kv_dtype)
     pr.assert_bits_equal(buf[0, ..., D], pr.fill_sentinel(torch.empty_like(buf[0, ..., D])), "k spare column")
     pr.assert_bits_equal(buf[1, ..., 0], pr.fill_sentinel(torch.empty_like(buf[1, ..., 0])), "v spare column")
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+def test_gather_with_64bit_output_offsets(device, kv_dtype, monkeypatch):
+    """Outputs spanning 2**31 elements or more take 64-bit address arithmetic (the kernel's WIDE); with the
+    threshold lowered to 1 element here, that code path writes what the 32-bit one does, into strided
+    outputs (a padded head stride and a permuted view)."""
+    from kvcache.ops import paged as paged_ops
+
+    H, D, bs = 3, 16, 4
+    lens = [7, 2]
+    gen = pr.generator(331)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, kv_dtype=kv_dtype)
+    ks, vs = _sequences(device, gen, H, D, lens)
+    tables = pr.block_tables_for(gen, lens, block_size=bs, num_blocks=16, extra=1)
+    _append_in_steps(cache, ks, vs, tables, device, steps=2)
+    s_out = 9
+    outs = {}
+    for wide in (False, True):
+        monkeypatch.setattr(paged_ops, "_GATHER_WIDE_FROM", 1 if wide else 1 << 31)
+        kb = pr.fill_sentinel(torch.empty((len(lens), H, s_out + 3, D), dtype=torch.float16, device=device))
+        vb = pr.fill_sentinel(torch.empty((len(lens), s_out, H, D), dtype=torch.float16, device=device))
+        cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device), k_out=kb[:, :, 3:],
+                     v_out=vb.permute(0, 2, 1, 3))
+        outs[wide] = (kb, vb)
+    exp = pr.gather_expected(cache.pool(0), cache.params(0), tables, lens, kv_dtype=kv_dtype, layout="NHD",
+                             s_out=s_out, dtype=torch.float16)
+    pr.assert_gather_matches(outs[True][0][:, :, 3:], outs[True][1].permute(0, 2, 1, 3), exp, kv_dtype=kv_dtype)
+    for i in range(2):
+        pr.assert_bits_equal(outs[True][i], outs[False][i], "64-bit against 32-bit offsets")
+
+
+@pytest.mark.slow
+def test_gather_output_past_2_pow_31_elements(device):
+    """A gather whose output holds 2**31 elements or more per tensor (a head's offset alone passes int32):
+    every row lands at its own place, with 64-bit offsets. GPU-sized: 8 GiB of outputs; skipped where the
+    memory is not there."""
+    if device.type != "cuda":
+        pytest.skip("needs a CUDA GPU: 8 GiB of outputs")
+    if torch.cuda.mem_get_info(device)[0] < 12 * 2**30:
+        pytest.skip("needs 12 GiB of free GPU memory")
+    H, D, bs = 2, 128, 4
+    head_stride = 1 << 31  # head 1 starts at element 2**31 of each output
+    gen = pr.generator(332)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=4)
+    k = pr.randn((3, H, D), torch.float16, gen, device)
+    v = pr.randn((3, H, D), torch.float16, gen, device)
+    cache.append(0, k, v, block_tables=pr.i32([[2]], device), cu_q_lens=pr.i32([0, 3], device),
+                 kv_lens=pr.i32([0], device))
+    bufs = [torch.full((head_stride + 4 * D,), 7.0, dtype=torch.float16, device=device) for _ in range(2)]
+    k_out, v_out = (b.as_strided((1, H, 4, D), (head_stride + 4 * D, head_stride, D, 1)) for b in bufs)
+    cache.gather(0, pr.i32([[2]], device), kv_lens=pr.i32([3], device), k_out=k_out, v_out=v_out)
+    for got, want in ((k_out, k), (v_out, v)):
+        assert torch.equal(got[0, :, :3], want.transpose(0, 1))
+        assert torch.equal(got[0, :, 3], torch.zeros_like(got[0, :, 3]))  # past the sequence: zeros
+    for b in bufs:  # nothing between the two heads' rows was written
+        assert bool((b[4 * D:head_stride] == 7.0).all())
+        del b

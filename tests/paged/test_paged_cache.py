@@ -129,6 +129,42 @@ def test_copy_blocks_op_rejects(device, other_device):
     pr.assert_bits_equal(buf[:, 1], before[:, 0], "copied block")
 
 
+def test_copy_blocks_op_rejects_ids_out_of_range(device):
+    """The op reads the pairs before copying: an id outside [0, num_blocks), a repeated destination or a
+    destination that is also a source raises ValueError and nothing is written, not even the valid pairs;
+    the buffer is the middle of a larger tensor, whose neighbours stay untouched too."""
+    big = pr.fill_sentinel(torch.empty((3, 2, 4, 16), dtype=torch.float16, device=device))
+    gen = pr.generator(409)
+    big[1] = pr.randn((2, 4, 16), torch.float16, gen, device)
+    buf = big[1:2]  # [L=1, num_blocks=2, ...], contiguous
+    assert buf.is_contiguous() and buf.data_ptr() == big[1].data_ptr()
+    before = big.clone()
+    bad = [[[0, 2]], [[0, -1]], [[2, 0]], [[0, 1], [1, 2]], [[0, 1], [0, 1]], [[0, 1], [1, 0]]]
+    for pairs in bad:
+        with pytest.raises(ValueError, match=pr.names("pairs")):
+            copy_blocks([buf], torch.tensor(pairs, dtype=torch.int64, device=device))
+        pr.assert_bits_equal(big, before, f"tensor after rejected pairs {pairs}")
+    with pytest.raises(TypeError, match=pr.names("check")):
+        copy_blocks([buf], torch.tensor([[0, 1]], device=device), check="no")
+    with pytest.raises(TypeError, match=pr.names("buffers")):
+        copy_blocks(buf, torch.tensor([[0, 1]], device=device))
+
+
+def test_copy_blocks_op_unchecked_skips_ids_out_of_range(device):
+    """With check=False (the caller vouches for the ids) a pair with an id out of range is skipped by the
+    kernel and the reference alike: the other pairs are copied, nothing outside the buffer is written."""
+    big = pr.fill_sentinel(torch.empty((3, 3, 4, 16), dtype=torch.float16, device=device))
+    gen = pr.generator(410)
+    big[1] = pr.randn((3, 4, 16), torch.float16, gen, device)
+    buf = big[1:2]
+    before = big.clone()
+    pairs = torch.tensor([[0, 3], [1, 2], [-1, 0], [2, -5], [7, 1]], dtype=torch.int64, device=device)
+    copy_blocks([buf], pairs, check=False)
+    want = before.clone()
+    want[1, 2] = before[1, 1]
+    pr.assert_bits_equal(big, want, "tensor after unchecked pairs")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # swap
 
@@ -203,11 +239,41 @@ def test_swap_rejects(device):
     ]
     other = pr.sentinel_cache(device, num_layers=2, num_blocks=6, head_dim=16, kv_dtype="int8")
     cases.append((lambda: other.swap_in(swapped, [1, 2]), ValueError, "swapped"))
+    cases.append((lambda: cache.swap_in(swapped, [1, 1]), ValueError, "block_ids"))
+    # blocks of the right shape but not this cache's: scale / zero missing, or data of another dtype
+    no_params = SwappedBlocks(swapped.data, None, None)
+    cases.append((lambda: cache.swap_in(no_params, [1, 2]), ValueError, "swapped"))
+    bad_params = SwappedBlocks(swapped.data, swapped.params[:, :1], None)  # type: ignore[index]
+    cases.append((lambda: cache.swap_in(bad_params, [1, 2]), ValueError, "swapped"))
+    as_int8 = SwappedBlocks(swapped.data.view(torch.int8), swapped.params, None)
+    cases.append((lambda: cache.swap_in(as_int8, [1, 2]), ValueError, "swapped"))
     for fn, exc, name in cases:
         with pytest.raises(exc, match=pr.names(name)):
             fn()
         _assert_unchanged(cache, before, f"pool after a rejected swap ({name})")
     assert pr.is_all_sentinel(other.buffer)
+
+
+def test_swap_in_rejects_blocks_of_another_format(device):
+    """int8 blocks of head_dim 8 and int4 blocks of head_dim 16 have the same storage shape and dtype (8 bytes
+    per row); fp16 blocks of an NHD and an HND cache with block_size == heads too. swap_in takes blocks only
+    into a cache of the format they came from: ValueError, nothing written."""
+    gen = pr.generator(411)
+    pairs = [
+        (dict(num_kv_heads=2, head_dim=8, kv_dtype="int8"), dict(num_kv_heads=2, head_dim=16, kv_dtype="int4")),
+        (dict(num_kv_heads=4, head_dim=8, layout="NHD"), dict(num_kv_heads=4, head_dim=8, layout="HND")),
+    ]
+    for src_kw, dst_kw in pairs:
+        src = pr.sentinel_cache(device, num_layers=2, block_size=4, num_blocks=6, **src_kw)
+        dst = pr.sentinel_cache(device, num_layers=2, block_size=4, num_blocks=6, **dst_kw)
+        _random_bytes(src.buffer, gen)
+        swapped = src.swap_out([0, 3])
+        swapped.synchronize()
+        assert swapped.data.shape[1:] == (dst.buffer.shape[0], *dst.buffer.shape[2:])
+        before = _snapshot(dst)
+        with pytest.raises(ValueError, match=pr.names("swapped")):
+            dst.swap_in(swapped, [1, 2])
+        _assert_unchanged(dst, before, f"{dst_kw} cache after blocks of {src_kw}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -606,7 +672,7 @@ def test_cache_append_and_gather_reject(device, other_device):
         (lambda: cache.append("0", k, k, slot_mapping=sm), TypeError, "layer"),
         (lambda: cache.append(0, k, k, slot_mapping=sm, rope=True), ValueError, "rope"),
         (lambda: cache.append(0, k[:, :1], k[:, :1], slot_mapping=sm), ValueError, "k"),
-        (lambda: cache.append(0, k.float(), k.float(), slot_mapping=sm.float()), ValueError, "slot_mapping"),
+        (lambda: cache.append(0, k, k, slot_mapping=sm.float()), ValueError, "slot_mapping"),
         (lambda: cache.append(0, k, k, slot_mapping=sm, check=True, cp_size=2), ValueError, "cp_size"),
         (lambda: cache.gather(2, bt, kv_lens=pr.i32([1], device)), ValueError, "layer"),
         (lambda: cache.gather(1.0, bt, kv_lens=pr.i32([1], device)), TypeError, "layer"),
@@ -617,7 +683,22 @@ def test_cache_append_and_gather_reject(device, other_device):
          "(rope_seq_len|seq_len)"),
         (lambda: rope_cache.append(0, k64, k64, slot_mapping=sm, positions=sm, rope_seq_len="9"), TypeError,
          "(rope_seq_len|seq_len)"),
-        (lambda: rope_cache.append(0, k64, k64, slot_mapping=sm, positions=None), ValueError, "positions"),
+        (lambda: rope_cache.append(0, k64, k64, slot_mapping=sm, positions=None, rope_seq_len=4), ValueError,
+         "positions"),
+        # dynamic scaling needs the current length (transformers derives it from the positions)
+        (lambda: rope_cache.append(0, k64, k64, slot_mapping=sm, positions=sm), ValueError, "rope_seq_len"),
+        (lambda: rope_cache.gather(0, bt, kv_lens=pr.i32([1], device), rope=True), ValueError, "rope_seq_len"),
+        (lambda: cache.append(0, k, k, slot_mapping=sm, rope=RopeConfig(head_dim=D, rope_type="dynamic", factor=2.0,
+                                                                       max_position_embeddings=8)),
+         ValueError, "rope_seq_len"),
+        # the cache's model dtype (float16) for every format, and a bool check
+        (lambda: cache.append(0, k.float(), k.float(), slot_mapping=sm), ValueError, "k"),
+        (lambda: cache.append(0, k, k.bfloat16(), slot_mapping=sm), ValueError, "v"),
+        (lambda: cache.append(0, k, k, slot_mapping=sm, check="no"), TypeError, "check"),
+        (lambda: cache.gather(1, bt, kv_lens=pr.i32([1], device), k_out=torch.zeros(1, H, 4, D, device=device),
+                              v_out=torch.zeros(1, H, 4, D, device=device), max_len=5), ValueError, "max_len"),
+        (lambda: cache.gather(1, bt, kv_lens=pr.i32([1], device), k_out=torch.zeros(1, H, 4, D, device=device),
+                              v_out=torch.zeros(1, H, 4, D, device=device), max_len=4.0), TypeError, "max_len"),
         (lambda: rope_cache.append(0, k64, k64, slot_mapping=sm, positions=sm, rope="x"), TypeError, "rope"),
     ]
     snaps = (_snapshot(cache), _snapshot(rope_cache))
@@ -630,3 +711,5 @@ def test_cache_append_and_gather_reject(device, other_device):
     rope_cache.append(0, k64, k64, slot_mapping=sm, positions=sm, rope_seq_len=40)
     cache.append(1, k, k, slot_mapping=sm)
     cache.gather(1, bt, kv_lens=pr.i32([3], device))
+    cache.gather(1, bt, kv_lens=pr.i32([3], device), k_out=torch.zeros(1, H, 4, D, device=device),
+                 v_out=torch.zeros(1, H, 4, D, device=device), max_len=4)

@@ -775,6 +775,7 @@ def _gather_kernel(
     TOK: tl.constexpr,  # tokens per program: a power of two dividing BLOCK_SIZE (one block-table load)
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr,
     VEC: tl.constexpr,  # the output strides are in units of VEC elements (vector stores)
+    WIDE: tl.constexpr,  # an output spans 2**31 elements or more: its offsets in 64-bit integers
 ):
     # grid: (cdiv(S_out, TOK), B): TOK consecutive output (local) tokens of one sequence, in one block.
     t0 = tl.program_id(0).to(tl.int64) * TOK
@@ -807,6 +808,13 @@ def _gather_kernel(
     if QUANT == 1:
         k_scale = tl.load(fp8_scales)
         v_scale = tl.load(fp8_scales + 1)
+    if WIDE:  # the strides times VEC, and a head's offset, may pass int32: 64-bit address arithmetic
+        sk_b = sk_b.to(tl.int64)
+        sk_h = sk_h.to(tl.int64)
+        sk_s = sk_s.to(tl.int64)
+        sv_b = sv_b.to(tl.int64)
+        sv_h = sv_h.to(tl.int64)
+        sv_s = sv_s.to(tl.int64)
     _read_tile(pool + base, qparams + pbase, k_out + b * (sk_b * VEC) + t0 * (sk_s * VEC), tvalid, pos_f, inv_freq,
                ATTN_SCALE, k_scale, tt, hh, dd, QUANT, ROPE, ROT, INTERLEAVED, H, D, TOK, BLOCK_H, BLOCK_D, S_TOK,
                S_HEAD, P_TOK, P_HEAD, sk_s * VEC, sk_h * VEC, LIBDEVICE)
@@ -815,21 +823,24 @@ def _gather_kernel(
                BLOCK_D, S_TOK, S_HEAD, P_TOK, P_HEAD, sv_s * VEC, sv_h * VEC, LIBDEVICE)
 
 
-@kernel(ints=("n_pairs", "layer_stride", "elems"))
+@kernel(ints=("n_pairs", "layer_stride", "elems", "num_blocks"))
 def _copy_blocks_kernel(
     buf,  # [L, num_blocks, elems] (any dtype)
     pairs,  # int64 [n_pairs, 2]: (src block, dst block)
-    n_pairs, layer_stride, elems,
+    n_pairs, layer_stride, elems, num_blocks,
     BLOCK: tl.constexpr,
 ):
-    # grid: (cdiv(elems, BLOCK), n_pairs, L)
+    # grid: (cdiv(elems, BLOCK), n_pairs, L); a pair with an id outside [0, num_blocks) is skipped
     c = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1).to(tl.int64)
     layer = tl.program_id(2).to(tl.int64)
     src = tl.load(pairs + p * 2)
     dst = tl.load(pairs + p * 2 + 1)
+    ok = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
+    src = tl.where(ok, src, 0)
+    dst = tl.where(ok, dst, 0)
     offs = c * BLOCK + tl.arange(0, BLOCK)
-    m = offs < elems
+    m = tl.where(ok, offs < elems, False)  # (tl.where: a scalar & tile mask is rejected by triton 3.9's interpreter)
     x = tl.load(buf + layer * layer_stride + src * elems + offs, mask=m)
     tl.store(buf + layer * layer_stride + dst * elems + offs, x, mask=m)
 
@@ -1113,6 +1124,12 @@ class AppendPlan:
         pl.run(self.per_row * n, 1, 1, stream, *pl.head, *args, *pl.consts)
 
 
+# Output spans (elements from an output's first to its last, + 1) from which the gather computes its output
+# addresses in 64-bit integers: int32 products of the strides overflow past 2**31 (tests lower it to reach that
+# code path with small tensors).
+_GATHER_WIDE_FROM = 1 << 31
+
+
 def gather_paged_kv_launch(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
@@ -1124,7 +1141,7 @@ def gather_paged_kv_launch(
     block_tables: torch.Tensor,
     kv_lens: torch.Tensor | None,
     cu_k_lens: torch.Tensor | None,
-    rope,  # RopeKernelParams | None
+    rope: RopeKernelParams | None,
     fp8_scales: torch.Tensor | None,
     cp_rank: int,
     cp_size: int,
@@ -1155,6 +1172,9 @@ def gather_paged_kv_launch(
     out_strides = (k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1),
                    v_out.stride(2))
     vec = vec_elems(k_out.element_size(), out_strides)  # vector stores of output rows
+    # the largest element offset of either output (its strides are non-negative): int32 address arithmetic below
+    # 2**31, 64-bit from there (the common case keeps the narrower code)
+    span = max(sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1 for t in (k_out, v_out))
     _gather_kernel.launch(
         pool.device, (cdiv(s_out, tok), B),
         k_out, v_out, pool, params if params is not None else dummy, block_tables,
@@ -1167,7 +1187,7 @@ def gather_paged_kv_launch(
         ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0],
         **_block_strides(hnd, H, pool.shape[-1], bs),
         CP_RANK=cp_rank, CP_SIZE=cp_size, TOK=tok, BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),
-        LIBDEVICE=pool.device.type == "cuda", VEC=vec,
+        LIBDEVICE=pool.device.type == "cuda", VEC=vec, WIDE=span >= _GATHER_WIDE_FROM,
         num_warps=num_warps or max(1, min(8, tok * H * D // 512)),
     )
 
@@ -1181,11 +1201,12 @@ def copy_blocks_launch(buf: torch.Tensor, pairs: torch.Tensor) -> None:
     elems = buf[0, 0].numel()
     if not use_triton(buf.device):
         for src, dst in pairs.tolist():
-            buf[:, dst] = buf[:, src]
+            if 0 <= src < nb and 0 <= dst < nb:  # (the kernel skips such pairs too)
+                buf[:, dst] = buf[:, src]
         return
     block = min(4096, max(128, next_pow2(elems)))
     _copy_blocks_kernel.launch(buf.device, (cdiv(elems, block), n_pairs, L), buf, pairs, n_pairs, nb * elems,
-                               elems, BLOCK=block)
+                               elems, nb, BLOCK=block)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1269,10 +1290,13 @@ def _token_targets(
 
 def append_paged_kv_reference(
     k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, params: torch.Tensor | None, *, kv_dtype: str, layout: str,
-    block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, rope, fp8_scales, cp_rank: int,
-    cp_size: int,
-) -> None:  # type: ignore[no-untyped-def]
-    """Pure-torch reference of the append kernel (same arguments as :func:`append_paged_kv_launch`)."""
+    block_tables: torch.Tensor | None, cu_q_lens: torch.Tensor | None, kv_lens: torch.Tensor | None,
+    cu_k_lens: torch.Tensor | None, slot_mapping: torch.Tensor | None, positions: torch.Tensor | None,
+    rope: RopeKernelParams | None, fp8_scales: torch.Tensor | None, cp_rank: int, cp_size: int,
+) -> None:
+    """Pure-torch reference of the append kernel (same arguments as :func:`append_paged_kv_launch`, already
+    validated: ``k`` / ``v`` ``[N, H, D]`` model dtype, ``pool`` / ``params`` one layer's pools, index tensors
+    int32 / int64 on the pool's device)."""
     hnd = layout == "HND"
     bs = pool.shape[3] if hnd else pool.shape[2]
     targets = _token_targets(k.shape[0], block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, bs,
@@ -1311,9 +1335,11 @@ def append_paged_kv_reference(
 
 def gather_paged_kv_reference(
     k_out: torch.Tensor, v_out: torch.Tensor, pool: torch.Tensor, params: torch.Tensor | None, *, kv_dtype: str,
-    layout: str, block_tables, kv_lens, cu_k_lens, rope, fp8_scales, cp_rank: int, cp_size: int,
-) -> None:  # type: ignore[no-untyped-def]
-    """Pure-torch reference of the gather kernel."""
+    layout: str, block_tables: torch.Tensor, kv_lens: torch.Tensor | None, cu_k_lens: torch.Tensor | None,
+    rope: RopeKernelParams | None, fp8_scales: torch.Tensor | None, cp_rank: int, cp_size: int,
+) -> None:
+    """Pure-torch reference of the gather kernel (arguments as :func:`gather_paged_kv_launch`, validated):
+    fills ``k_out`` / ``v_out`` ``[B, H, S_out, D]``."""
     hnd = layout == "HND"
     bs = pool.shape[3] if hnd else pool.shape[2]
     B, H, s_out, D = k_out.shape
@@ -1579,6 +1605,8 @@ def append_paged_kv(
     """
     if type(metadata_ready) is not bool:
         raise TypeError(f"metadata_ready: expected a bool, got {metadata_ready!r} ({type(metadata_ready).__name__})")
+    if type(check) is not bool:
+        raise TypeError(f"check: expected a bool, got {check!r} ({type(check).__name__})")
     nb, bs, h, dp = _pool_geometry(pool, params, kv_dtype, layout)
     d = _check_kv_rows(k, v, pool, kv_dtype, h, dp)
     n = k.shape[0]
@@ -1671,7 +1699,7 @@ def gather_paged_kv(
     v_out: torch.Tensor | None = None,
     max_len: int | None = None,
     dtype: torch.dtype | None = None,
-    rope=None,  # RopeKernelParams | None
+    rope: RopeKernelParams | None = None,
     fp8_scales: torch.Tensor | None = None,
     cp_rank: int = 0,
     cp_size: int = 1,
@@ -1693,7 +1721,7 @@ def gather_paged_kv(
         ``S_out = max_len``.
     max_len : int, optional
         ``S_out`` when the outputs are allocated here; default: the longest sequence (reads ``kv_lens``:
-        one sync).
+        one sync). With ``k_out`` / ``v_out`` given: None, or their ``S_out``.
     dtype : torch.dtype, optional
         Output dtype when allocating (default: the pool's model dtype; required for quantized pools).
     rope : RopeKernelParams, optional
@@ -1752,6 +1780,10 @@ def gather_paged_kv(
                              f"{_fmt(v_out.shape)}")
         if kv_dtype == "auto" and k_out.dtype != pool.dtype:
             raise ValueError(f"k_out: expected dtype {pool.dtype} (the pool's), got {k_out.dtype}")
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)):
+            raise TypeError(f"max_len: expected an int or None, got {type(max_len).__name__}")
+        if max_len is not None and max_len != k_out.shape[2]:
+            raise ValueError(f"max_len: expected None or {k_out.shape[2]} (S_out of k_out / v_out), got {max_len}")
     gather_paged_kv_launch(
         k_out, v_out, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, kv_lens=kv_lens,
         cu_k_lens=cu_k_lens, rope=rope, fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size,
@@ -1759,25 +1791,46 @@ def gather_paged_kv(
     return k_out, v_out
 
 
-def copy_blocks(buffers: list[torch.Tensor], pairs: torch.Tensor) -> None:
+def copy_blocks(buffers: list[torch.Tensor], pairs: torch.Tensor, *, check: bool = True) -> None:
     """Copy whole blocks ``pairs[i, 0] -> pairs[i, 1]`` in every layer (copy-on-write of shared blocks).
 
     Parameters
     ----------
     buffers : list of torch.Tensor
-        Each ``[L, num_blocks, ...]`` contiguous (the data pool of all layers, and the params pool if any).
+        Each ``[L, num_blocks, ...]`` contiguous (the data pool of all layers, and the params pool if any),
+        with the same ``num_blocks``.
     pairs : torch.Tensor
-        int64 ``[n, 2]`` on the buffers' device: (source block, destination block). Destinations must be
-        distinct and not sources of other pairs.
+        int64 ``[n, 2]`` on the buffers' device: (source block, destination block), ids in
+        ``[0, num_blocks)``. Destinations must be distinct and not sources of other pairs.
+    check : bool
+        Validate the ids before copying (reads ``pairs``: one device sync on a GPU). With ``check=False``
+        the caller vouches for them; a pair with an id out of range is then skipped, never written out of
+        bounds.
     """
     if not isinstance(pairs, torch.Tensor):
         raise TypeError(f"pairs: expected an int64 tensor [n, 2], got {type(pairs).__name__}")
+    if type(check) is not bool:
+        raise TypeError(f"check: expected a bool, got {type(check).__name__}")
+    if isinstance(buffers, torch.Tensor) or not isinstance(buffers, (list, tuple)) or not buffers:
+        raise TypeError(f"buffers: expected a non-empty list of tensors, got {type(buffers).__name__}")
     for i, buf in enumerate(buffers):
         if not isinstance(buf, torch.Tensor) or buf.dim() < 3 or not buf.is_contiguous():
             raise ValueError(f"buffers[{i}]: expected a contiguous tensor [L, num_blocks, ...]")
         if pairs.device != buf.device:
             raise ValueError(f"pairs: expected device {buf.device} (of buffers[{i}]), got {pairs.device}")
+        if buf.shape[1] != buffers[0].shape[1]:
+            raise ValueError(f"buffers[{i}]: expected {buffers[0].shape[1]} blocks (as buffers[0]), got "
+                             f"{buf.shape[1]}")
     if pairs.dtype != torch.int64 or pairs.dim() != 2 or pairs.shape[1] != 2 or not pairs.is_contiguous():
         raise ValueError(f"pairs: expected a contiguous int64 tensor [n, 2], got {pairs.dtype} {_fmt(pairs.shape)}")
+    if check and pairs.shape[0]:
+        nb = buffers[0].shape[1]
+        vals = pairs.tolist()
+        bad = [x for pair in vals for x in pair if not 0 <= x < nb]
+        if bad:
+            raise ValueError(f"pairs: expected block ids in [0, {nb}), got {bad[:8]}")
+        dst = [d for _, d in vals]
+        if len(set(dst)) != len(dst) or set(dst) & {s for s, _ in vals}:
+            raise ValueError("pairs: expected distinct destinations that are not also sources")
     for buf in buffers:
         copy_blocks_launch(buf, pairs)

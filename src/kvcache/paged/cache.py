@@ -28,12 +28,17 @@ class SwappedBlocks:
     data: torch.Tensor
     params: torch.Tensor | None
     event: torch.cuda.Event | None
+    # (kv_dtype, layout, num_kv_heads, head_dim, block_size, num_layers) of the cache the blocks came from: swap_in
+    # takes them only into a cache of the same format (None: not recorded, checked by shape and dtype alone)
+    layout_key: tuple | None = None
 
     @property
     def num_blocks(self) -> int:
+        """Number of blocks held (``data.shape[0]``)."""
         return self.data.shape[0]
 
     def synchronize(self) -> None:
+        """Block the host until the copy to host memory has completed (no-op on the CPU)."""
         if self.event is not None:
             self.event.synchronize()
 
@@ -108,18 +113,23 @@ class PagedKVCache:
 
     @property
     def config(self) -> PagedConfig:
+        """The :class:`PagedConfig` the cache was built from."""
         return self._config
 
     @property
     def device(self) -> torch.device:
+        """Device of the pools."""
         return self._config.device  # type: ignore[return-value]
 
     @property
     def num_layers(self) -> int:
+        """Number of attention layers (one pool each)."""
         return self._config.num_layers
 
     @property
     def nbytes(self) -> int:
+        """Bytes allocated for the pools of every layer, (scale, zero) included (``cache_block_bytes(...) *
+        num_blocks``)."""
         n = self.buffer.numel() * self.buffer.element_size()
         if self.params_buffer is not None:
             n += self.params_buffer.numel() * 4
@@ -145,7 +155,9 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------------------------------ append / gather
 
-    def _rope_for(self, rope: RopeConfig | RopeKernelParams | bool | None, seq_len: int | None):  # type: ignore[no-untyped-def]
+    def _rope_for(self, rope: RopeConfig | RopeKernelParams | bool | None,
+                  seq_len: int | None) -> RopeKernelParams | RopeConfig | bool | None:
+        # the kernel parameters of a call's `rope` argument (anything else is passed on, for the op to reject)
         if rope is False:
             return None
         if rope is None or rope is True:
@@ -155,10 +167,17 @@ class PagedKVCache:
                 return None
             if self._rope_params is not None:
                 return self._rope_params
-            return self._rope.kernel_params(seq_len, device=self.device)
-        if isinstance(rope, RopeConfig):
-            return rope.kernel_params(seq_len, device=self.device)
-        return rope
+            config = self._rope
+        elif isinstance(rope, RopeConfig):
+            config = rope
+        else:
+            return rope
+        if config.is_dynamic and seq_len is None:
+            # transformers grows the base from max(position_ids) + 1 in every forward pass; here that length
+            # is the caller's to give (reading it from the device would sync every call)
+            raise ValueError("rope_seq_len: required with 'dynamic' RoPE scaling (the current length, "
+                             "max(positions) + 1), got None")
+        return config.kernel_params(seq_len, device=self.device)
 
     def append(
         self,
@@ -232,6 +251,9 @@ class PagedKVCache:
             )
         if not fast:
             i = self._layer(layer)
+            for name, t in (("k", k), ("v", v)):
+                if isinstance(t, torch.Tensor) and t.dtype != cfg.dtype:
+                    raise ValueError(f"{name}: expected dtype {cfg.dtype} (the cache's model dtype), got {t.dtype}")
             params = self._rope_for(rope, rope_seq_len)
             if metadata_ready is True and params is not None and params is not rope and params is not self._rope_params:
                 # RoPE parameters built in this call (a RopeConfig given here, dynamic scaling past the
@@ -341,7 +363,7 @@ class PagedKVCache:
             raise ValueError("dst: expected distinct block ids that are not also sources")
         pairs = torch.stack([s, d], dim=1).contiguous().to(self.device)
         bufs = [self.buffer] + ([self.params_buffer] if self.params_buffer is not None else [])
-        paged_ops.copy_blocks(bufs, pairs)
+        paged_ops.copy_blocks(bufs, pairs, check=False)  # validated above, on the host
 
     def swap_out(self, block_ids: Sequence[int] | torch.Tensor, *, stream: torch.cuda.Stream | None = None,
                  pin_memory: bool = True) -> SwappedBlocks:
@@ -350,6 +372,10 @@ class PagedKVCache:
         The blocks are gathered on the device (``index_select``) and copied with one non-blocking transfer;
         the returned :class:`SwappedBlocks` records an event when done. The device blocks may be reused
         once ``stream`` has passed that point (the caller orders later writes after it).
+
+        Returns :class:`SwappedBlocks`: ``data`` ``[n, L, *block]`` in the storage dtype (a block of
+        ``pool(layer)`` per layer), ``params`` float32 ``[n, L, *param_block]`` for int8 / int4 (else None),
+        in the order of ``block_ids``.
         """
         ids = self._block_ids("block_ids", block_ids).to(self.device)
         cuda = self.device.type == "cuda"
@@ -370,19 +396,48 @@ class PagedKVCache:
                 event = torch.cuda.Event()
                 event.record()
                 data.record_stream(torch.cuda.current_stream(self.device))
-        return SwappedBlocks(host, hparams, event)
+        return SwappedBlocks(host, hparams, event, self._swap_key())
+
+    def _swap_key(self) -> tuple:
+        c = self._config
+        return (c.kv_dtype, c.layout, c.num_kv_heads, c.head_dim, c.block_size, c.num_layers)
 
     def swap_in(self, swapped: SwappedBlocks, block_ids: Sequence[int] | torch.Tensor, *,
                 stream: torch.cuda.Stream | None = None) -> None:
         """Copy swapped-out blocks back into blocks ``block_ids`` of every layer, asynchronously on
-        ``stream`` (after the swap-out's event)."""
+        ``stream`` (after the swap-out's event).
+
+        ``swapped``: from :meth:`swap_out` of a cache of the same format (kv_dtype, layout, heads, head_dim,
+        block size, layers): ``data`` ``[n, L, *block]`` in the storage dtype, ``params`` float32 ``[n, L,
+        2, ...]`` for int8 / int4 (else None). ``block_ids``: ``n`` distinct ids in ``[0, num_blocks)``.
+        Anything else raises ValueError before a byte is copied."""
         if not isinstance(swapped, SwappedBlocks):
             raise TypeError(f"swapped: expected SwappedBlocks, got {type(swapped).__name__}")
         ids = self._block_ids("block_ids", block_ids)
         if ids.shape[0] != swapped.num_blocks:
             raise ValueError(f"block_ids: expected {swapped.num_blocks} ids (the swapped blocks), got {ids.shape[0]}")
-        if tuple(swapped.data.shape[1:]) != tuple(self.buffer.shape[:1]) + tuple(self.buffer.shape[2:]):
-            raise ValueError("swapped: blocks of another cache shape")
+        if len(set(ids.tolist())) != ids.shape[0]:
+            raise ValueError(f"block_ids: expected distinct block ids, got {ids.tolist()[:8]}")
+        if swapped.layout_key is not None and swapped.layout_key != self._swap_key():
+            raise ValueError(f"swapped: blocks of another cache format (kv_dtype, layout, num_kv_heads, head_dim, "
+                             f"block_size, num_layers) {swapped.layout_key}, expected {self._swap_key()}")
+        shape = (self.buffer.shape[0], *self.buffer.shape[2:])
+        if not isinstance(swapped.data, torch.Tensor) or swapped.data.dtype != self.buffer.dtype or tuple(
+                swapped.data.shape[1:]) != shape:
+            got = (f"{swapped.data.dtype} {list(swapped.data.shape)}" if isinstance(swapped.data, torch.Tensor)
+                   else type(swapped.data).__name__)
+            raise ValueError(f"swapped: expected data {self.buffer.dtype} [n, {', '.join(map(str, shape))}] (blocks "
+                             f"of this cache's shape), got {got}")
+        if self.params_buffer is not None:
+            pshape = (self.params_buffer.shape[0], *self.params_buffer.shape[2:])
+            p = swapped.params
+            if not isinstance(p, torch.Tensor) or p.dtype != torch.float32 or tuple(p.shape) != (ids.shape[0],
+                                                                                              *pshape):
+                got = f"{p.dtype} {list(p.shape)}" if isinstance(p, torch.Tensor) else repr(p)
+                raise ValueError(f"swapped: expected params float32 [{ids.shape[0]}, {', '.join(map(str, pshape))}] "
+                                 f"(the blocks' scale / zero), got {got}")
+        elif swapped.params is not None:
+            raise ValueError("swapped: expected params None (this cache stores no scale / zero)")
         ids = ids.to(self.device)
         cuda = self.device.type == "cuda"
         ctx = torch.cuda.stream(stream) if (cuda and stream is not None) else _null()
@@ -391,7 +446,7 @@ class PagedKVCache:
                 torch.cuda.current_stream(self.device).wait_event(swapped.event)
             data = swapped.data.to(self.device, non_blocking=cuda).transpose(0, 1)
             self.buffer.index_copy_(1, ids, data)
-            if self.params_buffer is not None and swapped.params is not None:
+            if self.params_buffer is not None:
                 p = swapped.params.to(self.device, non_blocking=cuda).transpose(0, 1)
                 self.params_buffer.index_copy_(1, ids, p)
 

@@ -154,10 +154,12 @@ class PagedConfig:
 
     @property
     def storage_dtype(self) -> torch.dtype:
+        """torch dtype of the data pool: the model dtype (auto), float8_e4m3fn (fp8) or uint8 (int8 / int4)."""
         return storage_dtype(self.dtype, self.kv_dtype)
 
     @property
     def row_elems(self) -> int:
+        """Stored elements per (token, head) row: ``head_dim``, or ``head_dim // 2`` bytes for int4."""
         return row_elems(self.head_dim, self.kv_dtype)
 
     def pool_shape(self) -> tuple[int, ...]:
