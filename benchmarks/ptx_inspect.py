@@ -92,7 +92,8 @@ def append_consts(quant: int, rope: bool, **kw):  # type: ignore[no-untyped-def]
              DP=64 if quant == 3 else 128, BLOCK_SIZE=16, NUM_BLOCKS=2000, CP_RANK=0, CP_SIZE=1,
              SEARCH=8, LOG_B=3, STRIDE_KH=128, STRIDE_VH=128, VEC=8, BLOCK_H=8, BLOCK_HF=64, LIBDEVICE=True,
              SPLIT=False, PDL=False, FMAX=0.0, EARLY=False, LOAD_EV="evict_first", STORE_CM=".cs", HG=1,
-             PAIR_ASM=quant >= 2, ROPE_SELECT=False, MASKED=False, CS_FIRST=False, INDEX_FIRST=False)
+             PAIR_ASM=quant >= 2, ROPE_SELECT=False, MASKED=False, CS_FIRST=False, INDEX_FIRST=False,
+             SPECULATE=False, FREQS_LATE=False)
     c.update(P._block_strides(False, 8, c["DP"], 16))
     c.update(kw)
     return c

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 from kvcache.ops import paged as paged_ops
 from kvcache.rope import RopeConfig
@@ -580,9 +581,11 @@ def test_early_override_in_both_launch_shapes(device, kv_dtype, split_launch, ea
 
 def _launch_consts(monkeypatch, kv_dtype: str, *, split: bool | None, slots: bool = True, rope: bool = False,  # type: ignore[no-untyped-def]
                    params=None, early: bool | None = None, pdl: bool | None = None, ready: bool = False,
-                   rows: int = 3, heads: tuple[int, int] = (2, 16)) -> dict:
+                   rows: int = 3, heads: tuple[int, int] = (2, 16), rope_config: RopeConfig | None = None,
+                   speculate: bool | None = None, rope_ready: bool = False) -> dict:
     """The constexprs of one launch of the fake kernel (``rows`` rows of ``heads`` (H, D), a slot mapping or a
-    ragged batch of one sequence; ``ready``: metadata_ready)."""
+    ragged batch of one sequence; ``ready``: metadata_ready; ``rope_config``: the RoPE, default rotate-half
+    over the whole head)."""
     fake = _FakeKernel()
     monkeypatch.setattr(paged_ops, "_append_kernel", fake)
     monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
@@ -595,9 +598,9 @@ def _launch_consts(monkeypatch, kv_dtype: str, *, split: bool | None, slots: boo
                   kv_lens=pr.i32([0], "cpu"), slot_mapping=None, positions=None))
     paged_ops.append_paged_kv_launch(
         k, k, cache.pool(0), cache.params(0) if params is None else params, kv_dtype=kv_dtype, layout="NHD",
-        cu_k_lens=None, rope=RopeConfig(head_dim=D).kernel_params() if rope else None,
+        cu_k_lens=None, rope=(rope_config or RopeConfig(head_dim=D)).kernel_params() if rope else None,
         fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, split=split, early=early, pdl=pdl,
-        metadata_ready=ready, **index)
+        metadata_ready=ready, speculate=speculate, rope_ready=rope_ready, **index)
     return fake.log[-1][3]
 
 
@@ -881,8 +884,10 @@ def test_metadata_ready_selects_index_first_for_decode_with_pdl(monkeypatch, kv_
     """``metadata_ready`` changes only decode-sized launches with PDL: the lookup goes before the wait
     (INDEX_FIRST), with RoPE's cos / sin too except for fp8 (CS_FIRST), one program per row (of the per-row
     launch's warps) except fp8 (split), stores predicated (EARLY); without PDL, for prefill-sized appends and
-    without the promise, nothing changes."""
+    without the promise, nothing changes (speculation, the default without the promise, is off here: see
+    test_speculation_is_the_default_for_decode_with_pdl_and_no_promise)."""
     monkeypatch.setattr(paged_ops, "_pdl_supported", lambda device: True)
+    monkeypatch.setattr(paged_ops, "_SPECULATE", False)
     fp8 = kv_dtype == "fp8"
     for slots in (True, False):
         base = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, pdl=True)
@@ -915,9 +920,10 @@ def test_metadata_ready_must_be_a_bool(device):
 
 def test_prepared_launches_are_kept_apart_by_metadata_ready(monkeypatch):
     """The cache's prepared launches are keyed by ``metadata_ready``: a promise made once does not carry over to
-    later calls without it (and back)."""
+    later calls without it (and back). (Speculation off: without the promise the launch then waits first.)"""
     from kvcache.paged import cache as cache_mod
 
+    monkeypatch.setattr(paged_ops, "_SPECULATE", False)
     fake = _FakeKernel()
     monkeypatch.setattr(paged_ops, "_append_kernel", fake)
     monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
@@ -1120,6 +1126,12 @@ def _ready_fake(monkeypatch):  # type: ignore[no-untyped-def]
     return fake
 
 
+def _trusts(consts: dict) -> bool:
+    """Whether a launch reads the index tensors before the wait and trusts them (the promise), rather than
+    waiting first or checking them after the wait (speculation)."""
+    return bool(consts["INDEX_FIRST"]) and not consts["SPECULATE"]
+
+
 def test_the_public_op_passes_metadata_ready_on(monkeypatch):
     """``append_paged_kv(..., metadata_ready=True)`` (the validating op) reaches the launch; a non-bool is a
     TypeError that names the value, before anything is written."""
@@ -1129,7 +1141,7 @@ def test_the_public_op_passes_metadata_ready_on(monkeypatch):
     args = dict(kv_dtype="int8", slot_mapping=torch.tensor([0, 5, 9]), fp8_scales=None)
     for ready in (True, False):
         paged_ops.append_paged_kv(k, k, cache.pool(0), cache.params(0), metadata_ready=ready, **args)
-        assert fake.log[-1][3]["INDEX_FIRST"] is ready
+        assert _trusts(fake.log[-1][3]) is ready
     n = len(fake.log)
     with pytest.raises(TypeError, match=r"metadata_ready: expected a bool, got 1 \(int\)"):
         paged_ops.append_paged_kv(k, k, cache.pool(0), cache.params(0), metadata_ready=1, **args)
@@ -1147,17 +1159,17 @@ def test_rope_built_in_the_call_drops_the_promise(monkeypatch):
     static = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=D, block_size=4, num_blocks=8, kv_dtype="int8",
                                rope=RopeConfig(head_dim=D))
     static.append(0, k, k, metadata_ready=True, **index)
-    assert fake.log[-1][3]["INDEX_FIRST"] is True and fake.log[-1][3]["CS_FIRST"] is True
+    assert _trusts(fake.log[-1][3]) and fake.log[-1][3]["CS_FIRST"] is True
     static.append(0, k, k, metadata_ready=True, rope=static._rope_params, **index)  # the same params, given
-    assert fake.log[-1][3]["INDEX_FIRST"] is True
+    assert _trusts(fake.log[-1][3])
     static.append(0, k, k, metadata_ready=True, rope=RopeConfig(head_dim=D, base=5e5), **index)
-    assert fake.log[-1][3]["INDEX_FIRST"] is False
+    assert not _trusts(fake.log[-1][3]) and fake.log[-1][3]["SPECULATE"] is True  # checked after the wait
     dynamic = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=D, block_size=4, num_blocks=8, kv_dtype="int8",
                                 rope=RopeConfig(head_dim=D, rope_type="dynamic", factor=2.0,
                                                 max_position_embeddings=32))
     for seq_len in (16, 300):
         dynamic.append(0, k, k, metadata_ready=True, rope_seq_len=seq_len, **index)
-        assert fake.log[-1][3]["INDEX_FIRST"] is False and fake.log[-1][3]["ROPE"] is True
+        assert not _trusts(fake.log[-1][3]) and fake.log[-1][3]["ROPE"] is True
 
 
 _LATE_WRITER = None
@@ -1243,12 +1255,14 @@ def test_metadata_ready_still_waits_for_k_and_v(device, mode, kv_dtype):
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 
+@pytest.mark.parametrize("ready", [True, False], ids=["metadata-ready", "speculative"])
 @pytest.mark.parametrize("kv_dtype", FORMATS)
-def test_decode_graph_with_metadata_ready(device, kv_dtype):
+def test_decode_graph_with_metadata_ready(device, kv_dtype, ready):
     """A captured 2-layer decode step in which each layer's K / V come from a PDL kernel that releases its
-    dependents at once and writes them only after spinning, then the append with ``metadata_ready=True``.
-    Replayed on new K / V and new lengths (copied into the captured buffers before each replay): it stores the
-    same bytes as the same step run eagerly, and the new rows (not the stale ones)."""
+    dependents at once and writes them only after spinning, then the append with ``metadata_ready=True`` (or
+    without it: speculation). Replayed on new K / V and new lengths (copied into the captured buffers before
+    each replay): it stores the same bytes as the same step run eagerly, and the new rows (not the stale
+    ones)."""
     if device.type != "cuda" or not paged_ops._pdl_default(device):
         pytest.skip("programmatic dependent launch (in a CUDA graph) needs a CUDA GPU of compute capability >= 9.0")
     from kvcache import PagedConfig, PagedKVCache
@@ -1269,7 +1283,7 @@ def test_decode_graph_with_metadata_ready(device, kv_dtype):
         for layer in range(L):
             writer[grid](src[layer], kv[layer], 2 * n * H * D, SPIN=20000, BLOCK=1024, launch_pdl=True)
             cache.append(layer, kv[layer, 0], kv[layer, 1], block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
-                         metadata_ready=True)
+                         metadata_ready=ready)
 
     step(graphed)  # compiles, prepares the plans
     torch.cuda.synchronize()
@@ -1298,3 +1312,263 @@ def test_decode_graph_with_metadata_ready(device, kv_dtype):
                     assert torch.equal(graphed.params(layer)[blk, :, off], eager.params(layer)[blk, :, off])
                 if kv_dtype == "auto":  # V stored as given: the new rows, not the stale zeros
                     assert torch.equal(got[1], src[layer, 1, b])
+
+
+# ----------------------------------------------------------------------------------------- speculation
+
+
+_REAL_SPEC_SAME = paged_ops._spec_same
+
+
+@triton.jit
+def _never_same(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                MODE: tl.constexpr, ROPE: tl.constexpr):
+    same = _REAL_SPEC_SAME(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                           MODE, ROPE)
+    return same & (n < 0)
+
+
+def _spec_never_same(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Make every speculative program find its values changed (as if the previous kernel had written them):
+    the rows then go through the slow path after the wait. (The interpreter resolves the kernel's helpers at
+    call time.)"""
+    monkeypatch.setattr(paged_ops, "_spec_same", _never_same)
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["unchanged", "changed"])
+@pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+@pytest.mark.parametrize("shape", ["split", "per-row"])
+@pytest.mark.parametrize("batch", [BATCHES[0], BATCHES[2], BATCHES[3]])
+def test_speculative_launches_match_the_reference(device, monkeypatch, batch, shape, kv_dtype, use_rope, changed):
+    """The speculative lookup (``speculate``, the default for decode-sized appends with PDL and no promise):
+    the first guess (and cos / sin) before the wait, every value it read checked after it. Rows whose guess
+    missed (mixed batches, padding) and, with ``changed``, every row (as if the previous kernel had written the
+    index tensors) go through the slow path; ragged and by slot mapping, both launch shapes (per-row launches
+    with ``rope_ready``: inv_freq and cos / sin before the wait; split ones read inv_freq after it): the
+    reference's bytes (within the RoPE bounds)."""
+    if not paged_ops.use_triton(device):
+        pytest.skip("the torch backend launches no kernel")
+    if changed:
+        if device.type == "cuda":
+            pytest.skip("the kernel's helper is replaced only under the interpreter")
+        _spec_never_same(monkeypatch)
+    q_lens, kv_lens, pad = batch
+    gen = pr.generator(13 * len(q_lens) + pad)
+    c = _ragged_case(device, gen, batch, kv_dtype, RopeConfig(head_dim=16, base=10000.0) if use_rope else None)
+    params = c.rope.kernel_params(device=device) if use_rope else None
+    over = dict(split=shape == "split", speculate=True, cs_first=use_rope and kv_dtype != "fp8", early=True,
+                rope_ready=shape == "per-row")
+    paged_ops.append_paged_kv_launch(
+        c.k, c.v, c.cache.pool(0), c.cache.params(0), kv_dtype=kv_dtype, layout="NHD",
+        block_tables=pr.i32(c.tables, device), cu_q_lens=pr.i32(c.cu, device), kv_lens=pr.i32(kv_lens, device),
+        cu_k_lens=None, slot_mapping=None, positions=None, rope=params, fp8_scales=c.cache.kv_scales[0], cp_rank=0,
+        cp_size=1, **over)
+    pr.assert_append_matches(c.cache.pool(0), c.cache.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
+    H, D, bs, nb = 2, 16, 4, 32
+    cache2 = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+    n = c.k.shape[0]
+    slots = [-1] * n
+    positions = [0] * n
+    for t in c.targets:
+        slots[t.row] = t.block * bs + t.offset
+        positions[t.row] = t.position
+    paged_ops.append_paged_kv_launch(
+        c.k, c.v, cache2.pool(0), cache2.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=None,
+        cu_q_lens=None, kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor(slots, device=device),
+        positions=torch.tensor(positions, device=device) if use_rope else None, rope=params,
+        fp8_scales=cache2.kv_scales[0], cp_rank=0, cp_size=1, **over)
+    pr.assert_append_matches(cache2.pool(0), cache2.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+def test_speculative_lookup_with_cu_k_lens_and_context_parallel(device, monkeypatch, kv_dtype):
+    """Speculation with cu_k_lens (the guess reads four values) and context parallelism (rank 1 of 2), values
+    unchanged and changed, split launches."""
+    if not paged_ops.use_triton(device):
+        pytest.skip("the torch backend launches no kernel")
+    q_lens, kv_lens = [1, 1, 1, 1, 1], [4, 0, 9, 5, 1]
+    H, D, bs, nb = 2, 16, 4, 32
+    gen = pr.generator(1235)
+    rope = RopeConfig(head_dim=D, base=10000.0)
+    cu = pr.cumsum0(q_lens)
+    totals = [a + b for a, b in zip(kv_lens, q_lens)]
+    local = [(t + 1) // 2 for t in totals]
+    tables = pr.block_tables_for(gen, local, block_size=bs, num_blocks=nb, extra=0)
+    k = pr.randn((cu[-1], H, D), torch.float16, gen, device)
+    v = pr.randn((cu[-1], H, D), torch.float16, gen, device)
+    targets = pr.ragged_targets(cu[-1], tables, cu, cu_k_lens=pr.cumsum0(totals), block_size=bs, num_blocks=nb,
+                                cp_rank=1, cp_size=2)
+    assert 0 < len(targets) < cu[-1]
+    for changed in (False, True):
+        if changed and device.type == "cuda":
+            continue
+        if changed:
+            _spec_never_same(monkeypatch)
+        cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+        exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
+                                 rope=rope)
+        paged_ops.append_paged_kv_launch(
+            k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32(tables, device),
+            cu_q_lens=pr.i32(cu, device), kv_lens=None, cu_k_lens=pr.i32(pr.cumsum0(totals), device),
+            slot_mapping=None, positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0],
+            cp_rank=1, cp_size=2, split=True, speculate=True, cs_first=True, early=True)
+        pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_speculation_is_the_default_for_decode_with_pdl_and_no_promise(monkeypatch, kv_dtype):
+    """Decode-sized launches with PDL and without metadata_ready speculate (SPECULATE, with the promise's launch
+    shape: INDEX_FIRST, split only for fp8), without RoPE too. inv_freq is read after the wait, with cos / sin
+    (FREQS_LATE, no CS_FIRST), unless the caller says no running kernel writes it (rope_ready: then cos / sin
+    before the wait except fp8, as with the promise). Not with the promise, not without PDL, not for
+    prefill-sized appends, not with partial or interleaved RoPE and not with _SPECULATE off; speculate=True with
+    such RoPE is a ValueError."""
+    monkeypatch.setattr(paged_ops, "_pdl_supported", lambda device: True)
+    fp8 = kv_dtype == "fp8"
+    for slots in (True, False):
+        for rope in (True, False):
+            spec = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=rope, pdl=True)
+            assert spec["SPECULATE"] is True and spec["INDEX_FIRST"] is True and spec["EARLY"] is True
+            assert spec["SPLIT"] is fp8 and spec["CS_FIRST"] is False and spec["FREQS_LATE"] is rope
+            known = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=rope, pdl=True,
+                                   rope_ready=True)
+            assert known["SPECULATE"] is True and known["FREQS_LATE"] is False
+            ready = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=rope, pdl=True, ready=True)
+            assert ready["SPECULATE"] is False and ready["INDEX_FIRST"] is True and ready["FREQS_LATE"] is False
+            assert ready["CS_FIRST"] is (rope and not fp8)
+            assert {key: val for key, val in ready.items() if key != "SPECULATE"} == {
+                key: val for key, val in known.items() if key != "SPECULATE"}
+            for other in (dict(pdl=False), dict(pdl=True, rows=paged_ops._SPLIT_BELOW)):
+                c = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=rope, **other)  # type: ignore[arg-type]
+                assert c["SPECULATE"] is False and c["INDEX_FIRST"] is False, other
+        partial = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, pdl=True,
+                                 rope_config=RopeConfig(head_dim=16, rotary_dim=8))
+        assert partial["SPECULATE"] is False and partial["INDEX_FIRST"] is False
+        monkeypatch.setattr(paged_ops, "_SPECULATE", False)
+        off = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, pdl=True)
+        assert off["SPECULATE"] is False and off["INDEX_FIRST"] is False
+        monkeypatch.setattr(paged_ops, "_SPECULATE", True)
+    with pytest.raises(ValueError, match=pr.names("speculate")):
+        _launch_consts(monkeypatch, kv_dtype, split=None, rope=True, pdl=True, speculate=True,
+                       rope_config=RopeConfig(head_dim=16, interleaved=True))
+
+
+_SASS_SPECULATE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import ptx_inspect as PI
+
+out = {}
+# the speculative launch shapes with RoPE: int8 one program per row, fp8 split programs; ragged and slot
+# mapping; inv_freq read before the wait (rope_ready: cos / sin there too, except fp8) or after it
+for quant, split in ((2, False), (1, True)):
+    for slots in (False, True):
+        for late in (False, True):
+            consts, warps = PI.sass_consts(quant, split, slots=slots)
+            consts.update(EARLY=True, MASKED=True, ROPE_SELECT=False, INDEX_FIRST=True,
+                          CS_FIRST=quant != 1 and not late, SPECULATE=True, FREQS_LATE=late)
+            ops = [i.split()[0] for i in PI.sass_ops(consts, warps, quant)]
+            wait = ops.index("ACQBULK")
+            store = next(j for j, o in enumerate(ops) if o.startswith("STG"))
+            # (libdevice's cos / sin fallback reads constant tables: not index tensors)
+            before = [o for o in ops[:wait] if o.startswith("LDG") and ".CONSTANT" not in o]
+            after = [o for o in ops[wait:store] if o.startswith("LDG") and ".CONSTANT" not in o]
+            out[f"{quant}-{int(split)}-{int(slots)}-{int(late)}"] = [before, after]
+print(json.dumps(out))
+"""
+
+
+def test_speculation_rereads_past_l1_after_the_wait_in_sass():
+    """The speculative launches in SASS (sm_90, compiled without a GPU): the index loads come before the wait
+    for the previous kernel (inv_freq too, unless it may be written by that kernel: then after it); after the
+    wait, besides the K / V rows (16-byte vectors), inv_freq where it is read late and fp8's scale, every load is
+    a strong GPU-scope one (``ld.global.cg``: from L2, never a line this SM's L1 kept from before the wait), one
+    for each index load before the wait."""
+    out = _compile_in_subprocess(_SASS_SPECULATE, "")
+    for key, (before, after) in out.items():  # type: ignore[union-attr]
+        quant, split, slots, late = (int(x) for x in key.split("-"))
+        assert before and not any(o.endswith(".128") for o in before), key
+        rows = [o for o in after if o.endswith(".128")]
+        assert len(rows) == 4, key
+        checks = [o for o in after if not o.endswith(".128")]
+        plain = [o for o in checks if ".STRONG.GPU" not in o]
+        assert len(plain) == (quant == 1) + late, (key, plain)  # fp8's k / v scale, inv_freq read late
+        index_before = len(before) - (not late)  # inv_freq read before the wait
+        assert index_before >= (2 if slots else 4), (key, before)
+        assert len(checks) - len(plain) == index_before, (key, before, checks)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("mode", ["ragged", "slots"])
+def test_speculation_sees_index_tensors_written_late(device, mode, kv_dtype):
+    """Without the promise, the decode append reads the index tensors before the wait speculatively. A PDL
+    kernel that releases its dependents at once and writes them (kv_lens, or the slot mapping and positions)
+    only after spinning about 1 ms: the append must store the rows where the new values say, rotated by the
+    new positions. A control append with ``metadata_ready=True`` (which trusts its early read) stores them where
+    the stale values say: the race is real."""
+    if device.type != "cuda" or not paged_ops._pdl_default(device):
+        pytest.skip("programmatic dependent launch needs a CUDA GPU of compute capability >= 9.0")
+    H, D, bs, nb = 8, 128, 16, 64
+    gen = pr.generator(41)
+    rope = RopeConfig(head_dim=D, base=10000.0)
+    n = 8
+    cu = list(range(n + 1))
+    stale_lens, fresh_lens = [5, 17, 0, 40, 33, 2, 60, 11], [9, 3, 30, 1, 47, 20, 14, 58]
+    tables = [list(range(4 * s, 4 * s + 4)) for s in range(n)]  # 4 blocks per sequence, distinct
+    k = pr.randn((n, H, D), torch.float16, gen, device)
+    v = pr.randn((n, H, D), torch.float16, gen, device)
+
+    def expected(lens):  # type: ignore[no-untyped-def]
+        cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                  kv_dtype=kv_dtype, rope=rope)
+        targets = pr.ragged_targets(n, tables, cu, kv_lens=lens, block_size=bs, num_blocks=nb)
+        return targets, pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype,
+                                           layout="NHD", rope=rope)
+
+    fresh_targets, exp = expected(fresh_lens)
+    stale_targets, _ = expected(stale_lens)
+    if mode == "ragged":
+        stale = pr.i32(stale_lens, device)
+        fresh = pr.i32(fresh_lens, device)
+    else:
+        def slot_rows(targets):  # type: ignore[no-untyped-def]
+            return [[t.block * bs + t.offset for t in targets], [t.position for t in targets]]
+        stale = torch.tensor(slot_rows(stale_targets), device=device)
+        fresh = torch.tensor(slot_rows(fresh_targets), device=device)
+    buf = stale.clone()
+
+    def index() -> dict:
+        if mode == "ragged":
+            return dict(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device), kv_lens=buf)
+        return dict(slot_mapping=buf[0], positions=buf[1])
+
+    writer, _ = _late_writer_kernel()
+    grid = (1,)
+    caches = {}
+    for ready in (False, True):
+        cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                  kv_dtype=kv_dtype, rope=rope)
+        args = index()
+        # warm-up: compile, and prepare the cache's launch (a compile between the two launches would let the
+        # writer finish first); then the real run
+        writer[grid](fresh, buf, fresh.numel(), SPIN=500000, BLOCK=32, launch_pdl=True)
+        cache.append(0, k, v, metadata_ready=ready, **args)
+        torch.cuda.synchronize()
+        cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                  kv_dtype=kv_dtype, rope=rope)
+        cache.append(0, k, v, metadata_ready=ready, **args)  # the prepared launch exists now
+        cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
+                                  kv_dtype=kv_dtype, rope=rope)
+        buf.copy_(stale)
+        torch.cuda.synchronize()
+        writer[grid](fresh, buf, fresh.numel(), SPIN=500000, BLOCK=32, launch_pdl=True)
+        cache.append(0, k, v, metadata_ready=ready, **args)
+        torch.cuda.synchronize()
+        assert torch.equal(buf, fresh), "the writer did not run"
+        caches[ready] = cache
+    pr.assert_append_matches(caches[False].pool(0), caches[False].params(0), exp, kv_dtype=kv_dtype, layout="NHD",
+                             rope=rope)
+    # the control read the stale values: a row of the fresh targets was not written there
+    t = fresh_targets[0]
+    assert pr.is_all_sentinel(caches[True].pool(0)[t.block, :, t.offset]), "the control saw the new values: no race"

@@ -55,6 +55,18 @@ class _pdl_off:
         paged_ops._PDL_ENV = self.saved
 
 
+class _speculation_off:
+    """Decode appends that wait for the previous kernel before their lookup inside the block (the comparison
+    rows: the default before speculation)."""
+
+    def __enter__(self) -> None:
+        self.saved = paged_ops._SPECULATE
+        paged_ops._SPECULATE = False
+
+    def __exit__(self, *a: object) -> None:
+        paged_ops._SPECULATE = self.saved
+
+
 def _tables(n_seqs: int, blocks_per_seq: int, num_blocks: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
     ids = torch.randperm(num_blocks, generator=gen)[: n_seqs * blocks_per_seq]
     return ids.view(n_seqs, blocks_per_seq).to(torch.int32).to(dev)
@@ -266,6 +278,14 @@ def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
                     rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", name,
                                     graph_us=time_graph(functools.partial(fn, ready=True), 1) / layers,
                                     bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
+                with _speculation_off():  # the same graphs waiting before the lookup (no speculation)
+                    for mode, rope_on, fn in (("ragged", True, step), ("ragged", False, step_norope),
+                                              ("slots", True, step_slots), ("slots", False, step_slots_norope)):
+                        name = (f"kvcache {kv_dtype} + rope ({mode}, no speculation)" if rope_on else
+                                f"kvcache {kv_dtype} ({mode}, no rope, no speculation)")
+                        rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", name,
+                                        graph_us=time_graph(fn, 1) / layers,
+                                        bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
                 with _pdl_off():  # the same graphs without programmatic dependent launch
                     for impl, fn in (("ragged", step), ("slots", step_slots)):
                         rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}",

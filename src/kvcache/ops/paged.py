@@ -317,57 +317,59 @@ def _load_token(k, v, n, stride_kn, stride_vn, hh, i, m1, m2, HALF: tl.constexpr
 
 
 @triton.jit
-def _seq_rows(b, cu_q, kv_info, MODE: tl.constexpr):
+def _seq_rows(b, cu_q, kv_info, MODE: tl.constexpr, CM: tl.constexpr):
     # (cu_q[b], cu_q[b + 1], tokens sequence b held before the append: kv_lens[b], or its cu_k_lens length
-    # minus its new rows)
-    q0 = tl.load(cu_q + b)
-    q1 = tl.load(cu_q + b + 1)
+    # minus its new rows); CM: the loads' cache modifier (".cg": from L2, past any line this SM's L1 holds)
+    q0 = tl.load(cu_q + b, cache_modifier=CM)
+    q1 = tl.load(cu_q + b + 1, cache_modifier=CM)
     if MODE == 0:
-        start = tl.load(kv_info + b)
+        start = tl.load(kv_info + b, cache_modifier=CM)
     else:
-        start = (tl.load(kv_info + b + 1) - tl.load(kv_info + b)) - (q1 - q0)
+        start = (tl.load(kv_info + b + 1, cache_modifier=CM) - tl.load(kv_info + b, cache_modifier=CM)) - (q1 - q0)
     return q0, q1, start
 
 
 @triton.jit
-def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr):
+def _find_seq(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr,
+              CM: tl.constexpr):
     # (b, cu_q[b], cu_q[b + 1], tokens cached before the append) of the sequence that owns row n, the largest
     # b with cu_q[b] <= n. One vector load of SEARCH entries, or a binary search when SEARCH == 0.
     if SEARCH > 0:
         ib = tl.arange(0, SEARCH)
-        ends = tl.load(cu_q + 1 + ib, mask=ib < n_seqs, other=2147483647)  # cu_q[1 .. B]
+        ends = tl.load(cu_q + 1 + ib, mask=ib < n_seqs, other=2147483647, cache_modifier=CM)  # cu_q[1 .. B]
         b = tl.sum((ends <= n).to(tl.int32), axis=0)  # sequences that end at or before row n
         q0 = tl.max(tl.where(ends <= n, ends, 0), axis=0)  # cu_q[b]
         q1 = tl.min(tl.where(ends > n, ends, 2147483647), axis=0)  # cu_q[b + 1]
         if MODE == 0:
-            kvl = tl.load(kv_info + ib, mask=ib < n_seqs, other=0)
+            kvl = tl.load(kv_info + ib, mask=ib < n_seqs, other=0, cache_modifier=CM)
             start = tl.sum(tl.where(ib == b, kvl, 0), axis=0)
         else:
-            cks = tl.load(kv_info + 1 + ib, mask=ib < n_seqs, other=0)
-            ck0 = tl.load(kv_info + ib, mask=ib < n_seqs, other=0)
+            cks = tl.load(kv_info + 1 + ib, mask=ib < n_seqs, other=0, cache_modifier=CM)
+            ck0 = tl.load(kv_info + ib, mask=ib < n_seqs, other=0, cache_modifier=CM)
             start = tl.sum(tl.where(ib == b, cks - ck0, 0), axis=0) - (q1 - q0)
     else:
         lo = n * 0
         hi = lo + n_seqs
         for _ in tl.static_range(LOG_B):
             mid = (lo + hi) // 2
-            go = tl.load(cu_q + mid) <= n
+            go = tl.load(cu_q + mid, cache_modifier=CM) <= n
             lo = tl.where(go, mid, lo)
             hi = tl.where(go, hi, mid)
         b = lo
-        q0, q1, start = _seq_rows(b, cu_q, kv_info, MODE)
+        q0, q1, start = _seq_rows(b, cu_q, kv_info, MODE, CM)
     return b.to(tl.int64), q0, q1, start
 
 
 @triton.jit(noinline=True)
-def _find_seq_call(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr):
+def _find_seq_call(n, cu_q, kv_info, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr,
+                   CM: tl.constexpr):
     # _find_seq as a call (see _target's CALL). It is taken only where the guess misses, and keeps the search's
     # code and registers out of the hot path. Measured on an H100 against the inlined search (append_ab.py
     # versions, 23:48 and 23:58 UTC): per-row (prefill) launches 0.5-2.5 points of copy bandwidth faster for
     # int4, the other formats within noise; split (decode) launches of unquantized rows without RoPE 0.1 us per
     # layer faster (1.57-1.63 against 1.66-1.73), while the other split launches were as fast or up to 0.1 us
     # faster inlined (fp8, int4), although ptxas then issues their K / V loads after the guess's check.
-    return _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
+    return _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B, CM)
 
 
 _GUESS_BITS = 30
@@ -393,23 +395,24 @@ def _target(
     n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul,
     MODE: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr, CALL: tl.constexpr,
+    CM: tl.constexpr,
 ):
     # where row n goes: (valid, block id, offset in the block, global position); CALL: a guess that misses calls
-    # the search (_find_seq_call) rather than inlining it
+    # the search (_find_seq_call) rather than inlining it; CM: the index loads' cache modifier (see _seq_rows)
     pos = n.to(tl.int64) * 0
     if MODE == 2:
-        slot = tl.load(slots + n).to(tl.int64)
+        slot = tl.load(slots + n, cache_modifier=CM).to(tl.int64)
         valid = slot >= 0
         blk = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
         if ROPE:
-            pos = tl.load(positions + n).to(tl.int64)
+            pos = tl.load(positions + n, cache_modifier=CM).to(tl.int64)
     else:
         # first guess: rows spread evenly over the sequences, floor(n * n_seqs / n_rows) by a multiply and a shift
         # (see _guess_mul; exact for decode batches and equal-length prefills), checked with two loads;
         # otherwise search
         g = tl.minimum((n.to(tl.int64) * guess_mul) >> _GUESS_SHIFT, n_seqs - 1)
-        c0, c1, s0 = _seq_rows(g, cu_q, kv_info, MODE)
+        c0, c1, s0 = _seq_rows(g, cu_q, kv_info, MODE, CM)
         if (c0 <= n) & (n < c1):
             b = g
             q0 = c0
@@ -417,9 +420,9 @@ def _target(
             start = s0
         else:
             if CALL:
-                b, q0, q1, start = _find_seq_call(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
+                b, q0, q1, start = _find_seq_call(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B, CM)
             else:
-                b, q0, q1, start = _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B)
+                b, q0, q1, start = _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B, CM)
         pos = (start + (n - q0)).to(tl.int64)
         valid = (b < n_seqs) & (n < q1) & (pos >= 0)
         if CP_SIZE > 1:
@@ -429,7 +432,7 @@ def _target(
             lpos = pos
         bi = lpos // BLOCK_SIZE
         valid = valid & (bi < table_width)
-        blk = tl.load(block_tables + b * bt_stride + bi, mask=valid, other=-1).to(tl.int64)
+        blk = tl.load(block_tables + b * bt_stride + bi, mask=valid, other=-1, cache_modifier=CM).to(tl.int64)
         off = lpos % BLOCK_SIZE
     valid = valid & (blk >= 0) & (blk < NUM_BLOCKS)
     return valid, blk, off, pos
@@ -485,18 +488,92 @@ def _lookup(
     n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs,
     MODE: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, CP_RANK: tl.constexpr,
     CP_SIZE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr, CALL: tl.constexpr, CS_GIVEN: tl.constexpr,
-    FMAX: tl.constexpr, ATTN_SCALE: tl.constexpr, LIBDEVICE: tl.constexpr,
+    FMAX: tl.constexpr, ATTN_SCALE: tl.constexpr, LIBDEVICE: tl.constexpr, CM: tl.constexpr,
 ):
     # _target of row n, and with CS_GIVEN RoPE's cos / sin at its position (_rope_cs; else placeholders):
     # (valid, block id, offset, position, cos, sin). Reads only index tensors and freqs: with INDEX_FIRST it
     # runs before the wait for the previous kernel
     valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs,
-                                   guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, CALL)
+                                   guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, CALL,
+                                   CM)
     cs_c = freqs[None, :]  # unused unless CS_GIVEN
     cs_s = cs_c
     if CS_GIVEN:
         cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
     return valid, blk, off, pos, cs_c, cs_s
+
+
+@triton.jit
+def _spec_lookup(
+    n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs,
+    MODE: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, CP_RANK: tl.constexpr,
+    CP_SIZE: tl.constexpr, CS_GIVEN: tl.constexpr, FMAX: tl.constexpr, ATTN_SCALE: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    # SPECULATE's lookup, before the wait for the previous kernel: _lookup with the first guess only (no search),
+    # plus what _spec_same re-reads after the wait: (valid, block id, offset, position, cos, sin, hit, a, b, c,
+    # bt_ptr, bt_mask, raw). a, b, c: (cu_q[g], cu_q[g + 1], cached tokens) of the guess g, or (slot, position,
+    # 0) by slot mapping; raw: the block-table entry read at bt_ptr where bt_mask (ragged). hit: the guess is
+    # row n's sequence (else valid is False and the row is looked up again after the wait).
+    pos = n.to(tl.int64) * 0
+    if MODE == 2:
+        slot = tl.load(slots + n).to(tl.int64)
+        if ROPE:
+            pos = tl.load(positions + n).to(tl.int64)
+        valid = slot >= 0
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        hit = n >= 0
+        a = slot
+        b = pos
+        c = pos * 0
+        bt_ptr = block_tables
+        bt_mask = n < 0
+        raw = (n * 0 - 1).to(tl.int32)
+    else:
+        g = tl.minimum((n.to(tl.int64) * guess_mul) >> _GUESS_SHIFT, n_seqs - 1)
+        a, b, c = _seq_rows(g, cu_q, kv_info, MODE, "")
+        hit = (a <= n) & (n < b)
+        pos = (c + (n - a)).to(tl.int64)
+        valid = hit & (pos >= 0)
+        if CP_SIZE > 1:
+            valid = valid & ((pos % CP_SIZE) == CP_RANK)
+            lpos = pos // CP_SIZE
+        else:
+            lpos = pos
+        bi = lpos // BLOCK_SIZE
+        bt_mask = valid & (bi < table_width)
+        bt_ptr = block_tables + g * bt_stride + bi
+        raw = tl.load(bt_ptr, mask=bt_mask, other=-1)
+        blk = raw.to(tl.int64)
+        off = lpos % BLOCK_SIZE
+        valid = bt_mask
+    valid = valid & (blk >= 0) & (blk < NUM_BLOCKS)
+    cs_c = freqs[None, :]  # unused unless CS_GIVEN
+    cs_s = cs_c
+    if CS_GIVEN:
+        cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
+    return valid, blk, off, pos, cs_c, cs_s, hit, a, b, c, bt_ptr, bt_mask, raw
+
+
+@triton.jit
+def _spec_same(
+    n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw, MODE: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    # After the wait: did _spec_lookup read what the index tensors now hold? Every value it read is read again
+    # from L2 (".cg": past a line this SM's L1 may still hold from before the wait) at the same address and
+    # compared; the lookup is a function of those values alone.
+    if MODE == 2:
+        same = tl.load(slots + n, cache_modifier=".cg").to(tl.int64) == a
+        if ROPE:
+            same = same & (tl.load(positions + n, cache_modifier=".cg").to(tl.int64) == b)
+    else:
+        g = tl.minimum((n.to(tl.int64) * guess_mul) >> _GUESS_SHIFT, n_seqs - 1)
+        a2, b2, c2 = _seq_rows(g, cu_q, kv_info, MODE, ".cg")
+        raw2 = tl.load(bt_ptr, mask=bt_mask, other=-1, cache_modifier=".cg")
+        same = hit & (a2 == a) & (b2 == b) & (c2 == c) & (raw2 == raw)
+    return same
 
 
 @triton.jit
@@ -616,6 +693,10 @@ def _append_kernel(
     CS_FIRST: tl.constexpr,  # rotate-half over all of D: RoPE's cos / sin right after the lookup (_rope_cs)
     INDEX_FIRST: tl.constexpr,  # the lookup (and CS_FIRST's cos / sin) before the wait for the previous kernel
     # (PDL); only for index tensors and inv_freq that kernel does not write (see _ready_launch)
+    SPECULATE: tl.constexpr,  # INDEX_FIRST without that promise: the lookup's first guess before the wait, every
+    # value it read checked after the wait (_spec_same); a row whose values changed, or whose guess missed, is
+    # looked up and written again after that, behind one branch
+    FREQS_LATE: tl.constexpr,  # inv_freq may be written by the previous kernel: read after the wait (SPECULATE)
 ):
     # grid: (N,), or (2 HG N,) when SPLIT: a program per row's K or V and group of BLOCK_H heads. A row (one
     # token, BLOCK_H heads) is handled as two half tiles, elements [0, HALF) and [HALF, D): rotate-half RoPE
@@ -624,6 +705,7 @@ def _append_kernel(
     # a missed guess calls the search (see _find_seq_call): per-row launches, and split ones of raw rows
     SEARCH_CALL: tl.constexpr = (not SPLIT) or (QUANT == 0 and not ROPE)
     CS_GIVEN: tl.constexpr = CS_FIRST and ROPE and (not INTERLEAVED) and (ROT == D)
+    FAST_F: tl.constexpr = ROPE and (not INTERLEAVED) and (ROT == D)  # freqs loaded once, below
     if PDL and not INDEX_FIRST:
         gdc_wait()  # everything below may read what the previous kernel wrote
         gdc_launch_dependents()  # the next kernel may be scheduled now: it waits for this grid to finish
@@ -636,7 +718,7 @@ def _append_kernel(
     m1 = (hh < H) & (i < HALF)
     m2 = (hh < H) & (i + HALF < D)
     freqs = tl.zeros([BLOCK_HF], tl.float32)
-    if ROPE and (not INTERLEAVED) and (ROT == D):  # rotate-half over all of D: frequencies j of pairs (j, HALF + j)
+    if FAST_F and not FREQS_LATE:  # rotate-half over all of D: frequencies j of pairs (j, HALF + j)
         freqs = tl.load(inv_freq + tl.arange(0, BLOCK_HF), mask=tl.arange(0, BLOCK_HF) < HALF, other=0.0)
     if SPLIT:
         n = pid // (2 * HG)
@@ -646,11 +728,20 @@ def _append_kernel(
         hoff = tl.where(is_v == 1, hh * STRIDE_VH, hh * STRIDE_KH)
     else:
         n = pid
-    if INDEX_FIRST:  # the lookup (and cos / sin) before the wait: reads only index tensors and inv_freq
+    if INDEX_FIRST and SPECULATE:  # the first guess and cos / sin before the wait, checked after it
+        valid, blk, off, pos, cs_c, cs_s, hit, sa, sb, sc, bt_ptr, bt_mask, raw = _spec_lookup(
+            n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs, MODE,
+            ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, CS_GIVEN, FMAX, ATTN_SCALE, LIBDEVICE)
+        if PDL:
+            gdc_wait()  # K / V, and the index tensors, may come from the previous kernel
+            gdc_launch_dependents()
+        if FAST_F and FREQS_LATE:
+            freqs = tl.load(inv_freq + tl.arange(0, BLOCK_HF), mask=tl.arange(0, BLOCK_HF) < HALF, other=0.0)
+    elif INDEX_FIRST:  # the lookup (and cos / sin) before the wait: reads only index tensors and inv_freq
         valid, blk, off, pos, cs_c, cs_s = _lookup(
             n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs, MODE,
             ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX, ATTN_SCALE,
-            LIBDEVICE)
+            LIBDEVICE, "")
         if PDL:
             gdc_wait()  # K / V may come from the previous kernel
             gdc_launch_dependents()
@@ -659,14 +750,54 @@ def _append_kernel(
     if SPLIT:
         r1 = tl.load(row + hoff + i, mask=m1, other=0.0, eviction_policy=LOAD_EV)
         r2 = tl.load(row + hoff + HALF + i, mask=m2, other=0.0, eviction_policy=LOAD_EV)
+        k1 = r1  # placeholders (_write_token)
+        k2 = r2
+        v1 = r1
+        v2 = r2
     else:
         k1, k2, v1, v2 = _load_token(k, v, n, stride_kn, stride_vn, hh, i, m1, m2, HALF, STRIDE_KH, STRIDE_VH, VEC,
                                      LOAD_EV)
+        r1 = k1  # placeholders (_write_token)
+        r2 = k2
+        is_v = 0
     if not INDEX_FIRST:
         valid, blk, off, pos, cs_c, cs_s = _lookup(
             n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul, freqs, MODE,
             ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, SEARCH_CALL, CS_GIVEN, FMAX, ATTN_SCALE,
-            LIBDEVICE)
+            LIBDEVICE, "")
+    same = n >= 0
+    if INDEX_FIRST and SPECULATE:
+        same = _spec_same(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, sa, sb, sc, bt_ptr, bt_mask,
+                          raw, MODE, ROPE)
+        valid = valid & same
+    _write_token(k1, k2, v1, v2, r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs,
+                 FMAX, fp8_scales, hh, i, m1, m2, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
+                 BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY, STORE_CM,
+                 PAIR_ASM, ROPE_SELECT, MASKED, cs_c, cs_s, CS_GIVEN, SPLIT)
+    if INDEX_FIRST and SPECULATE:
+        if not same:  # rare: the guess missed (not a decode batch), or the previous kernel changed what was read
+            valid, blk, off, pos, cs_c, cs_s = _lookup(
+                n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul,
+                freqs, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, True, CS_GIVEN, FMAX,
+                ATTN_SCALE, LIBDEVICE, ".cg")
+            _write_token(k1, k2, v1, v2, r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq,
+                         freqs, FMAX, fp8_scales, hh, i, m1, m2, QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D,
+                         DP, HALF, BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
+                         STORE_CM, PAIR_ASM, ROPE_SELECT, MASKED, cs_c, cs_s, CS_GIVEN, SPLIT)
+
+
+@triton.jit
+def _write_token(
+    k1, k2, v1, v2, r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs,
+    FMAX: tl.constexpr, fp8_scales, hh, i, m1, m2, QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr,
+    P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, BLOCK_H: tl.constexpr, LIBDEVICE: tl.constexpr,
+    VEC: tl.constexpr, EARLY: tl.constexpr, STORE_CM: tl.constexpr, PAIR_ASM: tl.constexpr,
+    ROPE_SELECT: tl.constexpr, MASKED: tl.constexpr, cs_c, cs_s, CS_GIVEN: tl.constexpr, SPLIT: tl.constexpr,
+):
+    # the append kernel's stores of row n: SPLIT, this program's K or V (r1 / r2, is_v); else the row's K (k1 /
+    # k2) and V (v1 / v2); the arguments of the other kind are placeholders
     if SPLIT:
         # with RoPE, V goes through float32 too: an exact round trip for every model dtype
         _write_row(r1, r2, is_v, valid, blk, off, pos, k, n, stride_kn, pool, qparams, inv_freq, freqs, FMAX,
@@ -674,10 +805,10 @@ def _append_kernel(
                    BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
                    STORE_CM, PAIR_ASM, ROPE_SELECT, MASKED, cs_c, cs_s, CS_GIVEN)
     else:
-        for is_v in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
-            _write_row(k1 if is_v == 0 else v1, k2 if is_v == 0 else v2, is_v, valid, blk, off, pos, k, n,
+        for kv in tl.static_range(2):  # K, then V (never rotated: stored as loaded when unquantized)
+            _write_row(k1 if kv == 0 else v1, k2 if kv == 0 else v2, kv, valid, blk, off, pos, k, n,
                        stride_kn, pool, qparams, inv_freq, freqs, FMAX, fp8_scales, hh, i, m1, m2,
-                       (not ROPE) or (is_v == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
+                       (not ROPE) or (kv == 1), QUANT, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, DP, HALF,
                        BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY,
                        STORE_CM, PAIR_ASM, False, MASKED, cs_c, cs_s, CS_GIVEN)
 
@@ -861,6 +992,9 @@ _SPLIT_HEAD_GROUPS = 1
 # Decode-sized int8 / int4 appends by slot mapping with RoPE take one program per row of H * D / 256 warps (4 at
 # 8 x 128 heads) rather than split programs (see append_paged_kv_launch); False: split like the others.
 _SLOT_ROPE_ROWS = True
+# Decode-sized launches with PDL and without the caller's metadata_ready promise look their rows up before the
+# wait anyway and check what they read after it (the kernel's SPECULATE); False: they wait first.
+_SPECULATE = os.environ.get("KVCACHE_SPECULATE", "1") != "0"
 
 
 @functools.cache
@@ -945,6 +1079,8 @@ def append_paged_kv_launch(
     metadata_ready: bool = False,
     index_first: bool | None = None,
     cs_first: bool | None = None,
+    speculate: bool | None = None,
+    rope_ready: bool = False,
 ) -> AppendPlan | None:
     """Launch the append kernel; the arguments are those of :func:`append_paged_kv`, already validated
     (``k`` / ``v`` model dtype ``[N, H, D]``, ``pool`` / ``params`` one layer's pools, index tensors int32 /
@@ -974,7 +1110,14 @@ def append_paged_kv_launch(
       without that promise it reads them unsynchronised;
     * ``cs_first`` = RoPE's cos / sin computed right after the lookup (with ``index_first``: before the wait
       too), not after the K / V rows arrive (rotate-half over the whole head only; default: with
-      ``index_first``, per :func:`_ready_launch`).
+      ``index_first``, per :func:`_ready_launch`);
+    * ``speculate`` = without ``metadata_ready``, look up each row (first guess only) and compute cos / sin
+      before the wait anyway, then re-read every value that used from L2 after the wait and redo the rows
+      whose values changed (default: decode-sized launches with PDL and no promise, without RoPE or with
+      rotate-half RoPE over the whole head; ``_SPECULATE``). It takes the launch shape of ``index_first``;
+    * ``rope_ready`` = no kernel that may still be running writes ``rope.inv_freq`` (the cache's own RoPE
+      parameters, built once): speculation then reads the frequencies, and computes cos / sin, before the wait
+      too; without it, after the wait.
 
     Returns an :class:`AppendPlan` for repeating this launch with new tensors of the same kind (compiled
     kernels on CUDA), else None.
@@ -1005,7 +1148,16 @@ def append_paged_kv_launch(
     quant = QUANT_CODES[kv_dtype]
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
     fast_rope = has_rope and not inter and rot == D
-    ready_first, ready_split, cs_format = _ready_launch(bool(metadata_ready), bool(pdl), n_tokens, quant)
+    spec_ok = (not has_rope) or fast_rope
+    if speculate is None:
+        speculate = (_SPECULATE and spec_ok and not metadata_ready and bool(pdl) and n_tokens < _SPLIT_BELOW
+                     and index_first is None)
+    elif speculate and not spec_ok:
+        raise ValueError("speculate: only without RoPE or with rotate-half RoPE over the whole head_dim")
+    speculate = bool(speculate)
+    # speculation takes the launch shape of the promise's (lookup first)
+    ready_first, ready_split, cs_format = _ready_launch(bool(metadata_ready) or speculate, bool(pdl), n_tokens,
+                                                        quant)
     # int8 / int4 decode by slot mapping with RoPE: one program per row of H * D / 256 warps (4 for 8 x 128
     # heads), with the per-row launch's cache hints and (scale, zero) store (_SLOT_ROPE_ROWS). Measured on an
     # H100 (append_ab.py versions, session 6, 01:37 UTC, us per layer of a 32-layer graph, 8 x 128 heads,
@@ -1015,7 +1167,13 @@ def append_paged_kv_launch(
                       and n_tokens < _SPLIT_BELOW and split is None)
     if split is None:
         split = ready_split if ready_first else (n_tokens < _SPLIT_BELOW and not slot_rope_rows)
-    index_first = bool(ready_first if index_first is None else index_first)
+    index_first = bool(ready_first if index_first is None else index_first) or speculate
+    # speculation re-reads the index tensors after the wait, not inv_freq: unless no running kernel writes the
+    # frequencies (rope_ready), they are read after the wait and cos / sin computed there (cs_first overridden).
+    # Re-reading them instead cost up to 0.5 us per layer (a reduction over the row; H100, 04:21 UTC)
+    freqs_late = speculate and fast_rope and not rope_ready
+    if freqs_late:
+        cs_first = False
     cs_first = (cs_format and index_first if cs_first is None else bool(cs_first)) and fast_rope
     hints = _HINTS and not split
     if not split:
@@ -1059,7 +1217,8 @@ def append_paged_kv_launch(
         # RoPE (ROPE_SELECT) int8 1.91-1.97 -> 2.02-2.03, int4 1.92-1.94 -> 1.94-2.03, fp8 1.55 -> 1.51-1.52, so
         # those keep the branch
         MASKED=bool(early) and _MASKED_STORES and not rope_select,
-        INDEX_FIRST=index_first, CS_FIRST=cs_first,
+        INDEX_FIRST=index_first, CS_FIRST=cs_first, SPECULATE=speculate,
+        FREQS_LATE=freqs_late,
         PAIR_ASM=_PAIR_ASM and not split and quant >= 2 and _ptx(pool.device) and params.data_ptr() % 8 == 0,  # type: ignore[union-attr]
         # measured on an H100 (benchmarks/paged_tune.py, append_ab.py; 8 x 128 heads): 2 warps (1 KB of fp16 per
         # warp and row); 4 for unquantized rows (append_ab.py, 00:08 UTC: +0.5-1.5 points of copy bandwidth on the
@@ -1595,9 +1754,16 @@ def append_paged_kv(
         then find where each row goes, and compute RoPE's cos / sin (rotate-half over the whole head; not for
         fp8), before waiting for the previous kernel, which they wait for only to read ``k`` / ``v``; see
         :func:`_ready_launch`. The launch shape changes with it, and with it the compiler's contraction of the
-        RoPE arithmetic: rotated keys may differ from the default launch's in the last bit (within the same
-        bounds). Default False: every read waits. A broken promise reads stale indices: rows written to the
-        wrong slots.
+        RoPE arithmetic: rotated keys may differ from the launch that waits in the last bit (within the same
+        bounds). A broken promise reads stale indices: rows written to the wrong slots.
+
+        Default False. Without the promise, decode-sized appends with PDL *speculate* (without RoPE, or with
+        rotate-half RoPE over the whole head): they do the same lookup before the wait, then read every index
+        value it used again from L2 after the wait (``ld.global.cg``) and compare; a row whose values changed
+        (or whose sequence the first guess missed: not a decode batch) is looked up and written again after
+        the wait. ``rope.inv_freq`` is read after the wait there (the cache's own frequencies, built once,
+        before it). Other appends wait before every read. ``KVCACHE_SPECULATE=0`` (read at import) turns
+        speculation off.
 
     Note
     ----

@@ -206,7 +206,9 @@ class PagedKVCache:
         tensors (see :func:`kvcache.ops.append_paged_kv`): decode-sized appends with programmatic dependent
         launch then overlap their lookup and RoPE's cos / sin with the previous kernel's tail. The cache's own
         RoPE parameters are covered (built once); parameters built in this call (a RopeConfig given here,
-        dynamic scaling past the original length) are not, and such calls wait as if without the promise.
+        dynamic scaling past the original length) are not, and such calls go as if without the promise. Without
+        it, decode-sized appends with PDL look their rows up before the wait speculatively and check every
+        value read after it (see :func:`kvcache.ops.append_paged_kv`): nearly as fast, and safe.
         """
         cfg = self._config
         # fast paths: the common calls (ragged with kv_lens, or slot mapping; the cache's own RoPE or none), every
@@ -279,14 +281,14 @@ class PagedKVCache:
                 bt_stride, width = bst[0], bsh[1]
                 ptrs = (p1, p2, p3, None, None)  # block tables, cu_q_lens, kv_lens; no slots / positions
                 key = (True, use_rope, ks, vs, n_seqs, self._layer_align[layer], n < paged_ops._SPLIT_BELOW,
-                       paged_ops._PDL_ENV, metadata_ready)
+                       paged_ops._PDL_ENV, paged_ops._SPECULATE, metadata_ready)
             else:
                 p1, p2, p3 = slot_mapping.data_ptr(), positions.data_ptr() if use_rope else 0, 0  # type: ignore[union-attr]
                 bt_stride = width = n_seqs = 0
                 ptrs = (None, None, None, p1, p2 if use_rope else None)
                 key = (False, use_rope, ks, vs, slot_mapping.dtype,  # type: ignore[union-attr]
                        positions.dtype if use_rope else None, self._layer_align[layer],  # type: ignore[union-attr]
-                       n < paged_ops._SPLIT_BELOW, paged_ops._PDL_ENV, metadata_ready)
+                       n < paged_ops._SPLIT_BELOW, paged_ops._PDL_ENV, paged_ops._SPECULATE, metadata_ready)
             if (kp | vp | p1 | p2 | p3) & 15 or max(n, ks[0], vs[0], bt_stride, width) > 0x7FFFFFFF:
                 key = None  # unaligned, or an int past int32: the generic launch
             plan = self._plans.get(key) if key is not None else None
@@ -301,7 +303,7 @@ class PagedKVCache:
             block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=None,
             slot_mapping=slot_mapping, positions=positions if use_rope else None,
             rope=self._rope_params if use_rope else None, fp8_scales=self._scales[layer], cp_rank=0, cp_size=1,
-            metadata_ready=metadata_ready,
+            metadata_ready=metadata_ready, rope_ready=True,  # the cache's own frequencies, written once at init
         )
         if key is not None and plan is not None:
             if len(self._plans) >= 256:  # one per kind of call; bounded for callers whose batch size wanders
