@@ -1762,8 +1762,9 @@ def append_paged_kv(
         value it used again from L2 after the wait (``ld.global.cg``) and compare; a row whose values changed
         (or whose sequence the first guess missed: not a decode batch) is looked up and written again after
         the wait. ``rope.inv_freq`` is read after the wait there (the cache's own frequencies, built once,
-        before it). Other appends wait before every read. ``KVCACHE_SPECULATE=0`` (read at import) turns
-        speculation off.
+        before it, with cos / sin: rotated keys may then differ from a launch that waits first in the last bit,
+        as with the promise). Other appends wait before every read. ``KVCACHE_SPECULATE=0`` (read at import)
+        turns speculation off.
 
     Note
     ----
