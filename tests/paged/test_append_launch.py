@@ -1390,6 +1390,26 @@ def test_speculative_launches_match_the_reference(device, monkeypatch, batch, sh
     pr.assert_append_matches(cache2.pool(0), cache2.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
 
 
+@triton.jit
+def _always_same(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                 MODE: tl.constexpr, ROPE: tl.constexpr):
+    same = _REAL_SPEC_SAME(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                           MODE, ROPE)
+    return same | (n >= 0)
+
+
+def test_speculation_check_is_what_keeps_missed_guesses_right(device, monkeypatch):
+    """The check after the wait decides: with it replaced by one that always passes, a mixed batch (rows whose
+    first guess misses) lands in the wrong slots, and the reference comparison catches it (so the speculative
+    tests above exercise the slow path, not just the guess)."""
+    if device.type != "cpu" or not paged_ops.use_triton(device):
+        pytest.skip("the kernel's helper is replaced only under the interpreter")
+    monkeypatch.setattr(paged_ops, "_spec_same", _always_same)
+    with pytest.raises(AssertionError):
+        test_speculative_launches_match_the_reference(device, monkeypatch, BATCHES[2].values[0], "split", "int8",
+                                                      True, False)
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
 def test_speculative_lookup_with_cu_k_lens_and_context_parallel(device, monkeypatch, kv_dtype):
     """Speculation with cu_k_lens (the guess reads four values) and context parallelism (rank 1 of 2), values
