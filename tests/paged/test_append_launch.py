@@ -8,6 +8,7 @@ derived bounds with RoPE. Both CPU backends; compiled on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import pytest
@@ -582,10 +583,10 @@ def test_early_override_in_both_launch_shapes(device, kv_dtype, split_launch, ea
 def _launch_consts(monkeypatch, kv_dtype: str, *, split: bool | None, slots: bool = True, rope: bool = False,  # type: ignore[no-untyped-def]
                    params=None, early: bool | None = None, pdl: bool | None = None, ready: bool = False,
                    rows: int = 3, heads: tuple[int, int] = (2, 16), rope_config: RopeConfig | None = None,
-                   speculate: bool | None = None, rope_ready: bool = False) -> dict:
+                   speculate: bool | None = None, rope_ready: bool = False, one_row_each: bool = False) -> dict:
     """The constexprs of one launch of the fake kernel (``rows`` rows of ``heads`` (H, D), a slot mapping or a
-    ragged batch of one sequence; ``ready``: metadata_ready; ``rope_config``: the RoPE, default rotate-half
-    over the whole head)."""
+    ragged batch of one sequence, or with ``one_row_each`` of ``rows`` sequences of one row (a decode batch);
+    ``ready``: metadata_ready; ``rope_config``: the RoPE, default rotate-half over the whole head)."""
     fake = _FakeKernel()
     monkeypatch.setattr(paged_ops, "_append_kernel", fake)
     monkeypatch.setattr(paged_ops, "use_triton", lambda device: True)
@@ -594,6 +595,8 @@ def _launch_consts(monkeypatch, kv_dtype: str, *, split: bool | None, slots: boo
     k = torch.randn(rows, H, D).half()
     index = (dict(block_tables=None, cu_q_lens=None, kv_lens=None, slot_mapping=torch.arange(rows) % 32,
                   positions=torch.arange(rows) if rope else None) if slots else
+             dict(block_tables=pr.i32([[0, 1]] * rows, "cpu"), cu_q_lens=pr.i32(list(range(rows + 1)), "cpu"),
+                  kv_lens=pr.i32([0] * rows, "cpu"), slot_mapping=None, positions=None) if one_row_each else
              dict(block_tables=pr.i32([[0, 1]], "cpu"), cu_q_lens=pr.i32([0, rows], "cpu"),
                   kv_lens=pr.i32([0], "cpu"), slot_mapping=None, positions=None))
     paged_ops.append_paged_kv_launch(
@@ -1366,8 +1369,8 @@ def test_speculative_launches_match_the_reference(device, monkeypatch, batch, sh
     gen = pr.generator(13 * len(q_lens) + pad)
     c = _ragged_case(device, gen, batch, kv_dtype, RopeConfig(head_dim=16, base=10000.0) if use_rope else None)
     params = c.rope.kernel_params(device=device) if use_rope else None
-    over = dict(split=shape == "split", speculate=True, cs_first=use_rope and kv_dtype != "fp8", early=True,
-                rope_ready=shape == "per-row")
+    over = dict(split=shape == "split", speculate=True, early=True, rope_ready=shape == "per-row",
+                cs_first=use_rope and kv_dtype != "fp8" and shape == "per-row")
     paged_ops.append_paged_kv_launch(
         c.k, c.v, c.cache.pool(0), c.cache.params(0), kv_dtype=kv_dtype, layout="NHD",
         block_tables=pr.i32(c.tables, device), cu_q_lens=pr.i32(c.cu, device), kv_lens=pr.i32(kv_lens, device),
@@ -1410,6 +1413,96 @@ def test_speculation_check_is_what_keeps_missed_guesses_right(device, monkeypatc
                                                       True, False)
 
 
+# What a previous kernel could write between a speculative program's early reads and its wait, one value kind
+# each (idempotent, so that K and V programs of a row agree): the program's cached length | 1 (even lengths: the
+# same block, the next offset), its block-table entry | 16 (blocks < 16 move to another block), its slot's
+# block | 16 (block size 4), its position | 1. Then the real check runs.
+@triton.jit
+def _lens_change(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                 MODE: tl.constexpr, ROPE: tl.constexpr):
+    g = tl.minimum((n.to(tl.int64) * guess_mul) >> 30, n_seqs - 1)
+    tl.store(kv_info + g, tl.load(kv_info + g) | 1)
+    return _REAL_SPEC_SAME(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                           MODE, ROPE)
+
+
+@triton.jit
+def _table_change(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                  MODE: tl.constexpr, ROPE: tl.constexpr):
+    tl.store(bt_ptr, tl.load(bt_ptr, mask=bt_mask, other=0) | 16, mask=bt_mask)
+    return _REAL_SPEC_SAME(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                           MODE, ROPE)
+
+
+@triton.jit
+def _slot_change(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                 MODE: tl.constexpr, ROPE: tl.constexpr):
+    sl = tl.load(slots + n)
+    tl.store(slots + n, tl.where(sl >= 0, sl | 64, sl))
+    return _REAL_SPEC_SAME(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                           MODE, ROPE)
+
+
+@triton.jit
+def _position_change(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                     MODE: tl.constexpr, ROPE: tl.constexpr):
+    tl.store(positions + n, tl.load(positions + n) | 1)
+    return _REAL_SPEC_SAME(n, cu_q, kv_info, slots, positions, n_seqs, guess_mul, hit, a, b, c, bt_ptr, bt_mask, raw,
+                           MODE, ROPE)
+
+
+_CHANGES = {"lens": _lens_change, "table": _table_change, "slots": _slot_change, "positions": _position_change}
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("shape", ["split", "per-row"])
+@pytest.mark.parametrize("what", list(_CHANGES))
+def test_speculation_stores_values_written_after_its_early_read(device, monkeypatch, what, shape, kv_dtype):
+    """Each index value a speculative program reads before the wait, changed in memory between that read and
+    the check (as a previous kernel still running could): the lengths, a block-table entry, a slot, a
+    position. The rows must land where the new values say, rotated by the new positions: each comparison of
+    the check is needed (dropping one stores the stale target)."""
+    if device.type != "cpu" or not paged_ops.use_triton(device):
+        pytest.skip("the kernel's helper is replaced only under the interpreter")
+    monkeypatch.setattr(paged_ops, "_spec_same", _CHANGES[what])
+    H, D, bs, nb = 2, 16, 4, 32
+    gen = pr.generator(1300 + len(what))
+    rope = RopeConfig(head_dim=D, base=10000.0)
+    lens = [2, 0, 6, 4, 6, 2]  # even: | 1 keeps each row in its block (of 2 per sequence)
+    n = len(lens)
+    cu = list(range(n + 1))
+    perm = torch.randperm(16, generator=gen).tolist()  # blocks < 16: | 16 moves every entry
+    tables = [perm[2 * i:2 * i + 2] for i in range(n)]
+    k = pr.randn((n, H, D), torch.float16, gen, device)
+    v = pr.randn((n, H, D), torch.float16, gen, device)
+    new_lens = [x | 1 for x in lens] if what == "lens" else lens
+    new_tables = [[b | 16 for b in row] for row in tables] if what == "table" else tables
+    targets = pr.ragged_targets(n, new_tables, cu, kv_lens=new_lens, block_size=bs, num_blocks=nb)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+    exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
+                             rope=rope)
+    over = dict(split=shape == "split", speculate=True, early=True, rope_ready=True)
+    if what in ("lens", "table"):
+        index = dict(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                     kv_lens=pr.i32(lens, device), slot_mapping=None, positions=None)
+    else:
+        old = pr.ragged_targets(n, tables, cu, kv_lens=lens, block_size=bs, num_blocks=nb)
+        slots = [t.block * bs + t.offset for t in old]
+        pos = [t.position for t in old]
+        if what == "slots":  # slot | 64: the same offset in block | 16
+            moved = [dataclasses.replace(t, block=t.block | 16) for t in old]
+        else:
+            moved = [dataclasses.replace(t, position=t.position | 1) for t in old]
+        exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, moved, kv_dtype=kv_dtype, layout="NHD",
+                                 rope=rope)
+        index = dict(block_tables=None, cu_q_lens=None, kv_lens=None, slot_mapping=torch.tensor(slots, device=device),
+                     positions=torch.tensor(pos, device=device))
+    paged_ops.append_paged_kv_launch(
+        k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD", cu_k_lens=None,
+        rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, **index, **over)
+    pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
 def test_speculative_lookup_with_cu_k_lens_and_context_parallel(device, monkeypatch, kv_dtype):
     """Speculation with cu_k_lens (the guess reads four values) and context parallelism (rank 1 of 2), values
@@ -1441,46 +1534,68 @@ def test_speculative_lookup_with_cu_k_lens_and_context_parallel(device, monkeypa
             k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32(tables, device),
             cu_q_lens=pr.i32(cu, device), kv_lens=None, cu_k_lens=pr.i32(pr.cumsum0(totals), device),
             slot_mapping=None, positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0],
-            cp_rank=1, cp_size=2, split=True, speculate=True, cs_first=True, early=True)
+            cp_rank=1, cp_size=2, split=True, speculate=True, cs_first=True, early=True, rope_ready=True)
         pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 def test_speculation_is_the_default_for_decode_with_pdl_and_no_promise(monkeypatch, kv_dtype):
-    """Decode-sized launches with PDL and without metadata_ready speculate (SPECULATE, with the promise's launch
-    shape: INDEX_FIRST, split only for fp8), without RoPE too. inv_freq is read after the wait, with cos / sin
-    (FREQS_LATE, no CS_FIRST), unless the caller says no running kernel writes it (rope_ready: then cos / sin
-    before the wait except fp8, as with the promise). Not with the promise, not without PDL, not for
-    prefill-sized appends, not with partial or interleaved RoPE and not with _SPECULATE off; speculate=True with
-    such RoPE is a ValueError."""
+    """Decode-sized launches with PDL and without metadata_ready speculate where the first guess is exact: by
+    slot mapping and for ragged batches of one row per sequence (SPECULATE, with the promise's launch shape:
+    INDEX_FIRST, split only for fp8), without RoPE too; a mixed ragged batch waits first. inv_freq is read
+    after the wait, with cos / sin (FREQS_LATE, no CS_FIRST), unless the caller says no running kernel writes
+    it (rope_ready: then cos / sin before the wait except fp8, as with the promise). Not with the promise, not
+    without PDL, not for prefill-sized appends, not with partial or interleaved RoPE and not with _SPECULATE
+    off. speculate=True with such RoPE or with index_first=False, and cs_first=True where inv_freq is read
+    late, are ValueErrors (on the torch backend too)."""
     monkeypatch.setattr(paged_ops, "_pdl_supported", lambda device: True)
     fp8 = kv_dtype == "fp8"
     for slots in (True, False):
         for rope in (True, False):
-            spec = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=rope, pdl=True)
+            each = dict(one_row_each=not slots)
+            spec = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=rope, pdl=True, **each)
             assert spec["SPECULATE"] is True and spec["INDEX_FIRST"] is True and spec["EARLY"] is True
             assert spec["SPLIT"] is fp8 and spec["CS_FIRST"] is False and spec["FREQS_LATE"] is rope
             known = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=rope, pdl=True,
-                                   rope_ready=True)
+                                   rope_ready=True, **each)
             assert known["SPECULATE"] is True and known["FREQS_LATE"] is False
-            ready = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=rope, pdl=True, ready=True)
+            ready = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=rope, pdl=True, ready=True,
+                                   **each)
             assert ready["SPECULATE"] is False and ready["INDEX_FIRST"] is True and ready["FREQS_LATE"] is False
             assert ready["CS_FIRST"] is (rope and not fp8)
             assert {key: val for key, val in ready.items() if key != "SPECULATE"} == {
                 key: val for key, val in known.items() if key != "SPECULATE"}
             for other in (dict(pdl=False), dict(pdl=True, rows=paged_ops._SPLIT_BELOW)):
-                c = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=rope, **other)  # type: ignore[arg-type]
+                c = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=rope,  # type: ignore[arg-type]
+                                   **each, **other)
                 assert c["SPECULATE"] is False and c["INDEX_FIRST"] is False, other
+        each = dict(one_row_each=not slots)
         partial = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, pdl=True,
-                                 rope_config=RopeConfig(head_dim=16, rotary_dim=8))
+                                 rope_config=RopeConfig(head_dim=16, rotary_dim=8), **each)
         assert partial["SPECULATE"] is False and partial["INDEX_FIRST"] is False
         monkeypatch.setattr(paged_ops, "_SPECULATE", False)
-        off = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, pdl=True)
+        off = _launch_consts(monkeypatch, kv_dtype, split=None, slots=slots, rope=True, pdl=True, **each)
         assert off["SPECULATE"] is False and off["INDEX_FIRST"] is False
         monkeypatch.setattr(paged_ops, "_SPECULATE", True)
+        mixed = _launch_consts(monkeypatch, kv_dtype, split=None, slots=False, rope=True, pdl=True)
+        assert mixed["SPECULATE"] is False and mixed["INDEX_FIRST"] is False  # 3 rows of one sequence
+        forced = _launch_consts(monkeypatch, kv_dtype, split=None, slots=False, rope=True, pdl=True, speculate=True,
+                                rope_ready=True)
+        assert forced["SPECULATE"] is True and forced["INDEX_FIRST"] is True
     with pytest.raises(ValueError, match=pr.names("speculate")):
         _launch_consts(monkeypatch, kv_dtype, split=None, rope=True, pdl=True, speculate=True,
                        rope_config=RopeConfig(head_dim=16, interleaved=True))
+    cache = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, kv_dtype=kv_dtype)
+    k = torch.zeros(3, 2, 16, dtype=torch.float16)
+    whole = RopeConfig(head_dim=16).kernel_params()
+    for name, bad in (("speculate", dict(speculate=True, index_first=False)),
+                      ("speculate", dict(speculate=True, rope=RopeConfig(head_dim=16, rotary_dim=8).kernel_params())),
+                      ("cs_first", dict(speculate=True, cs_first=True, rope=whole))):  # inv_freq after the wait
+        with pytest.raises(ValueError, match=pr.names(name)):  # on the torch backend too
+            paged_ops.append_paged_kv_launch(
+                k, k, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=None,
+                cu_q_lens=None, kv_lens=None, cu_k_lens=None, slot_mapping=torch.arange(3), positions=torch.arange(3),
+                fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, **{"rope": None, **bad})
 
 
 _SASS_SPECULATE = r"""

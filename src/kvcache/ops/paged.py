@@ -492,7 +492,8 @@ def _lookup(
 ):
     # _target of row n, and with CS_GIVEN RoPE's cos / sin at its position (_rope_cs; else placeholders):
     # (valid, block id, offset, position, cos, sin). Reads only index tensors and freqs: with INDEX_FIRST it
-    # runs before the wait for the previous kernel
+    # runs before the wait for the previous kernel; a speculative launch's slow path runs it after the wait
+    # (CM ".cg")
     valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs,
                                    guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, CALL,
                                    CM)
@@ -775,7 +776,9 @@ def _append_kernel(
                  BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, EARLY, STORE_CM,
                  PAIR_ASM, ROPE_SELECT, MASKED, cs_c, cs_s, CS_GIVEN, SPLIT)
     if INDEX_FIRST and SPECULATE:
-        if not same:  # rare: the guess missed (not a decode batch), or the previous kernel changed what was read
+        if not same:  # the guess missed (the launch speculates on batches of one row per sequence and by slot
+            # mapping: rows of a sequence with 0 or 2+ rows, padding rows), or the previous kernel changed what
+            # was read
             valid, blk, off, pos, cs_c, cs_s = _lookup(
                 n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul,
                 freqs, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, True, CS_GIVEN, FMAX,
@@ -1035,8 +1038,9 @@ def _max_freq(rope) -> float:  # type: ignore[no-untyped-def]
 
 
 def _ready_launch(metadata_ready: bool, pdl: bool, n_tokens: int, quant: int) -> tuple[bool, bool, bool]:
-    """For an append whose caller promised ``metadata_ready`` (see :func:`append_paged_kv`): (INDEX_FIRST,
-    split, whether the format takes CS_FIRST with it) of its default launch.
+    """For an append whose caller promised ``metadata_ready`` (see :func:`append_paged_kv`), or that speculates
+    (the check after the wait stands in for the promise; called with ``metadata_ready=True`` then):
+    (INDEX_FIRST, split, whether the format takes CS_FIRST with it) of its default launch.
 
     Only decode-sized appends (fewer than ``_SPLIT_BELOW`` rows) with PDL look up their rows before the wait
     for the previous kernel: without PDL there is no wait to overlap, and prefills are not latency-bound.
@@ -1096,8 +1100,8 @@ def append_paged_kv_launch(
     * ``head_groups`` = split launches divide a row's heads among this many programs (a power of two; default
       ``_SPLIT_HEAD_GROUPS``; validated, and unused by launches that do not split);
     * ``pdl`` = launch with programmatic dependent launch (CUDA graphs on Hopper: the kernel is scheduled
-      while the previous one drains, and waits for it before reading anything; with ``index_first``, before
-      reading ``k`` / ``v``);
+      while the previous one drains, and waits for it before reading anything; with ``index_first`` or
+      speculation, before reading ``k`` / ``v``, speculation checking its earlier reads after the wait);
     * ``early`` = RoPE and quantization before the wait for the block table rather than after it, the stores
       then predicated on the row's validity instead of behind a branch on it (except quantized slot-mapping
       launches with RoPE, and with ``KVCACHE_MASKED_STORES=0``) (default: for split launches, for those with
@@ -1113,8 +1117,10 @@ def append_paged_kv_launch(
       ``index_first``, per :func:`_ready_launch`);
     * ``speculate`` = without ``metadata_ready``, look up each row (first guess only) and compute cos / sin
       before the wait anyway, then re-read every value that used from L2 after the wait and redo the rows
-      whose values changed (default: decode-sized launches with PDL and no promise, without RoPE or with
-      rotate-half RoPE over the whole head; ``_SPECULATE``). It takes the launch shape of ``index_first``;
+      whose values changed or whose guess missed (default: decode-sized launches with PDL and no promise,
+      of one row per sequence or by slot mapping, without RoPE or with rotate-half RoPE over the whole head;
+      ``_SPECULATE``). It takes the launch shape of ``index_first`` (an explicit ``index_first=False`` with
+      it is a ValueError);
     * ``rope_ready`` = no kernel that may still be running writes ``rope.inv_freq`` (the cache's own RoPE
       parameters, built once): speculation then reads the frequencies, and computes cos / sin, before the wait
       too; without it, after the wait.
@@ -1130,6 +1136,13 @@ def append_paged_kv_launch(
     if pdl and not _pdl_supported(pool.device):
         raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability >= 9.0 "
                          "and triton >= 3.4")
+    if speculate:
+        if rope is not None and (rope.interleaved or rope.rotary_dim != k.shape[2]):
+            raise ValueError(f"speculate: True needs no RoPE or rotate-half RoPE over the whole head_dim "
+                             f"({k.shape[2]}), got rotary_dim {rope.rotary_dim}, interleaved {rope.interleaved}")
+        if index_first is False:
+            raise ValueError("speculate: True looks rows up before the wait; expected index_first None or True, "
+                             "got False")
     n_tokens = k.shape[0]
     if n_tokens == 0:
         return None
@@ -1150,10 +1163,12 @@ def append_paged_kv_launch(
     fast_rope = has_rope and not inter and rot == D
     spec_ok = (not has_rope) or fast_rope
     if speculate is None:
-        speculate = (_SPECULATE and spec_ok and not metadata_ready and bool(pdl) and n_tokens < _SPLIT_BELOW
-                     and index_first is None)
-    elif speculate and not spec_ok:
-        raise ValueError("speculate: only without RoPE or with rotate-half RoPE over the whole head_dim")
+        # only where the first guess is exact for every row: one row per sequence (a decode batch), or a slot
+        # mapping. A mixed batch (prefill chunks beside decode rows) misses for most rows, which then do the work
+        # twice: 2-4x slower (H100, 1280-1500 rows)
+        exact = slot_mapping is not None or cu_q_lens.shape[0] - 1 == n_tokens  # type: ignore[union-attr]
+        speculate = (_SPECULATE and spec_ok and exact and not metadata_ready and bool(pdl)
+                     and n_tokens < _SPLIT_BELOW and index_first is None)
     speculate = bool(speculate)
     # speculation takes the launch shape of the promise's (lookup first)
     ready_first, ready_split, cs_format = _ready_launch(bool(metadata_ready) or speculate, bool(pdl), n_tokens,
@@ -1173,6 +1188,9 @@ def append_paged_kv_launch(
     # Re-reading them instead cost up to 0.5 us per layer (a reduction over the row; H100, 04:21 UTC)
     freqs_late = speculate and fast_rope and not rope_ready
     if freqs_late:
+        if cs_first:
+            raise ValueError("cs_first: True needs inv_freq before the wait; a speculative launch reads it after "
+                             "the wait unless rope_ready=True, got rope_ready False")
         cs_first = False
     cs_first = (cs_format and index_first if cs_first is None else bool(cs_first)) and fast_rope
     hints = _HINTS and not split
@@ -1256,7 +1274,8 @@ class AppendPlan:
 
     "The same kind": the same dtypes, 16-byte alignment of every pointer (and 8-byte alignment of ``params``,
     which selects the inline-PTX (scale, zero) store), k / v strides, mode, RoPE, format, number of sequences,
-    K/V split, PDL setting and ``metadata_ready``; the caller keys plans by those (see
+    K/V split, PDL setting, ``metadata_ready``, speculation (``_SPECULATE``, and for ragged batches whether
+    they hold one row per sequence); the caller keys plans by those (see
     ``PagedKVCache.append``). :meth:`launch` skips argument binding and the launcher's per-tensor pointer
     checks, which are most of an eager call's host time.
     """
@@ -1757,14 +1776,14 @@ def append_paged_kv(
         RoPE arithmetic: rotated keys may differ from the launch that waits in the last bit (within the same
         bounds). A broken promise reads stale indices: rows written to the wrong slots.
 
-        Default False. Without the promise, decode-sized appends with PDL *speculate* (without RoPE, or with
-        rotate-half RoPE over the whole head): they do the same lookup before the wait, then read every index
-        value it used again from L2 after the wait (``ld.global.cg``) and compare; a row whose values changed
-        (or whose sequence the first guess missed: not a decode batch) is looked up and written again after
-        the wait. ``rope.inv_freq`` is read after the wait there (the cache's own frequencies, built once,
-        before it, with cos / sin: rotated keys may then differ from a launch that waits first in the last bit,
-        as with the promise). Other appends wait before every read. ``KVCACHE_SPECULATE=0`` (read at import)
-        turns speculation off.
+        Default False. Without the promise, decode-sized appends with PDL *speculate* (batches of one row per
+        sequence, or by slot mapping; without RoPE, or with rotate-half RoPE over the whole head): they do the
+        same lookup before the wait, then read every index value it used again from L2 after the wait
+        (``ld.global.cg``) and compare; a row whose values changed (or whose sequence the first guess missed) is
+        looked up and written again after the wait. ``rope.inv_freq`` is read after the wait there (the
+        cache's own frequencies, built once, before it, with cos / sin: rotated keys may then differ from a
+        launch that waits first in the last bit, as with the promise). Other appends wait before every read.
+        ``KVCACHE_SPECULATE=0`` (read at import) turns speculation off.
 
     Note
     ----

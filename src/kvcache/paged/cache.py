@@ -281,7 +281,7 @@ class PagedKVCache:
                 bt_stride, width = bst[0], bsh[1]
                 ptrs = (p1, p2, p3, None, None)  # block tables, cu_q_lens, kv_lens; no slots / positions
                 key = (True, use_rope, ks, vs, n_seqs, self._layer_align[layer], n < paged_ops._SPLIT_BELOW,
-                       paged_ops._PDL_ENV, paged_ops._SPECULATE, metadata_ready)
+                       paged_ops._PDL_ENV, paged_ops._SPECULATE, n == n_seqs, metadata_ready)
             else:
                 p1, p2, p3 = slot_mapping.data_ptr(), positions.data_ptr() if use_rope else 0, 0  # type: ignore[union-attr]
                 bt_stride = width = n_seqs = 0
