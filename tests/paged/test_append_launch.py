@@ -842,6 +842,26 @@ def test_search_call_and_masked_stores_in_sass():
 # ----------------------------------------------------------------------------------------- metadata_ready
 
 
+def _check_as_slot_mapping(device, c: _RaggedCase, kv_dtype: str, params, use_rope: bool, over: dict) -> None:  # type: ignore[no-untyped-def]
+    """The rows of the ragged case ``c`` appended again by slot mapping (their targets, -1 for padding rows;
+    positions from the ragged batch) into a fresh sentinel cache with the launch overrides ``over``: the
+    reference's bytes."""
+    H, D, bs, nb = 2, 16, 4, 32  # as _ragged_case
+    cache2 = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
+    n = c.k.shape[0]
+    slots = [-1] * n
+    positions = [0] * n
+    for t in c.targets:
+        slots[t.row] = t.block * bs + t.offset
+        positions[t.row] = t.position
+    paged_ops.append_paged_kv_launch(
+        c.k, c.v, cache2.pool(0), cache2.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=None,
+        cu_q_lens=None, kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor(slots, device=device),
+        positions=torch.tensor(positions, device=device) if use_rope else None, rope=params,
+        fp8_scales=cache2.kv_scales[0], cp_rank=0, cp_size=1, **over)
+    pr.assert_append_matches(cache2.pool(0), cache2.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
+
+
 @pytest.mark.parametrize("cs_first", [False, True], ids=["cs-after", "cs-first"])
 @pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
 @pytest.mark.parametrize("kv_dtype", FORMATS)
@@ -866,20 +886,7 @@ def test_index_first_launches_match_the_reference(device, batch, shape, kv_dtype
         cp_size=1, **over)
     pr.assert_append_matches(c.cache.pool(0), c.cache.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
     # the same rows by slot mapping (their targets, -1 for padding rows), positions from the ragged batch
-    H, D, bs, nb = 2, 16, 4, 32
-    cache2 = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
-    n = c.k.shape[0]
-    slots = [-1] * n
-    positions = [0] * n
-    for t in c.targets:
-        slots[t.row] = t.block * bs + t.offset
-        positions[t.row] = t.position
-    paged_ops.append_paged_kv_launch(
-        c.k, c.v, cache2.pool(0), cache2.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=None,
-        cu_q_lens=None, kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor(slots, device=device),
-        positions=torch.tensor(positions, device=device) if use_rope else None, rope=params,
-        fp8_scales=cache2.kv_scales[0], cp_rank=0, cp_size=1, **over)
-    pr.assert_append_matches(cache2.pool(0), cache2.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
+    _check_as_slot_mapping(device, c, kv_dtype, params, use_rope, over)
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
@@ -1377,20 +1384,7 @@ def test_speculative_launches_match_the_reference(device, monkeypatch, batch, sh
         cu_k_lens=None, slot_mapping=None, positions=None, rope=params, fp8_scales=c.cache.kv_scales[0], cp_rank=0,
         cp_size=1, **over)
     pr.assert_append_matches(c.cache.pool(0), c.cache.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
-    H, D, bs, nb = 2, 16, 4, 32
-    cache2 = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
-    n = c.k.shape[0]
-    slots = [-1] * n
-    positions = [0] * n
-    for t in c.targets:
-        slots[t.row] = t.block * bs + t.offset
-        positions[t.row] = t.position
-    paged_ops.append_paged_kv_launch(
-        c.k, c.v, cache2.pool(0), cache2.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=None,
-        cu_q_lens=None, kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor(slots, device=device),
-        positions=torch.tensor(positions, device=device) if use_rope else None, rope=params,
-        fp8_scales=cache2.kv_scales[0], cp_rank=0, cp_size=1, **over)
-    pr.assert_append_matches(cache2.pool(0), cache2.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
+    _check_as_slot_mapping(device, c, kv_dtype, params, use_rope, over)
 
 
 @triton.jit

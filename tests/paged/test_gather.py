@@ -335,17 +335,24 @@ def test_gather_sweep_large(device, kv_dtype):
         pr.assert_gather_matches(k_out, v_out, exp, kv_dtype=kv_dtype, rope=r)
 
 
+def _filled_cache(device, seed: int, H: int, D: int, bs: int, lens: list, kv_dtype: str):  # type: ignore[no-untyped-def]
+    """A sentinel cache (16 blocks) holding random sequences of ``lens`` tokens, appended in two steps, and their
+    block tables."""
+    gen = pr.generator(seed)
+    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, kv_dtype=kv_dtype)
+    ks, vs = _sequences(device, gen, H, D, lens)
+    tables = pr.block_tables_for(gen, lens, block_size=bs, num_blocks=16, extra=1)
+    _append_in_steps(cache, ks, vs, tables, device, steps=2)
+    return cache, tables
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
 def test_gather_into_odd_strided_outputs(device, kv_dtype):
     """Outputs whose token stride is an odd element count (vector width 1), one of them at an odd element
     offset: every row lands where the strides say, the bytes around stay untouched."""
     H, D, bs = 2, 16, 4
     lens = [6, 3]
-    gen = pr.generator(321)
-    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, kv_dtype=kv_dtype)
-    ks, vs = _sequences(device, gen, H, D, lens)
-    tables = pr.block_tables_for(gen, lens, block_size=bs, num_blocks=16, extra=1)
-    _append_in_steps(cache, ks, vs, tables, device, steps=2)
+    cache, tables = _filled_cache(device, 321, H, D, bs, lens, kv_dtype)
     s_out = 7
     buf = pr.fill_sentinel(torch.empty((2, len(lens), H, s_out, D + 1), dtype=torch.float16, device=device))
     k_out, v_out = buf[0, ..., :D], buf[1, ..., 1:]
@@ -367,11 +374,7 @@ def test_gather_with_64bit_output_offsets(device, kv_dtype, monkeypatch):
 
     H, D, bs = 3, 16, 4
     lens = [7, 2]
-    gen = pr.generator(331)
-    cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, kv_dtype=kv_dtype)
-    ks, vs = _sequences(device, gen, H, D, lens)
-    tables = pr.block_tables_for(gen, lens, block_size=bs, num_blocks=16, extra=1)
-    _append_in_steps(cache, ks, vs, tables, device, steps=2)
+    cache, tables = _filled_cache(device, 331, H, D, bs, lens, kv_dtype)
     s_out = 9
     outs = {}
     for wide in (False, True):

@@ -391,6 +391,14 @@ def _guess_mul(n_seqs: int, n_rows: int) -> int:
 
 
 @triton.jit
+def _local_pos(pos, valid, CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr):
+    # context parallelism: (valid and token `pos` on this rank, its local position pos // CP_SIZE)
+    if CP_SIZE > 1:
+        return valid & ((pos % CP_SIZE) == CP_RANK), pos // CP_SIZE
+    return valid, pos
+
+
+@triton.jit
 def _target(
     n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs, guess_mul,
     MODE: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
@@ -424,12 +432,7 @@ def _target(
             else:
                 b, q0, q1, start = _find_seq(n, cu_q, kv_info, n_seqs, MODE, SEARCH, LOG_B, CM)
         pos = (start + (n - q0)).to(tl.int64)
-        valid = (b < n_seqs) & (n < q1) & (pos >= 0)
-        if CP_SIZE > 1:
-            valid = valid & ((pos % CP_SIZE) == CP_RANK)
-            lpos = pos // CP_SIZE
-        else:
-            lpos = pos
+        valid, lpos = _local_pos(pos, (b < n_seqs) & (n < q1) & (pos >= 0), CP_RANK, CP_SIZE)
         bi = lpos // BLOCK_SIZE
         valid = valid & (bi < table_width)
         blk = tl.load(block_tables + b * bt_stride + bi, mask=valid, other=-1, cache_modifier=CM).to(tl.int64)
@@ -536,12 +539,7 @@ def _spec_lookup(
         a, b, c = _seq_rows(g, cu_q, kv_info, MODE, "")
         hit = (a <= n) & (n < b)
         pos = (c + (n - a)).to(tl.int64)
-        valid = hit & (pos >= 0)
-        if CP_SIZE > 1:
-            valid = valid & ((pos % CP_SIZE) == CP_RANK)
-            lpos = pos // CP_SIZE
-        else:
-            lpos = pos
+        valid, lpos = _local_pos(pos, hit & (pos >= 0), CP_RANK, CP_SIZE)
         bi = lpos // BLOCK_SIZE
         bt_mask = valid & (bi < table_width)
         bt_ptr = block_tables + g * bt_stride + bi
