@@ -391,6 +391,12 @@ def _guess_mul(n_seqs: int, n_rows: int) -> int:
 
 
 @triton.jit
+def _guess(n, guess_mul, n_seqs):
+    # row n's first guess of its sequence: floor(n * n_seqs / n_rows) by a multiply and a shift (see _guess_mul)
+    return tl.minimum((n.to(tl.int64) * guess_mul) >> _GUESS_SHIFT, n_seqs - 1)
+
+
+@triton.jit
 def _local_pos(pos, valid, CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr):
     # context parallelism: (valid and token `pos` on this rank, its local position pos // CP_SIZE)
     if CP_SIZE > 1:
@@ -419,7 +425,7 @@ def _target(
         # first guess: rows spread evenly over the sequences, floor(n * n_seqs / n_rows) by a multiply and a shift
         # (see _guess_mul; exact for decode batches and equal-length prefills), checked with two loads;
         # otherwise search
-        g = tl.minimum((n.to(tl.int64) * guess_mul) >> _GUESS_SHIFT, n_seqs - 1)
+        g = _guess(n, guess_mul, n_seqs)
         c0, c1, s0 = _seq_rows(g, cu_q, kv_info, MODE, CM)
         if (c0 <= n) & (n < c1):
             b = g
@@ -500,11 +506,17 @@ def _lookup(
     valid, blk, off, pos = _target(n, block_tables, cu_q, kv_info, slots, positions, bt_stride, table_width, n_seqs,
                                    guess_mul, MODE, ROPE, BLOCK_SIZE, NUM_BLOCKS, CP_RANK, CP_SIZE, SEARCH, LOG_B, CALL,
                                    CM)
-    cs_c = freqs[None, :]  # unused unless CS_GIVEN
-    cs_s = cs_c
-    if CS_GIVEN:
-        cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
+    cs_c, cs_s = _lookup_cs(pos, freqs, CS_GIVEN, FMAX, ATTN_SCALE, LIBDEVICE)
     return valid, blk, off, pos, cs_c, cs_s
+
+
+@triton.jit
+def _lookup_cs(pos, freqs, CS_GIVEN: tl.constexpr, FMAX: tl.constexpr, ATTN_SCALE: tl.constexpr,
+               LIBDEVICE: tl.constexpr):
+    # with CS_GIVEN, RoPE's cos / sin at a looked-up position (_rope_cs); else placeholders (unused)
+    if CS_GIVEN:
+        return _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
+    return freqs[None, :], freqs[None, :]
 
 
 @triton.jit
@@ -535,7 +547,7 @@ def _spec_lookup(
         bt_mask = n < 0
         raw = (n * 0 - 1).to(tl.int32)
     else:
-        g = tl.minimum((n.to(tl.int64) * guess_mul) >> _GUESS_SHIFT, n_seqs - 1)
+        g = _guess(n, guess_mul, n_seqs)
         a, b, c = _seq_rows(g, cu_q, kv_info, MODE, "")
         hit = (a <= n) & (n < b)
         pos = (c + (n - a)).to(tl.int64)
@@ -548,10 +560,7 @@ def _spec_lookup(
         off = lpos % BLOCK_SIZE
         valid = bt_mask
     valid = valid & (blk >= 0) & (blk < NUM_BLOCKS)
-    cs_c = freqs[None, :]  # unused unless CS_GIVEN
-    cs_s = cs_c
-    if CS_GIVEN:
-        cs_c, cs_s = _rope_cs(pos, freqs, FMAX, ATTN_SCALE, LIBDEVICE)
+    cs_c, cs_s = _lookup_cs(pos, freqs, CS_GIVEN, FMAX, ATTN_SCALE, LIBDEVICE)
     return valid, blk, off, pos, cs_c, cs_s, hit, a, b, c, bt_ptr, bt_mask, raw
 
 
@@ -568,7 +577,7 @@ def _spec_same(
         if ROPE:
             same = same & (tl.load(positions + n, cache_modifier=".cg").to(tl.int64) == b)
     else:
-        g = tl.minimum((n.to(tl.int64) * guess_mul) >> _GUESS_SHIFT, n_seqs - 1)
+        g = _guess(n, guess_mul, n_seqs)
         a2, b2, c2 = _seq_rows(g, cu_q, kv_info, MODE, ".cg")
         raw2 = tl.load(bt_ptr, mask=bt_mask, other=-1, cache_modifier=".cg")
         same = hit & (a2 == a) & (b2 == b) & (c2 == c) & (raw2 == raw)
@@ -1134,10 +1143,13 @@ def append_paged_kv_launch(
     if pdl and not _pdl_supported(pool.device):
         raise ValueError("pdl: programmatic dependent launch needs a CUDA device of compute capability >= 9.0 "
                          "and triton >= 3.4")
+    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
+    fast_rope = has_rope and not inter and rot == k.shape[2]
+    spec_ok = (not has_rope) or fast_rope  # speculation re-reads no partner elements of K nor inv_freq per element
     if speculate:
-        if rope is not None and (rope.interleaved or rope.rotary_dim != k.shape[2]):
+        if not spec_ok:
             raise ValueError(f"speculate: True needs no RoPE or rotate-half RoPE over the whole head_dim "
-                             f"({k.shape[2]}), got rotary_dim {rope.rotary_dim}, interleaved {rope.interleaved}")
+                             f"({k.shape[2]}), got rotary_dim {rot}, interleaved {inter}")
         if index_first is False:
             raise ValueError("speculate: True looks rows up before the wait; expected index_first None or True, "
                              "got False")
@@ -1157,9 +1169,6 @@ def append_paged_kv_launch(
         pdl = _pdl_default(pool.device)
     H, D = k.shape[1], k.shape[2]
     quant = QUANT_CODES[kv_dtype]
-    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope, pool.device)
-    fast_rope = has_rope and not inter and rot == D
-    spec_ok = (not has_rope) or fast_rope
     if speculate is None:
         # only where the first guess is exact for every row: one row per sequence (a decode batch), or a slot
         # mapping. A mixed batch (prefill chunks beside decode rows) misses for most rows, which then do the work
