@@ -997,28 +997,39 @@ def test_cache_append_with_metadata_ready(device, monkeypatch, mode, kv_dtype):
         assert seen and all(seen)  # every launch that was not a prepared repeat took INDEX_FIRST
 
 
-_SASS_INDEX_FIRST = r"""
+# The append's SASS in the decode launch shapes with RoPE (int8 one program per row, fp8 split programs; ragged
+# and slot mapping), EARLY, stores predicated: for each, its opcodes, the index of the wait for the previous
+# kernel (griddepcontrol.wait: ACQBULK) and the global loads up to the first store as (index, opcode)
+# (libdevice's cos / sin fallback reads constant tables: not index tensors). Scripts for _compile_in_subprocess.
+_SASS_HEAD = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2])
 import ptx_inspect as PI
 
+SHAPES = [(quant, split, slots) for quant, split in ((2, False), (1, True)) for slots in (False, True)]
+
+
+def compiled(quant, split, slots, **update):
+    consts, warps = PI.sass_consts(quant, split, slots=slots)
+    consts.update(EARLY=True, MASKED=True, ROPE_SELECT=False, **update)
+    ops = [i.split()[0] for i in PI.sass_ops(consts, warps, quant)]
+    wait = ops.index("ACQBULK")
+    store = next(j for j, o in enumerate(ops) if o.startswith("STG"))
+    loads = [(j, o) for j, o in enumerate(ops[:store]) if o.startswith("LDG") and ".CONSTANT" not in o]
+    return ops, wait, loads
+
+
 out = {}
-# metadata_ready's launch shapes with RoPE: int8 one program per row (cos / sin first), fp8 split programs;
-# ragged and slot mapping; INDEX_FIRST off and on
-for quant, split in ((2, False), (1, True)):
-    for slots in (False, True):
-        for first in (False, True):
-            consts, warps = PI.sass_consts(quant, split, slots=slots)
-            consts.update(EARLY=True, MASKED=True, ROPE_SELECT=False, INDEX_FIRST=first,
-                          CS_FIRST=first and quant != 1)
-            ops = [i.split()[0] for i in PI.sass_ops(consts, warps, quant)]
-            wait = ops.index("ACQBULK")
-            store = next(j for j, o in enumerate(ops) if o.startswith("STG"))
-            # (libdevice's cos / sin fallback reads constant tables: not index tensors)
-            loads = [(j, o.endswith(".128")) for j, o in enumerate(ops[:store])
-                     if o.startswith("LDG") and ".CONSTANT" not in o]
-            fp = sum(o.startswith(("FFMA", "FMUL")) for o in ops[:wait])
-            out[f"{quant}-{int(split)}-{int(slots)}-{int(first)}"] = [wait, loads, fp]
+"""
+
+# metadata_ready's launches: INDEX_FIRST off and on (cos / sin first with it, except fp8)
+_SASS_INDEX_FIRST = _SASS_HEAD + r"""
+for quant, split, slots in SHAPES:
+    for first in (False, True):
+        ops, wait, loads = compiled(quant, split, slots, INDEX_FIRST=first, CS_FIRST=first and quant != 1)
+        fp = sum(o.startswith(("FFMA", "FMUL")) for o in ops[:wait])
+        out[f"{quant}-{int(split)}-{int(slots)}-{int(first)}"] = [wait, [(j, o.endswith(".128")) for j, o in loads],
+                                                                   fp]
 print(json.dumps(out))
 """
 
@@ -1592,27 +1603,14 @@ def test_speculation_is_the_default_for_decode_with_pdl_and_no_promise(monkeypat
                 fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, **{"rope": None, **bad})
 
 
-_SASS_SPECULATE = r"""
-import json, sys
-sys.path.insert(0, sys.argv[2])
-import ptx_inspect as PI
-
-out = {}
-# the speculative launch shapes with RoPE: int8 one program per row, fp8 split programs; ragged and slot
-# mapping; inv_freq read before the wait (rope_ready: cos / sin there too, except fp8) or after it
-for quant, split in ((2, False), (1, True)):
-    for slots in (False, True):
-        for late in (False, True):
-            consts, warps = PI.sass_consts(quant, split, slots=slots)
-            consts.update(EARLY=True, MASKED=True, ROPE_SELECT=False, INDEX_FIRST=True,
-                          CS_FIRST=quant != 1 and not late, SPECULATE=True, FREQS_LATE=late)
-            ops = [i.split()[0] for i in PI.sass_ops(consts, warps, quant)]
-            wait = ops.index("ACQBULK")
-            store = next(j for j, o in enumerate(ops) if o.startswith("STG"))
-            # (libdevice's cos / sin fallback reads constant tables: not index tensors)
-            before = [o for o in ops[:wait] if o.startswith("LDG") and ".CONSTANT" not in o]
-            after = [o for o in ops[wait:store] if o.startswith("LDG") and ".CONSTANT" not in o]
-            out[f"{quant}-{int(split)}-{int(slots)}-{int(late)}"] = [before, after]
+# the speculative launches: inv_freq read before the wait (rope_ready: cos / sin there too, except fp8) or after it
+_SASS_SPECULATE = _SASS_HEAD + r"""
+for quant, split, slots in SHAPES:
+    for late in (False, True):
+        ops, wait, loads = compiled(quant, split, slots, INDEX_FIRST=True, CS_FIRST=quant != 1 and not late,
+                                    SPECULATE=True, FREQS_LATE=late)
+        out[f"{quant}-{int(split)}-{int(slots)}-{int(late)}"] = [[o for j, o in loads if j < wait],
+                                                                 [o for j, o in loads if j > wait]]
 print(json.dumps(out))
 """
 
