@@ -842,6 +842,20 @@ def test_search_call_and_masked_stores_in_sass():
 # ----------------------------------------------------------------------------------------- metadata_ready
 
 
+def _check_ragged_and_slots(device, c: _RaggedCase, kv_lens: list, kv_dtype: str, params, use_rope: bool,  # type: ignore[no-untyped-def]
+                            over: dict) -> None:
+    """The ragged case ``c`` (``kv_lens`` cached tokens per sequence) appended with the launch overrides ``over``,
+    then the same rows by slot mapping into a fresh cache: the reference's bytes both times."""
+    paged_ops.append_paged_kv_launch(
+        c.k, c.v, c.cache.pool(0), c.cache.params(0), kv_dtype=kv_dtype, layout="NHD",
+        block_tables=pr.i32(c.tables, device), cu_q_lens=pr.i32(c.cu, device), kv_lens=pr.i32(kv_lens, device),
+        cu_k_lens=None, slot_mapping=None, positions=None, rope=params, fp8_scales=c.cache.kv_scales[0], cp_rank=0,
+        cp_size=1, **over)
+    pr.assert_append_matches(c.cache.pool(0), c.cache.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
+    # the same rows by slot mapping (their targets, -1 for padding rows), positions from the ragged batch
+    _check_as_slot_mapping(device, c, kv_dtype, params, use_rope, over)
+
+
 def _check_as_slot_mapping(device, c: _RaggedCase, kv_dtype: str, params, use_rope: bool, over: dict) -> None:  # type: ignore[no-untyped-def]
     """The rows of the ragged case ``c`` appended again by slot mapping (their targets, -1 for padding rows;
     positions from the ragged batch) into a fresh sentinel cache with the launch overrides ``over``: the
@@ -879,14 +893,7 @@ def test_index_first_launches_match_the_reference(device, batch, shape, kv_dtype
     c = _ragged_case(device, gen, batch, kv_dtype, RopeConfig(head_dim=16, base=10000.0) if use_rope else None)
     params = c.rope.kernel_params(device=device) if use_rope else None
     over = dict(split=shape == "split", index_first=True, cs_first=cs_first, early=True)
-    paged_ops.append_paged_kv_launch(
-        c.k, c.v, c.cache.pool(0), c.cache.params(0), kv_dtype=kv_dtype, layout="NHD",
-        block_tables=pr.i32(c.tables, device), cu_q_lens=pr.i32(c.cu, device), kv_lens=pr.i32(kv_lens, device),
-        cu_k_lens=None, slot_mapping=None, positions=None, rope=params, fp8_scales=c.cache.kv_scales[0], cp_rank=0,
-        cp_size=1, **over)
-    pr.assert_append_matches(c.cache.pool(0), c.cache.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
-    # the same rows by slot mapping (their targets, -1 for padding rows), positions from the ragged batch
-    _check_as_slot_mapping(device, c, kv_dtype, params, use_rope, over)
+    _check_ragged_and_slots(device, c, kv_lens, kv_dtype, params, use_rope, over)
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
@@ -1389,13 +1396,7 @@ def test_speculative_launches_match_the_reference(device, monkeypatch, batch, sh
     params = c.rope.kernel_params(device=device) if use_rope else None
     over = dict(split=shape == "split", speculate=True, early=True, rope_ready=shape == "per-row",
                 cs_first=use_rope and kv_dtype != "fp8" and shape == "per-row")
-    paged_ops.append_paged_kv_launch(
-        c.k, c.v, c.cache.pool(0), c.cache.params(0), kv_dtype=kv_dtype, layout="NHD",
-        block_tables=pr.i32(c.tables, device), cu_q_lens=pr.i32(c.cu, device), kv_lens=pr.i32(kv_lens, device),
-        cu_k_lens=None, slot_mapping=None, positions=None, rope=params, fp8_scales=c.cache.kv_scales[0], cp_rank=0,
-        cp_size=1, **over)
-    pr.assert_append_matches(c.cache.pool(0), c.cache.params(0), c.exp, kv_dtype=kv_dtype, layout="NHD", rope=c.rope)
-    _check_as_slot_mapping(device, c, kv_dtype, params, use_rope, over)
+    _check_ragged_and_slots(device, c, kv_lens, kv_dtype, params, use_rope, over)
 
 
 @triton.jit
