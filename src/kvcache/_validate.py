@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-# Storage dtypes of KV caches. fp8 is stored bytes: scales belong to attention.
-KV_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+# Storage dtypes of the linear caches. fp8 is stored bytes: scales belong to attention. float32 is the CPU
+# models' default dtype (copies move 4-byte words like any other width).
+KV_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32)
 MODEL_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)  # paged caches' K / V
 
 # Same-width integer dtypes used to move bytes without touching their values (no NaN canonicalisation).

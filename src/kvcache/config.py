@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import torch
 
 from ._validate import check_int, check_kv_dtype
 
-__all__ = ["CacheConfig", "KVLayerConfig", "ManagerConfig", "resolve_device"]
+__all__ = ["CacheConfig", "KVLayerConfig", "ManagerConfig", "resolve_device", "check_memory", "available_memory"]
 
 # Kernel grids put heads x 2 and layers on grid axes limited to 65535 programs.
 _MAX_GRID_AXIS = 65535
@@ -43,6 +44,59 @@ def resolve_device(device: object, name: str = "device") -> torch.device:
     return device
 
 
+def available_memory(device: torch.device) -> tuple[int, int]:
+    """``(available, total)`` bytes that a new allocation on ``device`` can use.
+
+    CUDA: the driver's free memory plus what torch's caching allocator holds unused. CPU: ``MemAvailable`` of
+    ``/proc/meminfo`` (Linux), else the physical memory.
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + max(cached, 0), total
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, total
+    except OSError:
+        pass
+    return total, total
+
+
+def check_memory(nbytes: int, device: torch.device, name: str = "config") -> None:
+    """Raise ValueError naming ``name`` when ``nbytes`` exceed the memory available on ``device``.
+
+    Called by the caches before they allocate, so that a config far too large for the device fails with this
+    message rather than torch's out-of-memory error (or, on the CPU, the kernel's OOM killer).
+
+    Parameters
+    ----------
+    nbytes : int
+        Bytes the cache is about to allocate.
+    device : torch.device
+        A resolved device (``resolve_device``).
+    name : str
+        The argument named in the error.
+
+    Examples
+    --------
+    >>> check_memory(1 << 20, torch.device("cpu"))
+    >>> check_memory(1 << 50, torch.device("cpu"))
+    Traceback (most recent call last):
+    ...
+    ValueError: config: the cache needs 1048576.0 GiB, more than the ... available on cpu ...
+    """
+    available, total = available_memory(device)
+    if nbytes > available:
+        raise ValueError(
+            f"{name}: the cache needs {nbytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB "
+            f"available on {device} ({total / 2**30:.1f} GiB total); lower max_batch_size, max_seq_len, "
+            "num_layers or num_blocks"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """Shape of a :class:`~kvcache.LinearKVCache`: ``[num_layers, max_batch_size, 2, num_kv_heads,
@@ -53,8 +107,8 @@ class CacheConfig:
     num_layers, max_batch_size, max_seq_len, num_kv_heads, head_dim : int
         All >= 1. Any head_dim (not only powers of two) and any head count.
     dtype : torch.dtype
-        ``torch.float16``, ``torch.bfloat16`` or ``torch.float8_e4m3fn`` (stored bytes; scales belong to
-        attention).
+        ``torch.float16``, ``torch.bfloat16``, ``torch.float8_e4m3fn`` (stored bytes; scales belong to
+        attention) or ``torch.float32`` (the CPU models' default).
     device : torch.device | str | int | None
         ``None``: the current CUDA device if there is one, else the CPU.
     """

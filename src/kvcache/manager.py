@@ -6,6 +6,7 @@ import torch
 
 from ._slots import SlotCache
 from .config import KVLayerConfig, ManagerConfig
+from .linear import append_slots
 
 __all__ = ["KVCacheManager"]
 
@@ -54,6 +55,22 @@ class KVCacheManager(SlotCache):
         """Separate K and V of layer ``i``: two views ``[B, H_i, S, D_i]`` of the combined tensor's memory."""
         layer = self.layer(i)
         return layer[:, 0], layer[:, 1]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new keys and values of layer ``layer`` (``[active_batch_size, H_i, T, D_i]``, the cache's dtype
+        and device) at each active sequence's current length; lengths are not changed (``commit`` after the
+        last layer). Bounds are checked before any write. See :meth:`kvcache.LinearKVCache.append`.
+
+        Examples
+        --------
+        >>> cfg = ManagerConfig(max_batch_size=1, max_seq_len=8, layers=[KVLayerConfig(2, 8), KVLayerConfig(1, 16)],
+        ...                     dtype=torch.float32, device="cpu")
+        >>> cache = KVCacheManager(cfg)
+        >>> cache.reset_for_new_sequences([0])
+        >>> cache.append(1, torch.ones(1, 1, 3, 16), torch.zeros(1, 1, 3, 16))
+        >>> cache.commit(3)
+        """
+        append_slots(self, self.layer(layer), k, v)
 
     def layer_config(self, i: int) -> KVLayerConfig:
         return self._config.layers[self._check_layer_index(i)]

@@ -90,7 +90,7 @@ def test_invalid_construction():
     with pytest.raises(ValueError, match=r"layers\[1\]"):
         KVSnapshot([ok[0], torch.zeros(3, 2, 3, 8, dtype=torch.float16)])  # dim 0 != 2
     with pytest.raises(ValueError, match="dtype"):
-        KVSnapshot([torch.ones(2, 2, 3, 8)])  # float32
+        KVSnapshot([torch.ones(2, 2, 3, 8, dtype=torch.float64)])
     with pytest.raises(ValueError, match="dtype"):
         KVSnapshot([ok[0], ok[1].to(torch.bfloat16)])  # mixed dtypes
     with pytest.raises(ValueError, match="seq_len"):
