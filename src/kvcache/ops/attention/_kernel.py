@@ -1,0 +1,315 @@
+"""Triton kernel of attention over a paged pool or a linear cache layer, every stored format.
+
+One program per (query tile of one sequence, KV head, KV split). Its M dimension is ``BLOCK_Q`` query tokens
+times the padded GQA group ``G_P``: row ``m`` is token ``m // G_P`` and q head ``kv_head * G + m % G_P``, so
+every q head of a KV head shares each K / V tile it loads (decode: one token's whole group, padded to 16 rows
+for the tensor cores). QK^T and PV are ``tl.dot`` with float32 accumulators; the online softmax runs in base 2
+with ``log2(e)`` folded into the scale.
+
+Rows of head_dim are handled as two halves, elements ``[0, H1)`` and ``[H1, D)`` (``H1 = ceil(D / 2)``), each a
+power-of-two tile of ``HALF_P`` lanes: int4 stores exactly these halves in the low and high nibbles of one
+byte row (planar halves, see :mod:`kvcache.paged.config`), so its codes are unpacked by a mask and a shift
+with no shuffles, and the other formats use the same code with two plain loads per row.
+
+Dequantization happens in registers right after the load:
+
+* fp8: the tile converts to the query dtype; ``k_scale`` is folded into the score scale and ``v_scale`` into
+  the final normalisation.
+* int8 / int4: QK^T runs on the codes (exact in fp16 / bf16): ``q . k = scale_k * (q . codes) + zero_k *
+  sum(q)``, one multiply-add per score; V tiles are dequantized as ``codes * scale + zero`` in float32.
+
+Shape contract (strides in elements, head_dim contiguous):
+
+* q / out: row of (sequence ``b``, token ``i``, q head ``h``) at ``b * s_qb + (row0_b + i) * s_qt + h * s_qh``
+  (paged: ``row0_b = cu_q[b]``, ``s_qb = 0``; linear: ``row0_b = 0``); lse likewise with its own strides.
+* pool: element (block, k/v, token, kv head, r) at ``block * S_BLK + kv * S_KV + tok * S_TOK + head * S_HEAD +
+  r``; params the same with ``P_*`` strides and r in {0: scale, 1: zero}. A linear layer ``[B, 2, H, S, D]``
+  is a pool of ``B`` blocks of ``S`` tokens, block ``b`` holding sequence ``b`` (``LINEAR``).
+* workspace (``NUM_SPLITS > 1``): partial outputs ``[NUM_SPLITS, n_rows, HQ, D]`` and lse ``[NUM_SPLITS,
+  n_rows, HQ]`` float32, row index ``row0_b + i`` (linear: ``b * q_len + i``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..._backend import kernel
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
+    """Sequence ``b`` of query tile ``pid``: the last ``b`` with ``cu_q[b] // BLOCK_Q + b <= pid``.
+
+    Sequence ``b`` owns tiles ``cu_q[b] // BLOCK_Q + b`` .. ``cu_q[b + 1] // BLOCK_Q + b`` (one more than it
+    needs at most), so the grid ``n_rows // BLOCK_Q + B`` covers every batch of ``n_rows`` rows, whatever
+    their split into sequences (fixed at CUDA-graph capture).
+    """
+    lo = pid * 0
+    hi = lo + n_seqs
+    for _ in tl.static_range(LOG_B):
+        mid = (lo + hi) // 2
+        start = tl.load(cu_q + mid) // BLOCK_Q + mid
+        take = start <= pid
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid)
+    return lo
+
+
+@triton.jit
+def _load_half(pool, base, dd, ok_n, ok_d, HI: tl.constexpr, H1: tl.constexpr, QUANT: tl.constexpr):
+    """[HALF_P, BLOCK_N] tile of one half of K or V rows (codes for int4 / int8, stored values otherwise).
+
+    fp8 pools arrive as their bytes (uint8), so masked lanes read as +0.0 (a masked load's ``other`` cannot
+    be an fp8 constant), then bitcast.
+    """
+    if QUANT == 1:
+        raw = tl.load(pool + base[None, :] + HI * H1 + dd[:, None], mask=ok_n[None, :] & ok_d[:, None], other=0)
+        return raw.to(tl.float8e4nv, bitcast=True)
+    if QUANT == 3:
+        raw = tl.load(pool + base[None, :] + dd[:, None], mask=ok_n[None, :] & ok_d[:, None], other=0)
+        if HI:
+            return raw >> 4
+        return raw & 15
+    if HI:
+        return tl.load(pool + base[None, :] + H1 + dd[:, None], mask=ok_n[None, :] & ok_d[:, None], other=0)
+    return tl.load(pool + base[None, :] + dd[:, None], mask=ok_n[None, :] & ok_d[:, None], other=0)
+
+
+@triton.jit
+def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
+    tl.store(ptr + rows[:, None] + dd[None, :], val, mask=ok_m[:, None] & ok_d[None, :])
+
+
+@kernel(ints=("s_qt", "s_qh", "s_qb", "s_ot", "s_oh", "s_ob", "s_lt", "s_lh", "s_lb", "bt_stride", "table_width",
+              "n_blocks", "q_len_u", "n_seqs", "n_rows", "cp_rank", "cp_size", "window"))
+def _attention_kernel(
+    q, out, lse, ws_out, ws_lse, pool, params, kv_scales, sinks, block_tables, cu_q, kv_lens,
+    s_qt, s_qh, s_qb, s_ot, s_oh, s_ob, s_lt, s_lh, s_lb, bt_stride, table_width, n_blocks, q_len_u, n_seqs,
+    n_rows, cp_rank, cp_size, window,
+    SM_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, D: tl.constexpr, H1: tl.constexpr, HALF_P: tl.constexpr,
+    HQ: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
+    P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr,
+    FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if LINEAR:
+        tiles = tl.cdiv(q_len_u, BLOCK_Q)
+        b = pid // tiles
+        lt = pid - b * tiles
+        q_len = q_len_u + pid * 0
+        row0 = pid * 0
+        ws_row0 = b * q_len_u
+        kv_len = tl.load(kv_lens + b) + q_len_u
+        bt_row = block_tables  # unused
+    else:
+        b = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
+        row0 = tl.load(cu_q + b)
+        lt = pid - (row0 // BLOCK_Q + b)
+        q_len = tl.load(cu_q + b + 1) - row0
+        ws_row0 = row0
+        kv_len = tl.load(kv_lens + b)
+        bt_row = block_tables + b.to(tl.int64) * bt_stride
+    if lt * BLOCK_Q >= q_len:
+        return
+    qdt = q.dtype.element_ty
+
+    # ---- query tile: BLOCK_Q tokens x G_P heads -------------------------------------------------------
+    offs_m = tl.arange(0, BLOCK_Q * G_P)
+    qi = lt * BLOCK_Q + offs_m // G_P
+    g = offs_m % G_P
+    hq = kvh * G + g
+    ok_m = (qi < q_len) & (g < G) & (row0 + qi < n_rows)
+    q_pos = kv_len - q_len + qi
+    dd = tl.arange(0, HALF_P)
+    ok_lo = dd < H1
+    ok_hi = dd < D - H1
+    q_rows = b.to(tl.int64) * s_qb + (row0 + qi).to(tl.int64) * s_qt + hq * s_qh
+    q_lo = tl.load(q + q_rows[:, None] + dd[None, :], mask=ok_m[:, None] & ok_lo[None, :], other=0.0)
+    q_hi = tl.load(q + q_rows[:, None] + H1 + dd[None, :], mask=ok_m[:, None] & ok_hi[None, :], other=0.0)
+    if QUANT >= 2:
+        q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
+
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8_SCALED:
+        k_scale = tl.load(kv_scales)
+        v_scale = tl.load(kv_scales + 1)
+    if SOFTCAP > 0:
+        qk_scale = k_scale * (SM_SCALE / SOFTCAP)
+    else:
+        qk_scale = k_scale * (SM_SCALE * LOG2E)
+
+    # ---- local KV range of this tile and split ------------------------------------------------------------
+    x = kv_len - cp_rank
+    n_local = tl.where(x > 0, (x + cp_size - 1) // cp_size, 0)
+    n_local = tl.minimum(n_local, table_width * BS)
+    last_pos = kv_len - q_len + tl.minimum(lt * BLOCK_Q + BLOCK_Q, q_len) - 1
+    y = last_pos - cp_rank
+    j_hi = tl.minimum(tl.where(y >= 0, y // cp_size + 1, 0), n_local)
+    j_lo = j_hi * 0
+    if HAS_WINDOW:
+        z = kv_len - q_len + lt * BLOCK_Q - window + 1 - cp_rank
+        j_lo = tl.where(z > 0, (z + cp_size - 1) // cp_size, 0)
+    t_lo = j_lo // BLOCK_N
+    n_t = tl.maximum(tl.cdiv(j_hi, BLOCK_N) - t_lo, 0)
+    per = tl.cdiv(n_t, NUM_SPLITS)
+    t_begin = t_lo + split * per
+    t_end = tl.minimum(t_begin + per, t_lo + n_t)
+
+    m_i = tl.full([BLOCK_Q * G_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * G_P], tl.float32)
+    acc_lo = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
+    acc_hi = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for t in range(t_begin, t_end):
+        j = t * BLOCK_N + offs_n
+        ok_n = j < j_hi
+        if LINEAR:
+            blk = b.to(tl.int64) + j * 0
+            tok = j
+        else:
+            blk = tl.load(bt_row + j // BS, mask=ok_n, other=0)
+            ok_n = ok_n & (blk >= 0) & (blk < n_blocks)
+            blk = blk.to(tl.int64)
+            tok = j % BS
+        base = blk * S_BLK + tok * S_TOK + kvh * S_HEAD
+        k_lo = _load_half(pool, base, dd, ok_n, ok_lo, False, H1, QUANT)
+        k_hi = _load_half(pool, base, dd, ok_n, ok_hi, True, H1, QUANT)
+        s = tl.dot(q_lo, k_lo.to(qdt), input_precision=PRECISION)
+        s = tl.dot(q_hi, k_hi.to(qdt), acc=s, input_precision=PRECISION)
+        if QUANT >= 2:
+            pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
+            ks = tl.load(params + pbase, mask=ok_n, other=0.0)
+            kz = tl.load(params + pbase + 1, mask=ok_n, other=0.0)
+            s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
+        if SOFTCAP > 0:
+            # softcap * tanh(x) in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
+            s = (1.0 - 2.0 / (tl.exp2((2.0 * LOG2E) * (s * qk_scale)) + 1.0)) * (SOFTCAP * LOG2E)
+        else:
+            s = s * qk_scale
+        k_pos = j * cp_size + cp_rank
+        allowed = ok_m[:, None] & ok_n[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        vbase = base + S_KV
+        v_lo = _load_half(pool, vbase, dd, ok_n, ok_lo, False, H1, QUANT)
+        v_hi = _load_half(pool, vbase, dd, ok_n, ok_hi, True, H1, QUANT)
+        if QUANT >= 2:
+            vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
+            vs = tl.load(params + vp, mask=ok_n, other=0.0)
+            vz = tl.load(params + vp + 1, mask=ok_n, other=0.0)
+            v_lo = v_lo.to(tl.float32) * vs[None, :] + vz[None, :]
+            v_hi = v_hi.to(tl.float32) * vs[None, :] + vz[None, :]
+        pc = p.to(qdt)
+        acc_lo = tl.dot(pc, tl.trans(v_lo.to(qdt)), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
+        acc_hi = tl.dot(pc, tl.trans(v_hi.to(qdt)), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
+
+    if HAS_SINKS:
+        # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only
+        sk = tl.load(sinks + hq, mask=ok_m, other=float("-inf")).to(tl.float32) * LOG2E
+        sk = tl.where((split == 0) & (cp_rank == 0), sk, float("-inf"))
+        m_new = tl.maximum(m_i, sk)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.exp2(sk - m_safe)
+        acc_lo = acc_lo * alpha[:, None]
+        acc_hi = acc_hi * alpha[:, None]
+        m_i = m_new
+
+    has = l_i > 0
+    inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+    o_lo = acc_lo * inv[:, None]
+    o_hi = acc_hi * inv[:, None]
+    row_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
+    if NUM_SPLITS == 1:
+        o_rows = b.to(tl.int64) * s_ob + (row0 + qi).to(tl.int64) * s_ot + hq * s_oh
+        _store_rows(out, o_rows, dd, ok_m, ok_lo, o_lo.to(out.dtype.element_ty))
+        _store_rows(out + H1, o_rows, dd, ok_m, ok_hi, o_hi.to(out.dtype.element_ty))
+        if HAS_LSE:
+            l_rows = b.to(tl.int64) * s_lb + (row0 + qi).to(tl.int64) * s_lt + hq * s_lh
+            tl.store(lse + l_rows, row_lse, mask=ok_m)
+    else:
+        w_rows = (split * n_rows + ws_row0 + qi).to(tl.int64) * HQ + hq
+        _store_rows(ws_out, w_rows * D, dd, ok_m, ok_lo, o_lo)
+        _store_rows(ws_out + H1, w_rows * D, dd, ok_m, ok_hi, o_hi)
+        tl.store(ws_lse + w_rows, row_lse, mask=ok_m)
+
+
+@kernel(ints=("s_ot", "s_oh", "s_ob", "s_lt", "s_lh", "s_lb", "n_rows", "q_len_u", "n_seqs"))
+def _combine_kernel(
+    ws_out, ws_lse, out, lse, cu_q, s_ot, s_oh, s_ob, s_lt, s_lh, s_lb, n_rows, q_len_u, n_seqs,
+    D: tl.constexpr, D_P: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    LINEAR: tl.constexpr, HAS_LSE: tl.constexpr,
+):
+    """Merge the splits of one (row, q head) by log-sum-exp into ``out`` (and ``lse``)."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    if LINEAR:
+        b = row // q_len_u
+        i = row - b * q_len_u
+    else:
+        if row >= tl.load(cu_q + n_seqs):
+            return  # padding rows past the batch's last token: left untouched
+        b = row * 0
+        i = row
+    ss = tl.arange(0, SPLITS_P)
+    dd = tl.arange(0, D_P)
+    ok_s = ss < NUM_SPLITS
+    w = (ss.to(tl.int64) * n_rows + row) * HQ + h
+    ls = tl.load(ws_lse + w, mask=ok_s, other=float("-inf"))
+    m = tl.max(ls, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wt = tl.exp2((ls - m_safe) * LOG2E)
+    tot = tl.sum(wt, 0)
+    parts = tl.load(ws_out + w[:, None] * D + dd[None, :], mask=ok_s[:, None] & (dd[None, :] < D), other=0.0)
+    parts = tl.where(wt[:, None] > 0, parts, 0.0)
+    o = tl.sum(parts * wt[:, None], 0) / tl.where(tot > 0, tot, 1.0)
+    o_row = b.to(tl.int64) * s_ob + i.to(tl.int64) * s_ot + h * s_oh
+    tl.store(out + o_row + dd, o.to(out.dtype.element_ty), mask=dd < D)
+    if HAS_LSE:
+        tl.store(lse + b.to(tl.int64) * s_lb + i.to(tl.int64) * s_lt + h * s_lh,
+                 tl.where(tot > 0, m_safe + tl.log2(tl.where(tot > 0, tot, 1.0)) * LN2, float("-inf")))
+
+
+@kernel(ints=("n_rows",))
+def _merge_kernel(
+    out_a, lse_a, out_b, lse_b, out, lse, n_rows,
+    D: tl.constexpr, D_P: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Log-sum-exp merge of two partial results, ``BLOCK_R`` rows of ``D`` per program (contiguous rows)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    dd = tl.arange(0, D_P)
+    ok_r = rows < n_rows
+    ok = ok_r[:, None] & (dd[None, :] < D)
+    la = tl.load(lse_a + rows, mask=ok_r, other=float("-inf"))
+    lb = tl.load(lse_b + rows, mask=ok_r, other=float("-inf"))
+    m = tl.maximum(la, lb)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp2((la - m_safe) * LOG2E)
+    wb = tl.exp2((lb - m_safe) * LOG2E)
+    tot = wa + wb
+    has = tot > 0
+    oa = tl.load(out_a + rows[:, None] * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+    ob = tl.load(out_b + rows[:, None] * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+    oa = tl.where(wa[:, None] > 0, oa, 0.0)
+    ob = tl.where(wb[:, None] > 0, ob, 0.0)
+    o = (oa * wa[:, None] + ob * wb[:, None]) / tl.where(has, tot, 1.0)[:, None]
+    tl.store(out + rows[:, None] * D + dd[None, :], o.to(out.dtype.element_ty), mask=ok)
+    tl.store(lse + rows, tl.where(has, m_safe + tl.log2(tl.where(has, tot, 1.0)) * LN2, float("-inf")),
+             mask=ok_r)

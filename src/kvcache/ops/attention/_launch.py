@@ -1,0 +1,146 @@
+"""Launchers of the attention kernels: validated arguments in, one attention launch (plus one merge launch when
+the KV range is split) out. No allocation when the caller passes ``out`` (and ``workspace`` for split launches),
+no host sync: capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..._validate import cdiv, next_pow2
+from ._kernel import _attention_kernel, _combine_kernel, _merge_kernel
+from .policy import AttentionPlan
+
+QUANT_CODES = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3}
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132 where there is none: the CPU interpreter)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _strides3(t: torch.Tensor | None, linear: bool) -> tuple[int, int, int]:
+    """(token, head, batch) strides of q / out ``[n, Hq, D]`` or ``[B, Hq, q_len, D]``, lse likewise."""
+    if t is None:
+        return 0, 0, 0
+    if linear:
+        return t.stride(2), t.stride(1), t.stride(0)
+    return t.stride(0), t.stride(1), 0
+
+
+def launch_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    pool: torch.Tensor,
+    params: torch.Tensor | None,
+    kv_scales: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    *,
+    kv_dtype: str,
+    layout: str,
+    block_tables: torch.Tensor | None,
+    cu_q_lens: torch.Tensor | None,
+    kv_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    cp_rank: int,
+    cp_size: int,
+    plan: AttentionPlan,
+    workspace: torch.Tensor | None,
+) -> None:
+    """Launch on validated arguments. Linear mode when ``block_tables`` is None: ``pool`` is a layer ``[B, 2, H,
+    S, D]``, q / out ``[B, Hq, q_len, D]``, lse ``[B, Hq, q_len]``, ``kv_lens`` the lengths before the new rows.
+    """
+    linear = block_tables is None
+    dev = q.device
+    if linear:
+        bsz, hq, q_len, d = q.shape
+        n_rows = bsz * q_len
+        n_seqs = bsz
+        h = pool.shape[2]
+        bs = pool.shape[3]
+        s_blk, s_kv, s_head, s_tok = pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3)
+        p_strides = (0, 0, 0, 0)
+        table_width, bt_stride, n_blocks = 1, 0, pool.shape[0]
+        grid0 = bsz * cdiv(q_len, plan.block_q) if q_len else 0
+    else:
+        n_rows, hq, d = q.shape
+        q_len = 0
+        n_seqs = block_tables.shape[0]
+        if layout == "NHD":
+            h, bs = pool.shape[3], pool.shape[2]
+            s_tok, s_head = pool.stride(2), pool.stride(3)
+        else:
+            h, bs = pool.shape[2], pool.shape[3]
+            s_head, s_tok = pool.stride(2), pool.stride(3)
+        s_blk, s_kv = pool.stride(0), pool.stride(1)
+        if params is not None:
+            ps = params.stride()
+            p_strides = (ps[0], ps[1], ps[2], ps[3]) if layout == "NHD" else (ps[0], ps[1], ps[3], ps[2])
+        else:
+            p_strides = (0, 0, 0, 0)
+        table_width, bt_stride, n_blocks = block_tables.shape[1], block_tables.stride(0), pool.shape[0]
+        grid0 = n_rows // plan.block_q + n_seqs if n_seqs else 0
+    if grid0 == 0 or n_rows == 0:
+        return
+    g = hq // h
+    h1 = (d + 1) // 2
+    half_p = max(16, next_pow2(h1))
+    splits = plan.num_splits
+    dummy = kv_lens
+    if splits > 1:
+        ws_out = workspace[: splits * n_rows * hq * d]
+        ws_lse = workspace[splits * n_rows * hq * d: splits * n_rows * hq * (d + 1)]
+    else:
+        ws_out = ws_lse = dummy
+    sq, so, sl = _strides3(q, linear), _strides3(out, linear), _strides3(lse, linear)
+    quant = QUANT_CODES[kv_dtype]
+    if quant == 1:
+        pool = pool.view(torch.uint8)  # bytes: see _load_half
+    _attention_kernel.launch(
+        dev, (grid0, h, splits),
+        q, out, lse if lse is not None else dummy, ws_out, ws_lse, pool,
+        params if params is not None else dummy, kv_scales if kv_scales is not None else dummy,
+        sinks if sinks is not None else dummy, block_tables if block_tables is not None else dummy,
+        cu_q_lens if cu_q_lens is not None else dummy, kv_lens,
+        sq[0], sq[1], sq[2], so[0], so[1], so[2], sl[0], sl[1], sl[2], bt_stride, table_width, n_blocks, q_len,
+        n_seqs, n_rows, cp_rank, cp_size, window if window is not None else 0,
+        SM_SCALE=float(scale), SOFTCAP=float(softcap) if softcap is not None else 0.0, D=d, H1=h1, HALF_P=half_p,
+        HQ=hq, G=g, G_P=next_pow2(g), BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BS=bs, S_BLK=s_blk, S_KV=s_kv,
+        S_TOK=s_tok, S_HEAD=s_head, P_BLK=p_strides[0], P_KV=p_strides[1], P_TOK=p_strides[2],
+        P_HEAD=p_strides[3], QUANT=quant, FP8_SCALED=kv_scales is not None and quant == 1, LINEAR=linear,
+        LOG_B=max(1, math.ceil(math.log2(max(n_seqs, 1))) + 1), NUM_SPLITS=splits, HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    if splits > 1:
+        _combine_kernel.launch(
+            dev, (n_rows, hq),
+            ws_out, ws_lse, out, lse if lse is not None else dummy,
+            cu_q_lens if cu_q_lens is not None else dummy,
+            so[0], so[1], so[2], sl[0], sl[1], sl[2], n_rows, q_len, n_seqs,
+            D=d, D_P=next_pow2(d), HQ=hq, NUM_SPLITS=splits, SPLITS_P=max(2, next_pow2(splits)), LINEAR=linear,
+            HAS_LSE=lse is not None, num_warps=4 if d >= 128 else 2,
+        )
+
+
+def launch_merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Launch the two-state merge on contiguous validated tensors (rows = every dim but the last of out)."""
+    d = out.shape[-1]
+    n = lse.numel()
+    if n == 0:
+        return
+    d_p = next_pow2(d)
+    block_r = max(1, min(64, 4096 // d_p))
+    _merge_kernel.launch(out.device, (cdiv(n, block_r),), out_a, lse_a, out_b, lse_b, out, lse, n,
+                         D=d, D_P=d_p, BLOCK_R=block_r, num_warps=4)

@@ -1,0 +1,137 @@
+"""Launch policy of the attention kernels: tile sizes, warps, stages and the KV split, from shapes only.
+
+A pure function of host-side shapes (no tensor is read): the same inputs give the same plan, so a launch
+captured in a CUDA graph replays with the grid it was captured with. Tune here; the measurements behind the
+choices belong in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..._validate import cdiv, check_int, next_pow2
+
+__all__ = ["AttentionPlan", "attention_plan", "attention_workspace_size"]
+
+# Tokens one split should cover at least: below this the second (merge) pass and the per-split setup cost
+# more than the extra parallelism gains.
+MIN_SPLIT_TOKENS = 512
+MAX_SPLITS = 64
+# Programs per SM aimed at by the split heuristic (two resident programs hide one another's latency).
+PROGRAMS_PER_SM = 2
+# Average query rows per sequence at or below which a batch is launched with decode tiles.
+DECODE_ROWS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """Constexpr launch parameters of one attention launch.
+
+    Attributes
+    ----------
+    block_q : int
+        Query tokens per program; the program's M dimension is ``block_q * next_pow2(num_q_heads //
+        num_kv_heads)`` rows (every q head of one KV head, for ``block_q`` tokens of one sequence).
+    block_n : int
+        KV tokens per inner-loop tile.
+    num_warps, num_stages : int
+        Triton launch options.
+    num_splits : int
+        Programs sharing one (query tile, KV head)'s KV range (flash-decoding); > 1 needs a workspace and a
+        second (merge) kernel.
+    """
+
+    block_q: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+
+    def block_m(self, num_q_heads: int, num_kv_heads: int) -> int:
+        """Rows of the program's tile: ``block_q`` tokens times the padded GQA group."""
+        return self.block_q * next_pow2(num_q_heads // num_kv_heads)
+
+
+def attention_plan(
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    n_tokens: int,
+    num_seqs: int,
+    max_kv_len: int,
+    num_sms: int = 132,
+    num_splits: int | None = None,
+) -> AttentionPlan:
+    """Choose tiles and the KV split for one attention launch.
+
+    Parameters
+    ----------
+    num_q_heads, num_kv_heads, head_dim : int
+    n_tokens : int
+        Query rows of the launch (``q.shape[0]``).
+    num_seqs : int
+        Sequences of the batch.
+    max_kv_len : int
+        Upper bound of any sequence's cached length seen by this rank (host int: the block table's capacity
+        by default, so the plan never depends on device data).
+    num_sms : int
+        Streaming multiprocessors of the device (132 on an H100 SXM).
+    num_splits : int, optional
+        Force the KV split (1 = none); default: the heuristic below.
+
+    Returns
+    -------
+    AttentionPlan
+
+    Example
+    -------
+    >>> attention_plan(num_q_heads=32, num_kv_heads=8, head_dim=128, n_tokens=1, num_seqs=1,
+    ...                max_kv_len=131072).num_splits
+    33
+    """
+    check_int("num_q_heads", num_q_heads, 1)
+    check_int("num_kv_heads", num_kv_heads, 1)
+    check_int("head_dim", head_dim, 1)
+    check_int("n_tokens", n_tokens, 0)
+    check_int("num_seqs", num_seqs, 0)
+    check_int("max_kv_len", max_kv_len, 0)
+    check_int("num_sms", num_sms, 1)
+    g = next_pow2(max(1, num_q_heads // num_kv_heads))
+    decode = n_tokens <= DECODE_ROWS * max(num_seqs, 1)
+    if decode:
+        # M = 16 rows at least (tensor-core minimum): a decode row's whole GQA group, padded with spare tokens
+        block_q = max(1, 16 // g)
+        block_n = 64 if head_dim <= 128 else 32
+        warps, stages = 4, 3
+    else:
+        rows = 128 if head_dim <= 128 else 64
+        block_q = max(1, rows // g)
+        block_n = 64 if head_dim <= 128 else 32
+        warps, stages = (8 if rows * head_dim >= 128 * 128 else 4), 2
+    if num_splits is None:
+        num_splits = 1
+        if decode:
+            programs = max(1, num_seqs) * num_kv_heads
+            target = cdiv(PROGRAMS_PER_SM * num_sms, programs)
+            num_splits = max(1, min(target, max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    check_int("num_splits", num_splits, 1, 1024)
+    return AttentionPlan(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages,
+                         num_splits=num_splits)
+
+
+def attention_workspace_size(n_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
+    """float32 elements of the split-KV workspace: partial outputs and log-sum-exps of every split.
+
+    Example
+    -------
+    >>> attention_workspace_size(64, 32, 128, 4)
+    1056768
+    """
+    check_int("n_tokens", n_tokens, 0)
+    check_int("num_q_heads", num_q_heads, 1)
+    check_int("head_dim", head_dim, 1)
+    check_int("num_splits", num_splits, 1)
+    if num_splits == 1:
+        return 0
+    return num_splits * n_tokens * num_q_heads * (head_dim + 1)
