@@ -28,6 +28,15 @@ import triton
 from triton.runtime.jit import JITFunction
 
 INTERPRET_ENV = "KVCACHE_TRITON_INTERPRET"
+PDL_ENV = "KVCACHE_PDL"
+# KVCACHE_PDL=0 turns programmatic dependent launch off (read once, at import: launches are planned from it)
+_PDL_ON = os.environ.get(PDL_ENV, "1") != "0"
+
+
+def pdl_enabled() -> bool:
+    """False when ``KVCACHE_PDL=0`` was set at import: no kernel is launched with programmatic dependent
+    launch (kernels that support it use it on compute capability >= 9.0 otherwise)."""
+    return _PDL_ON
 
 
 def interpret_requested() -> bool:
@@ -83,8 +92,8 @@ class Kernel:
     the pointer dtypes, the 16-byte alignment of each pointer, whether each int fits in 32 bits, and the
     constexpr values. That key is computed here; the first launch of a key goes through ``JITFunction.run``
     (compiling if needed) and later launches call the compiled kernel's launcher directly. Launch hooks
-    (profilers) or ``KVCACHE_SLOW_LAUNCH=1`` disable the direct path (``KVCACHE_C_LAUNCH=0`` keeps it but
-    calls triton's launcher object rather than its C entry point, see :func:`_c_launch`). ``launch`` returns the
+    (profilers) disable the direct path; where triton exposes it, the direct path calls the launcher's C entry
+    point (see :func:`_c_launch`), else its launcher object. ``launch`` returns the
     :class:`PreparedLaunch` of the key, for callers that relaunch it with raw pointers.
     """
 
@@ -104,7 +113,7 @@ class Kernel:
         self._int_pos = tuple(i for i in range(n_rt) if names[i] in ints)
         self.compiled = triton.jit(fn, do_not_specialize=list(ints))
         self._fast: dict[tuple, tuple] = {}
-        self._allow_fast = os.environ.get("KVCACHE_SLOW_LAUNCH", "0") != "1"
+        self._allow_fast = True  # False once triton lacks the attributes of the direct path
         functools.update_wrapper(self, fn)
 
     def launch(
@@ -192,7 +201,7 @@ def _c_launch(launcher: Any) -> tuple[Any, tuple] | None:
 
 def _prepare(launcher: Any, function: Any, packed: Any, consts: tuple) -> PreparedLaunch:
     c = _c_launch(launcher)
-    if c is not None and os.environ.get("KVCACHE_C_LAUNCH", "1") != "0":
+    if c is not None:
         launch, flags = c
         # C entry point: function, cooperative, PDL, global scratch, profile scratch, then what __call__ forwards
         return PreparedLaunch(launch, (function, *flags, packed, None, None, None), consts, True)

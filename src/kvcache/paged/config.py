@@ -44,11 +44,9 @@ import torch
 
 from .._validate import MODEL_DTYPES, check_dtype_in, check_int
 from ..config import resolve_device
+from .format import KV_FORMATS, LAYOUTS, kv_format
 
 __all__ = ["PagedConfig", "cache_block_bytes", "KV_FORMATS", "LAYOUTS"]
-
-KV_FORMATS = ("auto", "fp8", "int8", "int4")  # values of kv_dtype
-LAYOUTS = ("NHD", "HND")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
@@ -57,16 +55,6 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
     return value
-
-
-def storage_dtype(dtype: torch.dtype, kv_dtype: str) -> torch.dtype:
-    """torch dtype of the data pool for a model dtype and kv_dtype."""
-    return {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.uint8, "int4": torch.uint8}[kv_dtype]
-
-
-def row_elems(head_dim: int, kv_dtype: str) -> int:
-    """Stored elements per (token, head) row: ``head_dim``, or ``head_dim // 2`` bytes for int4."""
-    return head_dim // 2 if kv_dtype == "int4" else head_dim
 
 
 def cache_block_bytes(
@@ -96,9 +84,10 @@ def cache_block_bytes(
     _check_choice("kv_dtype", kv_dtype, KV_FORMATS)
     if kv_dtype == "int4" and head_dim % 2:
         raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {head_dim}")
-    elt = torch.empty((), dtype=storage_dtype(dtype, kv_dtype)).element_size()
-    per_row = row_elems(head_dim, kv_dtype) * elt
-    if kv_dtype in ("int8", "int4"):
+    fmt = kv_format(kv_dtype)
+    elt = torch.empty((), dtype=fmt.storage_dtype(dtype)).element_size()
+    per_row = fmt.row_elems(head_dim) * elt
+    if fmt.row_params:
         per_row += 2 * 4  # float32 scale and zero
     return num_layers * 2 * block_size * num_kv_heads * per_row
 
@@ -155,12 +144,12 @@ class PagedConfig:
     @property
     def storage_dtype(self) -> torch.dtype:
         """torch dtype of the data pool: the model dtype (auto), float8_e4m3fn (fp8) or uint8 (int8 / int4)."""
-        return storage_dtype(self.dtype, self.kv_dtype)
+        return kv_format(self.kv_dtype).storage_dtype(self.dtype)
 
     @property
     def row_elems(self) -> int:
         """Stored elements per (token, head) row: ``head_dim``, or ``head_dim // 2`` bytes for int4."""
-        return row_elems(self.head_dim, self.kv_dtype)
+        return kv_format(self.kv_dtype).row_elems(self.head_dim)
 
     def pool_shape(self) -> tuple[int, ...]:
         """Shape of one layer's data pool."""

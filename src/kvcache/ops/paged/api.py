@@ -1,0 +1,331 @@
+"""The public paged ops: validate, then launch (:mod:`.launch`, with the launch chosen by :mod:`.policy`).
+
+Which tokens go where:
+
+* ragged batch: sequence ``b`` owns rows ``cu_q_lens[b] .. cu_q_lens[b + 1]`` of ``k`` / ``v``; its first new
+  token has position ``kv_lens[b]`` (tokens already cached), or ``total_b - q_len_b`` with
+  ``total_b = cu_k_lens[b + 1] - cu_k_lens[b]`` (TurboMind's cumulative lengths after the append). Token at
+  position ``p`` goes to block ``block_tables[b, p // block_size]``, offset ``p % block_size``.
+* context parallel (``cp_size > 1``): token ``p`` lives on rank ``p % cp_size`` at local position
+  ``p // cp_size``; a rank writes only its tokens, and RoPE uses the global position ``p``.
+* slot mapping: row ``n`` goes to slot ``slot_mapping[n]`` (``block * block_size + offset``), ``-1`` = skip;
+  RoPE positions come from ``positions``.
+
+Rows whose block index falls outside the block table, whose block id is out of range, and padding rows past
+``cu_q_lens[-1]`` are skipped on the device (``check=True`` syncs and raises instead). The byte format
+(layouts, fp8 / int8 / int4) is documented in :mod:`kvcache.paged.config`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._validate import MODEL_DTYPES, check_dtype_in, fmt_shape
+from ...rope import RopeKernelParams
+from .checks import (
+    check_arg_tensor,
+    check_cp,
+    check_fp8_scales,
+    check_index_vector,
+    check_kv_rows,
+    check_rope,
+    host_check_ragged,
+    host_check_rope_bound,
+    pool_geometry,
+)
+from .launch import append_paged_kv_launch, copy_blocks_launch, gather_paged_kv_launch
+
+__all__ = ["append_paged_kv", "gather_paged_kv", "copy_blocks"]
+
+
+def append_paged_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    params: torch.Tensor | None = None,
+    *,
+    kv_dtype: str = "auto",
+    layout: str = "NHD",
+    block_tables: torch.Tensor | None = None,
+    cu_q_lens: torch.Tensor | None = None,
+    kv_lens: torch.Tensor | None = None,
+    cu_k_lens: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    rope=None,  # RopeKernelParams | None
+    fp8_scales: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    check: bool = False,
+    metadata_ready: bool = False,
+) -> None:
+    """Write new keys and values into paged blocks in one pass: RoPE on K and quantization fused.
+
+    Parameters
+    ----------
+    k, v : torch.Tensor
+        shape ``[num_tokens, H, D]``, float16 / bfloat16 / float32, head_dim contiguous (token and head
+        strides free: e.g. views into a fused QKV projection). Keys are un-rotated when ``rope`` is given.
+    pool : torch.Tensor
+        One layer's data pool (layout and dtype in :mod:`kvcache.paged.config`), written in place.
+    params : torch.Tensor, optional
+        float32 scale / zero pool, required for ``kv_dtype`` int8 / int4.
+    kv_dtype, layout : str
+        The pool's format: ``"auto" | "fp8" | "int8" | "int4"`` and ``"NHD" | "HND"``.
+    block_tables : torch.Tensor
+        int32 ``[B, max_blocks]``: block ids of each sequence, in order (ragged mode).
+    cu_q_lens : torch.Tensor
+        int32 ``[B + 1]``, ``cu_q_lens[0] == 0``: rows of ``k`` / ``v`` per sequence (ragged mode; prefill
+        chunks and decode tokens mixed). Rows past ``cu_q_lens[B]`` are padding and skipped.
+    kv_lens : torch.Tensor
+        int32 ``[B]``: tokens each sequence already holds (position of its first new token). Or:
+    cu_k_lens : torch.Tensor
+        int32 ``[B + 1]``: cumulative total lengths *after* this append (TurboMind).
+    slot_mapping : torch.Tensor
+        int64 or int32 ``[num_tokens]``: instead of the ragged description, the pool slot
+        ``block * block_size + offset`` of every row; ``-1`` skips the row.
+    positions : torch.Tensor
+        int32 / int64 ``[num_tokens]``: RoPE positions in slot-mapping mode (required there with ``rope``).
+    rope : RopeKernelParams, optional
+        ``RopeConfig.kernel_params(...)`` with ``inv_freq`` on the pool's device: rotate keys before storing.
+    fp8_scales : torch.Tensor
+        float32 ``[2]`` (k_scale, v_scale), required for ``kv_dtype="fp8"``.
+    cp_rank, cp_size : int
+        Context parallelism: token ``p`` is stored only by rank ``p % cp_size``, at local position
+        ``p // cp_size`` of the rank's block table; RoPE uses the global position.
+    check : bool
+        Debug mode (syncs): verify lengths, block-table capacity and block ids on the host and raise
+        ValueError before writing. Without it, such rows are skipped on the device.
+    metadata_ready : bool
+        The caller's promise that no kernel that may still be running when this append starts writes the index
+        tensors (``block_tables``, ``cu_q_lens``, ``kv_lens`` / ``cu_k_lens``, ``slot_mapping``,
+        ``positions``) or ``rope.inv_freq``. That is: not the kernel just before this append on the stream,
+        and not any kernel that one may overlap. A kernel launched without programmatic dependent launch (PDL)
+        starts only after its predecessor has finished; a kernel launched with PDL may overlap its
+        predecessor, and passes the guarantee on only if it waits for it before releasing its own dependents
+        (kvcache's kernels do). Typically true of metadata copied in or computed at the start of a step and
+        read by every layer's append. Decode-sized appends (fewer than 2048 rows) launched with PDL (Hopper)
+        then find where each row goes, and compute RoPE's cos / sin (rotate-half over the whole head; not for
+        fp8), before waiting for the previous kernel, which they wait for only to read ``k`` / ``v``; see
+        :func:`_ready_launch`. The launch shape changes with it, and with it the compiler's contraction of the
+        RoPE arithmetic: rotated keys may differ from the launch that waits in the last bit (within the same
+        bounds). A broken promise reads stale indices: rows written to the wrong slots.
+
+        Default False. Without the promise, decode-sized appends with PDL *speculate* (batches of one row per
+        sequence, or by slot mapping; without RoPE, or with rotate-half RoPE over the whole head): they do the
+        same lookup before the wait, then read every index value it used again from L2 after the wait
+        (``ld.global.cg``) and compare; a row whose values changed (or whose sequence the first guess missed) is
+        looked up and written again after the wait. ``rope.inv_freq`` is read after the wait there (the
+        cache's own frequencies, built once, before it, with cos / sin: rotated keys may then differ from a
+        launch that waits first in the last bit, as with the promise). Other appends wait before every read.
+        ``KVCACHE_SPECULATE=0`` (read at import) turns speculation off.
+
+    Note
+    ----
+    One kernel launch, no allocation, no host sync: capturable in a CUDA graph.
+    """
+    if type(metadata_ready) is not bool:
+        raise TypeError(f"metadata_ready: expected a bool, got {metadata_ready!r} ({type(metadata_ready).__name__})")
+    if type(check) is not bool:
+        raise TypeError(f"check: expected a bool, got {check!r} ({type(check).__name__})")
+    nb, bs, h, dp = pool_geometry(pool, params, kv_dtype, layout)
+    d = check_kv_rows(k, v, pool, kv_dtype, h, dp)
+    n = k.shape[0]
+    dev = pool.device
+    cp_rank, cp_size = check_cp(cp_rank, cp_size)
+    rope = check_rope(rope, d, dev)
+    if check:
+        host_check_rope_bound(rope)
+    fp8_scales = check_fp8_scales(fp8_scales, kv_dtype, dev)
+    if slot_mapping is not None:
+        if any(x is not None for x in (block_tables, cu_q_lens, kv_lens, cu_k_lens)):
+            raise ValueError("slot_mapping: expected alone, without block_tables / cu_q_lens / kv_lens / cu_k_lens")
+        check_index_vector("slot_mapping", slot_mapping, n, dev, (torch.int64, torch.int32))
+        if cp_size != 1:
+            raise ValueError(f"cp_size: slot mapping addresses local slots directly; expected 1, got {cp_size}")
+        if rope is not None:
+            if positions is None:
+                raise ValueError("positions: expected int32/int64 [num_tokens] with rope in slot-mapping mode")
+            check_index_vector("positions", positions, n, dev, (torch.int64, torch.int32))
+        if check:
+            s = slot_mapping.tolist()
+            bad = [x for x in s if x < -1 or x >= nb * bs]
+            if bad:
+                raise ValueError(f"slot_mapping: expected -1 or slots in [0, {nb * bs}), got {bad[:8]}")
+    else:
+        if cu_q_lens is None or block_tables is None or (kv_lens is None) == (cu_k_lens is None):
+            raise ValueError("cu_q_lens: expected block_tables, cu_q_lens and exactly one of kv_lens / cu_k_lens "
+                             "(or slot_mapping alone)")
+        if positions is not None:
+            raise ValueError("positions: expected None in ragged mode (positions follow from kv_lens / cu_k_lens)")
+        check_index_vector("cu_q_lens", cu_q_lens, None, dev)
+        b = cu_q_lens.shape[0] - 1
+        if b < 0:
+            raise ValueError("cu_q_lens: expected B + 1 >= 1 entries, got 0")
+        check_arg_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev)
+        if block_tables.shape[0] != b or (block_tables.stride(1) != 1 and block_tables.shape[1] > 1):
+            raise ValueError(f"block_tables: expected int32 [{b}, max_blocks] with contiguous rows, got "
+                             f"{fmt_shape(block_tables.shape)} strides {tuple(block_tables.stride())}")
+        if kv_lens is not None:
+            check_index_vector("kv_lens", kv_lens, b, dev)
+        else:
+            check_index_vector("cu_k_lens", cu_k_lens, b + 1, dev)
+        if check:
+            host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp_rank, cp_size)
+    append_paged_kv_launch(
+        k, v, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, cu_q_lens=cu_q_lens,
+        kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping, positions=positions, rope=rope,
+        fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size, metadata_ready=metadata_ready,
+    )
+
+
+
+
+def gather_paged_kv(
+    pool: torch.Tensor,
+    params: torch.Tensor | None = None,
+    *,
+    kv_dtype: str = "auto",
+    layout: str = "NHD",
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor | None = None,
+    cu_k_lens: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+    v_out: torch.Tensor | None = None,
+    max_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    rope: RopeKernelParams | None = None,
+    fp8_scales: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read sequences' blocks back into contiguous, dequantized K and V (TurboMind ``FlattenKV``).
+
+    Parameters
+    ----------
+    pool, params, kv_dtype, layout
+        One layer's pool, as in :func:`append_paged_kv`.
+    block_tables : torch.Tensor
+        int32 ``[B, max_blocks]`` of the requested sequences.
+    kv_lens : torch.Tensor
+        int32 ``[B]``: tokens each sequence holds (global count; with context parallelism the rank holds
+        ``ceil((kv_lens - cp_rank) / cp_size)`` of them). Or ``cu_k_lens`` int32 ``[B + 1]``.
+    k_out, v_out : torch.Tensor, optional
+        shape ``[B, H, S_out, D]`` (any strides, head_dim contiguous) of the model dtype: filled, token ``t``
+        at index ``t``, zeros past each sequence's (local) length. Default: new contiguous tensors with
+        ``S_out = max_len``.
+    max_len : int, optional
+        ``S_out`` when the outputs are allocated here; default: the longest sequence (reads ``kv_lens``:
+        one sync). With ``k_out`` / ``v_out`` given: None, or their ``S_out``.
+    dtype : torch.dtype, optional
+        Output dtype when allocating (default: the pool's model dtype; required for quantized pools).
+    rope : RopeKernelParams, optional
+        Apply RoPE to the keys while reading (for caches that store keys un-rotated); position of local
+        token ``t`` is ``t * cp_size + cp_rank``.
+    fp8_scales : torch.Tensor
+        float32 ``[2]`` for ``kv_dtype="fp8"``.
+
+    Returns
+    -------
+    (k, v) : ``[B, H, S_out, D]`` each.
+    """
+    nb, bs, h, dp = pool_geometry(pool, params, kv_dtype, layout)
+    dev = pool.device
+    cp_rank, cp_size = check_cp(cp_rank, cp_size)
+    fp8_scales = check_fp8_scales(fp8_scales, kv_dtype, dev)
+    check_arg_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev)
+    b = block_tables.shape[0]
+    if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:
+        raise ValueError("block_tables: expected contiguous rows")
+    if (kv_lens is None) == (cu_k_lens is None):
+        raise ValueError("kv_lens: expected exactly one of kv_lens / cu_k_lens")
+    if kv_lens is not None:
+        check_index_vector("kv_lens", kv_lens, b, dev)
+    else:
+        check_index_vector("cu_k_lens", cu_k_lens, b + 1, dev)
+    d = dp * 2 if kv_dtype == "int4" else dp
+    rope = check_rope(rope, d, dev)
+    if (k_out is None) != (v_out is None):
+        raise ValueError("k_out: expected both k_out and v_out, or neither")
+    if k_out is None:
+        if dtype is None:
+            if kv_dtype != "auto":
+                raise ValueError(f"dtype: expected the model dtype for a {kv_dtype!r} pool")
+            dtype = pool.dtype
+        check_dtype_in("dtype", dtype, MODEL_DTYPES)
+        if max_len is None:
+            lens = kv_lens if kv_lens is not None else cu_k_lens[1:] - cu_k_lens[:-1]  # type: ignore[index]
+            max_len = int(lens.max().item()) if b else 0
+            max_len = max(max_len - cp_rank + cp_size - 1, 0) // cp_size
+        if isinstance(max_len, bool) or not isinstance(max_len, int):
+            raise TypeError(f"max_len: expected an int, got {type(max_len).__name__}")
+        if max_len < 0:
+            raise ValueError(f"max_len: expected an int >= 0, got {max_len!r}")
+        k_out = torch.empty((b, h, max_len, d), dtype=dtype, device=dev)
+        v_out = torch.empty((b, h, max_len, d), dtype=dtype, device=dev)
+    else:
+        check_arg_tensor("k_out", k_out, dtypes=MODEL_DTYPES, ndim=4, device=dev)
+        check_arg_tensor("v_out", v_out, dtypes=MODEL_DTYPES, ndim=4, device=dev)
+        for name, t in (("k_out", k_out), ("v_out", v_out)):
+            if t.shape[0] != b or t.shape[1] != h or t.shape[3] != d or t.stride(3) != 1:
+                raise ValueError(f"{name}: expected [{b}, {h}, S_out, {d}] with head_dim contiguous, got "
+                                 f"{fmt_shape(t.shape)} strides {tuple(t.stride())}")
+        if v_out.shape != k_out.shape or v_out.dtype != k_out.dtype:
+            raise ValueError(f"v_out: expected {k_out.dtype} {fmt_shape(k_out.shape)} (as k_out), got {v_out.dtype} "
+                             f"{fmt_shape(v_out.shape)}")
+        if kv_dtype == "auto" and k_out.dtype != pool.dtype:
+            raise ValueError(f"k_out: expected dtype {pool.dtype} (the pool's), got {k_out.dtype}")
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)):
+            raise TypeError(f"max_len: expected an int or None, got {type(max_len).__name__}")
+        if max_len is not None and max_len != k_out.shape[2]:
+            raise ValueError(f"max_len: expected None or {k_out.shape[2]} (S_out of k_out / v_out), got {max_len}")
+    gather_paged_kv_launch(
+        k_out, v_out, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, kv_lens=kv_lens,
+        cu_k_lens=cu_k_lens, rope=rope, fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size,
+    )
+    return k_out, v_out
+
+
+def copy_blocks(buffers: list[torch.Tensor], pairs: torch.Tensor, *, check: bool = True) -> None:
+    """Copy whole blocks ``pairs[i, 0] -> pairs[i, 1]`` in every layer (copy-on-write of shared blocks).
+
+    Parameters
+    ----------
+    buffers : list of torch.Tensor
+        Each ``[L, num_blocks, ...]`` contiguous (the data pool of all layers, and the params pool if any),
+        with the same ``num_blocks``.
+    pairs : torch.Tensor
+        int64 ``[n, 2]`` on the buffers' device: (source block, destination block), ids in
+        ``[0, num_blocks)``. Destinations must be distinct and not sources of other pairs.
+    check : bool
+        Validate the ids before copying (reads ``pairs``: one device sync on a GPU). With ``check=False``
+        the caller vouches for them; a pair with an id out of range is then skipped, never written out of
+        bounds.
+    """
+    if not isinstance(pairs, torch.Tensor):
+        raise TypeError(f"pairs: expected an int64 tensor [n, 2], got {type(pairs).__name__}")
+    if type(check) is not bool:
+        raise TypeError(f"check: expected a bool, got {type(check).__name__}")
+    if isinstance(buffers, torch.Tensor) or not isinstance(buffers, (list, tuple)) or not buffers:
+        raise TypeError(f"buffers: expected a non-empty list of tensors, got {type(buffers).__name__}")
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, torch.Tensor) or buf.dim() < 3 or not buf.is_contiguous():
+            raise ValueError(f"buffers[{i}]: expected a contiguous tensor [L, num_blocks, ...]")
+        if pairs.device != buf.device:
+            raise ValueError(f"pairs: expected device {buf.device} (of buffers[{i}]), got {pairs.device}")
+        if buf.shape[1] != buffers[0].shape[1]:
+            raise ValueError(f"buffers[{i}]: expected {buffers[0].shape[1]} blocks (as buffers[0]), got "
+                             f"{buf.shape[1]}")
+    if pairs.dtype != torch.int64 or pairs.dim() != 2 or pairs.shape[1] != 2 or not pairs.is_contiguous():
+        raise ValueError(f"pairs: expected a contiguous int64 tensor [n, 2], got {pairs.dtype} {fmt_shape(pairs.shape)}")
+    if check and pairs.shape[0]:
+        nb = buffers[0].shape[1]
+        vals = pairs.tolist()
+        bad = [x for pair in vals for x in pair if not 0 <= x < nb]
+        if bad:
+            raise ValueError(f"pairs: expected block ids in [0, {nb}), got {bad[:8]}")
+        dst = [d for _, d in vals]
+        if len(set(dst)) != len(dst) or set(dst) & {s for s, _ in vals}:
+            raise ValueError("pairs: expected distinct destinations that are not also sources")
+    for buf in buffers:
+        copy_blocks_launch(buf, pairs)

@@ -1,0 +1,178 @@
+"""Validation of the paged ops' arguments (host side, before any byte is written): ValueError / TypeError
+naming the argument, the expected and the actual value."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..._validate import MODEL_DTYPES, fmt_shape
+from ...paged.format import LAYOUTS, kv_format
+from ...rope import RopeKernelParams
+
+
+def check_arg_tensor(name: str, t: object, *, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d tensor, got shape {fmt_shape(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of pool), got {t.device}")
+    return t
+
+
+def pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> tuple[int, int, int, int]:
+    """Validate a layer pool (and params); returns (num_blocks, block_size, num_kv_heads, stored row elems)."""
+    fmt = kv_format(kv_dtype)
+    if not isinstance(layout, str):
+        raise TypeError(f"layout: expected one of {LAYOUTS}, got {type(layout).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(pool, torch.Tensor):
+        raise TypeError(f"pool: expected a torch.Tensor, got {type(pool).__name__}")
+    if pool.dim() != 5 or pool.shape[1] != 2:
+        want = "[num_blocks, 2, block_size, H, D]" if layout == "NHD" else "[num_blocks, 2, H, block_size, D]"
+        raise ValueError(f"pool: expected shape {want} ({layout}), got {fmt_shape(pool.shape)}")
+    if not pool.is_contiguous():
+        raise ValueError(f"pool: expected a contiguous tensor, got strides {tuple(pool.stride())}")
+    want_dtype = MODEL_DTYPES if fmt.storage is None else (fmt.storage,)
+    if pool.dtype not in want_dtype:
+        raise ValueError(f"pool: expected dtype {' or '.join(str(d) for d in want_dtype)} for kv_dtype "
+                         f"{kv_dtype!r}, got {pool.dtype}")
+    nb = pool.shape[0]
+    bs, h = (pool.shape[2], pool.shape[3]) if layout == "NHD" else (pool.shape[3], pool.shape[2])
+    if fmt.row_params:
+        if not isinstance(params, torch.Tensor):
+            raise TypeError(f"params: expected a float32 tensor of scales and zeros for kv_dtype {kv_dtype!r}, "
+                            f"got {type(params).__name__}")
+        want = (*pool.shape[:4], 2)
+        if tuple(params.shape) != want or params.dtype != torch.float32 or not params.is_contiguous():
+            raise ValueError(f"params: expected a contiguous float32 tensor of shape {fmt_shape(want)}, got "
+                             f"{params.dtype} {fmt_shape(params.shape)}")
+        if params.device != pool.device:
+            raise ValueError(f"params: expected device {pool.device} (the device of pool), got {params.device}")
+    elif params is not None:
+        raise ValueError(f"params: expected None for kv_dtype {kv_dtype!r}")
+    return nb, bs, h, pool.shape[4]
+
+
+def check_kv_rows(k: object, v: object, pool: torch.Tensor, kv_dtype: str, h: int, dp: int, names=("k", "v")):  # type: ignore[no-untyped-def]
+    check_arg_tensor(names[0], k, dtypes=MODEL_DTYPES, ndim=3, device=pool.device)
+    check_arg_tensor(names[1], v, dtypes=MODEL_DTYPES, ndim=3, device=pool.device)
+    d = k.shape[2]  # type: ignore[union-attr]
+    if tuple(v.shape) != tuple(k.shape) or v.dtype != k.dtype:  # type: ignore[union-attr]
+        raise ValueError(f"{names[1]}: expected {k.dtype} {fmt_shape(k.shape)} (as {names[0]}), got "  # type: ignore[union-attr]
+                         f"{v.dtype} {fmt_shape(v.shape)}")  # type: ignore[union-attr]
+    want_dp = d // 2 if kv_dtype == "int4" else d
+    if k.shape[1] != h or dp != want_dp or (kv_dtype == "int4" and d % 2):  # type: ignore[union-attr]
+        raise ValueError(f"{names[0]}: expected [n, {h}, D] matching pool {fmt_shape(pool.shape)} "
+                         f"(kv_dtype {kv_dtype!r}), got {fmt_shape(k.shape)}")  # type: ignore[union-attr]
+    if kv_dtype == "auto" and pool.dtype != k.dtype:  # type: ignore[union-attr]
+        raise ValueError(f"{names[0]}: expected dtype {pool.dtype} (the pool's, kv_dtype 'auto'), got {k.dtype}")  # type: ignore[union-attr]
+    for name, t in zip(names, (k, v)):
+        if t.stride(2) != 1:  # type: ignore[union-attr]
+            raise ValueError(f"{name}: expected head_dim to be contiguous (stride 1), got strides {tuple(t.stride())}")  # type: ignore[union-attr]
+    return d
+
+
+def check_rope(rope, d: int, device: torch.device):  # type: ignore[no-untyped-def]
+    if rope is None:
+        return None
+    if not isinstance(rope, RopeKernelParams):
+        raise TypeError(
+            f"rope: expected RopeKernelParams (RopeConfig.kernel_params(device=...)), got {type(rope).__name__}"
+        )
+    for attr in ("inv_freq", "attention_scaling", "rotary_dim", "interleaved"):
+        if not hasattr(rope, attr):
+            raise TypeError(
+                f"rope: expected RopeKernelParams (RopeConfig.kernel_params(...)), got {type(rope).__name__}"
+            )
+    rot = rope.rotary_dim
+    if not isinstance(rot, int) or rot < 2 or rot % 2 or rot > d:
+        raise ValueError(f"rope: expected an even rotary_dim in [2, {d}], got {rot}")
+    inv = rope.inv_freq
+    if not isinstance(inv, torch.Tensor) or inv.dtype != torch.float32 or tuple(inv.shape) != (rot // 2,):
+        raise ValueError(f"rope: expected inv_freq float32 [{rot // 2}], got {getattr(inv, 'dtype', None)} "
+                         f"{fmt_shape(getattr(inv, 'shape', ()))}")
+    if inv.device != device:
+        raise ValueError(f"rope: expected inv_freq on {device} (the device of pool), got {inv.device}")
+    if not inv.is_contiguous():
+        raise ValueError("rope: expected a contiguous inv_freq")
+    top = getattr(rope, "max_inv_freq", 0.0)
+    if isinstance(top, bool) or not isinstance(top, (int, float)) or not math.isfinite(top) or top < 0:
+        raise ValueError(f"rope: expected max_inv_freq a finite float >= 0 (0.0: unknown), got {top!r}")
+    return rope
+
+
+def host_check_rope_bound(rope) -> None:  # type: ignore[no-untyped-def]
+    # check=True: max_inv_freq must bound inv_freq (it selects the cos / sin evaluation by each row's largest angle)
+    if rope is not None and rope.max_inv_freq and float(rope.inv_freq.abs().max()) > rope.max_inv_freq:
+        raise ValueError(f"rope: max_inv_freq {rope.max_inv_freq} is below max |inv_freq| "
+                         f"{float(rope.inv_freq.abs().max())}")
+
+
+def check_index_vector(name: str, t: object, n: int | None, device: torch.device, dtypes=(torch.int32,)) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    check_arg_tensor(name, t, dtypes=dtypes, ndim=1, device=device)
+    if n is not None and t.shape[0] != n:  # type: ignore[union-attr]
+        raise ValueError(f"{name}: expected shape [{n}], got {fmt_shape(t.shape)}")  # type: ignore[union-attr]
+    if t.stride(0) != 1 and t.shape[0] > 1:  # type: ignore[union-attr]
+        raise ValueError(f"{name}: expected a contiguous tensor")
+    return t  # type: ignore[return-value]
+
+
+def check_cp(cp_rank: object, cp_size: object) -> tuple[int, int]:
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int):
+        raise TypeError(f"cp_size: expected an int, got {type(cp_size).__name__}")
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int):
+        raise TypeError(f"cp_rank: expected an int, got {type(cp_rank).__name__}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_size={cp_size}, got {cp_rank}")
+    return cp_rank, cp_size
+
+
+def check_fp8_scales(fp8_scales: object, kv_dtype: str, device: torch.device) -> torch.Tensor | None:
+    if kv_dtype != "fp8":
+        return None
+    if fp8_scales is None:
+        raise ValueError("fp8_scales: expected a float32 tensor [2] (k_scale, v_scale) for kv_dtype 'fp8'")
+    t = check_arg_tensor("fp8_scales", fp8_scales, dtypes=(torch.float32,), ndim=1, device=device)
+    if t.shape[0] != 2 or not t.is_contiguous():
+        raise ValueError(f"fp8_scales: expected a contiguous float32 tensor [2], got {fmt_shape(t.shape)}")
+    return t
+
+
+
+
+def host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp_rank, cp_size) -> None:  # type: ignore[no-untyped-def]
+    cu = cu_q_lens.tolist()
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > n:
+        raise ValueError(f"cu_q_lens: expected non-decreasing from 0 to at most {n} (rows of k), got {cu}")
+    b = len(cu) - 1
+    if kv_lens is not None:
+        starts = kv_lens.tolist()
+        if any(s < 0 for s in starts):
+            raise ValueError(f"kv_lens: expected values >= 0, got {starts}")
+        totals = [starts[i] + cu[i + 1] - cu[i] for i in range(b)]
+    else:
+        ck = cu_k_lens.tolist()
+        totals = [ck[i + 1] - ck[i] for i in range(b)]
+        if ck[0] != 0 or any(totals[i] < cu[i + 1] - cu[i] for i in range(b)):
+            raise ValueError(f"cu_k_lens: expected from 0 with every total >= its new tokens, got {ck}")
+    width = block_tables.shape[1]
+    tables = block_tables.tolist()
+    for i in range(b):
+        local = max(totals[i] - cp_rank + cp_size - 1, 0) // cp_size  # positions p with p % cp_size == cp_rank
+        need = -(-local // bs)
+        if need > width:
+            raise ValueError(f"block_tables: sequence {i} needs {need} blocks for {totals[i]} tokens, the table holds "
+                             f"{width}")
+        bad = [x for x in tables[i][:need] if not 0 <= x < nb]
+        if bad:
+            raise ValueError(f"block_tables: sequence {i} uses block ids {bad} outside [0, {nb})")
+
+

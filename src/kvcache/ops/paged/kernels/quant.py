@@ -1,0 +1,139 @@
+"""Encoding a row in the pool's format (fp8 / int8 / int4 with (scale, zero)), storing it, and reading it back."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .numerics import _codes, _div, _fp8_grid, _rcp
+
+
+@triton.jit
+def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
+            LIBDEVICE: tl.constexpr):
+    # One token's rows, given as float32 half tiles [BLOCK_H, BLOCK_HF] of elements i (x1) and HALF + i (x2)
+    # (m1 / m2: the elements that exist),
+    # encoded in the pool's format: (codes of the first half, codes of the second half (QUANT 3: unused, both
+    # halves are packed in the first), per-head scale, per-head zero (unused unless QUANT >= 2)). Pure
+    # arithmetic: the caller runs it before it knows where the row goes (the block-table load), so that the
+    # two overlap.
+    c1 = x1
+    c2 = x2
+    scale = tl.zeros([BLOCK_H, 1], tl.float32)  # unused unless QUANT >= 2
+    zero = scale
+    if QUANT == 1:
+        c1 = tl.minimum(tl.maximum(x1 * inv_fp8, -448.0), 448.0)
+        c2 = tl.minimum(tl.maximum(x2 * inv_fp8, -448.0), 448.0)
+        if not LIBDEVICE:
+            c1 = _fp8_grid(c1, LIBDEVICE)
+            c2 = _fp8_grid(c2, LIBDEVICE)
+    elif QUANT >= 2:
+        # per (token, head) asymmetric: masked lanes never take part in min / max
+        if QUANT == 3:
+            qmax = 15.0
+        else:
+            qmax = 255.0
+        # the two halves combined element-wise first: one cross-thread reduction each for min and max. Kept
+        # [BLOCK_H, 1] (keep_dims) in the tile's own layout: no layout conversion through shared memory for
+        # the per-head arithmetic and the scale / zero stores
+        mn = tl.min(tl.minimum(tl.where(m1, x1, float("inf")), tl.where(m2, x2, float("inf"))), axis=1,
+                    keep_dims=True)
+        mx = tl.max(tl.maximum(tl.where(m1, x1, float("-inf")), tl.where(m2, x2, float("-inf"))), axis=1,
+                    keep_dims=True)
+        zero = tl.where(hh < H, mn, 0.0)
+        mx = tl.where(hh < H, mx, 0.0)
+        scale = _div(mx - zero, tl.zeros_like(zero) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
+        # scale == 0: every code 0, a constant row round-trips exactly
+        inv = tl.where(scale > 0.0, _rcp(tl.where(scale > 0.0, scale, 1.0), LIBDEVICE), 0.0)
+        q1 = _codes((x1 - zero) * inv, LIBDEVICE)  # low byte: the code (bits above it: 2**23's exponent)
+        q2 = _codes((x2 - zero) * inv, LIBDEVICE)
+        if QUANT == 3:  # planar nibbles: byte i = element i | element HALF + i << 4 (q1, q2 < 16 in their low bits)
+            c1 = (q1 | (q2 << 4)).to(tl.uint8)
+            c2 = c1  # unused
+        else:
+            c1 = q1.to(tl.uint8)  # the low byte
+            c2 = q2.to(tl.uint8)
+    return c1, c2, scale, zero
+
+
+@triton.jit
+def _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2, ok, QUANT: tl.constexpr,
+               H: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr,
+               S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, STORE_CM: tl.constexpr,
+               PAIR_ASM: tl.constexpr, MASKED: tl.constexpr):
+    # Store what _encode returned (or, unquantized, the values to store in any float dtype) as the K (is_v == 0)
+    # or V row at (blk, off) of the data pool and of the (scale, zero) pool; m1 / m2: the elements that exist;
+    # MASKED: ok (a scalar) masks every store too
+    s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's K (or V) region, data and params
+    p_kv: tl.constexpr = BLOCK_SIZE * H * 2
+    dst = pool + (blk * (2 * s_kv) + off * S_TOK + is_v * s_kv)
+    par = qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv)
+    hm = hh < H
+    if MASKED:  # tl.where: `tile & scalar` is an int32 tile under triton 3.9's interpreter, not a mask
+        m1 = tl.where(ok, m1, False)
+        m2 = tl.where(ok, m2, False)
+        hm = tl.where(ok, hm, False)
+    p1 = dst + hh * S_HEAD + i
+    tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1, cache_modifier=STORE_CM)
+    if QUANT != 3:
+        tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2, cache_modifier=STORE_CM)
+    if QUANT >= 2:  # scale / zero [BLOCK_H, 1]
+        if PAIR_ASM:
+            _store_pair(par + hh * P_HEAD, scale, zero, hm, STORE_CM)
+        else:
+            tl.store(par + hh * P_HEAD, scale, mask=hm, cache_modifier=STORE_CM)
+            tl.store(par + hh * P_HEAD + 1, zero, mask=hm, cache_modifier=STORE_CM)
+
+
+@triton.jit
+def _store_pair(ptr, a, b, mask, STORE_CM: tl.constexpr):
+    # float32 (a, b) as one 8-byte store at ptr (8-byte aligned) where mask, by every thread that holds them
+    # (PTX). tl.store would first move the per-head values through shared memory (two barriers per store) into
+    # a layout with one owner per value; a value held by several threads of a warp is written by each of
+    # them here, to one address: one transaction.
+    args = [ptr.to(tl.int64), a.to(tl.int32, bitcast=True), b.to(tl.int32, bitcast=True), mask.to(tl.int32)]
+    if STORE_CM == ".cs":
+        tl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.s32 %p, $4, 0; @%p st.global.cs.v2.b32 [$1], {$2, $3}; mov.u32 $0, 0; }",
+            "=r,l,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred %p; setp.ne.s32 %p, $4, 0; @%p st.global.v2.b32 [$1], {$2, $3}; mov.u32 $0, 0; }",
+            "=r,l,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
+
+
+
+@triton.jit
+def _load_dequantized(row, par, e, mask, fp8_scale, QUANT: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
+          P_TOK: tl.constexpr, P_HEAD: tl.constexpr, tt, hh, HALF: tl.constexpr):
+    # float32 values of elements e of tokens tt, heads hh of one block's K or V region (dequantized)
+    if QUANT == 0:
+        x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32)
+    elif QUANT == 1:
+        x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32) * fp8_scale
+    else:
+        if QUANT == 3:  # planar nibbles: element e < HALF low nibble of byte e, else high nibble of e - HALF
+            low = e < HALF
+            byte = tl.load(row + tt * S_TOK + hh * S_HEAD + tl.where(low, e, e - HALF), mask=mask, other=0)
+            byte = byte.to(tl.int32)
+            q = tl.where(low, byte & 15, (byte >> 4) & 15).to(tl.float32)
+        else:
+            q = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0).to(tl.float32)
+        pm = (tt >= 0) & (hh >= 0) & mask  # only for the per-element path with RoPE partners
+        scale = tl.load(par + tt * P_TOK + hh * P_HEAD, mask=pm, other=0.0)
+        zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=pm, other=0.0)
+        x = q * scale + zero
+    return x
+
+
+@triton.jit
+def _tile_params(par, tt, hh, hm, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, TOK: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    # float32 (scale, zero) of tokens tt x heads hh as [TOK, BLOCK_H, 1]: loaded once per (token, head) as a
+    # 2-d tile and broadcast over head_dim (a [TOK, BLOCK_H, 1] load would repeat per element)
+    off = tl.reshape(tt * P_TOK + hh * P_HEAD, (TOK, BLOCK_H))
+    m = tl.reshape(hm, (TOK, BLOCK_H))
+    scale = tl.load(par + off, mask=m, other=0.0)
+    zero = tl.load(par + off + 1, mask=m, other=0.0)
+    return scale[:, :, None], zero[:, :, None]
+

@@ -1,0 +1,183 @@
+"""Pure-torch references of the paged kernels: the CPU backend, and what the kernels are tested against."""
+
+from __future__ import annotations
+
+import torch
+
+from ...paged.format import KV_FORMAT_TABLE
+from ...rope import RopeKernelParams
+
+__all__ = ["append_paged_kv_reference", "gather_paged_kv_reference", "quantize_rows_reference",
+           "dequantize_rows_reference"]
+
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_rows_reference(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization of the last dim: returns (codes uint8 [..., D], scale f32 [...], zero f32 [...])."""
+    x = x.float()
+    qmax = float(2**bits - 1)
+    mn = x.amin(dim=-1)
+    mx = x.amax(dim=-1)
+    scale = (mx - mn) / qmax
+    inv = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(scale))
+    q = torch.round((x - mn[..., None]) * inv[..., None]).clamp(0, qmax)  # round half to even
+    return q.to(torch.uint8), scale, mn
+
+
+def dequantize_rows_reference(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``q * scale + zero`` in float32."""
+    return q.float() * scale[..., None] + zero[..., None]
+
+
+def _rope_rows(x: torch.Tensor, pos: torch.Tensor, rope, inverse: bool = False) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Rotate float32 rows x [n, H, D] at positions [n] the way the kernels do (float32)."""
+    rot, inter, scale = int(rope.rotary_dim), bool(rope.interleaved), float(rope.attention_scaling)
+    inv = rope.inv_freq.to(device=x.device, dtype=torch.float32)
+    ang = pos.to(torch.float32)[:, None] * inv[None, :]  # [n, rot / 2]
+    c = torch.cos(ang) * scale
+    s = torch.sin(ang) * scale
+    if inverse:
+        s = -s
+    out = x.clone()
+    if inter:
+        x1, x2 = x[..., 0:rot:2], x[..., 1:rot:2]
+        out[..., 0:rot:2] = x1 * c[:, None] - x2 * s[:, None]
+        out[..., 1:rot:2] = x2 * c[:, None] + x1 * s[:, None]
+    else:
+        half = rot // 2
+        x1, x2 = x[..., :half], x[..., half:rot]
+        out[..., :half] = x1 * c[:, None] - x2 * s[:, None]
+        out[..., half:rot] = x2 * c[:, None] + x1 * s[:, None]
+    return out
+
+
+def _token_targets(
+    n_tokens: int, block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, block_size: int,
+    num_blocks: int, cp_rank: int, cp_size: int,
+) -> list[tuple[int, int, int, int]]:  # type: ignore[no-untyped-def]
+    """(row, block, offset, global position) of every row that is written."""
+    out = []
+    if slot_mapping is not None:
+        slots = slot_mapping.tolist()
+        pos = positions.tolist() if positions is not None else [0] * n_tokens
+        for n, slot in enumerate(slots):
+            if slot >= 0 and slot // block_size < num_blocks:
+                out.append((n, slot // block_size, slot % block_size, int(pos[n])))
+        return out
+    cu = cu_q_lens.tolist()
+    tables = block_tables.tolist()
+    width = block_tables.shape[1]
+    if kv_lens is not None:
+        starts = kv_lens.tolist()
+    else:
+        ck = cu_k_lens.tolist()
+        starts = [(ck[b + 1] - ck[b]) - (cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
+    for b in range(len(cu) - 1):
+        for n in range(cu[b], min(cu[b + 1], n_tokens)):
+            p = starts[b] + (n - cu[b])
+            if p < 0 or p % cp_size != cp_rank:
+                continue
+            lp = p // cp_size
+            bi = lp // block_size
+            if bi >= width:
+                continue
+            blk = tables[b][bi]
+            if 0 <= blk < num_blocks:
+                out.append((n, blk, lp % block_size, p))
+    return out
+
+
+def append_paged_kv_reference(
+    k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, params: torch.Tensor | None, *, kv_dtype: str, layout: str,
+    block_tables: torch.Tensor | None, cu_q_lens: torch.Tensor | None, kv_lens: torch.Tensor | None,
+    cu_k_lens: torch.Tensor | None, slot_mapping: torch.Tensor | None, positions: torch.Tensor | None,
+    rope: RopeKernelParams | None, fp8_scales: torch.Tensor | None, cp_rank: int, cp_size: int,
+) -> None:
+    """Pure-torch reference of the append kernel (same arguments as :func:`append_paged_kv_launch`, already
+    validated: ``k`` / ``v`` ``[N, H, D]`` model dtype, ``pool`` / ``params`` one layer's pools, index tensors
+    int32 / int64 on the pool's device)."""
+    hnd = layout == "HND"
+    bs = pool.shape[3] if hnd else pool.shape[2]
+    targets = _token_targets(k.shape[0], block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, bs,
+                             pool.shape[0], cp_rank, cp_size)
+    if not targets:
+        return
+    rows = torch.tensor([t[0] for t in targets], dtype=torch.long, device=k.device)
+    blks = torch.tensor([t[1] for t in targets], dtype=torch.long, device=k.device)
+    offs = torch.tensor([t[2] for t in targets], dtype=torch.long, device=k.device)
+    pos = torch.tensor([t[3] for t in targets], dtype=torch.long, device=k.device)
+    for kv, src in ((0, k), (1, v)):
+        x = src[rows]  # [n, H, D]
+        if kv == 0 and rope is not None:
+            x = _rope_rows(x.float(), pos, rope)
+        if kv_dtype == "auto":
+            data = x.to(pool.dtype)
+        elif kv_dtype == "fp8":
+            inv = 1.0 / fp8_scales[kv].float()
+            data = (x.float() * inv).clamp(-_FP8_MAX, _FP8_MAX).to(pool.dtype)
+        else:
+            q, scale, zero = quantize_rows_reference(x, KV_FORMAT_TABLE[kv_dtype].bits)
+            if kv_dtype == "int4":  # planar nibbles: byte i = q[i] | q[D/2 + i] << 4
+                half = q.shape[-1] // 2
+                q = (q[..., :half] | (q[..., half:] << 4)).to(torch.uint8)
+            data = q
+            par = torch.stack([scale, zero], dim=-1)  # [n, H, 2]
+            if hnd:
+                params[blks, kv, :, offs] = par
+            else:
+                params[blks, kv, offs] = par
+        if hnd:
+            pool[blks, kv, :, offs] = data
+        else:
+            pool[blks, kv, offs] = data
+
+
+def gather_paged_kv_reference(
+    k_out: torch.Tensor, v_out: torch.Tensor, pool: torch.Tensor, params: torch.Tensor | None, *, kv_dtype: str,
+    layout: str, block_tables: torch.Tensor, kv_lens: torch.Tensor | None, cu_k_lens: torch.Tensor | None,
+    rope: RopeKernelParams | None, fp8_scales: torch.Tensor | None, cp_rank: int, cp_size: int,
+) -> None:
+    """Pure-torch reference of the gather kernel (arguments as :func:`gather_paged_kv_launch`, validated):
+    fills ``k_out`` / ``v_out`` ``[B, H, S_out, D]``."""
+    hnd = layout == "HND"
+    bs = pool.shape[3] if hnd else pool.shape[2]
+    B, H, s_out, D = k_out.shape
+    totals = kv_lens.tolist() if kv_lens is not None else [
+        b - a for a, b in zip(cu_k_lens.tolist()[:-1], cu_k_lens.tolist()[1:])
+    ]
+    tables = block_tables.tolist()
+    width = block_tables.shape[1]
+    k_out.zero_()
+    v_out.zero_()
+    for b in range(B):
+        local = max(totals[b] - cp_rank + cp_size - 1, 0) // cp_size
+        ts = [t for t in range(min(local, s_out)) if t // bs < width and 0 <= tables[b][t // bs] < pool.shape[0]]
+        if not ts:
+            continue
+        t_idx = torch.tensor(ts, dtype=torch.long, device=pool.device)
+        blks = torch.tensor([tables[b][t // bs] for t in ts], dtype=torch.long, device=pool.device)
+        offs = t_idx % bs
+        for kv, out in ((0, k_out), (1, v_out)):
+            data = pool[blks, kv, :, offs] if hnd else pool[blks, kv, offs]  # [n, H, DP]
+            if kv_dtype == "auto":
+                x = data.float()
+            elif kv_dtype == "fp8":
+                x = data.float() * fp8_scales[kv].float()
+            else:
+                par = params[blks, kv, :, offs] if hnd else params[blks, kv, offs]  # [n, H, 2]
+                if kv_dtype == "int4":
+                    q = torch.cat([data & 15, (data >> 4) & 15], dim=-1)
+                else:
+                    q = data
+                x = dequantize_rows_reference(q, par[..., 0], par[..., 1])
+            if kv == 0 and rope is not None:
+                x = _rope_rows(x, t_idx * cp_size + cp_rank, rope)
+            if kv_dtype == "auto" and not (kv == 0 and rope is not None):
+                x = data  # exact copy
+            out[b].index_copy_(1, t_idx, x.to(out.dtype).transpose(0, 1))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# public ops (validate, then launch)
+
