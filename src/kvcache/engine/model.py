@@ -1,0 +1,142 @@
+"""The engine's Llama-family forward over a Hugging Face model's weights, with attention on kvcache.
+
+The decoder's norms, projections and MLPs are the Hugging Face model's own modules (so their numerics are
+the model's); what changes is attention: the new keys and values go to a kvcache cache through its write
+(for the paged cache: ``PagedKVCache.append`` with the cache's fused RoPE, so keys are rotated by the append,
+never by the model), queries are rotated here in torch with the same :class:`kvcache.RopeConfig` cos / sin, and
+attention reads the cache. The attention itself is a callable the runner passes in (paged or linear).
+
+Supported: decoder-only models whose layers have ``self_attn.{q,k,v,o}_proj`` (biases allowed),
+``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, SmolLM2, Mistral without sliding window,
+Qwen2, Qwen3 with its q / k norms), rotate-half RoPE as transformers computes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..rope import RopeConfig
+
+__all__ = ["LlamaForward", "AttentionFn"]
+
+# attention(layer, q [N, Hq, D] rotated, k [N, H, D] un-rotated, v [N, H, D]) -> out [N, Hq, D]
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LlamaForward:
+    """A Llama-family decoder run token-ragged: ``[N]`` input ids of many sequences in one flat batch.
+
+    Parameters
+    ----------
+    hf_model : transformers.PreTrainedModel
+        A causal LM (``model.model.layers``, ``model.model.embed_tokens``, ``model.model.norm``, ``lm_head``).
+
+    Raises
+    ------
+    ValueError
+        The model's layout is not a Llama-family decoder (the message says what is missing).
+
+    Example
+    -------
+    >>> fwd = LlamaForward(hf_model)                          # doctest: +SKIP
+    >>> fwd.num_layers, fwd.num_kv_heads, fwd.head_dim        # doctest: +SKIP
+    (30, 3, 64)
+    """
+
+    def __init__(self, hf_model: Any) -> None:
+        config = getattr(hf_model, "config", None)
+        base = getattr(hf_model, "model", None)
+        layers = getattr(base, "layers", None)
+        if config is None or base is None or layers is None or not hasattr(hf_model, "lm_head"):
+            raise ValueError(f"hf_model: expected a transformers causal LM with .model.layers and .lm_head, got "
+                             f"{type(hf_model).__name__}")
+        for i, layer in enumerate(layers):
+            attn = getattr(layer, "self_attn", None)
+            missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, n)]
+            missing += [n for n in ("input_layernorm", "post_attention_layernorm", "mlp") if not hasattr(layer, n)]
+            if missing:
+                raise ValueError(f"hf_model: layer {i} is not a Llama-family decoder layer (missing {missing})")
+        if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+            raise ValueError("hf_model: sliding-window attention is not supported by the engine")
+        self.hf_model = hf_model
+        self.config = config
+        self.embed = base.embed_tokens
+        self.layers = list(layers)
+        self.norm = base.norm
+        self.lm_head = hf_model.lm_head
+        self.num_layers = len(self.layers)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        self.vocab_size = config.vocab_size
+        self.rope = RopeConfig.from_hf(config)
+        if self.rope.interleaved:
+            raise ValueError("hf_model: interleaved (GPT-J) RoPE is not supported by the engine's query rotation")
+        p = next(hf_model.parameters())
+        self.dtype = p.dtype
+        self.device = p.device
+        self._cos = self._sin = None
+
+    def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin ``[max_len, rotary_dim]`` in the model dtype (transformers casts them so), on the device."""
+        if self._cos is None or self._cos.shape[0] < max_len:
+            pos = torch.arange(max_len, device=self.device)
+            cos, sin = self.rope.cos_sin(pos)
+            self._cos, self._sin = cos.to(self.dtype), sin.to(self.dtype)
+        return self._cos, self._sin
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """transformers' ``apply_rotary_pos_emb`` for ``x`` ``[N, heads, D]`` with ``cos`` / ``sin`` ``[N, rd]``."""
+        rd = cos.shape[-1]
+        c, s = cos[:, None, :], sin[:, None, :]
+        xr = x[..., :rd]
+        half = rd // 2
+        rot = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+        out = xr * c + rot * s
+        return out if rd == x.shape[-1] else torch.cat((out, x[..., rd:]), dim=-1)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+        """Hidden states after the final norm.
+
+        Parameters
+        ----------
+        input_ids : torch.Tensor
+            int64 ``[N]`` on the model's device: the step's tokens, sequence after sequence.
+        positions : torch.Tensor
+            int64 ``[N]``: each token's position in its sequence.
+        attention : AttentionFn
+            Writes the layer's new K / V into the cache and attends: ``(layer, q, k, v) -> out``.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[N, hidden]`` in the model dtype.
+        """
+        n = input_ids.shape[0]
+        cos_t, sin_t = self._cos, self._sin
+        cos, sin = cos_t[positions], sin_t[positions]
+        h = self.embed(input_ids)
+        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(n, H, D)
+            k = attn.k_proj(x).view(n, Hk, D)
+            v = attn.v_proj(x).view(n, Hk, D)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = self.rotate(q, cos, sin)
+            o = attention(i, q, k, v)
+            h = h + attn.o_proj(o.reshape(n, H * D))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``lm_head`` of ``hidden`` ``[M, hidden]`` -> float32 ``[M, vocab]``."""
+        return self.lm_head(hidden).float()

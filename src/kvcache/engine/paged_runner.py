@@ -1,0 +1,253 @@
+"""Runs one scheduled step of the paged engine: the step's metadata, the model, the sampled rows' logits.
+
+Per step, the metadata every layer reads is built once (:class:`StepMeta`: block tables, ``cu_q_lens``, the
+lengths before and after the step). Each layer's attention then (1) writes the new keys and values with
+``PagedKVCache.append`` (RoPE rotates the keys inside the append, with the cache's ``RopeConfig``) and (2)
+attends over the blocks in place with ``kvcache.ops.paged_attention`` when that op exists; until then a
+*fallback* gathers the batch's blocks into contiguous K / V (``PagedKVCache.gather``) and runs torch's SDPA.
+
+On CUDA, pure decode steps (one token per request) run as CUDA graphs captured per batch-size bucket (1, 2,
+4, 8, then multiples of 8) over static buffers; padded rows of a bucket write into one scratch block the
+runner holds for itself and attend to it, so every row of a graph is a well-defined sequence. Graphs need the
+in-place attention op (the fallback reads host lengths); without it decode runs eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..paged import PagedKVCache
+from .model import LlamaForward
+from .scheduler import ScheduledBatch
+
+__all__ = ["PagedRunner", "StepMeta", "has_paged_attention"]
+
+
+def has_paged_attention() -> bool:
+    """Whether ``kvcache.ops.paged_attention`` (attention over the blocks in place) is available."""
+    return hasattr(ops, "paged_attention")
+
+
+@dataclasses.dataclass(slots=True)
+class StepMeta:
+    """One step's batch, read by every layer (device tensors, plus host copies for the SDPA fallback)."""
+
+    block_tables: torch.Tensor  # int32 [B, W]
+    cu_q_lens: torch.Tensor  # int32 [B + 1]
+    kv_lens: torch.Tensor  # int32 [B]: tokens held before the step
+    kv_lens_after: torch.Tensor  # int32 [B]: tokens held after the step (this chunk included)
+    q_lens: list[int]
+    kv_after: list[int]
+
+
+def _sdpa_fallback(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta, scale: float) -> torch.Tensor:
+    """Causal attention of ragged queries ``q`` ``[N, Hq, D]`` over gathered ``k`` / ``v`` ``[B, H, S, D]``."""
+    out = torch.empty_like(q)
+    decode = [b for b, n in enumerate(meta.q_lens) if n == 1]
+    starts = [0] * len(meta.q_lens)
+    acc = 0
+    for b, n in enumerate(meta.q_lens):
+        starts[b] = acc
+        acc += n
+    if len(decode) > 1:
+        rows = torch.tensor([starts[b] for b in decode], device=q.device)
+        idx = torch.tensor(decode, device=q.device)
+        lens = torch.tensor([meta.kv_after[b] for b in decode], device=q.device)
+        S = max(meta.kv_after[b] for b in decode)
+        mask = (torch.arange(S, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        qd = q.index_select(0, rows)[:, :, None, :]  # [b, Hq, 1, D]
+        o = F.scaled_dot_product_attention(qd, k.index_select(0, idx)[:, :, :S], v.index_select(0, idx)[:, :, :S],
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out.index_copy_(0, rows, o[:, :, 0, :])
+        decode_set = set(decode)
+    else:
+        decode_set = set()
+    for b, n in enumerate(meta.q_lens):
+        if n == 0 or b in decode_set:
+            continue
+        L = meta.kv_after[b]
+        qs = q[starts[b]:starts[b] + n].transpose(0, 1)[None]
+        ks, vs = k[b:b + 1, :, :L], v[b:b + 1, :, :L]
+        if n == 1:
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True)
+        elif n == L:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[starts[b]:starts[b] + n] = o[0].transpose(0, 1)
+    return out
+
+
+class PagedRunner:
+    """Executes :class:`~kvcache.engine.scheduler.ScheduledBatch` es on a :class:`~kvcache.PagedKVCache`.
+
+    Parameters
+    ----------
+    model : LlamaForward
+    cache : PagedKVCache
+        Built with the model's ``RopeConfig`` (keys are rotated by the append).
+    max_blocks_per_seq : int
+        Width of the block tables.
+    max_model_len : int
+        Longest sequence (sizes the RoPE tables).
+    scratch_block : int
+        A block id no request ever holds: padded rows of CUDA graphs write and read it.
+    cuda_graphs : bool
+        Capture decode steps (CUDA and ``kvcache.ops.paged_attention`` required; else ignored).
+    max_graph_batch : int
+        Largest decode batch run as a graph.
+    """
+
+    def __init__(self, model: LlamaForward, cache: PagedKVCache, *, max_blocks_per_seq: int, max_model_len: int,
+                 scratch_block: int, cuda_graphs: bool, max_graph_batch: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.width = max_blocks_per_seq
+        self.device = cache.device
+        self.scratch_block = scratch_block
+        self.in_place = has_paged_attention()
+        self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda" and self.in_place
+        model.rope_tables(max_model_len + 1)
+        self.max_graph_batch = max_graph_batch
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = None
+        self._static: dict[str, torch.Tensor] | None = None
+        self.graph_steps = 0
+
+    # ---------------------------------------------------------------------------------- attention
+
+    def _attention(self, meta: StepMeta):  # type: ignore[no-untyped-def]
+        cache = self.cache
+        cfg = cache.config
+        scale = self.model.scale
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.append(i, k, v, block_tables=meta.block_tables, cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens)
+            if self.in_place:
+                return ops.paged_attention(q, cache.pool(i), cache.params(i), cache.kv_scales[i], kv_dtype=cfg.kv_dtype,
+                                           layout=cfg.layout, block_tables=meta.block_tables,
+                                           cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens_after)
+            # FALLBACK until kvcache.ops.paged_attention lands: gather the batch's blocks, then SDPA
+            kk, vv = cache.gather(i, meta.block_tables, kv_lens=meta.kv_lens_after, max_len=max(meta.kv_after))
+            return _sdpa_fallback(q, kk, vv, meta, scale)
+
+        return attend
+
+    # ---------------------------------------------------------------------------------- the step
+
+    def _host_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[list[int]], list[int],
+                                                             list[int], list[int]]:
+        ids: list[int] = []
+        pos: list[int] = []
+        cu = [0]
+        before, after = [], []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            c = seq.num_computed
+            ids.extend(seq.token_ids[c:c + n])
+            pos.extend(range(c, c + n))
+            cu.append(cu[-1] + n)
+            before.append(c)
+            after.append(c + n)
+        tables = [s.block_table for s in batch.seqs]
+        return ids, pos, tables, cu, before, after
+
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run the step; returns float32 logits ``[num sampled rows, vocab]`` (rows in batch order of
+        ``batch.sample``)."""
+        if self.use_graphs and batch.is_decode and len(batch.seqs) <= self.max_graph_batch:
+            return self._run_graph(batch)
+        ids, pos, tables, cu, before, after = self._host_inputs(batch)
+        dev = self.device
+        bt = torch.zeros((len(tables), self.width), dtype=torch.int32)
+        for b, t in enumerate(tables):
+            bt[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        meta = StepMeta(
+            block_tables=bt.to(dev, non_blocking=True),
+            cu_q_lens=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            kv_lens=torch.tensor(before, dtype=torch.int32).to(dev, non_blocking=True),
+            kv_lens_after=torch.tensor(after, dtype=torch.int32).to(dev, non_blocking=True),
+            q_lens=list(batch.num_tokens), kv_after=after,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+        positions = torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True)
+        hidden = self.model.forward(input_ids, positions, self._attention(meta))
+        rows = [cu[b + 1] - 1 for b, s in enumerate(batch.sample) if s]
+        if not rows:
+            return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
+        return self.model.logits(hidden[torch.tensor(rows, device=dev)])
+
+    # ---------------------------------------------------------------------------------- CUDA graphs
+
+    def _bucket(self, n: int) -> int:
+        for b in (1, 2, 4, 8):
+            if n <= b:
+                return b
+        return -(-n // 8) * 8
+
+    def _static_buffers(self) -> dict[str, torch.Tensor]:
+        if self._static is None:
+            m, dev = self._bucket(self.max_graph_batch), self.device
+            self._static = {
+                "ids": torch.zeros(m, dtype=torch.int64, device=dev),
+                "pos": torch.zeros(m, dtype=torch.int64, device=dev),
+                "bt": torch.zeros((m, self.width), dtype=torch.int32, device=dev),
+                "cu": torch.arange(m + 1, dtype=torch.int32, device=dev),
+                "before": torch.zeros(m, dtype=torch.int32, device=dev),
+                "after": torch.zeros(m, dtype=torch.int32, device=dev),
+            }
+        return self._static
+
+    def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+        n = len(batch.seqs)
+        bs = self._bucket(n)
+        ids, pos, tables, _, before, after = self._host_inputs(batch)
+        pad = bs - n
+        # padded rows: a one-token sequence at position 0 of the scratch block
+        ids += [0] * pad
+        pos += [0] * pad
+        before += [0] * pad
+        after += [1] * pad
+        bt = torch.full((bs, self.width), self.scratch_block, dtype=torch.int32)
+        for b, t in enumerate(tables):
+            bt[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        st = self._static_buffers()
+        st["ids"][:bs].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        st["pos"][:bs].copy_(torch.tensor(pos, dtype=torch.int64), non_blocking=True)
+        st["bt"][:bs].copy_(bt, non_blocking=True)
+        st["before"][:bs].copy_(torch.tensor(before, dtype=torch.int32), non_blocking=True)
+        st["after"][:bs].copy_(torch.tensor(after, dtype=torch.int32), non_blocking=True)
+        graph = self._graphs.get(bs)
+        if graph is None:
+            logits = self._capture(bs)
+        else:
+            graph[0].replay()
+            logits = graph[1]
+        self.graph_steps += 1
+        return logits[:n]
+
+    def _forward_static(self, bs: int) -> torch.Tensor:
+        st = self._static_buffers()
+        meta = StepMeta(block_tables=st["bt"][:bs], cu_q_lens=st["cu"][:bs + 1], kv_lens=st["before"][:bs],
+                        kv_lens_after=st["after"][:bs], q_lens=[1] * bs, kv_after=[])
+        hidden = self.model.forward(st["ids"][:bs], st["pos"][:bs], self._attention(meta))
+        return self.model.logits(hidden)
+
+    def _capture(self, bs: int) -> torch.Tensor:
+        """Run bucket ``bs`` once eagerly on a side stream (its result is this step's), then capture it."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            logits = self._forward_static(bs).clone()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self._forward_static(bs)
+        self._graphs[bs] = (graph, out)
+        return logits

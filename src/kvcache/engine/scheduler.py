@@ -1,0 +1,246 @@
+"""Continuous-batching scheduler of the paged engine: chunked prefill mixed with decode, prefix caching,
+preemption by recompute. No torch, no model: it only decides, each step, which tokens of which requests run.
+
+Each step has a token budget (``max_num_batched_tokens``):
+
+1. Running requests first, oldest first: each gets its remaining tokens (one for a decode, the rest of its
+   prompt, or a chunk of it when the budget is short). Blocks for those tokens are allocated; when the pool is
+   out, the newest running request is preempted (its blocks freed, its KV recomputed later from its tokens:
+   prompt and generated so far), and so on until the allocation succeeds or the request preempts itself.
+2. Then waiting requests, in arrival order (preempted ones first), while the budget, ``max_num_seqs`` and the
+   pool allow: the longest cached prefix of the request's tokens (``BlockAllocator.match_prefix`` over the full
+   blocks of all tokens but the last, whose logits must be computed) is taken, then blocks for its first chunk.
+   A request whose prefix is being prefilled by a running request right now waits for it (one step or a few),
+   so a system prompt shared by a burst of requests is prefilled once, then hit by all the others.
+
+After the model ran, :meth:`Scheduler.postprocess` advances the requests, publishes every newly full block in
+the prefix cache (its KV is written) and releases finished requests at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from ..paged import BlockAllocator
+from .sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledBatch", "Scheduler"]
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    """What one step runs: ``seqs[i]`` feeds ``num_tokens[i]`` tokens from ``seqs[i].num_computed`` on.
+
+    ``sample[i]``: the chunk reaches the end of the request's tokens, so its last row's logits give a token.
+    ``preempted``: requests preempted while scheduling this step.
+    """
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    sample: list[bool]
+    preempted: list[Sequence]
+
+    @property
+    def total_tokens(self) -> int:
+        """Rows of the step."""
+        return sum(self.num_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request feeds exactly one token (a pure decode step: CUDA-graph eligible)."""
+        return bool(self.seqs) and all(n == 1 for n in self.num_tokens)
+
+
+class Scheduler:
+    """Decides each step's batch over a :class:`~kvcache.BlockAllocator`.
+
+    Parameters
+    ----------
+    allocator : BlockAllocator
+        Owns the block ids of the cache (prefix caching on or off there).
+    max_num_seqs : int
+        Running requests at most.
+    max_num_batched_tokens : int
+        Token budget of one step (prefill chunks + decodes).
+    max_blocks_per_seq : int
+        Block-table width: requests longer than ``max_blocks_per_seq * block_size`` tokens are refused by
+        :meth:`add`.
+
+    Example
+    -------
+    >>> from kvcache.engine.sampling import SamplingParams
+    >>> s = Scheduler(BlockAllocator(8, 4), max_num_seqs=2, max_num_batched_tokens=16, max_blocks_per_seq=8)
+    >>> s.add(Sequence(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=2)))
+    >>> b = s.schedule(); b.num_tokens, b.sample
+    ([5], [True])
+    """
+
+    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_blocks_per_seq: int) -> None:
+        if not isinstance(allocator, BlockAllocator):
+            raise TypeError(f"allocator: expected a BlockAllocator, got {type(allocator).__name__}")
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_blocks_per_seq", max_blocks_per_seq)):
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at admission
+        self._pending: dict[int, int] = {}  # hash of a block being prefilled -> request id
+
+    # ----------------------------------------------------------------------------------- requests
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request (validated: it must fit in one block table and in the pool)."""
+        need = -(-(seq.num_prompt_tokens + seq.params.max_tokens) // self.block_size)
+        limit = min(self.max_blocks_per_seq, self.allocator.num_blocks)
+        if need > limit:
+            raise ValueError(
+                f"prompts: request {seq.request_id} needs up to {seq.num_prompt_tokens} + {seq.params.max_tokens} "
+                f"tokens = {need} blocks of {self.block_size}, expected at most {limit} (the pool or max_model_len)")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        """Requests are waiting or running."""
+        return bool(self.waiting or self.running)
+
+    # ----------------------------------------------------------------------------------- blocks
+
+    def _hashes(self, seq: Sequence, n_tokens: int) -> list[int]:
+        """The hash chain of the full blocks among the first ``n_tokens`` tokens (extended on demand)."""
+        n_full = n_tokens // self.block_size
+        h = seq.block_hashes
+        if len(h) < n_full:
+            bs = self.block_size
+            parent = h[-1] if h else None
+            h.extend(self.allocator.hash_blocks(seq.token_ids[len(h) * bs:n_full * bs], parent_hash=parent))
+        return h[:n_full]
+
+    def _grow(self, seq: Sequence, num_new: int) -> bool:
+        """Allocate the blocks ``num_new`` more tokens need; False (nothing changed) when the pool is out."""
+        need = -(-(seq.num_computed + num_new) // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        blocks = self.allocator.allocate(need)
+        if blocks is None:
+            return False
+        seq.block_table.extend(blocks)
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_published = 0
+        for h in [h for h, rid in self._pending.items() if rid == seq.request_id]:
+            del self._pending[h]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _mark_pending(self, seq: Sequence) -> None:
+        """Record the prompt blocks ``seq`` will prefill, so requests sharing them wait for its KV."""
+        if not self.allocator.enable_prefix_caching:
+            return
+        for h in self._hashes(seq, len(seq.token_ids) - 1)[seq.num_computed // self.block_size:]:
+            self._pending.setdefault(h, seq.request_id)
+
+    # ----------------------------------------------------------------------------------- the step
+
+    def schedule(self) -> ScheduledBatch:
+        """Choose the next step's batch (it may be empty only when nothing is left)."""
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self._grow(seq, n):
+                victim = self.running.pop()  # the newest running request
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+                i += 1
+                continue
+            break  # seq preempted itself: nothing newer is left to run
+        if not preempted:
+            self._admit(seqs, counts, budget)
+        return ScheduledBatch(seqs, counts, [s.num_computed + n == len(s.token_ids) for s, n in zip(seqs, counts)],
+                              preempted)
+
+    def _admit(self, seqs: list[Sequence], counts: list[int], budget: int) -> None:
+        deferred: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hashes = self._hashes(seq, len(seq.token_ids) - 1)
+            if self._pending and any(h in self._pending for h in hashes):
+                deferred.append(self.waiting.popleft())  # its prefix is being prefilled: hit it next step
+                continue
+            matched = self.allocator.match_prefix(hashes)
+            seq.block_table = list(matched)
+            seq.num_published = len(matched)
+            seq.num_computed = len(matched) * self.block_size
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, n):
+                self.allocator.free(seq.block_table)
+                seq.block_table, seq.num_published, seq.num_computed = [], 0, 0
+                break
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed
+                self.num_cached_tokens += seq.num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._mark_pending(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        self.waiting.extendleft(reversed(deferred))
+
+    def postprocess(self, batch: ScheduledBatch, new_tokens: list[int | None]) -> list[Sequence]:
+        """Advance the step's requests; ``new_tokens[i]`` is the sampled token of ``batch.seqs[i]`` (None when
+        it sampled nothing). The caller decides finishing through ``finish(seq)`` afterwards; this method only
+        publishes full blocks. Returns the requests of the batch that sampled a token."""
+        sampled = []
+        for seq, n, tok in zip(batch.seqs, batch.num_tokens, new_tokens):
+            seq.num_computed += n
+            self._publish(seq)
+            if tok is not None:
+                seq.token_ids.append(tok)
+                sampled.append(seq)
+        return sampled
+
+    def _publish(self, seq: Sequence) -> None:
+        hashes = self._hashes(seq, seq.num_computed)
+        k = seq.num_published
+        if len(hashes) > k:
+            self.allocator.cache_blocks(seq.block_table[k:len(hashes)], hashes[k:])
+            for h in hashes[k:]:
+                if self._pending.get(h) == seq.request_id:
+                    del self._pending[h]
+            seq.num_published = len(hashes)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Release a running request at once (its full blocks stay cached for later prefix hits)."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self._release(seq)
