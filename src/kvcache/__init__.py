@@ -4,7 +4,7 @@ from . import ops
 from .config import CacheConfig, KVLayerConfig, ManagerConfig
 from .linear import LinearKVCache
 from .manager import KVCacheManager
-from .paged import BlockAllocator, PagedConfig, PagedKVCache, cache_block_bytes
+from .paged import BlockAllocator, PagedBatch, PagedConfig, PagedKVCache, cache_block_bytes
 from .rope import RopeConfig
 from .snapshot import KVSnapshot
 
@@ -21,6 +21,7 @@ __all__ = [
     "PagedConfig",
     "PagedKVCache",
     "BlockAllocator",
+    "PagedBatch",
     "cache_block_bytes",
     "RopeConfig",
     "__version__",

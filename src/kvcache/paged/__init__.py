@@ -2,7 +2,10 @@
 RoPE + quantize + append, gather, and a block allocator with prefix caching."""
 
 from .allocator import BlockAllocator
+from .batch import PagedBatch
 from .cache import PagedKVCache, SwappedBlocks
 from .config import PagedConfig, cache_block_bytes
+from .format import KV_FORMAT_TABLE, KVFormat
 
-__all__ = ["BlockAllocator", "PagedConfig", "PagedKVCache", "SwappedBlocks", "cache_block_bytes"]
+__all__ = ["BlockAllocator", "PagedBatch", "PagedConfig", "PagedKVCache", "SwappedBlocks", "cache_block_bytes",
+           "KVFormat", "KV_FORMAT_TABLE"]

@@ -10,7 +10,10 @@ import torch
 from .._backend import _current_device, _current_stream, _hooks_active
 from .._validate import check_int
 from ..ops import paged as paged_ops
+from ..ops.paged.launch import default_append_launch
+from ..ops.paged.policy import SPLIT_BELOW
 from ..rope import RopeConfig, RopeKernelParams
+from .batch import PagedBatch
 from .config import PagedConfig
 
 __all__ = ["PagedKVCache", "SwappedBlocks"]
@@ -107,6 +110,7 @@ class PagedKVCache:
             self._ptrs.append(ptrs)
             self._layer_align.append(tuple(p % 16 == 0 for p in ptrs))
         self._plans: dict[tuple, paged_ops.AppendPlan] = {}
+        self._launches: dict[tuple, paged_ops.AppendLaunch] = {}  # the policy's launch per kind of call
         self.prepared_launches = 0  # appends launched through a prepared plan (a diagnostic)
 
     # ------------------------------------------------------------------------------------------ views
@@ -197,8 +201,13 @@ class PagedKVCache:
         cp_size: int = 1,
         check: bool = False,
         metadata_ready: bool = False,
+        batch: PagedBatch | None = None,
     ) -> None:
         """Write new K / V of one layer into the blocks: see :func:`kvcache.ops.append_paged_kv`.
+
+        ``batch``: the step's :class:`~kvcache.paged.PagedBatch` (built once per step, read by every layer), in
+        place of ``block_tables`` / ``cu_q_lens`` / ``kv_lens`` / ``cu_k_lens`` / ``slot_mapping`` /
+        ``positions`` / ``cp_rank`` / ``cp_size``.
 
         ``rope``: None uses the cache's RopeConfig (if any), False disables, or a RopeConfig /
         RopeKernelParams for this call; ``rope_seq_len`` is the current length for ``"dynamic"`` scaling.
@@ -210,6 +219,16 @@ class PagedKVCache:
         it, decode-sized appends with PDL look their rows up before the wait speculatively and check every
         value read after it (see :func:`kvcache.ops.append_paged_kv`): nearly as fast, and safe.
         """
+        if batch is not None:
+            if not isinstance(batch, PagedBatch):
+                raise TypeError(f"batch: expected a PagedBatch, got {type(batch).__name__}")
+            if any(x is not None for x in (block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions)) \
+                    or cp_rank != 0 or cp_size != 1:
+                raise ValueError("batch: expected alone, without block_tables / cu_q_lens / kv_lens / cu_k_lens / "
+                                 "slot_mapping / positions / cp_rank / cp_size")
+            block_tables, cu_q_lens, kv_lens, cu_k_lens = (batch.block_tables, batch.cu_q_lens, batch.kv_lens,
+                                                           batch.cu_k_lens)
+            slot_mapping, positions, cp_rank, cp_size = batch.slot_mapping, batch.positions, batch.cp_rank, batch.cp_size
         cfg = self._config
         # fast paths: the common calls (ragged with kv_lens, or slot mapping; the cache's own RoPE or none), every
         # argument checked in a few expressions (each tensor attribute read costs 0.1-0.3 us: read once, compare
@@ -273,22 +292,31 @@ class PagedKVCache:
         if n == 0:
             return
         key = None
+        launch = None
         if self._direct and not _hooks_active() and _current_device() == did:
-            # a prepared launch: keyed by everything that selects the compiled kernel besides the cache itself
+            # a prepared launch: keyed by everything that selects the compiled kernel besides the cache itself,
+            # the launch description (the policy's output) included
+            ragged = slot_mapping is None
+            pkey = (ragged, use_rope, n < SPLIT_BELOW, ragged and n == n_seqs, metadata_ready)
+            launch = self._launches.get(pkey)
+            if launch is None:
+                launch = default_append_launch(k, self._pools[layer], kv_dtype=cfg.kv_dtype,
+                                               n_seqs=n_seqs if ragged else None,
+                                               rope=self._rope_params if use_rope else None,
+                                               metadata_ready=metadata_ready, rope_ready=True)
+                self._launches[pkey] = launch
             kp, vp = k.data_ptr(), v.data_ptr()
-            if slot_mapping is None:
+            if ragged:
                 p1, p2, p3 = block_tables.data_ptr(), cu_q_lens.data_ptr(), kv_lens.data_ptr()  # type: ignore[union-attr]
                 bt_stride, width = bst[0], bsh[1]
                 ptrs = (p1, p2, p3, None, None)  # block tables, cu_q_lens, kv_lens; no slots / positions
-                key = (True, use_rope, ks, vs, n_seqs, self._layer_align[layer], n < paged_ops._SPLIT_BELOW,
-                       paged_ops._PDL_ENV, paged_ops._SPECULATE, n == n_seqs, metadata_ready)
+                key = (True, use_rope, ks, vs, n_seqs, self._layer_align[layer], launch)
             else:
                 p1, p2, p3 = slot_mapping.data_ptr(), positions.data_ptr() if use_rope else 0, 0  # type: ignore[union-attr]
                 bt_stride = width = n_seqs = 0
                 ptrs = (None, None, None, p1, p2 if use_rope else None)
                 key = (False, use_rope, ks, vs, slot_mapping.dtype,  # type: ignore[union-attr]
-                       positions.dtype if use_rope else None, self._layer_align[layer],  # type: ignore[union-attr]
-                       n < paged_ops._SPLIT_BELOW, paged_ops._PDL_ENV, paged_ops._SPECULATE, metadata_ready)
+                       positions.dtype if use_rope else None, self._layer_align[layer], launch)
             if (kp | vp | p1 | p2 | p3) & 15 or max(n, ks[0], vs[0], bt_stride, width) > 0x7FFFFFFF:
                 key = None  # unaligned, or an int past int32: the generic launch
             plan = self._plans.get(key) if key is not None else None
@@ -303,7 +331,8 @@ class PagedKVCache:
             block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=None,
             slot_mapping=slot_mapping, positions=positions if use_rope else None,
             rope=self._rope_params if use_rope else None, fp8_scales=self._scales[layer], cp_rank=0, cp_size=1,
-            metadata_ready=metadata_ready, rope_ready=True,  # the cache's own frequencies, written once at init
+            launch=launch, metadata_ready=metadata_ready,
+            rope_ready=True,  # the cache's own frequencies, written once at init
         )
         if key is not None and plan is not None:
             if len(self._plans) >= 256:  # one per kind of call; bounded for callers whose batch size wanders
@@ -313,7 +342,7 @@ class PagedKVCache:
     def gather(
         self,
         layer: int,
-        block_tables: torch.Tensor,
+        block_tables: torch.Tensor | None = None,
         *,
         kv_lens: torch.Tensor | None = None,
         cu_k_lens: torch.Tensor | None = None,
@@ -324,10 +353,22 @@ class PagedKVCache:
         rope_seq_len: int | None = None,
         cp_rank: int = 0,
         cp_size: int = 1,
+        batch: PagedBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks of the requested sequences back to contiguous ``[B, H, S_out, D]`` K and V in the model
         dtype, dequantized, zero-padded: see :func:`kvcache.ops.gather_paged_kv`. ``rope`` (default off)
-        rotates keys that were stored un-rotated."""
+        rotates keys that were stored un-rotated. ``batch``: a ragged :class:`~kvcache.paged.PagedBatch` in
+        place of ``block_tables`` / ``kv_lens`` / ``cu_k_lens`` / ``cp_rank`` / ``cp_size``: its sequences are
+        read as they stand after the step (``batch.seq_lens`` tokens)."""
+        if batch is not None:
+            if not isinstance(batch, PagedBatch):
+                raise TypeError(f"batch: expected a PagedBatch, got {type(batch).__name__}")
+            if any(x is not None for x in (block_tables, kv_lens, cu_k_lens)) or cp_rank != 0 or cp_size != 1:
+                raise ValueError("batch: expected alone, without block_tables / kv_lens / cu_k_lens / cp_rank / "
+                                 "cp_size")
+            block_tables, kv_lens, cp_rank, cp_size = batch.block_tables, batch.seq_lens, batch.cp_rank, batch.cp_size
+        elif block_tables is None:
+            raise ValueError("block_tables: expected int32 [B, max_blocks] (or batch=), got None")
         i = self._layer(layer)
         return paged_ops.gather_paged_kv(
             self.buffer[i], None if self.params_buffer is None else self.params_buffer[i],

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..._validate import MODEL_DTYPES, check_dtype_in, fmt_shape
+from ...paged.batch import PagedBatch
 from ...rope import RopeKernelParams
 from .checks import (
     check_arg_tensor,
@@ -36,6 +37,18 @@ from .checks import (
 from .launch import append_paged_kv_launch, copy_blocks_launch, gather_paged_kv_launch
 
 __all__ = ["append_paged_kv", "gather_paged_kv", "copy_blocks"]
+
+
+def _from_batch(batch: object, *given: object) -> tuple:
+    """The index arguments of a :class:`~kvcache.paged.PagedBatch` (which must come alone)."""
+    if not isinstance(batch, PagedBatch):
+        raise TypeError(f"batch: expected a PagedBatch, got {type(batch).__name__}")
+    if any(x is not None for x in given[:6]) or given[6] != 0 or given[7] != 1:
+        raise ValueError("batch: expected alone, without block_tables / cu_q_lens / kv_lens / cu_k_lens / "
+                         "slot_mapping / positions / cp_rank / cp_size")
+    a = batch.append_args()
+    return (a["block_tables"], a["cu_q_lens"], a["kv_lens"], a["cu_k_lens"], a["slot_mapping"], a["positions"],
+            a["cp_rank"], a["cp_size"])
 
 
 def append_paged_kv(
@@ -58,6 +71,7 @@ def append_paged_kv(
     cp_size: int = 1,
     check: bool = False,
     metadata_ready: bool = False,
+    batch: PagedBatch | None = None,
 ) -> None:
     """Write new keys and values into paged blocks in one pass: RoPE on K and quantization fused.
 
@@ -120,10 +134,18 @@ def append_paged_kv(
         launch that waits first in the last bit, as with the promise). Other appends wait before every read.
         ``KVCACHE_SPECULATE=0`` (read at import) turns speculation off.
 
+    batch : PagedBatch, optional
+        The step's :class:`~kvcache.paged.PagedBatch` (validated once, when it was built), in place of
+        ``block_tables`` / ``cu_q_lens`` / ``kv_lens`` / ``cu_k_lens`` / ``slot_mapping`` / ``positions`` /
+        ``cp_rank`` / ``cp_size``.
+
     Note
     ----
     One kernel launch, no allocation, no host sync: capturable in a CUDA graph.
     """
+    if batch is not None:
+        block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size = _from_batch(
+            batch, block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size)
     if type(metadata_ready) is not bool:
         raise TypeError(f"metadata_ready: expected a bool, got {metadata_ready!r} ({type(metadata_ready).__name__})")
     if type(check) is not bool:
@@ -187,7 +209,7 @@ def gather_paged_kv(
     *,
     kv_dtype: str = "auto",
     layout: str = "NHD",
-    block_tables: torch.Tensor,
+    block_tables: torch.Tensor | None = None,
     kv_lens: torch.Tensor | None = None,
     cu_k_lens: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
@@ -198,6 +220,7 @@ def gather_paged_kv(
     fp8_scales: torch.Tensor | None = None,
     cp_rank: int = 0,
     cp_size: int = 1,
+    batch: PagedBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read sequences' blocks back into contiguous, dequantized K and V (TurboMind ``FlattenKV``).
 
@@ -224,11 +247,22 @@ def gather_paged_kv(
         token ``t`` is ``t * cp_size + cp_rank``.
     fp8_scales : torch.Tensor
         float32 ``[2]`` for ``kv_dtype="fp8"``.
+    batch : PagedBatch, optional
+        A ragged :class:`~kvcache.paged.PagedBatch` in place of ``block_tables`` / ``kv_lens`` / ``cu_k_lens``
+        / ``cp_rank`` / ``cp_size``: its sequences as they stand after the step (``batch.seq_lens`` tokens).
 
     Returns
     -------
     (k, v) : ``[B, H, S_out, D]`` each.
     """
+    if batch is not None:
+        if not isinstance(batch, PagedBatch) or not batch.is_ragged:
+            raise TypeError(f"batch: expected a ragged PagedBatch, got {batch!r}")
+        if any(x is not None for x in (block_tables, kv_lens, cu_k_lens)) or cp_rank != 0 or cp_size != 1:
+            raise ValueError("batch: expected alone, without block_tables / kv_lens / cu_k_lens / cp_rank / cp_size")
+        block_tables, kv_lens, cp_rank, cp_size = batch.block_tables, batch.seq_lens, batch.cp_rank, batch.cp_size
+    if block_tables is None:
+        raise ValueError("block_tables: expected int32 [B, max_blocks] (or batch=), got None")
     nb, bs, h, dp = pool_geometry(pool, params, kv_dtype, layout)
     dev = pool.device
     cp_rank, cp_size = check_cp(cp_rank, cp_size)

@@ -1,0 +1,156 @@
+"""PagedBatch: one step's batch, described once and read by every layer's append, gather and attention."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .._validate import check_int, fmt_shape
+
+__all__ = ["PagedBatch"]
+
+
+def _index_vector(name: str, t: object, n: int | None, device: torch.device | None,
+                  dtypes: tuple[torch.dtype, ...] = (torch.int32,)) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.dim() != 1 or (n is not None and t.shape[0] != n):
+        want = "[n]" if n is None else f"[{n}]"
+        raise ValueError(f"{name}: expected a 1-d tensor {want}, got {fmt_shape(t.shape)}")
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name}: expected a contiguous tensor, got stride {t.stride(0)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the batch's), got {t.device}")
+    return t
+
+
+@dataclasses.dataclass(slots=True)
+class PagedBatch:
+    """Where one step's new rows go: a ragged batch (block tables + lengths) or a slot mapping, positions and
+    context-parallel rank / size. Built once per step (validated here, on the host, without a device sync), then
+    handed to every layer's :meth:`PagedKVCache.append`, :meth:`PagedKVCache.gather` and attention.
+
+    Build it with :meth:`ragged` or :meth:`slots`; the fields are the tensors the ops take (see
+    :func:`kvcache.ops.append_paged_kv` for their meaning).
+
+    Attributes
+    ----------
+    block_tables : torch.Tensor or None
+        int32 ``[B, max_blocks]`` (ragged).
+    cu_q_lens : torch.Tensor or None
+        int32 ``[B + 1]``: rows of sequence ``b`` are ``cu_q_lens[b] .. cu_q_lens[b + 1]`` (ragged).
+    kv_lens : torch.Tensor or None
+        int32 ``[B]``: tokens each sequence held before this step (ragged; or ``cu_k_lens``).
+    cu_k_lens : torch.Tensor or None
+        int32 ``[B + 1]``: cumulative lengths after this step (ragged, TurboMind's form).
+    slot_mapping : torch.Tensor or None
+        int64 / int32 ``[num_rows]``: slot of each row, ``-1`` skips it (slot mapping).
+    positions : torch.Tensor or None
+        int64 / int32 ``[num_rows]``: RoPE positions (slot mapping with RoPE).
+    cp_rank, cp_size : int
+        Context parallelism (ragged only).
+
+    Example
+    -------
+    >>> bt = torch.tensor([[3, 7], [5, 0]], dtype=torch.int32)
+    >>> batch = PagedBatch.ragged(bt, cu_q_lens=torch.tensor([0, 1, 4], dtype=torch.int32),
+    ...                           kv_lens=torch.tensor([17, 0], dtype=torch.int32))
+    >>> batch.seq_lens.tolist()  # tokens held after the step
+    [18, 3]
+    """
+
+    block_tables: torch.Tensor | None = None
+    cu_q_lens: torch.Tensor | None = None
+    kv_lens: torch.Tensor | None = None
+    cu_k_lens: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    _seq_lens: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+
+    @classmethod
+    def ragged(
+        cls,
+        block_tables: torch.Tensor,
+        cu_q_lens: torch.Tensor,
+        kv_lens: torch.Tensor | None = None,
+        *,
+        cu_k_lens: torch.Tensor | None = None,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+    ) -> PagedBatch:
+        """A ragged batch: ``B`` sequences with their block tables, new rows ``cu_q_lens`` and exactly one of
+        ``kv_lens`` (tokens held before the step) / ``cu_k_lens`` (cumulative lengths after it). All on one
+        device; ValueError / TypeError naming the argument otherwise."""
+        if not isinstance(block_tables, torch.Tensor):
+            raise TypeError(f"block_tables: expected a torch.Tensor, got {type(block_tables).__name__}")
+        dev = block_tables.device
+        cu = _index_vector("cu_q_lens", cu_q_lens, None, dev)
+        b = cu.shape[0] - 1
+        if b < 0:
+            raise ValueError("cu_q_lens: expected B + 1 >= 1 entries, got 0")
+        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != b or (
+                block_tables.shape[1] > 1 and block_tables.stride(1) != 1):
+            raise ValueError(f"block_tables: expected int32 [{b}, max_blocks] with contiguous rows, got "
+                             f"{block_tables.dtype} {fmt_shape(block_tables.shape)}")
+        if (kv_lens is None) == (cu_k_lens is None):
+            raise ValueError("kv_lens: expected exactly one of kv_lens / cu_k_lens")
+        if kv_lens is not None:
+            _index_vector("kv_lens", kv_lens, b, dev)
+        else:
+            _index_vector("cu_k_lens", cu_k_lens, b + 1, dev)
+        cp_size = check_int("cp_size", cp_size, 1)
+        cp_rank = check_int("cp_rank", cp_rank, 0, cp_size - 1)
+        return cls(block_tables=block_tables, cu_q_lens=cu, kv_lens=kv_lens, cu_k_lens=cu_k_lens, cp_rank=cp_rank,
+                   cp_size=cp_size)
+
+    @classmethod
+    def slots(cls, slot_mapping: torch.Tensor, positions: torch.Tensor | None = None) -> PagedBatch:
+        """A batch by slot mapping: row ``n`` goes to slot ``slot_mapping[n]`` (``-1`` skips it); ``positions``
+        (same length) are its RoPE positions, required when the append rotates keys."""
+        if not isinstance(slot_mapping, torch.Tensor):
+            raise TypeError(f"slot_mapping: expected a torch.Tensor, got {type(slot_mapping).__name__}")
+        ints = (torch.int64, torch.int32)
+        sm = _index_vector("slot_mapping", slot_mapping, None, slot_mapping.device, ints)
+        if positions is not None:
+            _index_vector("positions", positions, sm.shape[0], sm.device, ints)
+        return cls(slot_mapping=sm, positions=positions)
+
+    @property
+    def is_ragged(self) -> bool:
+        """True for a ragged batch (block tables + lengths), False for a slot mapping."""
+        return self.slot_mapping is None
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the batch's tensors."""
+        t = self.slot_mapping if self.slot_mapping is not None else self.block_tables
+        return t.device  # type: ignore[union-attr]
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences of a ragged batch (``B``); 0 for a slot mapping."""
+        return 0 if self.cu_q_lens is None else self.cu_q_lens.shape[0] - 1
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """int32 ``[B]``: tokens each sequence holds after this step's rows (ragged batches), computed on the
+        device once per batch (what gather and attention read)."""
+        if self.slot_mapping is not None:
+            raise ValueError("seq_lens: a slot-mapping batch describes no sequences; build it with PagedBatch.ragged")
+        if self._seq_lens is None:
+            if self.cu_k_lens is not None:
+                self._seq_lens = (self.cu_k_lens[1:] - self.cu_k_lens[:-1]).to(torch.int32)
+            else:
+                self._seq_lens = (self.kv_lens + (self.cu_q_lens[1:] - self.cu_q_lens[:-1])).to(torch.int32)
+        return self._seq_lens
+
+    def append_args(self) -> dict:
+        """The keyword arguments :func:`kvcache.ops.append_paged_kv` takes for this batch."""
+        return dict(block_tables=self.block_tables, cu_q_lens=self.cu_q_lens, kv_lens=self.kv_lens,
+                    cu_k_lens=self.cu_k_lens, slot_mapping=self.slot_mapping, positions=self.positions,
+                    cp_rank=self.cp_rank, cp_size=self.cp_size)
