@@ -8,6 +8,13 @@ multi-layer op is one launch with no per-call host-to-device work (CUDA-graph ca
 ``SlotCache`` holds the lengths, the active batch size and the eviction / save / restore API. The lengths
 live on the device; a host mirror of them is kept while it is exact (after ``reset_for_new_sequences`` and
 integer commits), which lets most bound checks run on the host without a sync.
+
+The mirror is trusted only while the lengths tensor's version counter (``_version``, shared by every view of
+it) is the one recorded when the mirror was last set. Torch's in-place ops bump it (``cache.lengths[1] = 12``,
+``cache.lengths.add_(1)``), and so does every kvcache op that writes a tensor through a kernel
+(``ops.increment_lengths(cache.lengths, -5)``); a changed counter drops the mirror and the next path that
+needs the values reads the device. Writes torch cannot see (a CUDA-graph replay, a foreign kernel) must be
+followed by :meth:`SlotCache.invalidate_host_lengths`.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from ._validate import check_dtype, check_int, check_ndim, check_tensor, fmt_sha
 from .ops._layers import build_layer_table
 from .ops.compact import compact_slots_strided, compact_slots_table
 from .ops.copy import _copy_strided_kernel, copy_slot_strided, copy_slot_table
+from .config import check_memory
 from .ops.lengths import compact_lengths, launch_increment
 from .snapshot import KVSnapshot
 
@@ -144,19 +152,24 @@ class SlotCache:
         self, specs: Sequence[tuple[int, int]], max_batch: int, max_seq: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         """Allocate the layers ``(num_kv_heads, head_dim)`` of ``specs`` and the per-sequence state."""
+        elt = torch.empty((), dtype=dtype).element_size()
+        check_memory(sum(2 * h * d for h, d in specs) * max_batch * max_seq * elt, device, "config")
         store = LayerStore(specs, max_batch, max_seq, dtype, device)
         self._store = store
         dev = store.device
         B = store.max_batch
-        self._lengths = torch.zeros(B, dtype=torch.int32, device=dev)
+        # A normal tensor even under torch.inference_mode(): inference tensors have no version counter.
+        with torch.inference_mode(False):
+            self._lengths = torch.zeros(B, dtype=torch.int32, device=dev)
         self._mapping = torch.full((B,), -1, dtype=torch.int32, device=dev)
         self._overflow = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._all_empty = True
+        self._all_empty: bool | None = True  # None: unknown (read from the device when asked)
         self._set_active(0)
         self._set_mirror([])
 
     # Host mirror of lengths[:active]: base values + a pending integer offset (so a decode-step commit is
     # O(1) on the host), with the min and max of the real values. None when only the device knows them.
+    # Valid while self._lengths._version == self._known_ver (module doc).
 
     def _set_mirror(self, values: list[int] | None) -> None:
         self._mirror = values
@@ -165,6 +178,36 @@ class SlotCache:
             self._mirror_min, self._mirror_max = min(values), max(values)
         else:
             self._mirror_min = self._mirror_max = 0
+        self._known_ver = self._lengths._version
+        self._outside_write = False
+
+    def _refresh(self) -> None:
+        """Drop the mirror and the all-empty flag if anyone wrote the lengths since they were recorded."""
+        ver = self._lengths._version
+        if ver != self._known_ver:
+            self._mirror = None
+            self._mirror_off = 0
+            self._all_empty = None
+            self._known_ver = ver
+            self._outside_write = True  # commit reads the device before its bound check
+
+    def invalidate_host_lengths(self) -> None:
+        """Forget the host copy of the lengths; the next call that needs them reads the device (one sync).
+
+        Writes through torch (``cache.lengths[b] = n``, ``cache.lengths.add_(1)``) and through kvcache's ops
+        are noticed without this call (they bump the tensor's version counter). Call it after writes torch
+        cannot see: a CUDA-graph replay that changes ``lengths``, or a kernel of your own.
+
+        Examples
+        --------
+        >>> graph.replay()                     # doctest: +SKIP
+        >>> cache.invalidate_host_lengths()    # doctest: +SKIP
+        """
+        self._mirror = None
+        self._mirror_off = 0
+        self._all_empty = None
+        self._known_ver = self._lengths._version
+        self._outside_write = True
 
     def _mirror_values(self) -> list[int] | None:
         if self._mirror is not None and self._mirror_off:
@@ -213,6 +256,7 @@ class SlotCache:
     @active_batch_size.setter
     def active_batch_size(self, value: int) -> None:
         check_int("active_batch_size", value, 0, self._store.max_batch)
+        self._refresh()
         values = self._mirror_values()
         if values is not None:
             # lengths of newly active slots are on the device only
@@ -222,11 +266,16 @@ class SlotCache:
     @property
     def all_empty(self) -> bool:
         """True while no active sequence holds a token (after a reset with all-zero reuse lengths, before a
-        commit)."""
+        commit). Reads the device (one sync) after the lengths were written outside the cache's own calls."""
+        self._refresh()
+        if self._all_empty is None:
+            self._all_empty = not any(self.host_lengths())
         return self._all_empty
 
     def host_lengths(self) -> list[int]:
-        """Lengths of the active sequences on the host (syncs when the host mirror is not exact)."""
+        """Lengths of the active sequences on the host (syncs when the host mirror is not exact: after a
+        commit of device counts, or after anyone else wrote :attr:`lengths`)."""
+        self._refresh()
         values = self._mirror_values()
         if values is None:
             values = self._lengths_view.tolist()
@@ -273,19 +322,33 @@ class SlotCache:
             int: added to every active length. Tensor: int32 ``[active_batch_size]`` counts, on the host or on
             the cache's device.
         check : bool
-            When the bound cannot be checked on the host (a device tensor, or after one), the kernel still
-            refuses an update that would take any length past ``max_seq_len`` (all or nothing) and raises a
-            device flag; ``check=True`` syncs, reads the flag and raises ValueError.
+            When the bound cannot be checked on the host (after a commit of device counts, until something
+            reads the lengths back), the kernel still refuses an update that would take any length past
+            ``max_seq_len`` or below 0 (all or nothing) and raises a device flag; ``check=True`` syncs, reads
+            the flag and raises ValueError. After a write to :attr:`lengths` that the cache did not make, the
+            lengths are read back (one sync) and checked on the host.
 
         Raises
         ------
         ValueError
             A length would pass ``max_seq_len`` or go below 0 (nothing changed), when checkable on the host.
+
+        Examples
+        --------
+        >>> cache.reset_for_new_sequences([3, 0])                        # doctest: +SKIP
+        >>> cache.commit(torch.tensor([4, 9], dtype=torch.int32))        # doctest: +SKIP
+        >>> cache.commit(1)                                              # doctest: +SKIP
+        >>> cache.host_lengths()                                         # doctest: +SKIP
+        [8, 10]
         """
         S = self._store.max_seq
         n = self._active
-        if self._mirror is None and self.device.type == "cpu":
-            self._set_mirror(self._lengths_view.tolist())  # on the CPU reading the lengths costs no sync
+        self._refresh()
+        if self._mirror is None and (self.device.type == "cpu" or (
+                self._outside_write and not torch.cuda.is_current_stream_capturing())):
+            # On the CPU reading the lengths costs no sync; after a write the cache did not make, one sync
+            # buys the host bound check (a refused commit raises).
+            self._set_mirror(self._lengths_view.tolist())
         if check and self._mirror is None:
             self._overflow.zero_()  # report only this commit's refusal
         if type(new_lengths) is int:
@@ -300,10 +363,13 @@ class SlotCache:
                 self._mirror_max += inc
             if n:
                 launch_increment(self._lengths_view, inc, S, self._overflow)
+                self._known_ver = self._lengths._version
                 if self._mirror is not None:
                     self._all_empty = self._mirror_min == 0 and self._mirror_max == 0
-                elif inc:
+                elif inc > 0:
                     self._all_empty = False
+                elif inc < 0:
+                    self._all_empty = None
             if self._mirror is None and check:
                 self._raise_on_overflow()
             return
@@ -317,7 +383,7 @@ class SlotCache:
             )
         on_host = new_lengths.device.type == "cpu"
         if not on_host and new_lengths.device != self.device:
-            raise ValueError(f"new_lengths: expected device {self.device} or cpu, got {new_lengths.device}")
+            raise ValueError(f"new_lengths: expected device {self._devices_allowed()}, got {new_lengths.device}")
         if on_host:
             counts = [int(x) for x in new_lengths.tolist()]
             values = self._mirror_values()
@@ -332,6 +398,7 @@ class SlotCache:
                 self._all_empty = not any(new_values)
             elif any(counts):
                 self._all_empty = False
+            self._known_ver = self._lengths._version
             if values is None and check:
                 self._raise_on_overflow()
             return
@@ -341,6 +408,9 @@ class SlotCache:
         self._all_empty = False
         if check:
             self._raise_on_overflow()
+
+    def _devices_allowed(self) -> str:
+        return "cpu" if self.device.type == "cpu" else f"{self.device} or cpu"
 
     def _raise_host_bound(self, new_values: list[int]) -> None:
         S = self._store.max_seq
@@ -391,7 +461,7 @@ class SlotCache:
             if finished.device.type == "cpu":
                 host_finished = [bool(x) for x in finished.tolist()]
             elif finished.device != self.device:
-                raise ValueError(f"finished: expected device {self.device} or cpu, got {finished.device}")
+                raise ValueError(f"finished: expected device {self._devices_allowed()}, got {finished.device}")
         else:
             if isinstance(finished, (str, bytes)) or not isinstance(finished, Sequence):
                 raise TypeError(
@@ -415,15 +485,17 @@ class SlotCache:
         else:
             _, new = ops.build_batch_mapping(finished, out=self._mapping)
             kept = None
+        self._refresh()
         if check:
             ops.check_batch_mapping(mapping, old, new)  # type: ignore[arg-type]
-            held = self.host_lengths()
+            held = self._lengths_view.tolist()  # the device values: the mirror could only echo them
             if any(not 0 <= x <= self._store.max_seq for x in held):
                 raise ValueError(f"lengths: expected values in [0, {self._store.max_seq}], got {held}")
+        values = self._mirror_values()
         if old and new != old:
             self._store.compact(mapping, self._lengths, old, new)  # type: ignore[arg-type]
             compact_lengths(self._lengths, mapping, old, new)  # type: ignore[arg-type]
-        values = self._mirror_values()
+        self._known_ver = self._lengths._version
         if values is not None:
             self._set_mirror(None if kept is None else [values[i] for i in kept])
             if self._mirror is not None:
@@ -441,8 +513,8 @@ class SlotCache:
         batch_idx : int
             An active sequence, ``0 <= batch_idx < active_batch_size``.
         seq_len : int
-            ``0 <= seq_len <=`` the sequence's length (checked when the host knows the lengths; otherwise
-            ``<= max_seq_len``).
+            ``0 <= seq_len <=`` the sequence's length (read from the device when the host copy is unknown; only
+            inside a CUDA-graph capture is the bound ``max_seq_len`` instead).
         out : KVSnapshot, optional
             A snapshot of this cache's layer shapes, dtype and device with ``out.seq_len == seq_len`` to
             write into (no allocation; capturable in a CUDA graph). Default: a new packed snapshot.
@@ -452,10 +524,20 @@ class SlotCache:
         KVSnapshot
             ``out``, or a new packed snapshot on the cache's device, layer ``i`` ``[2, H_i, seq_len, D_i]``.
         """
-        check_int("batch_idx", batch_idx, 0, self._active - 1 if self._active else -1)
+        if self._active == 0:
+            check_int("batch_idx", batch_idx)
+            raise ValueError(f"batch_idx: no active sequence to save from (active_batch_size is 0), got {batch_idx}")
+        check_int("batch_idx", batch_idx, 0, self._active - 1)
+        check_int("seq_len", seq_len, 0)
+        self._refresh()
         values = self._mirror_values()
-        held = values[batch_idx] if values is not None else self._store.max_seq
-        check_int("seq_len", seq_len, 0, held)
+        if values is None and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            values = self.host_lengths()  # one sync; never inside a CUDA-graph capture
+        held = self._store.max_seq if values is None else min(max(values[batch_idx], 0), self._store.max_seq)
+        if seq_len > held:
+            raise ValueError(
+                f"seq_len: expected an int <= {held} (the tokens sequence {batch_idx} holds), got {seq_len}"
+            )
         if out is None:
             out = KVSnapshot.empty(self._store.specs, seq_len, dtype=self._store.dtype, device=self.device)
         else:

@@ -566,7 +566,7 @@ def _kv_layer_cases(device, other_device, multi: bool):
     cases = [
         ("layer-type", TypeError, lname, kw(layer=3 if not multi else [3])),
         ("layer-4d", ValueError, lname, kw(layer=layer()[0])),
-        ("layer-fp32", ValueError, lname, kw(layer=layer().float())),
+        ("layer-fp64", ValueError, lname, kw(layer=layer().double())),
         ("layer-noncontig", ValueError, lname,
          kw(layer=torch.ones((b, 2, 2, 4, 16), dtype=torch.float16, device=device)[..., ::2])),
         ("mapping-type", TypeError, "batch_mapping", kw(batch_mapping=[0, -1, 1])),

@@ -290,7 +290,7 @@ def _one_layer_cases(device, other_device):
         ("cache-4d", ValueError, cache_name, c()[0], sn(), 0),
         ("cache-dim1", ValueError, cache_name, torch.zeros((b, 3, h, s_max, d), dtype=fp16, device=device) + 1,
          sn(), 0),
-        ("cache-fp32", ValueError, cache_name, c().float(), sn().float(), 0),
+        ("cache-fp64", ValueError, cache_name, c().double(), sn().double(), 0),
         ("cache-noncontig", ValueError, cache_name, big[..., ::2], sn(), 0),
         ("snap-3d", ValueError, snap_name, c(), sn()[0], 0),
         ("snap-dtype", ValueError, snap_name, c(), sn().to(torch.bfloat16), 0),

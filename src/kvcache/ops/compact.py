@@ -17,8 +17,15 @@ a load earlier, never a store earlier than a load it follows). If ``j`` was evic
 is lost. Loads issued ahead of time only read slots ``> i``, which no step ``<= i`` writes. The same thread
 handles the same element positions at every step, so no barrier is needed.
 
-The kernels skip any ``mapping[i]`` with ``mapping[i] > i`` (in place) or ``>= new_active``: a malformed
-mapping cannot write outside the compacted range or race. ``check=True`` (syncs) rejects it with an error.
+Inputs read from device memory are bounded in the kernels and the references alike, so no input writes
+outside the target tensor:
+
+* Entry ``i`` is applied only when ``0 <= j = mapping[i] < new_active`` and, in place, ``j <= i`` and ``j`` is
+  larger than every earlier applied ``mapping[i']`` (:func:`~kvcache.ops.lengths.compaction_moves`). A malformed
+  mapping passed with ``check=False`` thus moves a well-defined subset (never racing, never writing one slot
+  twice), and :func:`~kvcache.ops.compact_lengths` applies the same subset, so lengths describe the data.
+  ``check=True`` (syncs) rejects such a mapping with an error instead.
+* A length is clamped to ``[0, S]`` (the row's capacity) before it sizes a copy.
 
 The lengths are compacted by a second, single-program launch after the data kernel, because the data
 kernel reads ``lengths[i]`` while it runs (compacting them in the same launch is a race).
@@ -48,7 +55,7 @@ from .._validate import (
     vec_elems,
 )
 from ._layers import LayerTable, TableMemo, check_kv_layer, check_kv_layers
-from .lengths import _MAX_BATCH, _check_lengths_args, compact_lengths
+from .lengths import _MAX_BATCH, _check_lengths_args, compact_lengths, compaction_moves
 
 __all__ = [
     "build_batch_mapping",
@@ -210,7 +217,7 @@ def check_batch_mapping(batch_mapping: torch.Tensor, old_active: int, new_active
 
 
 @kernel(ints=("old_active", "new_active", "src_layer_stride", "src_row_stride", "src_batch_stride",
-              "dst_layer_stride", "dst_row_stride", "dst_batch_stride", "token_elems", "row_vecs"))
+              "dst_layer_stride", "dst_row_stride", "dst_batch_stride", "token_elems", "max_tokens", "row_vecs"))
 def _compact_strided_kernel(
     src,  # bits
     dst,  # bits (src itself when IN_PLACE)
@@ -225,6 +232,7 @@ def _compact_strided_kernel(
     dst_row_stride,
     dst_batch_stride,
     token_elems,  # elements per token (head_dim) when HAS_LENGTHS
+    max_tokens,  # tokens a row holds (lengths are clamped to [0, max_tokens]) when HAS_LENGTHS
     row_vecs,  # elements per row divided by VEC, when not HAS_LENGTHS (a product proves divisibility)
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
@@ -233,7 +241,8 @@ def _compact_strided_kernel(
 ):
     # grid: (cdiv(max row elements, BLOCK), rows per layer, layers)
     # row (l, r) of slot b: l * layer_stride + r * row_stride + b * batch_stride; valid elements:
-    # lengths[b] * token_elems (HAS_LENGTHS) or row_vecs * VEC. Walks old slots in ascending order (module doc).
+    # clamp(lengths[b], 0, max_tokens) * token_elems (HAS_LENGTHS) or row_vecs * VEC. Walks old slots in
+    # ascending order; in place it applies only j <= i above every earlier applied j (module doc).
     chunk = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     layer = tl.program_id(2).to(tl.int64)
@@ -242,15 +251,19 @@ def _compact_strided_kernel(
     src_row = layer * src_layer_stride + r * src_row_stride
     dst_row = layer * dst_layer_stride + r * dst_row_stride
     zero = layer * 0  # int64 zero: slot offsets are computed in 64 bits
+    running = new_active * 0 - 1  # largest applied mapping value so far (int32)
     for i in range(0, old_active):
         j = tl.load(mapping + i)
         if HAS_LENGTHS:
-            n = tl.load(lengths + i).to(tl.int64) * token_elems
+            held = tl.minimum(tl.maximum(tl.load(lengths + i), 0), max_tokens)
+            n = held.to(tl.int64) * token_elems
         else:
             n = row_vecs * VEC
         move = (j >= 0) & (j < new_active) & (start < n)
         if IN_PLACE:
-            move = move & (j < i)
+            valid = (j >= 0) & (j < new_active) & (j <= i) & (j > running)
+            running = tl.where(valid, j, running)
+            move = move & valid & (j < i)
         if move:
             mask = offs < tl.multiple_of(n, VEC)
             s = tl.multiple_of(src_row + (zero + i) * src_batch_stride, VEC)
@@ -270,7 +283,8 @@ def _compact_table_kernel(
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
 ):
-    # grid: (cdiv(max S_i * D_i, BLOCK), max 2 * H_i, L); in place, ascending old slots (module doc).
+    # grid: (cdiv(max S_i * D_i, BLOCK), max 2 * H_i, L); in place, ascending old slots, j <= i above every
+    # earlier applied j, lengths clamped to [0, S_i] (module doc).
     chunk = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     layer = tl.program_id(2).to(tl.int64)
@@ -279,14 +293,18 @@ def _compact_table_kernel(
     if r < rows:
         layer_off = tl.load(row + 0)
         batch_stride = tl.load(row + 1)
-        row_start = layer_off + r * tl.load(row + 2)
+        row_elems = tl.load(row + 2)  # S_i * D_i
+        row_start = layer_off + r * row_elems
         head_dim = tl.load(row + 4)
         start = chunk * BLOCK
         offs = start + tl.arange(0, BLOCK)
+        running = new_active * 0 - 1  # largest applied mapping value so far (int32)
         for i in range(0, old_active):
             j = tl.load(mapping + i)
-            n = tl.load(lengths + i).to(tl.int64) * head_dim
-            if (j >= 0) & (j < i) & (j < new_active) & (start < n):
+            n = tl.minimum(tl.maximum(tl.load(lengths + i), 0).to(tl.int64) * head_dim, row_elems)
+            valid = (j >= 0) & (j <= i) & (j < new_active) & (j > running)
+            running = tl.where(valid, j, running)
+            if valid & (j < i) & (start < n):
                 mask = offs < tl.multiple_of(n, VEC)
                 s = tl.multiple_of(row_start + (layer * 0 + i) * batch_stride, VEC)
                 d = tl.multiple_of(row_start + j.to(tl.int64) * batch_stride, VEC)
@@ -296,15 +314,6 @@ def _compact_table_kernel(
 
 # --------------------------------------------------------------------------------------------------------
 # launchers (no validation: callers validated)
-
-
-def _moves(batch_mapping: torch.Tensor, old_active: int, new_active: int, in_place: bool) -> list[tuple[int, int]]:
-    """Host list of (old, new) moves in ascending order, with the kernels' guards (reference path)."""
-    out = []
-    for i, j in enumerate(batch_mapping[:old_active].tolist()):
-        if 0 <= j < new_active and (j < i or not in_place):
-            out.append((i, j))
-    return out
 
 
 def compact_slots_strided(
@@ -323,7 +332,8 @@ def compact_slots_strided(
     token_elems: int = 1,
 ) -> None:
     """Launch the strided compaction. ``*_strides`` are (layer, row, batch) element strides; a row holds
-    ``row_capacity`` elements, of which ``lengths[b] * token_elems`` (or all, without lengths) are valid."""
+    ``row_capacity`` elements, of which ``clamp(lengths[b], 0, row_capacity // token_elems) * token_elems``
+    (or all, without lengths) are copied."""
     if old_active == 0 or row_capacity == 0:
         return
     in_place = src.data_ptr() == dst.data_ptr()
@@ -331,8 +341,11 @@ def compact_slots_strided(
     if not use_triton(src.device):
         s_flat, d_flat = sb.reshape(-1), db.reshape(-1)
         lens = lengths[:old_active].tolist() if lengths is not None else None
-        for i, j in _moves(batch_mapping, old_active, new_active, in_place):
-            n = lens[i] * token_elems if lens is not None else row_capacity
+        max_tokens = row_capacity // token_elems
+        for i, j in compaction_moves(batch_mapping, old_active, new_active, in_place):
+            n = min(max(lens[i], 0), max_tokens) * token_elems if lens is not None else row_capacity
+            if i == j:
+                continue
             for layer in range(num_layers):
                 for r in range(rows):
                     a = layer * src_strides[0] + r * src_strides[1] + i * src_strides[2]
@@ -354,6 +367,7 @@ def compact_slots_strided(
         *src_strides,
         *dst_strides,
         token_elems,
+        row_capacity // token_elems,
         row_capacity // vec,
         BLOCK=block,
         VEC=vec,
@@ -403,8 +417,11 @@ def compact_kv_layer_reference(
 ) -> None:
     """Pure-torch reference of the data part of :func:`compact_kv_layer` (in place, ascending order)."""
     lens = lengths[:old_active].tolist()
-    for i, j in _moves(batch_mapping, old_active, new_active, in_place=True):
-        layer[j, :, :, : lens[i]] = layer[i, :, :, : lens[i]]
+    s = layer.shape[3]
+    for i, j in compaction_moves(batch_mapping, old_active, new_active):
+        n = min(max(lens[i], 0), s)  # never Python's negative indexing on a device value
+        if i != j:
+            layer[j, :, :, :n] = layer[i, :, :, :n]
 
 
 def compact_batch_reference(
@@ -412,8 +429,9 @@ def compact_batch_reference(
 ) -> None:
     """Pure-torch reference of :func:`compact_batch`."""
     in_place = src.data_ptr() == dst.data_ptr()
-    for i, j in _moves(batch_mapping, old_active, new_active, in_place):
-        dst[j] = src[i]
+    for i, j in compaction_moves(batch_mapping, old_active, new_active, in_place):
+        if i != j or not in_place:
+            dst[j] = src[i]
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -316,7 +316,34 @@ def _check_layer_lists(
         check_same_dtype(f"{snap_name}[{i}]", t, f"{cache_name}[{i}]", layer)
         check_device(f"{snap_name}[{i}]", t, layer.device, f"{cache_name}[{i}]")
         check_contiguous(f"{snap_name}[{i}]", t)
+    _check_no_overlap(cache_name, layers, snap_name, snaps)
     return layers, snaps
+
+
+def _check_no_overlap(
+    cache_name: str, layers: Sequence[torch.Tensor], snap_name: str, snaps: Sequence[torch.Tensor]
+) -> None:
+    """No snapshot tensor may overlap a cache layer or another snapshot tensor (as in :func:`save_kv_layer`).
+
+    A sweep over the byte ranges sorted by start: a range overlaps an earlier one exactly when it starts before
+    the largest end seen so far; the largest end is kept per kind, since cache layers may touch each other.
+    """
+    spans = []
+    for kind, name, ts in ((0, cache_name, layers), (1, snap_name, snaps)):
+        for i, t in enumerate(ts):
+            if t.numel():
+                a = t.data_ptr()
+                spans.append((a, a + t.numel() * t.element_size(), kind, f"{name}[{i}]"))
+    spans.sort(key=lambda x: (x[0], x[2]))
+    reach = [(0, ""), (0, "")]  # per kind: (largest end so far, its tensor's name)
+    for a, b, kind, name in spans:
+        for other in ((0, 1) if kind == 1 else (1,)):
+            end, owner = reach[other]
+            if a < end:
+                first, second = (owner, name) if owner.startswith(snap_name) else (name, owner)
+                raise ValueError(f"{first}: must not overlap {second} in memory")
+        if b > reach[kind][0]:
+            reach[kind] = (b, name)
 
 
 def save_kv_layers(

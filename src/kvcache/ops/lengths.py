@@ -2,12 +2,28 @@
 
 Both kernels run as one program over the whole active batch, which makes them all-or-nothing (increment)
 and race-free in place (compaction): every length is loaded before any is stored.
+
+Rules that hold for any input, valid or not (the reference and the kernel follow the same ones):
+
+* Sums are taken in 64 bits. Without ``max_len`` a length saturates at the int32 range
+  ``[-2**31, 2**31 - 1]`` instead of wrapping; with ``max_len`` a sum outside ``[0, max_len]`` refuses the
+  whole update.
+* Compaction applies entry ``i`` (``dst[mapping[i]] = lengths[i]``) only when it is *valid*
+  (``0 <= mapping[i] < new_active`` and ``mapping[i] <= i``) and ``mapping[i]`` is larger than every earlier
+  valid entry's: exactly the entries that the in-place data kernels of :mod:`kvcache.ops.compact` move (no
+  slot written twice, no race), so lengths and data never disagree, even for a malformed mapping passed with
+  ``check=False``. For an order-preserving mapping (what :func:`~kvcache.ops.build_batch_mapping` makes) that
+  is every kept entry.
+* Every op that writes a tensor through a kernel bumps its version counter (``tensor._version``), as torch's
+  own in-place ops do, so holders of the tensor (the caches' host mirror of the lengths) see the write.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from .._backend import kernel, use_triton
 from .._validate import check_device, check_dtype, check_int, check_ndim, check_tensor, next_pow2
@@ -18,10 +34,14 @@ __all__ = [
     "increment_lengths_reference",
     "compact_lengths",
     "compact_lengths_reference",
+    "compaction_moves",
 ]
 
 _INT32_MAX = 2**31 - 1
+_INT32_MIN = -(2**31)
 _MAX_BATCH = 1 << 20  # one program holds the whole batch in registers
+# Rank keys of the compaction rule: mapping[i] * _KEY_SCALE + (_KEY_SCALE - 1 - i) in int64 (i < _MAX_BATCH).
+_KEY_SCALE = 2 * _MAX_BATCH
 
 
 @kernel(ints=("n", "scalar_increment", "max_len"))
@@ -38,23 +58,25 @@ def _increment_lengths_kernel(
     BLOCK: tl.constexpr,
 ):
     # One program: load every length, decide, then store, so a rejected increment changes nothing.
+    # Sums in 64 bits: nothing wraps (saturate without CHECK, refuse with it).
     i = tl.arange(0, BLOCK)
     m = i < n
-    old = tl.load(lengths + i, mask=m, other=0)
+    old = tl.load(lengths + i, mask=m, other=0).to(tl.int64)
     if HAS_TENSOR:
-        new = old + tl.load(increment + i, mask=m, other=0)
+        new = old + tl.load(increment + i, mask=m, other=0).to(tl.int64)
     else:
-        new = old + scalar_increment
+        new = old + scalar_increment.to(tl.int64)
     if CHECK:
         bad = m & ((new > max_len) | (new < 0))
         nbad = tl.sum(bad.to(tl.int32), axis=0)
         # (i * 0 + nbad) makes the condition a vector: triton 3.9's interpreter rejects vector & scalar masks
-        tl.store(lengths + i, new, mask=m & ((i * 0 + nbad) == 0))
+        tl.store(lengths + i, new.to(tl.int32), mask=m & ((i * 0 + nbad) == 0))
         if HAS_FLAG:
             if nbad > 0:
                 tl.store(overflow, 1)
     else:
-        tl.store(lengths + i, new, mask=m)
+        new = tl.minimum(tl.maximum(new, -2147483648), 2147483647)
+        tl.store(lengths + i, new.to(tl.int32), mask=m)
 
 
 def increment_lengths_reference(
@@ -66,10 +88,13 @@ def increment_lengths_reference(
 ) -> None:
     """Pure-torch reference of :func:`increment_lengths` (same arguments, same semantics)."""
     new = lengths.to(torch.int64) + (increment.to(torch.int64) if isinstance(increment, torch.Tensor) else increment)
-    if max_len is not None and lengths.numel() > 0 and bool(((new > max_len) | (new < 0)).any()):
-        if overflow is not None:
-            overflow.fill_(1)
-        return
+    if max_len is not None:
+        if lengths.numel() > 0 and bool(((new > max_len) | (new < 0)).any()):
+            if overflow is not None:
+                overflow.fill_(1)
+            return
+    else:
+        new = new.clamp_(_INT32_MIN, _INT32_MAX)
     lengths.copy_(new.to(torch.int32))
 
 
@@ -91,7 +116,8 @@ def increment_lengths(
         dtype int32, on ``lengths``' device.
     max_len : int, optional
         Bound checked on the device without a host sync: if any new length would be ``> max_len`` or
-        ``< 0``, **no** length changes (all or nothing) and ``overflow[0]`` is set to 1.
+        ``< 0``, **no** length changes (all or nothing) and ``overflow[0]`` is set to 1. Without it, a
+        length saturates at ``2**31 - 1`` (or ``-2**31``) instead of wrapping around.
     overflow : torch.Tensor, optional
         shape ``[1]``, dtype int32, on ``lengths``' device; set to 1 when ``max_len`` rejects the update,
         never cleared. Only with ``max_len``.
@@ -99,6 +125,16 @@ def increment_lengths(
     Note
     ----
     No allocation, no host sync: capturable in a CUDA graph (an int increment is baked into the graph).
+    Bumps ``lengths._version`` like a torch in-place op (the caches' host mirror of their lengths relies on
+    it; a CUDA-graph replay runs no Python and bumps nothing).
+
+    Examples
+    --------
+    >>> lengths = torch.tensor([3, 5], dtype=torch.int32)
+    >>> increment_lengths(lengths, 1)
+    >>> lengths.tolist()
+    [4, 6]
+    >>> increment_lengths(lengths, torch.tensor([2, 0], dtype=torch.int32), max_len=5, overflow=flag)  # doctest: +SKIP
     """
     if (
         type(lengths) is torch.Tensor
@@ -153,6 +189,7 @@ def launch_increment(
     if not use_triton(lengths.device):
         increment_lengths_reference(lengths, increment, max_len=max_len, overflow=overflow)
         return
+    increment_version(lengths)
     n = lengths.shape[0]
     has_tensor = isinstance(increment, torch.Tensor)
     _increment_lengths_kernel.launch(
@@ -178,26 +215,59 @@ def _compact_lengths_kernel(
     dst,  # int32 [>= new_active]; may alias lengths
     old_active,
     new_active,
+    KEY_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Applies the entries the in-place data kernels move (module doc): valid (0 <= j < new_active, j <= i) and
+    # j above every earlier valid j. The last test is a prefix max of rank keys j * SCALE + (SCALE - 1 - i) over
+    # valid entries: entry i holds the running maximum exactly when its j beats every earlier valid j (ties go
+    # to the earlier entry).
     i = tl.arange(0, BLOCK)
     m = i < old_active
     j = tl.load(mapping + i, mask=m, other=-1)
     length = tl.load(lengths + i, mask=m, other=0)
+    valid = m & (j >= 0) & (j < new_active) & (j <= i)
+    key = tl.where(valid, j.to(tl.int64) * KEY_SCALE + (KEY_SCALE - 1 - i), -9223372036854775807)
+    running = tl.associative_scan(key, 0, _max_combine)
     # Every thread has loaded before any stores: dst may alias lengths.
     tl.debug_barrier()
-    keep = m & (j >= 0) & (j < new_active)
+    keep = valid & (running == key)
     tl.store(dst + j, length, mask=keep)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+def compaction_moves(
+    batch_mapping: torch.Tensor, old_active: int, new_active: int, in_place: bool = True
+) -> list[tuple[int, int]]:
+    """The ``(old, new)`` slot pairs a compaction applies, in ascending ``old`` order (host; reads the mapping).
+
+    In place: valid (``0 <= j < new_active``, ``j <= i``) and ``j`` above every earlier valid entry's (the rule
+    of the module doc). Out of place (:func:`~kvcache.ops.compact_batch` into another tensor): ``0 <= j < new_active``
+    (several entries onto one ``j``: the last one wins, as in the kernel's ascending walk).
+    """
+    out = []
+    running = -(2**63)
+    for i, j in enumerate(batch_mapping[:old_active].tolist()):
+        if in_place:
+            if 0 <= j < new_active and j <= i and j > running:
+                out.append((i, j))
+                running = j
+        elif 0 <= j < new_active:
+            out.append((i, j))
+    return out
 
 
 def compact_lengths_reference(
     lengths: torch.Tensor, batch_mapping: torch.Tensor, old_active: int, new_active: int, dst: torch.Tensor
 ) -> None:
     """Pure-torch reference of :func:`compact_lengths`."""
-    src = lengths[:old_active].clone()
-    mapping = batch_mapping[:old_active]
-    keep = (mapping >= 0) & (mapping < new_active)
-    dst[mapping[keep].long()] = src[keep]
+    src = lengths[:old_active].tolist()
+    for i, j in compaction_moves(batch_mapping, old_active, new_active):
+        dst[j] = src[i]
 
 
 def compact_lengths(
@@ -208,6 +278,10 @@ def compact_lengths(
     dst_lengths: torch.Tensor | None = None,
 ) -> None:
     """``dst_lengths[batch_mapping[i]] = lengths[i]`` for every kept ``i < old_active``.
+
+    An entry is applied when ``0 <= batch_mapping[i] < new_active``, ``batch_mapping[i] <= i`` and
+    ``batch_mapping[i]`` is larger than every earlier applied entry (module doc): the entries the in-place data
+    compaction moves; for an order-preserving mapping, every kept one.
 
     Parameters
     ----------
@@ -225,6 +299,13 @@ def compact_lengths(
     Note
     ----
     Run it after every layer was compacted: the layer kernels read ``lengths``.
+
+    Examples
+    --------
+    >>> lengths = torch.tensor([4, 9, 2], dtype=torch.int32)
+    >>> compact_lengths(lengths, torch.tensor([0, -1, 1], dtype=torch.int32), 3, 2)
+    >>> lengths[:2].tolist()
+    [4, 2]
     """
     check_tensor("lengths", lengths)
     check_tensor("batch_mapping", batch_mapping)
@@ -238,6 +319,7 @@ def compact_lengths(
         return
     if not use_triton(lengths.device):
         compact_lengths_reference(lengths, batch_mapping, old_active, new_active, dst)
+        increment_version(dst)
         return
     _compact_lengths_kernel.launch(
         lengths.device,
@@ -247,8 +329,10 @@ def compact_lengths(
         dst,
         old_active,
         new_active,
+        KEY_SCALE=_KEY_SCALE,
         BLOCK=max(16, next_pow2(old_active)),
     )
+    increment_version(dst)
 
 
 def _check_lengths_args(
