@@ -8,7 +8,6 @@ own block tables, sized by :func:`cp_local_len`, and its own allocator.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -276,7 +275,8 @@ def cp_attention(
     group : ProcessGroup, optional
         The context-parallel group (default: the world).
     **attention_kwargs
-        Passed on to ``paged_attention`` (``scale``, ``window``, ...).
+        Passed on to ``paged_attention`` (``scale``, ``window``, ``softcap``, ``sinks``: rank 0 alone adds the
+        sinks, so the merge is exact).
 
     Returns
     -------
@@ -293,12 +293,16 @@ def cp_attention(
     cache = _check_cache(cache)
     rank, size = group_rank_size(group)
     i = check_int("layer", layer, 0, cache.num_layers - 1)
+    for name in ("cp_rank", "cp_size", "lse", "kv_scales"):
+        if name in attention_kwargs:
+            raise ValueError(f"{name}: set by cp_attention (the group's rank / size, this cache's scales), not "
+                             f"by the caller")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q: expected a tensor [n_tokens, Hq, D], got "
+                         f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     cfg = cache.config
-    kwargs = dict(attention_kwargs)
-    if "return_lse" in inspect.signature(attn).parameters:
-        kwargs["return_lse"] = True
-    res = attn(q, cache.pool(i), cache.params(i), cache.kv_scales[i], kv_dtype=cfg.kv_dtype, layout=cfg.layout,
-               block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, cp_rank=rank, cp_size=size, **kwargs)
-    if not isinstance(res, tuple) or len(res) != 2:
-        raise RuntimeError(f"cp_attention: expected paged_attention to return (out, lse), got {type(res).__name__}")
-    return cp_merge_attention(res[0], res[1], group=group)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    out = attn(q, cache.pool(i), cache.params(i), cache.kv_scales[i] if cfg.kv_dtype == "fp8" else None,
+               kv_dtype=cfg.kv_dtype, layout=cfg.layout, block_tables=block_tables, cu_q_lens=cu_q_lens,
+               kv_lens=kv_lens, lse=lse, cp_rank=rank, cp_size=size, **attention_kwargs)
+    return cp_merge_attention(out, lse, group=group)
