@@ -2,7 +2,7 @@
 every layer (any kv_dtype; int8 / int4 scale / zero and fp8 scales included) and :class:`~kvcache.KVSnapshot`
 prefixes, for disaggregated serving (prefill on one rank, decode on another).
 
-Each transfer is a header, an answer and one packed payload (see :mod:`kvcache.distributed._wire`): the
+Each transfer is a header, an answer and one packed payload (see :mod:`kvcache.distributed.wire`): the
 receiver checks format and shape against its own before anything moves, takes its blocks from its own
 allocator, checks the payload's checksum, and only then writes into its cache. Both ranks must call the
 matching pair (``send_blocks`` / ``recv_blocks``, ``send_snapshot`` / ``recv_snapshot``) in the same order.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import _validate
 from ..paged import BlockAllocator, PagedKVCache
 from ..snapshot import KVSnapshot
-from . import _wire as W
+from . import wire as W
 from ._comm import as_bytes, check_peer, comm_device
 
 __all__ = ["send_blocks", "recv_blocks", "send_snapshot", "recv_snapshot"]
@@ -438,7 +438,7 @@ def recv_snapshot(
         expect[W.F_COUNT] = seq_len
     _reject_first(got, expect, src, group, dev, "a snapshot")
     L, s_len, specs_b, data_b = got[W.F_LAYERS], got[W.F_COUNT], got[W.F_SPECS], got[W.F_DATA]
-    if got[W.F_DTYPE] not in W._DECODE[W.F_DTYPE] or L < 1 or specs_b != 16 * L or got[W.F_NBYTES] != W.align(
+    if got[W.F_DTYPE] not in W.DECODE[W.F_DTYPE] or L < 1 or specs_b != 16 * L or got[W.F_NBYTES] != W.align(
             W.align(specs_b) + data_b, W.CHUNK):
         _answer(W.REJECT, W.F_NBYTES, -1, src, group, dev)
         raise ValueError(f"src: rank {src} sent an inconsistent snapshot header {got[:W.F_HAS_SUM]}")
@@ -447,7 +447,7 @@ def recv_snapshot(
     specs = [tuple(x) for x in payload[:specs_b].view(torch.int64).view(L, 2).tolist()]
     if specs_want is not None and specs != specs_want:
         raise ValueError(f"layer_specs: expected {specs_want}, rank {src} sent {specs}")
-    dt = W._DECODE[W.F_DTYPE][got[W.F_DTYPE]]
+    dt = W.DECODE[W.F_DTYPE][got[W.F_DTYPE]]
     elt = torch.empty((), dtype=dt).element_size()
     if any(h < 1 or d < 1 for h, d in specs) or sum(2 * h * s_len * d for h, d in specs) * elt != data_b:
         raise ValueError(f"src: rank {src} sent layer specs {specs} that do not match its {data_b} data bytes")

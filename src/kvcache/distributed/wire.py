@@ -44,7 +44,7 @@ ACCEPT, NO_ROOM, REJECT = 0, 1, 2
 KV_DTYPE_CODES = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
-_DECODE = {
+DECODE = {
     F_KV_DTYPE: {v: k for k, v in KV_DTYPE_CODES.items()},
     F_LAYOUT: {v: k for k, v in LAYOUT_CODES.items()},
     F_DTYPE: {v: k for k, v in DTYPE_CODES.items()},
@@ -54,7 +54,7 @@ _DECODE = {
 
 def describe(field: int, value: int) -> str:
     """A header value as a person reads it (``'NHD'``, ``torch.float16``, ``12``)."""
-    dec = _DECODE.get(field)
+    dec = DECODE.get(field)
     if dec is not None and value in dec:
         return repr(dec[value]) if isinstance(dec[value], str) else str(dec[value])
     return str(value)

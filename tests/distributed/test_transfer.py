@@ -1,0 +1,415 @@
+"""KV transfer by torch.distributed point-to-point: blocks of every kv_dtype and snapshots arrive bit-exact,
+formats are checked on arrival (nothing written on a mismatch), the receiver's blocks come from its own
+allocator, and a disaggregated prefill -> decode run gives the single-process tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from kvcache import BlockAllocator, KVSnapshot
+from kvcache.distributed import recv_blocks, recv_snapshot, send_blocks, send_snapshot, wire
+
+from .conftest import world_params
+from .helpers import block_table, cu, ints, make_cache, randn
+from .world import RankContext
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPTS = [9, 6]  # tokens per sequence of the sender's prefill
+
+
+def _prefilled(device: torch.device, seed: int, **kw):  # type: ignore[no-untyped-def]
+    """A cache with two prefilled sequences whose blocks are scattered (some ids taken first); returns the
+    cache, its block table and the lengths."""
+    cache = make_cache(device, **kw)
+    bs, nb = cache.config.block_size, cache.config.num_blocks
+    alloc = BlockAllocator(nb, bs)
+    alloc.allocate(3)
+    table = block_table(alloc, [-(-n // bs) for n in PROMPTS], device, reverse=True)
+    gen = torch.Generator().manual_seed(seed)
+    H, D = cache.config.num_kv_heads, cache.config.head_dim
+    for layer in range(cache.num_layers):
+        k = randn(gen, (sum(PROMPTS), H, D), cache.config.dtype, device)
+        v = randn(gen, (sum(PROMPTS), H, D), cache.config.dtype, device)
+        cache.append(layer, k, v, block_tables=table, cu_q_lens=cu(PROMPTS, device),
+                     kv_lens=ints([0] * len(PROMPTS), device), check=True)
+    return cache, table
+
+
+def _sent_ids(table: torch.Tensor) -> list[int]:
+    """Block ids of every sequence, in order, sequence after sequence."""
+    bs = 4
+    return [int(x) for b, n in enumerate(PROMPTS) for x in table[b, :-(-n // bs)].tolist()]
+
+
+def _sentinel(cache) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(5)
+    cache.buffer.view(torch.uint8).copy_(torch.randint(0, 256, cache.buffer.view(torch.uint8).shape, generator=g,
+                                                       dtype=torch.uint8))
+    if cache.params_buffer is not None:
+        cache.params_buffer.copy_(torch.rand(cache.params_buffer.shape, generator=g))
+
+
+def _receiver(ctx: RankContext, kw: dict):  # type: ignore[no-untyped-def]
+    cache = make_cache(ctx.device, **kw)
+    _sentinel(cache)
+    alloc = BlockAllocator(cache.config.num_blocks, cache.config.block_size)
+    alloc.allocate(5)  # the receiver's own blocks in use: new ones come after them
+    return cache, alloc
+
+
+def _check_arrived(cache, before, ids, src_cache, src_ids) -> None:  # type: ignore[no-untyped-def]
+    """Blocks ``ids`` of ``cache`` hold ``src_cache``'s ``src_ids`` bit for bit; every other byte is as before."""
+    idx = torch.tensor(ids, dtype=torch.long, device=cache.device)
+    sidx = torch.tensor(src_ids, dtype=torch.long, device=cache.device)
+    got, want = cache.buffer.view(torch.uint8), src_cache.buffer.view(torch.uint8)
+    assert torch.equal(got.index_select(1, idx), want.index_select(1, sidx))
+    others = torch.ones(cache.config.num_blocks, dtype=torch.bool, device=cache.device)
+    others[idx] = False
+    assert torch.equal(got[:, others], before[0][:, others])
+    if cache.params_buffer is not None:
+        gp, wp = cache.params_buffer.view(torch.int32), src_cache.params_buffer.view(torch.int32)
+        assert torch.equal(gp.index_select(1, idx), wp.index_select(1, sidx))
+        assert torch.equal(gp[:, others], before[1][:, others])
+
+
+def _snapshot_state(cache):  # type: ignore[no-untyped-def]
+    return (cache.buffer.view(torch.uint8).clone(),
+            None if cache.params_buffer is None else cache.params_buffer.view(torch.int32).clone())
+
+
+def _blocks_roundtrip(ctx: RankContext, kw: dict, checksum: bool) -> list[int] | None:
+    """Every rank but the last sends its blocks (its own data) to the last rank, which receives them in rank
+    order and compares with the senders' caches rebuilt locally."""
+    last = ctx.size - 1
+    if ctx.rank != last:
+        cache, table = _prefilled(ctx.device, 100 + ctx.rank, **kw)
+        assert send_blocks(cache, _sent_ids(table), dst=last, checksum=checksum) is True
+        return None
+    cache, alloc = _receiver(ctx, kw)
+    free0 = alloc.num_free_blocks
+    all_ids = []
+    for src in range(last):
+        before = _snapshot_state(cache)
+        ids = recv_blocks(cache, alloc, src=src)
+        src_cache, src_table = _prefilled(ctx.device, 100 + src, **kw)
+        sent = _sent_ids(src_table)
+        assert ids is not None and len(ids) == len(sent) and not set(ids) & set(range(5)) and not set(ids) & set(all_ids)
+        _check_arrived(cache, before, ids, src_cache, sent)
+        # the sequences read back through the new block table: the sender's K / V exactly
+        bs, off = 4, 0
+        table = torch.zeros(len(PROMPTS), 3, dtype=torch.int32)
+        for b, n in enumerate(PROMPTS):
+            nblk = -(-n // bs)
+            table[b, :nblk] = torch.tensor(ids[off:off + nblk])
+            off += nblk
+        for layer in range(cache.num_layers):
+            k, v = cache.gather(layer, table.to(ctx.device), kv_lens=ints(PROMPTS, ctx.device))
+            ks, vs = src_cache.gather(layer, src_table, kv_lens=ints(PROMPTS, ctx.device))
+            assert torch.equal(k, ks) and torch.equal(v, vs)
+        all_ids += ids
+    assert alloc.num_free_blocks == free0 - len(all_ids)
+    return all_ids
+
+
+@pytest.mark.parametrize("world", world_params(2, 3), indirect=True)
+@pytest.mark.parametrize("kw", [
+    dict(kv_dtype="auto", layout="NHD", dtype=torch.float16),
+    dict(kv_dtype="auto", layout="HND", dtype=torch.bfloat16),
+    dict(kv_dtype="fp8", layout="NHD", dtype=torch.float16),
+    dict(kv_dtype="int8", layout="HND", dtype=torch.float16),
+    dict(kv_dtype="int4", layout="NHD", dtype=torch.bfloat16, head_dim=10, num_kv_heads=3),
+], ids=["fp16-NHD", "bf16-HND", "fp8", "int8-HND", "int4-D10-H3"])
+def test_blocks_arrive_bit_exact(world, kw: dict) -> None:
+    res = world.run(_blocks_roundtrip, kw, True)
+    assert len(res[-1]) == (world.size - 1) * sum(-(-n // 4) for n in PROMPTS)
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+def test_blocks_without_checksum(world) -> None:
+    world.run(_blocks_roundtrip, dict(kv_dtype="int4", layout="HND"), False)
+
+
+MISMATCH = {
+    "layout": ({}, dict(layout="HND"), "layout 'NHD', expected 'HND'"),
+    "kv_dtype": ({}, dict(kv_dtype="int8"), "kv_dtype 'auto', expected 'int8'"),
+    "dtype": ({}, dict(dtype=torch.bfloat16), "dtype torch.float16, expected torch.bfloat16"),
+    "head_dim": ({}, dict(head_dim=8), "head_dim 16, expected 8"),
+    "num_kv_heads": ({}, dict(num_kv_heads=1), "num_kv_heads 2, expected 1"),
+    "block_size": ({}, dict(block_size=8), "block_size 4, expected 8"),
+    "num_layers": ({}, dict(num_layers=1), "num_layers 2, expected 1"),
+}
+
+
+def _mismatch(ctx: RankContext, name: str) -> None:
+    """A rejected transfer raises on both ranks and writes nothing; the next transfer still works."""
+    send_kw, recv_kw, msg = MISMATCH[name]
+    if ctx.rank == 0:
+        cache, table = _prefilled(ctx.device, 1, **send_kw)
+        with pytest.raises(ValueError, match="dst: rank 1 rejected the blocks") as e:
+            send_blocks(cache, _sent_ids(table), dst=1)
+        assert name in str(e.value)
+        good, gtable = _prefilled(ctx.device, 2, **recv_kw)
+        assert send_blocks(good, _sent_ids(gtable)[:2], dst=1)
+        return
+    if ctx.rank != 1:
+        return
+    cache, alloc = _receiver(ctx, recv_kw)
+    before, free0 = _snapshot_state(cache), alloc.num_free_blocks
+    with pytest.raises(ValueError, match=f"src: rank 0 sent blocks with {msg}"):
+        recv_blocks(cache, alloc, src=0)
+    assert alloc.num_free_blocks == free0
+    assert torch.equal(cache.buffer.view(torch.uint8), before[0])
+    ids = recv_blocks(cache, alloc, src=0)
+    assert ids is not None and len(ids) == 2
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+@pytest.mark.parametrize("name", sorted(MISMATCH))
+def test_format_mismatch_rejected_on_both_ranks(world, name: str) -> None:
+    world.run(_mismatch, name)
+
+
+def _no_room(ctx: RankContext) -> None:
+    if ctx.rank == 0:
+        cache, table = _prefilled(ctx.device, 3)
+        ids = _sent_ids(table)
+        assert send_blocks(cache, ids, dst=1) is False  # no room: nothing sent
+        assert send_blocks(cache, ids, dst=1) is True
+        assert send_blocks(cache, [], dst=1) is True
+        return
+    cache, alloc = _receiver(ctx, {})
+    held = alloc.allocate(alloc.num_free_blocks - 2)
+    before = _snapshot_state(cache)
+    assert recv_blocks(cache, alloc, src=0) is None
+    assert alloc.num_free_blocks == 2 and torch.equal(cache.buffer.view(torch.uint8), before[0])
+    alloc.free(held)
+    assert len(recv_blocks(cache, alloc, src=0)) == 5
+    assert recv_blocks(cache, alloc, src=0) == []
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+def test_allocator_full_is_a_value_on_both_ranks(world) -> None:
+    world.run(_no_room)
+
+
+def _fp8_scales(ctx: RankContext) -> None:
+    kw = dict(kv_dtype="fp8")
+    if ctx.rank == 0:
+        cache, table = _prefilled(ctx.device, 4, **kw)
+        assert send_blocks(cache, _sent_ids(table), dst=1)  # sent; the receiver refuses the scales
+        assert send_blocks(cache, _sent_ids(table), dst=1)
+        return
+    cache, alloc = _receiver(ctx, kw)
+    cache.kv_scales.mul_(2)
+    before, free0 = _snapshot_state(cache), alloc.num_free_blocks
+    with pytest.raises(ValueError, match="K / V scales"):
+        recv_blocks(cache, alloc, src=0)
+    assert alloc.num_free_blocks == free0 and torch.equal(cache.buffer.view(torch.uint8), before[0])
+    ids = recv_blocks(cache, alloc, src=0, adopt_scales=True)
+    src_cache, src_table = _prefilled(ctx.device, 4, **kw)
+    assert torch.equal(cache.kv_scales, src_cache.kv_scales)
+    _check_arrived(cache, before, ids, src_cache, _sent_ids(src_table))
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+def test_fp8_scales_checked_or_adopted(world) -> None:
+    world.run(_fp8_scales)
+
+
+def _damaged(ctx: RankContext) -> None:
+    """A peer speaking the documented wire format with a payload whose checksum does not match: rejected after
+    arrival, nothing written, the blocks given back."""
+    import torch.distributed as dist
+
+    if ctx.rank == 0:
+        c = make_cache(ctx.device).config
+        n = 2
+        data = c.num_layers * n * 2 * c.block_size * c.num_kv_heads * c.head_dim * 2  # fp16 bytes
+        total = -(-data // wire.CHUNK) * wire.CHUNK
+        h = [0] * wire.HEADER_LEN
+        h[wire.F_MAGIC], h[wire.F_KIND] = wire.MAGIC, wire.KIND_BLOCKS
+        h[wire.F_KV_DTYPE], h[wire.F_LAYOUT], h[wire.F_DTYPE] = 0, 0, wire.DTYPE_CODES[torch.float16]
+        h[wire.F_LAYERS], h[wire.F_HEADS], h[wire.F_HEAD_DIM] = c.num_layers, c.num_kv_heads, c.head_dim
+        h[wire.F_BLOCK_SIZE], h[wire.F_COUNT], h[wire.F_NBYTES], h[wire.F_DATA] = c.block_size, n, total, data
+        payload = torch.randint(0, 256, (total,), dtype=torch.uint8)
+        payload[data:] = 0
+        h[wire.F_HAS_SUM], h[wire.F_SUM] = 1, int(wire.checksum(payload)) + 1
+        dist.send(torch.tensor(h, dtype=torch.int64), dst=1)
+        ack = torch.empty(wire.ACK_LEN, dtype=torch.int64)
+        dist.recv(ack, src=1)
+        assert ack[0].item() == wire.ACCEPT
+        dist.send(payload, dst=1)
+        return
+    cache, alloc = _receiver(ctx, {})
+    before, free0 = _snapshot_state(cache), alloc.num_free_blocks
+    with pytest.raises(ValueError, match="arrived damaged"):
+        recv_blocks(cache, alloc, src=0)
+    assert alloc.num_free_blocks == free0 and torch.equal(cache.buffer.view(torch.uint8), before[0])
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+def test_damaged_payload_rejected(world) -> None:
+    if world.backend != "gloo":
+        pytest.skip("the hand-made peer sends host tensors (gloo)")
+    world.run(_damaged)
+
+
+# ------------------------------------------------------------------------------------------ snapshots
+
+
+def _make_snapshots(device: torch.device) -> list[KVSnapshot]:
+    g = torch.Generator().manual_seed(11)
+    packed = KVSnapshot.empty([(2, 16), (2, 16), (2, 16)], 7, dtype=torch.float16, device=device)
+    for t in packed.layers:
+        t.copy_(torch.randn(t.shape, generator=g).half())
+    mixed = KVSnapshot([torch.randn(2, h, 5, d, generator=g).to(torch.bfloat16).to(device)
+                        for h, d in [(1, 8), (4, 6), (2, 80)]])
+    fp8 = KVSnapshot([torch.randn(2, 3, 4, 16, generator=g).to(torch.float8_e4m3fn).to(device)])
+    empty = KVSnapshot.empty([(2, 8)], 0, dtype=torch.float16, device=device)
+    return [packed, mixed, fp8, empty]
+
+
+def _snapshots(ctx: RankContext) -> None:
+    snaps = _make_snapshots(ctx.device)
+    if ctx.rank == 0:
+        for s in snaps:
+            send_snapshot(s, dst=ctx.size - 1)
+        with pytest.raises(ValueError, match="rejected the snapshot: it expects dtype torch.bfloat16"):
+            send_snapshot(snaps[0], dst=ctx.size - 1)
+        send_snapshot(snaps[1], dst=ctx.size - 1)  # received, then refused for its layer specs
+        return
+    if ctx.rank != ctx.size - 1:
+        return
+    for s in snaps:
+        got = recv_snapshot(src=0, device=ctx.device)
+        assert got.flat is not None and got.equal(s) and got.layer_specs == s.layer_specs
+        assert got.device.type == ctx.device.type
+    with pytest.raises(ValueError, match="src: rank 0 sent a snapshot with dtype torch.float16, expected "
+                                         "torch.bfloat16"):
+        recv_snapshot(src=0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"layer_specs: expected \[\(1, 8\), \(4, 6\), \(2, 64\)\]"):
+        recv_snapshot(src=0, layer_specs=[(1, 8), (4, 6), (2, 64)])
+
+
+@pytest.mark.parametrize("world", world_params(2, 3), indirect=True)
+def test_snapshots_arrive_bit_exact(world) -> None:
+    world.run(_snapshots)
+
+
+# ------------------------------------------------------------------------------------------ disaggregated
+
+
+def _tiny_model(device: torch.device, H: int, D: int, hq: int, vocab: int):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(2024)
+    return {name: (torch.randn(shape, generator=g) / shape[0] ** 0.5).to(device) for name, shape in [
+        ("emb", (vocab, 32)), ("wq", (32, hq * D)), ("wk", (32, H * D)), ("wv", (32, H * D)),
+        ("wo", (hq * D, vocab))]}
+
+
+def _step(cache, model, tokens, table, lens_before, q_lens, kv_dtype):  # type: ignore[no-untyped-def]
+    """One forward of a 1-layer attention model over the new tokens; greedy next token of each sequence."""
+    dev = cache.device
+    H, D = cache.config.num_kv_heads, cache.config.head_dim
+    x = model["emb"][tokens]
+    q = (x @ model["wq"]).view(len(tokens), -1, D)
+    k, v = (x @ model["wk"]).view(-1, H, D), (x @ model["wv"]).view(-1, H, D)
+    c = cu(q_lens, dev)
+    cache.append(0, k, v, block_tables=table, cu_q_lens=c, kv_lens=ints(lens_before, dev))
+    lens = [a + b for a, b in zip(lens_before, q_lens)]
+    out = kvcache.ops.paged_attention(q, cache.pool(0), cache.params(0),
+                                      cache.kv_scales[0] if kv_dtype == "fp8" else None, kv_dtype=kv_dtype,
+                                      layout=cache.config.layout, block_tables=table, cu_q_lens=c,
+                                      kv_lens=ints(lens, dev))
+    last = c[1:].long() - 1
+    logits = out.reshape(len(tokens), -1)[last] @ model["wo"]
+    return logits.argmax(-1), out
+
+
+def _disaggregated(ctx: RankContext, kv_dtype: str, decode_steps: int) -> list[list[int]]:
+    """Prefill on rank 0, blocks sent, greedy decode on rank 1; rank 1 also runs everything alone and compares
+    the tokens and every attention output."""
+    kw = dict(kv_dtype=kv_dtype, num_layers=1, dtype=torch.float32, rope=True, num_blocks=16)
+    H, D, hq, vocab, bs = 2, 16, 4, 50, 4
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen) for n in PROMPTS]
+    model = _tiny_model(ctx.device, H, D, hq, vocab)
+    cap = [-(-(n + decode_steps) // bs) for n in PROMPTS]  # blocks for prompt + decode
+    tokens = torch.cat(prompts).to(ctx.device)
+    if ctx.rank == 0:
+        cache = make_cache(ctx.device, **kw)
+        table = block_table(BlockAllocator(16, bs), cap, ctx.device)
+        first, _ = _step(cache, model, tokens, table, [0, 0], PROMPTS, kv_dtype)
+        send = [int(x) for b, n in enumerate(PROMPTS) for x in table[b, :-(-n // bs)].tolist()]
+        assert send_blocks(cache, send, dst=1)
+        torch.distributed.send(first.to(torch.int64), dst=1)  # the first generated tokens travel with the KV
+        return []
+    if ctx.rank != 1:
+        return []
+    # alone: prefill and decode in one cache
+    alone = make_cache(ctx.device, **kw)
+    t_alone = block_table(BlockAllocator(16, bs), cap, ctx.device, reverse=True)
+    nxt, _ = _step(alone, model, tokens, t_alone, [0, 0], PROMPTS, kv_dtype)
+    want, outs_alone, lens = [nxt.tolist()], [], list(PROMPTS)
+    for _ in range(decode_steps):
+        nxt, o = _step(alone, model, nxt, t_alone, lens, [1, 1], kv_dtype)
+        want.append(nxt.tolist())
+        outs_alone.append(o)
+        lens = [n + 1 for n in lens]
+    # disaggregated: the prompt's blocks from rank 0, decode blocks from this rank's allocator
+    cache = make_cache(ctx.device, **kw)
+    alloc = BlockAllocator(16, bs)
+    ids = recv_blocks(cache, alloc, src=0)
+    first = torch.empty(2, dtype=torch.int64)
+    torch.distributed.recv(first, src=0)
+    table = torch.zeros(2, max(cap), dtype=torch.int32)
+    off = 0
+    for b, n in enumerate(PROMPTS):
+        nblk = -(-n // bs)
+        table[b, :nblk] = torch.tensor(ids[off:off + nblk])
+        more = alloc.allocate(cap[b] - nblk)
+        table[b, nblk:cap[b]] = torch.tensor(more, dtype=torch.int32)
+        off += nblk
+    table = table.to(ctx.device)
+    nxt, got, lens = first.to(ctx.device), [first.tolist()], list(PROMPTS)
+    for i in range(decode_steps):
+        nxt, o = _step(cache, model, nxt, table, lens, [1, 1], kv_dtype)
+        got.append(nxt.tolist())
+        assert torch.equal(o, outs_alone[i]), f"attention output of decode step {i} differs"
+        lens = [n + 1 for n in lens]
+    assert got == want
+    return got
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+def test_disaggregated_prefill_decode_gives_single_process_tokens(world, kv_dtype: str) -> None:
+    res = world.run(_disaggregated, kv_dtype, 4)
+    assert len(res[1]) == 5 and all(len(t) == 2 for t in res[1])
+
+
+# ------------------------------------------------------------------------------------------ single process
+
+
+def test_arguments_checked_before_any_message() -> None:
+    cache = make_cache(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"block_ids: expected ids in \[0, 24\), got \[24\]"):
+        send_blocks(cache, [1, 24], dst=1)
+    with pytest.raises(TypeError, match="block_ids"):
+        send_blocks(cache, "12", dst=1)
+    with pytest.raises(TypeError, match="cache: expected a kvcache.PagedKVCache"):
+        send_blocks(object(), [1], dst=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="checksum"):
+        send_blocks(cache, [1], dst=1, checksum=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="allocator: expected 24 blocks of 4 tokens"):
+        recv_blocks(cache, BlockAllocator(24, 8), src=0)
+    with pytest.raises(TypeError, match="allocator"):
+        recv_blocks(cache, None, src=0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="snapshot"):
+        send_snapshot(cache, dst=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dtype"):
+        recv_snapshot(0, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="not initialized"):  # a clear error, not a hang
+        send_blocks(cache, [1], dst=1)
