@@ -45,14 +45,18 @@ computed by the prefill)::
     >>> alloc.stats.hit_rate
     0.5
 
-The allocator is not thread-safe: one scheduler owns it.
+The allocator is not thread-safe: one scheduler owns it. ``BlockAllocator(..., check_thread=True)`` (a debug
+mode) makes every operation check that it runs on the thread that made the first one, and raise
+``RuntimeError`` otherwise; without it nothing is checked and nothing is paid.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 import struct
+import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -292,6 +296,12 @@ class BlockAllocator:
         With False, :meth:`match_prefix` always returns ``[]``, :meth:`cache_blocks` validates its arguments and
         registers nothing, and freed blocks always go back to the free list (so the engine's code path is the
         same either way).
+    check_thread : bool
+        Debug mode: the first operation (``allocate``, ``can_allocate``, ``free``, ``fork``, ``copy_on_write``,
+        ``match_prefix``, ``cache_blocks``, ``reset_prefix_cache``, ``reset_stats``) binds the allocator to its
+        thread; any later one from another thread raises ``RuntimeError`` before changing anything. The
+        allocator is not thread-safe (one scheduler owns it); this catches a second owner. Off by default (no
+        cost).
 
     Notes
     -----
@@ -300,7 +310,12 @@ class BlockAllocator:
     naming the argument, before anything is changed. See the module docstring for the block states.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    _THREAD_CHECKED = ("allocate", "can_allocate", "free", "fork", "copy_on_write", "match_prefix", "cache_blocks",
+                       "reset_prefix_cache", "reset_stats")
+
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, check_thread: bool = False
+    ) -> None:
         n = _as_int("num_blocks", num_blocks)
         if n < 1:
             raise ValueError(f"num_blocks: expected an int >= 1, got {n}")
@@ -319,6 +334,29 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._num_used = 0  # blocks with ref count >= 1
         self._stats = PrefixCacheStats()
+        if not isinstance(check_thread, bool):
+            raise TypeError(f"check_thread: expected a bool, got {type(check_thread).__name__}")
+        self._owner: int | None = None
+        if check_thread:
+            # instance attributes shadow the methods: the check costs nothing when it is off
+            for name in self._THREAD_CHECKED:
+                setattr(self, name, self._thread_checked(getattr(self, name)))
+
+    def _thread_checked(self, method):  # type: ignore[no-untyped-def]
+        @functools.wraps(method)
+        def checked(*args, **kwargs):  # type: ignore[no-untyped-def]
+            me = threading.get_ident()
+            if self._owner is None:
+                self._owner = me
+            elif self._owner != me:
+                raise RuntimeError(
+                    f"BlockAllocator.{method.__name__}: called from thread {threading.current_thread().name!r} "
+                    f"(id {me}), but the allocator belongs to thread id {self._owner}, which made its first "
+                    "operation; the allocator is not thread-safe (one scheduler owns it)"
+                )
+            return method(*args, **kwargs)
+
+        return checked
 
     # ------------------------------------------------------------------------------------ properties
 
