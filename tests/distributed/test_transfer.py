@@ -362,7 +362,7 @@ def _disaggregated(ctx: RankContext, kv_dtype: str, decode_steps: int) -> list[l
     cache = make_cache(ctx.device, **kw)
     alloc = BlockAllocator(16, bs)
     ids = recv_blocks(cache, alloc, src=0)
-    first = torch.empty(2, dtype=torch.int64)
+    first = torch.empty(2, dtype=torch.int64, device=ctx.device)
     torch.distributed.recv(first, src=0)
     table = torch.zeros(2, max(cap), dtype=torch.int32)
     off = 0
