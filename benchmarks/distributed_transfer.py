@@ -79,6 +79,60 @@ def _events(fn, warmup: int, trials: int) -> float:  # type: ignore[no-untyped-d
     return statistics.median(times)
 
 
+def _measure(kv_dtype: str, args: argparse.Namespace, dev: torch.device, rank: int, layers: int, n_blocks: int,
+             ids: list[int]) -> dict:
+    """One kv_dtype: the plain send, send_blocks with and without checksum, packing and scattering alone."""
+    peer = 1 - rank
+    cfg = PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=BLOCK, num_blocks=POOL,
+                      dtype=torch.float16, kv_dtype=kv_dtype, device=dev)
+    cache = PagedKVCache(cfg)
+    cache.buffer.view(torch.uint8).random_(0, 256)
+    if cache.params_buffer is not None:
+        cache.params_buffer.uniform_()
+    alloc = BlockAllocator(POOL, BLOCK)
+    payload = cfg.block_bytes * n_blocks + (layers * 8 if kv_dtype == "fp8" else 0)
+    plain = torch.empty(payload, dtype=torch.uint8, device=dev)
+    res: dict = {"kv_dtype": kv_dtype, "bytes": payload, "blocks": n_blocks, "layers": layers, "tokens": args.tokens,
+                 "backend": args.backend, "torch": torch.__version__,
+                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                 "nccl": ".".join(map(str, torch.cuda.nccl.version())) if dev.type == "cuda" else None}
+
+    def plain_step() -> None:
+        if rank == 0:
+            dist.send(plain, dst=peer)
+        else:
+            dist.recv(plain, src=peer)
+
+    def kv_step(checksum: bool):  # type: ignore[no-untyped-def]
+        def step() -> None:
+            if rank == 0:
+                if not send_blocks(cache, ids, dst=peer, checksum=checksum):
+                    raise RuntimeError("receiver had no room")
+            else:
+                got = recv_blocks(cache, alloc, src=peer)
+                if got is None:
+                    raise RuntimeError("no room")
+                alloc.free(got)
+        return step
+
+    for name, fn in (("plain_send", plain_step), ("send_blocks", kv_step(True)),
+                     ("send_blocks_no_checksum", kv_step(False))):
+        t = _timed(fn, args.warmup, args.trials)
+        times: list = [None, None]
+        dist.all_gather_object(times, t)
+        med = statistics.median(times[1])  # the receiver's view: done when the blocks are in its cache
+        res[name] = {"median_s": med, "GB_per_s": payload / med / 1e9, "min_s": min(times[1])}
+    for name in ("send_blocks", "send_blocks_no_checksum"):
+        res[name]["pct_of_plain"] = 100 * res[name]["GB_per_s"] / res["plain_send"]["GB_per_s"]
+    idx = torch.tensor(ids, device=dev)
+    # what send_blocks / recv_blocks run on the data pool: 8-byte words of whole blocks
+    dview = cache.buffer.view(torch.uint8).view(layers, POOL, -1).view(torch.int64)
+    packed = dview.index_select(1, idx)
+    res["pack_s"] = _events(lambda: torch.index_select(dview, 1, idx, out=packed), 3, args.trials)
+    res["scatter_s"] = _events(lambda: dview.index_copy_(1, idx, packed), 3, args.trials)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
@@ -98,68 +152,20 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 2:
         sys.exit("run with 2 processes (torchrun --nproc_per_node=2)")
-    peer = 1 - rank
     layers = args.layers
     n_blocks = args.tokens // BLOCK
     gen = torch.Generator().manual_seed(0)
     ids = torch.randperm(POOL, generator=gen)[:n_blocks].tolist()  # a fragmented sequence
     rows = []
     for kv_dtype in args.kv_dtypes.split(","):
-        cfg = PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=BLOCK, num_blocks=POOL,
-                          dtype=torch.float16, kv_dtype=kv_dtype, device=dev)
-        cache = PagedKVCache(cfg)
-        cache.buffer.view(torch.uint8).random_(0, 256)
-        if cache.params_buffer is not None:
-            cache.params_buffer.uniform_()
-        alloc = BlockAllocator(POOL, BLOCK)
-        payload = cfg.block_bytes * n_blocks + (layers * 8 if kv_dtype == "fp8" else 0)
-        plain = torch.empty(payload, dtype=torch.uint8, device=dev)
-        res = {"kv_dtype": kv_dtype, "bytes": payload, "blocks": n_blocks, "layers": layers, "tokens": args.tokens,
-               "backend": args.backend, "torch": torch.__version__,
-               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-               "nccl": ".".join(map(str, torch.cuda.nccl.version())) if dev.type == "cuda" else None}
-
-        def plain_step() -> None:
-            if rank == 0:
-                dist.send(plain, dst=peer)
-            else:
-                dist.recv(plain, src=peer)
-
-        def kv_step(checksum: bool):  # type: ignore[no-untyped-def]
-            def step() -> None:
-                if rank == 0:
-                    if not send_blocks(cache, ids, dst=peer, checksum=checksum):
-                        raise RuntimeError("receiver had no room")
-                else:
-                    got = recv_blocks(cache, alloc, src=peer)
-                    if got is None:
-                        raise RuntimeError("no room")
-                    alloc.free(got)
-            return step
-
-        for name, fn in (("plain_send", plain_step), ("send_blocks", kv_step(True)),
-                         ("send_blocks_no_checksum", kv_step(False))):
-            t = _timed(fn, args.warmup, args.trials)
-            times = [None, None]
-            dist.all_gather_object(times, t)
-            med = statistics.median(times[1])  # the receiver's view: done when the blocks are in its cache
-            res[name] = {"median_s": med, "GB_per_s": payload / med / 1e9, "min_s": min(times[1])}
-        for name in ("send_blocks", "send_blocks_no_checksum"):
-            res[name]["pct_of_plain"] = 100 * res[name]["GB_per_s"] / res["plain_send"]["GB_per_s"]
-        idx = torch.tensor(ids, device=dev)
-        # what send_blocks / recv_blocks run on the data pool: 8-byte words of whole blocks
-        dview = cache.buffer.view(torch.uint8).view(layers, POOL, -1).view(torch.int64)
-        packed = dview.index_select(1, idx)
-        res["pack_s"] = _events(lambda: torch.index_select(dview, 1, idx, out=packed), 3, args.trials)
-        res["scatter_s"] = _events(lambda: dview.index_copy_(1, idx, packed), 3, args.trials)
+        res = _measure(kv_dtype, args, dev, rank, layers, n_blocks, ids)
         rows.append(res)
         if rank == 1:
-            print(f"{kv_dtype:5s} {payload / 2**20:7.1f} MiB  plain {res['plain_send']['GB_per_s']:7.1f} GB/s  "
+            print(f"{kv_dtype:5s} {res['bytes'] / 2**20:7.1f} MiB  plain {res['plain_send']['GB_per_s']:7.1f} GB/s  "
                   f"send_blocks {res['send_blocks']['GB_per_s']:7.1f} GB/s ({res['send_blocks']['pct_of_plain']:.0f}%)"
                   f"  no checksum {res['send_blocks_no_checksum']['GB_per_s']:7.1f} GB/s "
                   f"({res['send_blocks_no_checksum']['pct_of_plain']:.0f}%)  pack {res['pack_s'] * 1e6:.0f} us  "
                   f"scatter {res['scatter_s'] * 1e6:.0f} us", flush=True)
-        del cache, plain, packed
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if rank == 1 and args.json:

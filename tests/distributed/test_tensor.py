@@ -93,7 +93,8 @@ def _weights(hq: int, hkv: int, device: torch.device) -> list[dict[str, torch.Te
                  up=w(HIDDEN, INTER), down=w(INTER, HIDDEN)) for _ in range(LAYERS)]
 
 
-def _shard_weights(ws: list[dict[str, torch.Tensor]], s: KVHeadShard, hq: int, hkv: int) -> list[dict[str, torch.Tensor]]:
+def _shard_weights(ws: list[dict[str, torch.Tensor]], s: KVHeadShard, hq: int,
+                   hkv: int) -> list[dict[str, torch.Tensor]]:
     """Column-parallel q / k / v / up (this rank's heads, its slice of the MLP), row-parallel o / down."""
     i0, i1 = s.tp_rank * INTER // s.tp_size, (s.tp_rank + 1) * INTER // s.tp_size
     out = []

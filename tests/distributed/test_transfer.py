@@ -96,7 +96,8 @@ def _blocks_roundtrip(ctx: RankContext, kw: dict, checksum: bool) -> list[int] |
         ids = recv_blocks(cache, alloc, src=src)
         src_cache, src_table = _prefilled(ctx.device, 100 + src, **kw)
         sent = _sent_ids(src_table)
-        assert ids is not None and len(ids) == len(sent) and not set(ids) & set(range(5)) and not set(ids) & set(all_ids)
+        assert ids is not None and len(ids) == len(sent)
+        assert not set(ids) & set(range(5)) and not set(ids) & set(all_ids)  # fresh blocks of its allocator
         _check_arrived(cache, before, ids, src_cache, sent)
         # the sequences read back through the new block table: the sender's K / V exactly
         bs, off = 4, 0

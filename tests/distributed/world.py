@@ -117,7 +117,7 @@ class World:
                     why = f"rank(s) {dead} died" if dead else f"rank(s) {sorted(set(range(self.size)) - set(got))} " \
                                                               f"did not answer within {timeout:.0f} s"
                     raise AssertionError(f"{self.backend} world of {self.size}, {task}: {why}; "
-                                         f"reports: {self._fmt(got)}")
+                                         f"reports: {self._fmt(got)}") from None
         errors = {r: v for r, (s, v) in got.items() if s == "error"}
         if errors:
             self.kill()
