@@ -8,8 +8,8 @@
   later requests; those requests reuse ``min(N, len(prompt) - 1)`` tokens and prefill from there (the reuse
   ``N - 1`` rule when the prompt is the prefix itself: the last prompt token's logits are recomputed). Requests
   that share the prefix wait while it is being prefilled, so it is prefilled once.
-* Attention reads each slot's valid prefix through views of the cache (no gather): SDPA over
-  ``kv(layer)[b, :, :length]``, until a ``kvcache.ops.linear_attention`` exists. Keys are rotated in torch
+* Attention reads the slots in place: ``kvcache.ops.linear_attention`` for decode steps (every slot one
+  token); steps with prefill chunks run SDPA over the views ``kv(layer)[b, :, :length]`` (no gather). Keys are rotated in torch
   with the model's ``RopeConfig`` tables before they are written.
 * Chunked prefill mixed with decode, with the same token budget as the paged mode. No preemption: a slot
   holds ``max_seq_len`` tokens, so a request that fits at admission always finishes.
@@ -22,6 +22,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
+from .. import ops
 from ..config import CacheConfig
 from ..linear import LinearKVCache
 from ..snapshot import KVSnapshot
@@ -186,6 +187,9 @@ class LinearEngineCore:
         decode = [b for b, n in enumerate(counts) if n == 1]
         batched = len(decode) > 1 and decode == list(range(len(decode)))  # a leading run of decodes: one SDPA
         dev = model.device
+        all_decode = len(decode) == len(counts) and hasattr(ops, "linear_attention")
+        if all_decode:
+            lengths = torch.tensor(before, dtype=torch.int32, device=dev)
         if batched:
             nd = len(decode)
             lens = torch.tensor([before[b] + 1 for b in decode], device=dev)
@@ -202,6 +206,10 @@ class LinearEngineCore:
                     kc[b, :, c:c + n] = k[s:s + n].transpose(0, 1)
                     vc[b, :, c:c + n] = v[s:s + n].transpose(0, 1)
             first = 0
+            if all_decode:
+                # every active slot feeds one token: attention over the slots in place
+                o = ops.linear_attention(q[:, :, None, :], cache.layer(i), lengths, scale=scale)
+                return o[:, :, 0, :]
             if batched:
                 o = F.scaled_dot_product_attention(q[:nd, :, None, :], kc[:nd, :, :s_max], vc[:nd, :, :s_max],
                                                    attn_mask=dmask, scale=scale, enable_gqa=True)

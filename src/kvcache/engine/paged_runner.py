@@ -125,13 +125,17 @@ class PagedRunner:
         cache = self.cache
         cfg = cache.config
         scale = self.model.scale
+        fp8 = cfg.kv_dtype == "fp8"
+        # a host bound of the lengths for the launch plan (never read from the device); graphs: the table's
+        max_kv = max(meta.kv_after) if meta.kv_after else self.width * cfg.block_size
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.append(i, k, v, block_tables=meta.block_tables, cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens)
             if self.in_place:
-                return ops.paged_attention(q, cache.pool(i), cache.params(i), cache.kv_scales[i], kv_dtype=cfg.kv_dtype,
-                                           layout=cfg.layout, block_tables=meta.block_tables,
-                                           cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens_after)
+                return ops.paged_attention(q, cache.pool(i), cache.params(i), cache.kv_scales[i] if fp8 else None,
+                                           kv_dtype=cfg.kv_dtype, layout=cfg.layout, block_tables=meta.block_tables,
+                                           cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens_after, scale=scale,
+                                           max_kv_len=max_kv)
             # FALLBACK until kvcache.ops.paged_attention lands: gather the batch's blocks, then SDPA
             kk, vv = cache.gather(i, meta.block_tables, kv_lens=meta.kv_lens_after, max_len=max(meta.kv_after))
             return _sdpa_fallback(q, kk, vv, meta, scale)

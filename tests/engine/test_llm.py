@@ -1,0 +1,200 @@
+"""The engine against Hugging Face ``generate``: greedy tokens equal per request, in every scheduling mode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvcache.engine import LLM, RequestOutput, SamplingParams
+
+NEW_TOKENS = 16  # new tokens per request: small enough for the CPU
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+
+
+def _check_equal(outs: list[RequestOutput], prompt_ids: list[list[int]], hf_greedy) -> None:
+    assert len(outs) == len(prompt_ids)
+    for i, (o, ids) in enumerate(zip(outs, prompt_ids)):
+        assert o.request_id == i
+        assert o.prompt_token_ids == ids
+        ref = hf_greedy(ids, NEW_TOKENS)
+        assert o.token_ids == ref, f"request {i}: engine {o.token_ids} != transformers {ref}"
+        assert o.finish_reason == ("length" if len(ref) == NEW_TOKENS and ref[-1] != 2 else "stop")
+
+
+def test_paged_prefix_caching_equals_hf(smollm, conversations, prompt_ids, hf_greedy):
+    model, tok = smollm
+    llm = LLM(model, tokenizer=tok, max_num_seqs=8)
+    outs = llm.generate(conversations, GREEDY)
+    _check_equal(outs, prompt_ids, hf_greedy)
+    st = llm.stats
+    # the system prompt's full blocks are prefilled once: every later request hits them
+    shared = len(prompt_ids[0])
+    for ids in prompt_ids[1:]:
+        shared = min(shared, next((k for k, (a, b) in enumerate(zip(prompt_ids[0], ids)) if a != b), len(ids)))
+    full = shared // llm.block_size * llm.block_size
+    assert full > 0
+    assert [o.num_cached_tokens for o in outs] == [0] + [full] * (len(outs) - 1)
+    assert st.cached_prompt_tokens == full * (len(outs) - 1)
+    assert st.prefix_cache_hit_rate == pytest.approx(st.cached_prompt_tokens / st.prompt_tokens)
+    assert st.requests == len(outs) and st.prompt_tokens == sum(map(len, prompt_ids))
+    assert st.generated_tokens == sum(len(o.token_ids) for o in outs)
+    assert 0 < st.blocks_used <= st.num_blocks and st.cache_bytes == llm.cache.nbytes
+    assert llm.allocator.num_used_blocks == 0  # finished requests left at once
+    llm.allocator.check_invariants()
+    # a second call hits the cached blocks from the start (the last prompt token is always recomputed)
+    again = llm.generate(conversations[:1], GREEDY)
+    assert again[0].token_ids == outs[0].token_ids
+    assert again[0].num_cached_tokens == (len(prompt_ids[0]) - 1) // llm.block_size * llm.block_size
+
+
+def test_paged_without_prefix_caching_equals_hf(smollm, conversations, prompt_ids, hf_greedy):
+    model, tok = smollm
+    llm = LLM(model, tokenizer=tok, max_num_seqs=8, enable_prefix_caching=False, block_size=8)
+    outs = llm.generate(conversations, GREEDY)
+    _check_equal(outs, prompt_ids, hf_greedy)
+    assert llm.stats.cached_prompt_tokens == 0 and all(o.num_cached_tokens == 0 for o in outs)
+
+
+def test_preemption_in_a_tiny_pool_equals_hf(smollm, conversations, prompt_ids, hf_greedy):
+    model, tok = smollm
+    bs = 8
+    # exactly the blocks of the first two prompts: both are admitted, and the first that needs a new block
+    # for its generated tokens preempts the other (recomputed later from its prompt and generated tokens)
+    first_two = sum(-(-len(p) // bs) for p in prompt_ids[:2])
+    assert max(len(p) for p in prompt_ids) + NEW_TOKENS <= first_two * bs
+    llm = LLM(model, tokenizer=tok, max_num_seqs=4, block_size=bs, num_blocks=first_two,
+              enable_prefix_caching=False)
+    outs = llm.generate(conversations, GREEDY)
+    _check_equal(outs, prompt_ids, hf_greedy)
+    assert llm.stats.preemptions > 0
+    assert llm.allocator.num_used_blocks == 0
+    llm.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_arrival_orders_and_chunked_prefill(smollm, conversations, prompt_ids, hf_greedy, seed):
+    model, tok = smollm
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    # two slots (requests join as others leave), a 24-token budget (prefill chunks mixed with decodes)
+    llm = LLM(model, tokenizer=tok, max_num_seqs=2, max_num_batched_tokens=24, block_size=16)
+    outs = llm.generate([conversations[i] for i in order], GREEDY)
+    _check_equal(outs, [prompt_ids[i] for i in order], hf_greedy)
+
+
+def test_linear_mode_equals_hf(smollm, conversations, prompt_ids, hf_greedy):
+    model, tok = smollm
+    llm = LLM(model, tokenizer=tok, cache="linear", max_num_seqs=2, max_model_len=128)
+    outs = llm.generate(conversations, GREEDY)
+    _check_equal(outs, prompt_ids, hf_greedy)
+    core = llm.core
+    # the shared prefix is prefilled once, saved once and restored for every later request
+    assert core.snapshots_saved == 1 and core.snapshots_restored == len(outs) - 1
+    n = len(core.prefix)
+    assert [o.num_cached_tokens for o in outs] == [0] + [n] * (len(outs) - 1)
+    assert llm.stats.cached_prompt_tokens == n * (len(outs) - 1)
+    assert core.cache.active_batch_size == 0  # evicted as they finished
+
+
+def test_linear_mode_prompt_equal_to_prefix_reuses_n_minus_1(smollm, prompt_ids, hf_greedy):
+    model, tok = smollm
+    llm = LLM(model, tokenizer=tok, cache="linear", max_num_seqs=2, max_model_len=128)
+    shared = prompt_ids[0][:20]
+    prompts = [shared + [28], shared + [42], shared]  # the last one is the saved prefix itself
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    assert outs[2].num_cached_tokens == len(shared) - 1
+    for o, p in zip(outs, prompts):
+        assert o.token_ids == hf_greedy(p, 6)
+
+
+def test_int8_and_int4_caches_run_close_to_hf(smollm, conversations, prompt_ids, hf_greedy):
+    model, tok = smollm
+    for kv_dtype in ("int8", "int4"):
+        llm = LLM(model, tokenizer=tok, kv_dtype=kv_dtype, max_num_seqs=8)
+        outs = llm.generate(conversations, GREEDY)
+        assert llm.stats.kv_dtype == kv_dtype
+        assert llm.cache.config.kv_dtype == kv_dtype
+        first = [o.token_ids[:4] == hf_greedy(p, NEW_TOKENS)[:4] for o, p in zip(outs, prompt_ids)]
+        if kv_dtype == "int8":  # int8 keys within scale / 2: the first tokens agree
+            assert all(first), first
+        assert all(len(o.token_ids) >= 1 for o in outs)
+
+
+def test_seeded_sampling_is_reproducible(smollm, conversations):
+    model, tok = smollm
+    llm = LLM(model, tokenizer=tok, max_num_seqs=8)
+    sp = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, top_k=50, seed=1234)
+    a = llm.generate(conversations, sp)
+    b = llm.generate(conversations, sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    # a request's seed alone fixes its tokens: alone or in another batch, same tokens
+    alone = llm.generate(conversations[2:3], sp)
+    assert alone[0].token_ids == a[2].token_ids
+    other = llm.generate(conversations, SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, top_k=50, seed=99))
+    assert [o.token_ids for o in other] != [o.token_ids for o in a]
+
+
+def test_prompt_forms_stop_strings_and_lengths(smollm, conversations, prompt_ids, hf_greedy):
+    model, tok = smollm
+    llm = LLM(model, tokenizer=tok, max_num_seqs=4)
+    # one conversation, one token-id list, a dict and a plain string
+    outs = llm.generate([conversations[0], prompt_ids[1], {"prompt_token_ids": prompt_ids[2]}], GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(p, NEW_TOKENS) for p in prompt_ids[:3]]
+    text = tok.decode(prompt_ids[0], skip_special_tokens=False)
+    s = llm.generate(text, GREEDY)
+    assert len(s) == 1 and s[0].prompt_token_ids == list(tok(text)["input_ids"])
+    single = llm.generate(conversations[0], GREEDY)
+    assert single[0].token_ids == outs[0].token_ids
+    # max_tokens -> "length"; a stop string cuts the text before it
+    short = llm.generate(conversations[0], SamplingParams(max_tokens=3, temperature=0.0))
+    assert short[0].finish_reason == "length" and short[0].token_ids == hf_greedy(prompt_ids[0], NEW_TOKENS)[:3]
+    full = outs[0].text
+    word = full.split()[2]
+    cut = llm.generate(conversations[0], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop=[word]))
+    assert cut[0].finish_reason == "stop" and cut[0].text == full[:full.find(word)]
+    # stop_token_ids: the stop token is kept
+    stop_tok = outs[0].token_ids[1]
+    st = llm.generate(conversations[0], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                        stop_token_ids=[stop_tok]))
+    assert st[0].finish_reason == "stop" and st[0].token_ids == outs[0].token_ids[:2]
+
+
+def test_errors_name_the_argument(smollm, conversations):
+    model, tok = smollm
+    with pytest.raises(ValueError, match="cache"):
+        LLM(model, tokenizer=tok, cache="ring")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        LLM(model, tokenizer=tok, kv_dtype="int3")
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(model)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(model, tokenizer=tok, block_size=0)
+    llm = LLM(model, tokenizer=tok, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(conversations[0], SamplingParams(max_tokens=60))
+    with pytest.raises(TypeError, match="prompts"):
+        llm.generate([3.5])
+    with pytest.raises(ValueError, match=r"prompts\[0\]"):
+        llm.generate([[10**9]])
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(conversations[:2], [SamplingParams()])
+    assert llm.allocator.num_used_blocks == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_equal_eager_on_gpu(smollm, conversations):
+    _, tok = smollm
+    from kvcache.engine import load_model
+
+    model, _ = load_model(device="cuda", dtype=torch.float32)
+    eager = LLM(model, tokenizer=tok, cuda_graphs=False, max_num_seqs=8, kv_cache_memory=2**28)
+    graphs = LLM(model, tokenizer=tok, cuda_graphs=True, max_num_seqs=8, kv_cache_memory=2**28)
+    a = eager.generate(conversations, GREEDY)
+    b = graphs.generate(conversations, GREEDY)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    if graphs.stats.attention == "paged_attention":
+        assert graphs.stats.graph_steps > 0
