@@ -5,6 +5,7 @@ CUDA tensors run compiled Triton kernels; CPU tensors run the pure-torch ``*_ref
 Triton kernels through Triton's interpreter when ``KVCACHE_TRITON_INTERPRET=1`` (see ``kvcache._backend``).
 """
 
+from .attention import linear_attention, merge_attention_states, paged_attention
 from .compact import (
     build_batch_mapping,
     build_batch_mapping_reference,
@@ -48,4 +49,7 @@ __all__ = [
     "append_paged_kv",
     "gather_paged_kv",
     "copy_blocks",
+    "paged_attention",
+    "linear_attention",
+    "merge_attention_states",
 ]

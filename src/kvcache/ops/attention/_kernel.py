@@ -96,6 +96,7 @@ def _attention_kernel(
     P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr,
     FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
     pid = tl.program_id(0)
@@ -120,7 +121,11 @@ def _attention_kernel(
         bt_row = block_tables + b.to(tl.int64) * bt_stride
     if lt * BLOCK_Q >= q_len:
         return
-    qdt = q.dtype.element_ty
+    # operand dtype of the tensor-core dots: the query's (float32 where the interpreter cannot dot bf16)
+    if DOT_F32:
+        qdt = tl.float32
+    else:
+        qdt = q.dtype.element_ty
 
     # ---- query tile: BLOCK_Q tokens x G_P heads -------------------------------------------------------
     offs_m = tl.arange(0, BLOCK_Q * G_P)
@@ -135,6 +140,8 @@ def _attention_kernel(
     q_rows = b.to(tl.int64) * s_qb + (row0 + qi).to(tl.int64) * s_qt + hq * s_qh
     q_lo = tl.load(q + q_rows[:, None] + dd[None, :], mask=ok_m[:, None] & ok_lo[None, :], other=0.0)
     q_hi = tl.load(q + q_rows[:, None] + H1 + dd[None, :], mask=ok_m[:, None] & ok_hi[None, :], other=0.0)
+    q_lo = q_lo.to(qdt)
+    q_hi = q_hi.to(qdt)
     if QUANT >= 2:
         q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
 

@@ -103,6 +103,8 @@ def launch_attention(
         ws_out = ws_lse = dummy
     sq, so, sl = _strides3(q, linear), _strides3(out, linear), _strides3(lse, linear)
     quant = QUANT_CODES[kv_dtype]
+    # triton's interpreter computes bf16 dots wrongly (it multiplies the raw bits): float32 operands there
+    dot_f32 = dev.type != "cuda" and q.dtype == torch.bfloat16
     if quant == 1:
         pool = pool.view(torch.uint8)  # bytes: see _load_half
     _attention_kernel.launch(
@@ -119,7 +121,7 @@ def launch_attention(
         P_HEAD=p_strides[3], QUANT=quant, FP8_SCALED=kv_scales is not None and quant == 1, LINEAR=linear,
         LOG_B=max(1, math.ceil(math.log2(max(n_seqs, 1))) + 1), NUM_SPLITS=splits, HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else "tf32", DOT_F32=dot_f32,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if splits > 1:

@@ -1,0 +1,231 @@
+"""paged_attention against the independent float64 reference (K / V read back through the public gather), on
+both CPU backends (torch reference, Triton interpreter) and compiled on a GPU: every kv_dtype and layout, GQA,
+head dims (non-powers of two), block sizes, window, softcap, sinks, split-KV, lse, context parallelism merged by
+lse, and the edge cases of ragged batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcache.ops import merge_attention_states, paged_attention
+
+from .attn_reference import assert_attn_close, dequantized, i32, make_paged, paged_expected
+
+FORMATS = ["auto", "fp8", "int8", "int4"]
+
+
+def _run(cache, bt, q, q_lens, kv_lens, device, **kw):  # type: ignore[no-untyped-def]
+    cfg = cache.config
+    n, hq, _ = q.shape
+    out = torch.full_like(q, 7.0)
+    lse = torch.full((n, hq), 7.0, dtype=torch.float32, device=device)
+    cu = [0]
+    for x in q_lens:
+        cu.append(cu[-1] + x)
+    res = paged_attention(q, cache.pool(0), cache.params(0), cache.kv_scales[0] if cfg.kv_dtype == "fp8" else None,
+                          kv_dtype=cfg.kv_dtype, layout=cfg.layout, block_tables=bt, cu_q_lens=i32(cu, device),
+                          kv_lens=i32(list(kv_lens), device), out=out, lse=lse, **kw)
+    assert res is out
+    return out, lse
+
+
+def _q(n, hq, d, dtype, device, seed=1):  # type: ignore[no-untyped-def]
+    return torch.randn((n, hq, d), generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_formats_mixed_batch(device, kv_dtype, layout):
+    """Prefill chunk, decode rows, an extend chunk and an empty sequence in one batch, GQA 6 / 2, D 80."""
+    H, hq, D, bs = 2, 6, 80, 16
+    kv_lens, q_lens = [37, 9, 0, 20], [5, 1, 0, 20]
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout=layout, H=H, D=D, bs=bs, lens=kv_lens,
+                              k_scale=0.5, v_scale=2.0)
+    q = _q(sum(q_lens), hq, D, torch.float16, device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device)
+    eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D))
+    assert_attn_close(out, lse, eo, el, torch.float16, what=f"{kv_dtype} {layout}")
+
+
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+def test_head_dims(device, D):
+    H, hq, bs = 1, 4, 16
+    kv_lens, q_lens = [19, 3], [2, 3]
+    cache, bt, _ = make_paged(device, kv_dtype="auto", layout="NHD", H=H, D=D, bs=bs, lens=kv_lens)
+    q = _q(sum(q_lens), hq, D, torch.float16, device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device)
+    eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D))
+    assert_attn_close(out, lse, eo, el, torch.float16, what=f"D={D}")
+
+
+@pytest.mark.parametrize("bs", [16, 32, 64])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+def test_block_sizes(device, bs, kv_dtype):
+    H, hq, D = 2, 4, 64
+    kv_lens, q_lens = [bs * 2 + 3, 1, bs], [1, 1, bs]
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="HND", H=H, D=D, bs=bs, lens=kv_lens)
+    q = _q(sum(q_lens), hq, D, torch.float16, device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device)
+    eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D))
+    assert_attn_close(out, lse, eo, el, torch.float16, what=f"bs={bs}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_query_dtypes(device, dtype):
+    H, hq, D, bs = 2, 2, 64, 16
+    kv_lens, q_lens = [23, 4], [3, 1]
+    cache, bt, _ = make_paged(device, kv_dtype="auto", layout="NHD", H=H, D=D, bs=bs, lens=kv_lens, dtype=dtype)
+    q = _q(sum(q_lens), hq, D, dtype, device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device, scale=0.2)
+    eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=0.2)
+    assert_attn_close(out, lse, eo, el, dtype)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 1000], ids=lambda w: f"w{w}")
+def test_sliding_window(device, window):
+    """A row at position p sees exactly p - window + 1 .. p (window 1: itself; 1000: larger than the context)."""
+    H, hq, D, bs = 2, 4, 64, 16
+    kv_lens, q_lens = [40, 7], [6, 1]
+    cache, bt, _ = make_paged(device, kv_dtype="int8", layout="NHD", H=H, D=D, bs=bs, lens=kv_lens)
+    q = _q(sum(q_lens), hq, D, torch.float16, device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device, window=window)
+    eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D), window=window)
+    assert_attn_close(out, lse, eo, el, torch.float16, what=f"window {window}")
+    if window == 1000:  # larger than any context: same as no window
+        full, full_lse = _run(cache, bt, q, q_lens, kv_lens, device)
+        assert torch.equal(out, full) and torch.equal(lse, full_lse)
+
+
+def test_softcap_and_sinks(device):
+    H, hq, D, bs = 2, 4, 64, 16
+    kv_lens, q_lens = [33, 2], [4, 2]
+    cache, bt, _ = make_paged(device, kv_dtype="fp8", layout="HND", H=H, D=D, bs=bs, lens=kv_lens)
+    q = _q(sum(q_lens), hq, D, torch.float16, device) * 4
+    sinks = torch.tensor([0.5, -1.0, 3.0, 8.0], device=device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device, softcap=5.0, sinks=sinks)
+    eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D), softcap=5.0, sinks=sinks)
+    assert_attn_close(out, lse, eo, el, torch.float16, what="softcap+sinks")
+    plain, plain_lse = _run(cache, bt, q, q_lens, kv_lens, device, softcap=5.0)
+    assert (lse > plain_lse).all()  # the sink adds a positive term to every denominator
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_split_kv(device, num_splits):
+    """Split launches (and their merge pass) give the unsplit result within float32 merge rounding."""
+    H, hq, D, bs = 2, 8, 64, 16
+    kv_lens, q_lens = [150, 3, 64], [1, 1, 2]
+    cache, bt, _ = make_paged(device, kv_dtype="int4", layout="NHD", H=H, D=D, bs=bs, lens=kv_lens)
+    q = _q(sum(q_lens), hq, D, torch.float16, device)
+    sinks = torch.linspace(-2, 2, hq, device=device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device, num_splits=num_splits, sinks=sinks, window=100)
+    eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D), sinks=sinks, window=100)
+    assert_attn_close(out, lse, eo, el, torch.float16, what=f"splits {num_splits}")
+    ws = torch.empty(num_splits * 4 * hq * (D + 1) + 3, dtype=torch.float32, device=device)
+    again, again_lse = _run(cache, bt, q, q_lens, kv_lens, device, num_splits=num_splits, sinks=sinks, window=100,
+                            workspace=ws)
+    assert torch.equal(out, again) and torch.equal(lse, again_lse)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_context_parallel_merge(device, kv_dtype):
+    """Two CP ranks' partial results merged by lse equal attention over the whole sequence (sinks once)."""
+    H, hq, D, bs = 2, 4, 64, 16
+    kv_lens, q_lens = [29, 6, 1], [4, 1, 1]
+    gen = torch.Generator().manual_seed(3)
+    ks = [torch.randn((n, H, D), generator=gen).half() for n in kv_lens]
+    vs = [torch.randn((n, H, D), generator=gen).half() for n in kv_lens]
+    q = _q(sum(q_lens), hq, D, torch.float16, device)
+    sinks = torch.tensor([0.0, 1.0, -1.0, 2.0], device=device)
+    parts = []
+    for rank in range(2):
+        cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=kv_lens,
+                                  kv=(ks, vs), cp_rank=rank, cp_size=2, seed=rank)
+        o, l_ = _run(cache, bt, q, q_lens, kv_lens, device, cp_rank=rank, cp_size=2, sinks=sinks)
+        eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D), sinks=sinks,
+                                cp_rank=rank, cp_size=2)
+        assert_attn_close(o, l_, eo, el, torch.float16, what=f"rank {rank}")
+        parts.append((o, l_))
+    # the last sequence (one token, at position 0) lives on rank 0: rank 1 attends to nothing
+    assert (parts[1][0][-1] == 0).all() and torch.isinf(parts[1][1][-1]).all()
+    merged, merged_lse = merge_attention_states(parts[0][0], parts[0][1], parts[1][0], parts[1][1])
+    whole, wb, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=kv_lens, kv=(ks, vs))
+    eo, el = paged_expected(q.cpu(), whole, wb, q_lens, kv_lens, scale=1 / math.sqrt(D), sinks=sinks)
+    assert_attn_close(merged, merged_lse, eo, el, torch.float16, what="merged ranks")
+
+
+def test_edge_cases(device):
+    """Empty sequences (q_len 0; kv_len 0), a chunk filling a block exactly, a sequence at its table's capacity,
+    and padding rows past cu_q_lens[B] (left untouched)."""
+    H, hq, D, bs = 2, 4, 64, 16
+    kv_lens, q_lens = [0, 32, 16, 5], [0, 16, 1, 0]  # seq 1: a 16-row chunk ending on a block boundary
+    cache, bt, _ = make_paged(device, kv_dtype="int8", layout="HND", H=H, D=D, bs=bs, lens=kv_lens)
+    assert bt.shape[1] == 2  # seq 1 holds 32 tokens = its table's whole capacity
+    n_real = sum(q_lens)
+    q = _q(n_real + 3, hq, D, torch.float16, device)  # 3 padding rows
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device)
+    eo, el = paged_expected(q[:n_real].cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D))
+    assert_attn_close(out[:n_real], lse[:n_real], eo, el, torch.float16)
+    assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
+
+
+def test_nothing_to_attend(device):
+    """A query row whose position precedes every key this rank holds: zeros and lse = -inf, no NaN elsewhere;
+    with sinks (rank 0) the row is still zeros and lse is the sink logit."""
+    H, hq, D, bs = 1, 2, 64, 16
+    kv_lens, q_lens = [1, 6], [1, 2]
+    cache, bt, _ = make_paged(device, kv_dtype="auto", layout="NHD", H=H, D=D, bs=bs, lens=kv_lens, cp_rank=1,
+                              cp_size=2)
+    q = _q(3, hq, D, torch.float16, device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device, cp_rank=1, cp_size=2)
+    assert (out[0] == 0).all() and torch.isinf(lse[0]).all() and (lse[0] < 0).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[1:]).all()
+    cache0, bt0, _ = make_paged(device, kv_dtype="auto", layout="NHD", H=H, D=D, bs=bs, lens=[0])
+    sinks = torch.tensor([1.5, -0.5], device=device)
+    q1 = _q(1, hq, D, torch.float16, device)
+    o1, l1 = _run(cache0, bt0, q1, [1], [0], device, sinks=sinks)
+    assert (o1 == 0).all() and torch.allclose(l1[0], sinks)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4"])
+def test_quantized_against_fp16_cache(device, kv_dtype):
+    """A quantized cache's attention stays within the bound its quantization error implies of the fp16 cache's:
+    every score moves by at most delta = scale * max |q . (k_deq - k)|, so softmax weights move by a factor within
+    exp(+-2 delta); |out_q - out| <= max |v_deq - v| + (exp(2 delta) - 1) * max |v| (+ fp16 output rounding)."""
+    H, hq, D, bs = 2, 4, 64, 16
+    kv_lens, q_lens = [45, 12], [3, 1]
+    gen = torch.Generator().manual_seed(5)
+    ks = [torch.randn((n, H, D), generator=gen).half() for n in kv_lens]
+    vs = [torch.randn((n, H, D), generator=gen).half() for n in kv_lens]
+    q = _q(sum(q_lens), hq, D, torch.float16, device) * 0.5
+    ref_cache, rbt, _ = make_paged(device, kv_dtype="auto", layout="NHD", H=H, D=D, bs=bs, lens=kv_lens, kv=(ks, vs))
+    qc, qbt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=kv_lens, kv=(ks, vs))
+    o_ref, _ = _run(ref_cache, rbt, q, q_lens, kv_lens, device)
+    o_q, _ = _run(qc, qbt, q, q_lens, kv_lens, device)
+    kd, vd = dequantized(qc, qbt, kv_lens)
+    scale = 1 / math.sqrt(D)
+    row = 0
+    for b, ql in enumerate(q_lens):
+        dk = (kd[b] - ks[b].float()).repeat_interleave(hq // H, 1)  # [n, hq, D]
+        delta = (torch.einsum("qhd,nhd->qhn", q[row:row + ql].float().cpu(), dk).abs().amax() * scale).item()
+        dv = (vd[b] - vs[b].float()).abs().max().item()
+        bound = dv + (math.exp(2 * delta) - 1) * vs[b].float().abs().max().item() + 2e-2
+        err = (o_q[row:row + ql].float() - o_ref[row:row + ql].float()).abs().max().item()
+        assert err <= bound, f"{kv_dtype}: error {err:.3g} > bound {bound:.3g}"
+        row += ql
+
+
+def test_nan_in_cache_stays_visible(device):
+    """NaN in a value the row attends to reaches its output (never a finite value)."""
+    H, hq, D, bs = 1, 1, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    k = [torch.randn((5, H, D), generator=gen).half()]
+    v = [torch.randn((5, H, D), generator=gen).half()]
+    v[0][2, 0, 3] = float("nan")
+    cache, bt, _ = make_paged(device, kv_dtype="auto", layout="NHD", H=H, D=D, bs=bs, lens=[5], kv=(k, v))
+    q = _q(1, hq, D, torch.float16, device)
+    out, _ = _run(cache, bt, q, [1], [5], device)
+    assert torch.isnan(out[0, 0, 3])
