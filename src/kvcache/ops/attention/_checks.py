@@ -118,6 +118,8 @@ def check_pool(pool: object, params: object, kv_scales: object, kv_dtype: str, l
         raise ValueError(f"pool: expected rows of {r} elements for head_dim {d} and kv_dtype {kv_dtype!r}, got "
                          f"shape {fmt_shape(pool.shape)}")
     if kv_dtype in ("int8", "int4"):
+        if params is None:
+            raise ValueError(f"params: expected the float32 (scale, zero) pool for kv_dtype {kv_dtype!r}, got None")
         need("params", params, dtypes=(torch.float32,), ndim=5, device=dev, ref="q")
         pshape = (nb, 2, bs, h, 2) if layout == "NHD" else (nb, 2, h, bs, 2)
         if tuple(params.shape) != pshape or not params.is_contiguous():

@@ -106,18 +106,17 @@ def linear_attention(
         c.check_lse(lse, (bsz, hq, q_len), dev)
     if num_splits is not None:
         check_int("num_splits", num_splits, 1, 1024)
+    plan = attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=bsz * q_len, num_seqs=bsz,
+                          max_kv_len=layer.shape[3], num_sms=num_sms(dev), num_splits=num_splits)
+    need = attention_workspace_size(bsz * q_len, hq, d, plan.num_splits)
+    if workspace is not None:
+        c.check_workspace(workspace, need, dev)
     if not use_triton(dev):
         linear_attention_reference(q, layer, lengths, kv_scales, out=out, lse=lse, scale=scale, window=window,
                                    softcap=softcap, sinks=sinks)
         return out
-    plan = attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=bsz * q_len, num_seqs=bsz,
-                          max_kv_len=layer.shape[3], num_sms=num_sms(dev), num_splits=num_splits)
-    need = attention_workspace_size(bsz * q_len, hq, d, plan.num_splits)
-    if need:
-        if workspace is None:
-            workspace = torch.empty(need, dtype=torch.float32, device=dev)
-        else:
-            c.check_workspace(workspace, need, dev)
+    if need and workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=dev)
     kv_dtype = "fp8" if layer.dtype == torch.float8_e4m3fn else "auto"
     launch_attention(q, out, lse, layer, None, kv_scales, sinks, kv_dtype=kv_dtype, layout="HND", block_tables=None,
                      cu_q_lens=None, kv_lens=lengths, scale=scale, window=window, softcap=softcap, cp_rank=0,

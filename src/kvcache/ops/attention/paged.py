@@ -149,20 +149,19 @@ def paged_attention(
     check_int("max_kv_len", max_kv_len, 0)
     if num_splits is not None:
         check_int("num_splits", num_splits, 1, 1024)
+    plan = attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=n, num_seqs=b,
+                          max_kv_len=min(max_kv_len, cap) // cp_size, num_sms=num_sms(dev), num_splits=num_splits)
+    need = attention_workspace_size(n, hq, d, plan.num_splits)
+    if workspace is not None:
+        c.check_workspace(workspace, need, dev)
     if not use_triton(dev):
         paged_attention_reference(q, pool, params, kv_scales, kv_dtype=kv_dtype, layout=layout,
                                   block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, out=out, lse=lse,
                                   scale=scale, window=window, softcap=softcap, sinks=sinks, cp_rank=cp_rank,
                                   cp_size=cp_size)
         return out
-    plan = attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=n, num_seqs=b,
-                          max_kv_len=min(max_kv_len, cap) // cp_size, num_sms=num_sms(dev), num_splits=num_splits)
-    need = attention_workspace_size(n, hq, d, plan.num_splits)
-    if need:
-        if workspace is None:
-            workspace = torch.empty(need, dtype=torch.float32, device=dev)
-        else:
-            c.check_workspace(workspace, need, dev)
+    if need and workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=dev)
     launch_attention(q, out, lse, pool, params, kv_scales if kv_dtype == "fp8" else None, sinks, kv_dtype=kv_dtype,
                      layout=layout, block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, scale=scale,
                      window=window, softcap=softcap, cp_rank=cp_rank, cp_size=cp_size, plan=plan,

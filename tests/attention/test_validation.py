@@ -1,0 +1,108 @@
+"""Bad arguments to paged_attention / linear_attention raise ValueError / TypeError naming the argument before
+anything is written; the launch policy is a pure function of shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from kvcache.ops import linear_attention, paged_attention
+from kvcache.ops.attention import attention_plan, attention_workspace_size
+
+from .attn_reference import i32, make_paged
+
+
+def _setup(device, kv_dtype="auto"):  # type: ignore[no-untyped-def]
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=2, D=64, bs=16, lens=[5, 3])
+    q = torch.randn(2, 4, 64, dtype=torch.float16, device=device)
+    kw = dict(kv_dtype=kv_dtype, layout="NHD", block_tables=bt, cu_q_lens=i32([0, 1, 2], device),
+              kv_lens=i32([5, 3], device))
+    return cache, q, kw
+
+
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        (dict(q=torch.zeros(2, 4, 64, dtype=torch.int32)), ValueError, "q: expected dtype"),
+        (dict(q=torch.zeros(2, 3, 64, dtype=torch.float16)), ValueError, "q: expected num_q_heads"),
+        (dict(q=torch.zeros(2, 4, 32, dtype=torch.float16)), ValueError, "pool: expected rows of 32"),
+        (dict(q=torch.zeros(2, 4, 64, dtype=torch.bfloat16)), ValueError, "pool: expected dtype torch.bfloat16"),
+        (dict(kv_dtype="int2"), ValueError, "kv_dtype: expected one of"),
+        (dict(layout="NDH"), ValueError, "layout: expected one of"),
+        (dict(cu_q_lens="x"), TypeError, "cu_q_lens: expected a torch.Tensor"),
+        (dict(kv_lens=torch.zeros(3, dtype=torch.int32)), ValueError, r"kv_lens: expected shape \[2\]"),
+        (dict(cu_q_lens=torch.zeros(3, dtype=torch.int64)), ValueError, "cu_q_lens: expected dtype torch.int32"),
+        (dict(block_tables=torch.zeros(2, 4, dtype=torch.int32).t()), ValueError, "block_tables: expected"),
+        (dict(scale=0.0), ValueError, "scale: expected a finite float > 0"),
+        (dict(scale="a"), TypeError, "scale: expected a float"),
+        (dict(window=0), ValueError, "window: expected an int >= 1"),
+        (dict(softcap=-1.0), ValueError, "softcap: expected a finite float > 0"),
+        (dict(sinks=torch.zeros(3)), ValueError, r"sinks: expected a contiguous float32 \[4\]"),
+        (dict(lse=torch.zeros(2, 4, dtype=torch.float16)), ValueError, "lse: expected dtype torch.float32"),
+        (dict(lse=torch.zeros(2, 5)), ValueError, r"lse: expected shape \[2, 4\]"),
+        (dict(out=torch.zeros(2, 4, 64)), ValueError, "out: expected dtype torch.float16"),
+        (dict(cp_rank=2, cp_size=2), ValueError, "cp_rank: expected an int <= 1"),
+        (dict(num_splits=0), ValueError, "num_splits: expected an int >= 1"),
+        (dict(params=torch.zeros(1)), ValueError, "params: expected None"),
+        (dict(kv_scales=torch.ones(2)), ValueError, "kv_scales: expected None"),
+    ],
+)
+def test_paged_errors(device, change, exc, match):
+    cache, q, kw = _setup(device)
+    args = dict(q=q, pool=cache.pool(0), **kw)
+    for key, val in change.items():
+        args[key] = val.to(device) if isinstance(val, torch.Tensor) else val
+    before = cache.pool(0).clone()
+    with pytest.raises(exc, match=match):
+        paged_attention(**args)
+    assert torch.equal(cache.pool(0), before)
+
+
+def test_quantized_pools_need_their_parameters(device):
+    cache, q, kw = _setup(device, "int8")
+    with pytest.raises(ValueError, match="params: expected"):
+        paged_attention(q, cache.pool(0), None, **kw)
+    cache, q, kw = _setup(device, "fp8")
+    with pytest.raises(ValueError, match="kv_scales: expected float32 \\[2\\]"):
+        paged_attention(q, cache.pool(0), **kw)
+    with pytest.raises(ValueError, match="kv_scales: expected a contiguous float32 \\[2\\]"):
+        paged_attention(q, cache.pool(0), kv_scales=torch.ones(3, device=device), **kw)
+
+
+def test_workspace_too_small(device):
+    cache, q, kw = _setup(device)
+    with pytest.raises(ValueError, match="workspace: expected a contiguous float32 tensor of at least"):
+        paged_attention(q, cache.pool(0), num_splits=2, workspace=torch.empty(10, device=device), **kw)
+
+
+def test_linear_errors(device):
+    cache = kvcache.LinearKVCache(kvcache.CacheConfig(num_layers=1, max_batch_size=2, max_seq_len=8, num_kv_heads=2,
+                                                      head_dim=16, dtype=torch.float16, device=device))
+    q = torch.zeros(2, 4, 1, 16, dtype=torch.float16, device=device)
+    lengths = i32([1, 2], device)
+    with pytest.raises(ValueError, match="layer: expected"):
+        linear_attention(torch.zeros(3, 4, 1, 16, dtype=torch.float16, device=device), cache.layer(0), i32([1, 2, 3],
+                         device))
+    with pytest.raises(ValueError, match=r"lengths: expected shape \[2\]"):
+        linear_attention(q, cache.layer(0), i32([1], device))
+    with pytest.raises(ValueError, match="layer: expected dtype torch.float32"):
+        linear_attention(q.float(), cache.layer(0), lengths)
+    with pytest.raises(ValueError, match="kv_scales: expected None"):
+        linear_attention(q, cache.layer(0), lengths, kv_scales=torch.ones(2, device=device))
+    with pytest.raises(ValueError, match=r"lse: expected shape \[2, 4, 1\]"):
+        linear_attention(q, cache.layer(0), lengths, lse=torch.zeros(2, 4, device=device))
+
+
+def test_plan_is_pure_and_splits_long_decode():
+    kw = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+    long1 = attention_plan(**kw, n_tokens=1, num_seqs=1, max_kv_len=131072)
+    assert long1 == attention_plan(**kw, n_tokens=1, num_seqs=1, max_kv_len=131072)
+    assert long1.num_splits > 8
+    assert attention_plan(**kw, n_tokens=64, num_seqs=64, max_kv_len=16384).num_splits == 1
+    pre = attention_plan(**kw, n_tokens=16384, num_seqs=8, max_kv_len=6144)
+    assert pre.num_splits == 1 and pre.block_m(32, 8) == 128
+    assert attention_plan(**kw, n_tokens=1, num_seqs=1, max_kv_len=100).num_splits == 1
+    assert attention_plan(**kw, n_tokens=1, num_seqs=1, max_kv_len=10**6, num_splits=3).num_splits == 3
+    assert attention_workspace_size(4, 8, 64, 1) == 0
+    assert attention_workspace_size(4, 8, 64, 3) == 3 * 4 * 8 * 65
