@@ -1,148 +1,104 @@
-"""``kvcache bench paged``: fused RoPE + quantize + append, and gather, against the device copy bandwidth and
-the plain PyTorch a user would write (index_put into the pool + a separate RoPE), in one run.
+"""``kvcache bench paged``: append (fused RoPE + quantize) and gather, measured as a server runs.
 
-Shapes (issue 3): 8 KV heads, head_dim 128, fp16; prefill 16384 new tokens (8 x 2048), decode 256 x 1,
-block 16 and 64, kv_dtype auto / fp8 / int8 / int4, with and without RoPE; gather of 64 x 2048. Bytes are
-what must be read + written (K and V in the model dtype read, the stored bytes and parameters written).
+Conditions: a realistic pool (>= 8192 blocks per layer, several GiB), the blocks of every batch drawn at random
+from all of it, L2 flushed between calls (``triton.testing.do_bench``), each call captured in a CUDA graph
+(decode: a 32-layer step, distinct K / V per layer). In the same run, beside kvcache: the plain PyTorch a user
+would write (index_put + RoPE; index + copy_) and a same-pattern ceiling (a plain Triton copy of the same rows to
+the same slots, no index work; a block index_select for the gather). Shapes: 8 KV heads, head_dim 128, fp16;
+prefill 8 x 2048 new tokens, decode 256 x 1 token (1-1000 cached), gather 64 x 2048 tokens; blocks of 16 and 64.
+
+Bytes are what must be read + written (K and V read in the model dtype, the stored bytes and (scale, zero)
+written, or the reverse for the gather); "% ceiling" is kvcache's bandwidth over the ceiling row's.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import datetime
 import json
 import math
-from dataclasses import asdict
-from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from ..ops import paged as paged_ops
-from ..paged import PagedConfig, PagedKVCache
+from ..paged import PagedConfig, PagedKVCache, cache_block_bytes
 from ..rope import RopeConfig
-from .linear import Row, _fmt, copy_bandwidth, time_eager, time_graph, time_host
 
 H, D = 8, 128
+LAYERS = 32
+FORMATS = ("auto", "fp8", "int8", "int4")
+COMMAND = "kvcache bench paged"
 
 
 @triton.jit
-def _rows_copy(k, v, pool, blocks, ROW: tl.constexpr, BS: tl.constexpr, SCATTER: tl.constexpr, TOK: tl.constexpr):
-    # the append's memory traffic without its index work (a ceiling for the fp16 append on this device):
-    # TOK consecutive rows of k and v [N, ROW] into their token slots of a pool [nb, 2, BS, ROW], block
-    # blocks[n // BS] (SCATTER) or block n // BS; TOK divides BS
-    n0 = tl.program_id(0).to(tl.int64) * TOK
-    t = tl.arange(0, TOK)[:, None]
-    e = tl.arange(0, ROW)[None, :]
-    xk = tl.load(k + (n0 + t) * ROW + e)
-    xv = tl.load(v + (n0 + t) * ROW + e)
-    blk = n0 // BS
-    if SCATTER:
-        blk = tl.load(blocks + blk).to(tl.int64)
-    base = blk * (2 * BS * ROW) + (n0 % BS + t) * ROW
-    tl.store(pool + base + e, xk)
-    tl.store(pool + base + BS * ROW + e, xv)
+def _slot_copy(k, v, pool, slots, ROW: tl.constexpr, BS: tl.constexpr):
+    # the append's memory traffic without its index work: row n of k and v [N, ROW] (fp16) to slot slots[n] of a
+    # pool [nb, 2, BS, ROW] (NHD), one program per row
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, ROW)
+    slot = tl.load(slots + n)
+    dst = pool + (slot // BS) * (2 * BS * ROW) + (slot % BS) * ROW + e
+    tl.store(dst, tl.load(k + n * ROW + e))
+    tl.store(dst + BS * ROW, tl.load(v + n * ROW + e))
 
 
-class _pdl_off:
-    """Appends without programmatic dependent launch inside the block (the comparison rows)."""
+@dataclasses.dataclass
+class Result:
+    """One measured row: ``role`` is ``kvcache``, ``baseline`` (plain PyTorch) or ``ceiling`` (a plain copy)."""
 
-    def __enter__(self) -> None:
-        self.saved = paged_ops._PDL_ENV
-        paged_ops._PDL_ENV = False
+    op: str
+    shape: str
+    impl: str
+    role: str
+    us: float
+    bytes: int
 
-    def __exit__(self, *a: object) -> None:
-        paged_ops._PDL_ENV = self.saved
-
-
-class _speculation_off:
-    """Decode appends that wait for the previous kernel before their lookup inside the block (the comparison
-    rows: the default before speculation)."""
-
-    def __enter__(self) -> None:
-        self.saved = paged_ops._SPECULATE
-        paged_ops._SPECULATE = False
-
-    def __exit__(self, *a: object) -> None:
-        paged_ops._SPECULATE = self.saved
+    @property
+    def gbs(self) -> float:
+        return self.bytes / (self.us * 1e-6) / 1e9
 
 
-def _tables(n_seqs: int, blocks_per_seq: int, num_blocks: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
-    ids = torch.randperm(num_blocks, generator=gen)[: n_seqs * blocks_per_seq]
-    return ids.view(n_seqs, blocks_per_seq).to(torch.int32).to(dev)
+def bench_graph(fn: Callable[[], object], per: int = 1) -> float:
+    """Microseconds per call of ``fn`` captured in a CUDA graph and replayed with L2 flushed before every replay
+    (median), divided by ``per`` (calls inside ``fn``)."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ms = triton.testing.do_bench(g.replay, warmup=25, rep=150, return_mode="median")
+    return ms * 1e3 / per
 
 
-class DecodeBatch(NamedTuple):
-    """One decode step's appends: ``n_seqs`` sequences of 1-``ctx`` cached tokens, one new token each."""
-
-    k: torch.Tensor  # fp16 [n_seqs, H, D]
-    v: torch.Tensor  # fp16 [n_seqs, H, D]
-    cu_q: torch.Tensor  # int32 [n_seqs + 1]: 0, 1, ..., n_seqs
-    kv_lens: torch.Tensor  # int32 [n_seqs]
-    tables: torch.Tensor  # int32 [n_seqs, blocks per sequence]: randomly permuted blocks
-    slots: torch.Tensor  # int64 [n_seqs]: the same targets as slot mapping
-    positions: torch.Tensor  # int64 [n_seqs]
-    num_blocks: int
+def store_bytes(n_tokens: int, kv_dtype: str) -> int:
+    """Bytes the append writes (and the gather reads) for ``n_tokens`` tokens: K and V, (scale, zero) included."""
+    return cache_block_bytes(1, H, D, 1, torch.float16, kv_dtype) * n_tokens
 
 
-def decode_batch(dev: torch.device, gen: torch.Generator, block_size: int, n_seqs: int = 256,
-                 ctx: int = 1000) -> DecodeBatch:
-    """The decode benchmark's batch (``kvcache bench paged`` and the tuning scripts in ``benchmarks/``)."""
-    k = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
-    v = torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev)
-    cu_q = torch.arange(0, n_seqs + 1, dtype=torch.int32, device=dev)
-    kv_lens = torch.randint(1, ctx, (n_seqs,), generator=gen, dtype=torch.int32).to(dev)
-    per_seq = math.ceil((ctx + 1) / block_size)
-    nb = n_seqs * per_seq + 8
-    tables = _tables(n_seqs, per_seq, nb, gen, dev)
-    rows = torch.arange(n_seqs, device=dev)
-    slots = tables.long()[rows, (kv_lens // block_size).long()] * block_size + (kv_lens % block_size).long()
-    return DecodeBatch(k, v, cu_q, kv_lens, tables, slots, kv_lens.long(), nb)
-
-
-class PrefillBatch(NamedTuple):
-    """A prefill of ``n_seqs`` new sequences of ``seq`` tokens each, into randomly permuted blocks."""
-
-    k: torch.Tensor  # fp16 [n_seqs * seq, H, D]
-    v: torch.Tensor  # fp16 [n_seqs * seq, H, D]
-    cu_q: torch.Tensor  # int32 [n_seqs + 1]
-    kv_lens: torch.Tensor  # int32 [n_seqs]: zeros
-    tables: torch.Tensor  # int32 [n_seqs, seq // block_size]
-    num_blocks: int
-
-
-def prefill_batch(dev: torch.device, gen: torch.Generator, block_size: int, n_seqs: int = 8,
-                  seq: int = 2048) -> PrefillBatch:
-    """The prefill benchmark's batch (``kvcache bench paged`` and the tuning scripts in ``benchmarks/``)."""
-    n = n_seqs * seq
-    k = torch.randn(n, H, D, dtype=torch.float16, device=dev)
-    v = torch.randn(n, H, D, dtype=torch.float16, device=dev)
-    cu_q = torch.arange(0, n + 1, seq, dtype=torch.int32, device=dev)
-    kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
-    nb = n // block_size + 64
-    return PrefillBatch(k, v, cu_q, kv_lens, _tables(n_seqs, seq // block_size, nb, gen, dev), nb)
-
-
-def launch_decode_layers(cache: PagedKVCache, b: DecodeBatch, *, ragged: bool, rope: object,
-                         **overrides: object) -> None:
-    """One decode step: ``b`` appended to every layer of ``cache`` through ``append_paged_kv_launch`` (no
-    validation, no prepared plan), ragged or by slot mapping, with ``rope`` (RopeKernelParams or None) and the
-    launcher's tuning ``overrides`` (num_warps, split, pdl, early, head_groups, max_registers). For the tuning
-    scripts."""
-    cfg = cache.config
-    for layer in range(cfg.num_layers):
-        paged_ops.append_paged_kv_launch(
-            b.k, b.v, cache.pool(layer), cache.params(layer), kv_dtype=cfg.kv_dtype, layout=cfg.layout,
-            block_tables=b.tables if ragged else None, cu_q_lens=b.cu_q if ragged else None,
-            kv_lens=b.kv_lens if ragged else None, cu_k_lens=None, slot_mapping=None if ragged else b.slots,
-            positions=None if ragged or rope is None else b.positions, rope=rope, fp8_scales=cache.kv_scales[layer],
-            cp_rank=0, cp_size=1, **overrides,  # type: ignore[arg-type]
-        )
-
-
-def _store_bytes(n_tokens: int, kv_dtype: str) -> int:
-    per_row = {"auto": D * 2, "fp8": D, "int8": D + 8, "int4": D // 2 + 8}[kv_dtype]
-    return 2 * n_tokens * H * per_row
+def _random_slots(n_rows: int, start: torch.Tensor, q_len: int, bs: int, nb: int, gen: torch.Generator
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables whose written blocks are distinct and drawn at random from the whole pool (entries only
+    read by attention are random blocks too), and the slot of every row."""
+    n_seqs = start.shape[0]
+    per_seq = math.ceil((int(start.max()) + q_len) / bs)
+    tables = torch.randint(0, nb, (n_seqs, per_seq), generator=gen, dtype=torch.int32)
+    first, last = start // bs, (start + q_len - 1) // bs
+    fresh = torch.randperm(nb, generator=gen).to(torch.int32)
+    used = 0
+    for b in range(n_seqs):
+        w = int(last[b] - first[b]) + 1
+        tables[b, int(first[b]): int(last[b]) + 1] = fresh[used: used + w]
+        used += w
+    pos = start[:, None].long() + torch.arange(q_len)[None, :]
+    slots = tables.long().gather(1, pos // bs) * bs + pos % bs
+    return tables, slots.reshape(n_rows)
 
 
 def _torch_append(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
@@ -150,162 +106,132 @@ def _torch_append(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blk: tor
     """What a user writes: HF-style RoPE on K (model dtype), then index_put into the pool (NHD)."""
     if cos is not None:
         half = D // 2
-        rot = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
-        k = k * cos + rot * sin
+        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
     pool[blk, 0, off] = k
     pool[blk, 1, off] = v
 
 
-def _prefill_rows(dev: torch.device, copy_bw: float, quick: bool) -> list[Row]:
-    rows: list[Row] = []
-    gen = torch.Generator().manual_seed(0)
-    n_seqs, seq = (8, 2048) if not quick else (4, 512)
+def _prefill(dev: torch.device, gen: torch.Generator, quick: bool) -> list[Result]:
+    out: list[Result] = []
+    n_seqs, seq = (8, 2048) if not quick else (2, 512)
     n = n_seqs * seq
-    rope_cfg = RopeConfig(head_dim=D, base=500000.0)
+    rope = RopeConfig(head_dim=D, base=500000.0)
+    k = torch.randn(n, H, D, dtype=torch.float16, device=dev)
+    v = torch.randn(n, H, D, dtype=torch.float16, device=dev)
+    cu_q = torch.arange(0, n + 1, seq, dtype=torch.int32, device=dev)
+    kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
     for bs in (16, 64):
-        b = prefill_batch(dev, gen, bs, n_seqs, seq)
-        tables, nb = b.tables, b.num_blocks
-        # the torch baseline's per-token block / offset and HF cos / sin (model dtype), computed outside timing
-        pos = torch.arange(seq, device=dev).repeat(n_seqs)
-        seq_idx = torch.arange(n, device=dev) // seq
-        blk = tables.long()[seq_idx, pos // bs]
-        off = pos % bs
-        cos, sin = rope_cfg.cos_sin(pos)
-        cos, sin = cos.to(torch.float16)[:, None, :], sin.to(torch.float16)[:, None, :]
-        for kv_dtype in ("auto", "fp8", "int8", "int4"):
+        nb = (1 << 20) // bs if not quick else 8192  # 4 GiB of fp16 pool
+        shape = f"{n_seqs} x {seq} tok, block {bs}, {nb} blocks"
+        tables, slots = _random_slots(n, torch.zeros(n_seqs, dtype=torch.long), seq, bs, nb, gen)
+        tables, slots = tables.to(dev), slots.to(dev)
+        for kv_dtype in FORMATS:
             cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
-                                             dtype=torch.float16, kv_dtype=kv_dtype, device=dev), rope=rope_cfg)
-            nbytes = 2 * n * H * D * 2 + _store_bytes(n, kv_dtype)
+                                             dtype=torch.float16, kv_dtype=kv_dtype, device=dev), rope=rope)
             for use_rope in (False, True):
-                def fn(cache=cache, use_rope=use_rope, b=b) -> None:  # type: ignore[no-untyped-def]
-                    cache.append(0, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens,
+                def fn(cache=cache, use_rope=use_rope, tables=tables) -> None:  # type: ignore[no-untyped-def]
+                    cache.append(0, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
                                  rope=None if use_rope else False)
-                impl = f"kvcache {kv_dtype}{' + rope' if use_rope else ''}"
-                rows.append(Row(f"prefill append {n} tok, block {bs}", impl,
-                                eager_us=time_eager(fn, 10), graph_us=time_graph(fn, 3), bytes=nbytes))
-                if not use_rope and paged_ops._pdl_default(dev):
-                    # back-to-back appends overlap with PDL; a model's append follows a GEMM instead
-                    with _pdl_off():
-                        rows.append(Row(f"prefill append {n} tok, block {bs}", f"{impl} (no PDL)",
-                                        eager_us=time_eager(fn, 10), graph_us=time_graph(fn, 3), bytes=nbytes))
+                out.append(Result("prefill append", shape, f"kvcache {kv_dtype}{' + rope' if use_rope else ''}",
+                                  "kvcache", bench_graph(fn), 2 * n * H * D * 2 + store_bytes(n, kv_dtype)))
             del cache
+        moved = 2 * n * H * D * 2 + store_bytes(n, "auto")
         pool = torch.zeros((nb, 2, bs, H, D), dtype=torch.float16, device=dev)
-        # ceilings for the fp16 append: the same bytes through torch's copy_, and a Triton row copy with the
-        # append's exact traffic (rows into randomly placed blocks) but no index work
-        kv = torch.stack([b.k, b.v])
-        kv_dst = torch.empty_like(kv)
-        moved = 2 * n * H * D * 2 + _store_bytes(n, "auto")
-        def ccopy(kv_dst=kv_dst, kv=kv) -> None:  # type: ignore[no-untyped-def]
-            kv_dst.copy_(kv)
 
-        rows.append(Row(f"prefill append {n} tok, block {bs}", "torch copy_ of the same bytes (contiguous)",
-                        eager_us=time_eager(ccopy, 10), graph_us=time_graph(ccopy, 3), bytes=moved))
-        perm = torch.randperm(nb, generator=gen)[: n // bs].to(torch.int32).to(dev)
+        def ceiling(pool=pool, slots=slots, bs=bs) -> None:  # type: ignore[no-untyped-def]
+            _slot_copy[(n,)](k, v, pool, slots, ROW=H * D, BS=bs, num_warps=4)
 
-        def rcopy(pool=pool, perm=perm, bs=bs, b=b) -> None:  # type: ignore[no-untyped-def]
-            _rows_copy[(n,)](b.k, b.v, pool, perm, ROW=H * D, BS=bs, SCATTER=True, TOK=1, num_warps=8)
-
-        rows.append(Row(f"prefill append {n} tok, block {bs}", "Triton row copy into random blocks (no indexing)",
-                        eager_us=time_eager(rcopy, 10), graph_us=time_graph(rcopy, 3), bytes=moved))
+        out.append(Result("prefill append", shape, "Triton copy of the rows to the same slots", "ceiling",
+                          bench_graph(ceiling), moved))
+        blk, off = slots // bs, slots % bs
+        cos, sin = rope.cos_sin(torch.arange(seq, device=dev).repeat(n_seqs))
+        cos, sin = cos.to(torch.float16)[:, None, :], sin.to(torch.float16)[:, None, :]
         for use_rope in (False, True):
-            def tfn(use_rope=use_rope, pool=pool, blk=blk, off=off, cos=cos, sin=sin, b=b) -> None:  # type: ignore[no-untyped-def]
-                _torch_append(pool, b.k, b.v, blk, off, cos if use_rope else None, sin if use_rope else None)
-            rows.append(Row(f"prefill append {n} tok, block {bs}", f"torch index_put{' + rope' if use_rope else ''}",
-                            eager_us=time_eager(tfn, 10), graph_us=time_graph(tfn, 3),
-                            bytes=2 * n * H * D * 2 + _store_bytes(n, "auto")))
-    return rows
+            def tfn(pool=pool, blk=blk, off=off, c=cos if use_rope else None,  # type: ignore[no-untyped-def]
+                    s=sin if use_rope else None) -> None:
+                _torch_append(pool, k, v, blk, off, c, s)
+            out.append(Result("prefill append", shape, f"torch index_put{' + rope' if use_rope else ''}", "baseline",
+                              bench_graph(tfn), moved))
+        del pool
+        torch.cuda.empty_cache()
+    return out
 
 
-def _decode_rows(dev: torch.device, quick: bool) -> list[Row]:
-    """256 sequences x 1 token: per-layer time inside a 32-layer CUDA graph, eager time and host overhead."""
-    rows: list[Row] = []
-    gen = torch.Generator().manual_seed(1)
-    n_seqs, layers = 256, 32
-    rope_cfg = RopeConfig(head_dim=D, base=500000.0)
+def _decode(dev: torch.device, gen: torch.Generator, quick: bool) -> list[Result]:
+    """Per layer of a 32-layer decode step (one graph), 256 sequences x 1 new token."""
+    out: list[Result] = []
+    n_seqs = 256
+    layers = LAYERS if not quick else 4
+    rope = RopeConfig(head_dim=D, base=500000.0)
+    ks = [torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev) for _ in range(layers)]
+    vs = [torch.randn(n_seqs, H, D, dtype=torch.float16, device=dev) for _ in range(layers)]
+    cu_q = torch.arange(0, n_seqs + 1, dtype=torch.int32, device=dev)
+    start = torch.randint(1, 1000, (n_seqs,), generator=gen)
+    kv_lens = start.to(torch.int32).to(dev)
+    positions = start.to(dev)
+    moved = 2 * n_seqs * H * D * 2
     for bs in (16, 64):
-        b = decode_batch(dev, gen, bs, n_seqs)
-        for kv_dtype in ("auto", "fp8", "int8", "int4"):
+        nb = 8192 if bs == 16 else 4096  # 16 / 32 GiB of fp16 pool over the 32 layers
+        shape = f"{n_seqs} x 1 tok, block {bs}, {nb} blocks x {layers} layers"
+        tables, slots = _random_slots(n_seqs, start, 1, bs, nb, gen)
+        tables, slots = tables.to(dev), slots.to(dev)
+        for kv_dtype in FORMATS:
             cache = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs,
-                                             num_blocks=b.num_blocks, dtype=torch.float16, kv_dtype=kv_dtype,
-                                             device=dev),
-                                 rope=rope_cfg)
+                                             num_blocks=nb, dtype=torch.float16, kv_dtype=kv_dtype, device=dev),
+                                 rope=rope)
+            nbytes = moved + store_bytes(n_seqs, kv_dtype)
 
-            def step(cache=cache, b=b, ready=False) -> None:  # type: ignore[no-untyped-def]
-                for layer in range(layers):
-                    cache.append(layer, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens,
+            def ragged(cache=cache, tables=tables, ready=False) -> None:  # type: ignore[no-untyped-def]
+                for i in range(layers):
+                    cache.append(i, ks[i], vs[i], block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
                                  metadata_ready=ready)
 
-            def one(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
-                cache.append(0, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens)
+            def by_slots(cache=cache, slots=slots) -> None:  # type: ignore[no-untyped-def]
+                for i in range(layers):
+                    cache.append(i, ks[i], vs[i], slot_mapping=slots, positions=positions)
 
-            def step_norope(cache=cache, b=b, ready=False) -> None:  # type: ignore[no-untyped-def]
-                for layer in range(layers):
-                    cache.append(layer, b.k, b.v, block_tables=b.tables, cu_q_lens=b.cu_q, kv_lens=b.kv_lens,
-                                 rope=False, metadata_ready=ready)
-
-            per_layer = time_graph(step, 1) / layers
-            rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} + rope (ragged)",
-                            eager_us=time_eager(one, 200), graph_us=per_layer, host_us=time_host(one),
-                            bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
-            rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} (ragged, no rope)",
-                            graph_us=time_graph(step_norope, 1) / layers,
-                            bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
-            # slot-mapping mode (vLLM's convention): one index load per token instead of a batch search
-            def step_slots(cache=cache, b=b, ready=False) -> None:  # type: ignore[no-untyped-def]
-                for layer in range(layers):
-                    cache.append(layer, b.k, b.v, slot_mapping=b.slots, positions=b.positions, metadata_ready=ready)
-
-            def one_slots(cache=cache, b=b) -> None:  # type: ignore[no-untyped-def]
-                cache.append(0, b.k, b.v, slot_mapping=b.slots, positions=b.positions)
-
-            rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} + rope (slots)",
-                            eager_us=time_eager(one_slots, 200), graph_us=time_graph(step_slots, 1) / layers,
-                            host_us=time_host(one_slots),
-                            bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
-
-            def step_slots_norope(cache=cache, b=b, ready=False) -> None:  # type: ignore[no-untyped-def]
-                for layer in range(layers):
-                    cache.append(layer, b.k, b.v, slot_mapping=b.slots, rope=False, metadata_ready=ready)
-
-            rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", f"kvcache {kv_dtype} (slots, no rope)",
-                            graph_us=time_graph(step_slots_norope, 1) / layers,
-                            bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
-            if paged_ops._pdl_default(dev):  # metadata_ready: the lookup overlaps the previous kernel's tail
-                for mode, rope_on, fn in (("ragged", True, step), ("ragged", False, step_norope),
-                                          ("slots", True, step_slots), ("slots", False, step_slots_norope)):
-                    name = (f"kvcache {kv_dtype} + rope ({mode}, metadata ready)" if rope_on else
-                            f"kvcache {kv_dtype} ({mode}, no rope, metadata ready)")
-                    rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", name,
-                                    graph_us=time_graph(functools.partial(fn, ready=True), 1) / layers,
-                                    bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
-                with _speculation_off():  # the same graphs waiting before the lookup (no speculation)
-                    for mode, rope_on, fn in (("ragged", True, step), ("ragged", False, step_norope),
-                                              ("slots", True, step_slots), ("slots", False, step_slots_norope)):
-                        name = (f"kvcache {kv_dtype} + rope ({mode}, no speculation)" if rope_on else
-                                f"kvcache {kv_dtype} ({mode}, no rope, no speculation)")
-                        rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}", name,
-                                        graph_us=time_graph(fn, 1) / layers,
-                                        bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
-                with _pdl_off():  # the same graphs without programmatic dependent launch
-                    for impl, fn in (("ragged", step), ("slots", step_slots)):
-                        rows.append(Row(f"decode append {n_seqs} x 1 tok, block {bs}",
-                                        f"kvcache {kv_dtype} + rope ({impl}, no PDL)",
-                                        graph_us=time_graph(fn, 1) / layers,
-                                        bytes=2 * n_seqs * H * D * 2 + _store_bytes(n_seqs, kv_dtype)))
+            out.append(Result("decode append", shape, f"kvcache {kv_dtype} + rope (ragged)", "kvcache",
+                              bench_graph(ragged, layers), nbytes))
+            out.append(Result("decode append", shape, f"kvcache {kv_dtype} + rope (slot mapping)", "kvcache",
+                              bench_graph(by_slots, layers), nbytes))
+            out.append(Result("decode append", shape, f"kvcache {kv_dtype} + rope (ragged, metadata_ready)",
+                              "kvcache", bench_graph(lambda f=ragged: f(ready=True), layers), nbytes))
             del cache
-    return rows
+            torch.cuda.empty_cache()
+        pools = torch.zeros((layers, nb, 2, bs, H, D), dtype=torch.float16, device=dev)
+
+        def ceiling(pools=pools, slots=slots, bs=bs) -> None:  # type: ignore[no-untyped-def]
+            for i in range(layers):
+                _slot_copy[(n_seqs,)](ks[i], vs[i], pools[i], slots, ROW=H * D, BS=bs, num_warps=4)
+
+        out.append(Result("decode append", shape, "Triton copy of the rows to the same slots", "ceiling",
+                          bench_graph(ceiling, layers), moved + store_bytes(n_seqs, "auto")))
+        blk, off = slots // bs, slots % bs
+        cos, sin = rope.cos_sin(positions)
+        cos, sin = cos.to(torch.float16)[:, None, :], sin.to(torch.float16)[:, None, :]
+
+        def tfn(pools=pools, blk=blk, off=off, c=cos, s=sin) -> None:  # type: ignore[no-untyped-def]
+            for i in range(layers):
+                _torch_append(pools[i], ks[i], vs[i], blk, off, c, s)
+
+        out.append(Result("decode append", shape, "torch index_put + rope", "baseline", bench_graph(tfn, layers),
+                          moved + store_bytes(n_seqs, "auto")))
+        del pools
+        torch.cuda.empty_cache()
+    return out
 
 
-def _gather_rows(dev: torch.device, quick: bool) -> list[Row]:
-    rows: list[Row] = []
-    gen = torch.Generator().manual_seed(2)
-    n_seqs, seq, bs = (64, 2048, 16) if not quick else (16, 512, 16)
-    nb = n_seqs * seq // bs + 16
-    tables = _tables(n_seqs, seq // bs, nb, gen, dev)
+def _gather(dev: torch.device, gen: torch.Generator, quick: bool) -> list[Result]:
+    out: list[Result] = []
+    n_seqs, seq, bs = (64, 2048, 16) if not quick else (8, 512, 16)
+    nb = 65536 if not quick else 8192  # 4 GiB of fp16 pool
+    shape = f"{n_seqs} x {seq} tok, block {bs}, {nb} blocks"
+    tables = torch.randperm(nb, generator=gen)[: n_seqs * seq // bs].view(n_seqs, -1).to(torch.int32).to(dev)
     lens = torch.full((n_seqs,), seq, dtype=torch.int32, device=dev)
     k_out = torch.empty(n_seqs, H, seq, D, dtype=torch.float16, device=dev)
     v_out = torch.empty_like(k_out)
-    for kv_dtype in ("auto", "fp8", "int8", "int4"):
+    moved = 2 * n_seqs * seq * H * D * 2
+    for kv_dtype in FORMATS:
         cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                          dtype=torch.float16, kv_dtype=kv_dtype, device=dev))
         cache.buffer.view(torch.uint8).random_(0, 256)
@@ -313,95 +239,65 @@ def _gather_rows(dev: torch.device, quick: bool) -> list[Row]:
             cache.params_buffer.uniform_(0.001, 0.01)
         if kv_dtype == "fp8":
             cache.buffer.view(torch.uint8).bitwise_and_(0x77)  # finite e4m3 values only
+        if kv_dtype == "auto":
+            cache.buffer.view(torch.uint8).bitwise_and_(0xBF)  # finite fp16 values only
 
         def fn(cache=cache) -> None:  # type: ignore[no-untyped-def]
             cache.gather(0, tables, kv_lens=lens, k_out=k_out, v_out=v_out)
 
-
-        nbytes = _store_bytes(n_seqs * seq, kv_dtype) + 2 * n_seqs * seq * H * D * 2
-        rows.append(Row(f"gather {n_seqs} x {seq}, block {bs}", f"kvcache {kv_dtype}", eager_us=time_eager(fn, 5),
-                        graph_us=time_graph(fn, 2), bytes=nbytes))
+        out.append(Result("gather", shape, f"kvcache {kv_dtype}", "kvcache", bench_graph(fn),
+                          moved + store_bytes(n_seqs * seq, kv_dtype)))
         if kv_dtype == "auto":
             pool = cache.pool(0)
-            flat = tables.long()
+            flat = tables.long().flatten()
+            staged = torch.empty((flat.shape[0], *pool.shape[1:]), dtype=pool.dtype, device=dev)
+
+            def ceiling(pool=pool, flat=flat, staged=staged) -> None:  # type: ignore[no-untyped-def]
+                torch.index_select(pool, 0, flat, out=staged)
+
+            out.append(Result("gather", shape, "torch index_select of the same blocks", "ceiling",
+                              bench_graph(ceiling), 2 * store_bytes(n_seqs * seq, "auto")))
 
             def tfn(pool=pool, flat=flat) -> None:  # type: ignore[no-untyped-def]
-                # what a user writes: gather the blocks, then lay them out [B, H, S, D]
-                g = pool[flat]  # [B, blocks, 2, bs, H, D]
+                g = pool[flat].view(n_seqs, seq // bs, 2, bs, H, D)
                 k_out.copy_(g[:, :, 0].reshape(n_seqs, seq, H, D).transpose(1, 2))
                 v_out.copy_(g[:, :, 1].reshape(n_seqs, seq, H, D).transpose(1, 2))
 
-            rows.append(Row(f"gather {n_seqs} x {seq}, block {bs}", "torch index + copy_", eager_us=time_eager(tfn, 5),
-                            graph_us=time_graph(tfn, 2), bytes=nbytes))
+            out.append(Result("gather", shape, "torch index + copy_", "baseline", bench_graph(tfn),
+                              moved + store_bytes(n_seqs * seq, "auto")))
+            del staged
         del cache
-    return rows
-
-
-def attention_error(dev: torch.device) -> dict[str, float]:
-    """Relative L2 error of attention outputs computed from int8 / int4 / fp8 caches vs the fp16 cache, on
-    random data (4 sequences x 2048 tokens, 32 query heads over 8 KV heads, RoPE on K)."""
-    gen = torch.Generator(device="cpu").manual_seed(3)
-    n_seqs, seq, bs, hq = 4, 2048, 16, 32
-    n = n_seqs * seq
-    k = torch.randn(n, H, D, generator=gen).to(torch.float16).to(dev)
-    v = torch.randn(n, H, D, generator=gen).to(torch.float16).to(dev)
-    q = torch.randn(n_seqs, hq, 16, D, generator=gen).to(dev).float()  # 16 queries per sequence
-    cu_q = torch.arange(0, n + 1, seq, dtype=torch.int32, device=dev)
-    kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
-    lens = torch.full((n_seqs,), seq, dtype=torch.int32, device=dev)
-    tables = torch.arange(n // bs, dtype=torch.int32, device=dev).view(n_seqs, -1)
-    rope_cfg = RopeConfig(head_dim=D, base=500000.0)
-
-    def attn(kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
-        kk = kk.float().repeat_interleave(hq // H, dim=1)
-        vv = vv.float().repeat_interleave(hq // H, dim=1)
-        s = torch.einsum("bhqd,bhkd->bhqk", q, kk) / math.sqrt(D)
-        return torch.einsum("bhqk,bhkd->bhqd", s.softmax(-1), vv)
-
-    out: dict[str, float] = {}
-    ref = None
-    for kv_dtype in ("auto", "fp8", "int8", "int4"):
-        cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs,
-                                         num_blocks=n // bs, dtype=torch.float16, kv_dtype=kv_dtype, device=dev),
-                             rope=rope_cfg)
-        cache.append(0, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
-        kk, vv = cache.gather(0, tables, kv_lens=lens, max_len=seq)
-        o = attn(kk, vv)
-        if ref is None:
-            ref = o
-        out[kv_dtype] = float((o - ref).norm() / ref.norm())
+        torch.cuda.empty_cache()
     return out
 
 
+def table(results: list[Result], device: str, date: str) -> str:
+    """Markdown: one row per measurement, with the same op-and-shape ceiling's bandwidth as the reference."""
+    lines = ["| op | shape | implementation | us | GB/s | % ceiling | device | date |",
+             "|---|---|---|---:|---:|---:|---|---|"]
+    for r in results:
+        ceil = next((c for c in results if c.role == "ceiling" and c.op == r.op and c.shape == r.shape), None)
+        pct = f"{100 * r.gbs / ceil.gbs:.1f}" if ceil is not None else "-"
+        lines.append(f"| {r.op} | {r.shape} | {r.impl} | {r.us:.2f} | {r.gbs:.0f} | {pct} | {device} | {date} |")
+    return "\n".join(lines)
+
+
 def main(quick: bool = False, json_path: str | None = None) -> int:
+    """Run the paged benchmark on the current CUDA device; print a table, write JSON to ``json_path``."""
     if not torch.cuda.is_available():
         print("kvcache bench paged: needs a CUDA device")
         return 2
     dev = torch.device("cuda", torch.cuda.current_device())
-    props = torch.cuda.get_device_properties(dev)
-    print(f"device: {props.name} ({props.multi_processor_count} SMs) | torch {torch.__version__}")
-    copy_bw = copy_bandwidth(dev, (1 << 29) if not quick else (1 << 26))
-    print(f"device-to-device copy: {copy_bw:.0f} GB/s (read + write)")
-    rows = _prefill_rows(dev, copy_bw, quick) + _decode_rows(dev, quick) + _gather_rows(dev, quick)
-    err = attention_error(dev)
-    print()
-    print(f"copy bandwidth (same run): {copy_bw:.0f} GB/s")
-    print("| case | implementation | eager us | graph us (per layer for decode) | host us | GB/s | % copy BW |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        t_use = r.graph_us if r.graph_us is not None else r.eager_us
-        gbs = r.bytes / (t_use * 1e-6) / 1e9 if r.bytes and t_use else None
-        pct = 100 * gbs / copy_bw if gbs else None
-        r.extra = {"gbs": gbs, "pct_copy": pct}
-        print(f"| {r.case} | {r.impl} | {_fmt(r.eager_us)} | {_fmt(r.graph_us, 2)} | {_fmt(r.host_us)} | "
-              f"{_fmt(gbs, 0)} | {_fmt(pct, 1)} |")
-    print()
-    print("attention-output relative L2 error vs the fp16 cache (4 x 2048 tokens, 32 q heads / 8 kv heads, rope):")
-    for kd, e in err.items():
-        print(f"  {kd}: {e:.2e}")
+    name = torch.cuda.get_device_name(dev)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"device: {name} | torch {torch.__version__} | triton {triton.__version__} | {date}")
+    gen = torch.Generator().manual_seed(0)
+    results = _prefill(dev, gen, quick) + _decode(dev, gen, quick) + _gather(dev, gen, quick)
+    print(table(results, name, date))
+    print(f"command: {COMMAND}{' --quick' if quick else ''}")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": props.name, "copy_gbs": copy_bw, "rows": [asdict(r) for r in rows],
-                       "attention_error": err}, f, indent=1)
+            json.dump({"device": name, "date": date, "command": COMMAND, "torch": torch.__version__,
+                       "triton": triton.__version__,
+                       "rows": [dict(dataclasses.asdict(r), gbs=r.gbs) for r in results]}, f, indent=1)
     return 0
-
