@@ -90,8 +90,10 @@ def test_linear_errors(device):
         linear_attention(q.float(), cache.layer(0), lengths)
     with pytest.raises(ValueError, match="kv_scales: expected None"):
         linear_attention(q, cache.layer(0), lengths, kv_scales=torch.ones(2, device=device))
-    with pytest.raises(ValueError, match=r"lse: expected shape \[2, 4, 1\]"):
+    with pytest.raises(ValueError, match="lse: expected a 3-d tensor"):
         linear_attention(q, cache.layer(0), lengths, lse=torch.zeros(2, 4, device=device))
+    with pytest.raises(ValueError, match=r"lse: expected shape \[2, 4, 1\]"):
+        linear_attention(q, cache.layer(0), lengths, lse=torch.zeros(2, 4, 2, device=device))
 
 
 def test_plan_is_pure_and_splits_long_decode():
