@@ -198,3 +198,39 @@ def test_cuda_graphs_equal_eager_on_gpu(smollm, conversations):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     if graphs.stats.attention == "paged_attention":
         assert graphs.stats.graph_steps > 0
+
+
+def _tiny_llama(rope: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
+                      rope_parameters=rope, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+class _NoText:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+], ids=["default", "llama3"])
+def test_random_weight_llama_equals_hf(rope):
+    # the bench's model family (llama3 RoPE, GQA) at toy size: engine greedy == transformers greedy, EOS ignored
+    model = _tiny_llama(rope)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in (5, 17, 40)]
+    llm = LLM(model, tokenizer=_NoText(), max_num_seqs=3, block_size=4, max_num_batched_tokens=32, max_model_len=96)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for o, p in zip(outs, prompts):
+        x = torch.tensor([p])
+        with torch.inference_mode():
+            ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, min_new_tokens=12,
+                                 do_sample=False)[0, len(p):].tolist()
+        assert o.token_ids == ref
+        assert o.finish_reason == "length" and o.text == " ".join(map(str, ref))

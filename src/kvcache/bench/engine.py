@@ -1,0 +1,206 @@
+"""``python -m kvcache.bench.engine``: the offline engine's generated tokens/s against Hugging Face ``generate``.
+
+Workload (issue 15): a random-weight Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32 / 8 heads, head_dim 64,
+vocab 128256, bf16, llama3 RoPE; built with transformers' ``LlamaConfig`` + ``LlamaForCausalLM`` on the GPU, no
+download), 64 requests x 512 random prompt tokens + 128 new tokens, greedy, EOS ignored. In one run:
+
+* ``kvcache.engine.LLM`` per kv_dtype (auto = bf16, fp8, int8, int4): continuous batching, paged cache, decode
+  steps in CUDA graphs; generated tokens / wall time of ``generate`` (after a warm-up that captures the graphs);
+* transformers ``generate`` on the same 64 x 512 batch with its DynamicCache, and with ``cache_implementation=
+  "static"`` (StaticCache);
+* peak GPU memory of each (``torch.cuda.max_memory_allocated``, weights included);
+* a long-context row (8 requests x 16k prompt tokens, ``--long``), and the largest number of concurrent 4k-token
+  sequences whose KV fits in 60 GiB per kv_dtype (from ``cache_block_bytes``: arithmetic, not a run).
+
+Writes JSON (``--out``). ``--quick``: 16 requests x 128 + 32 tokens, for a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ..paged import cache_block_bytes
+
+__all__ = ["main"]
+
+SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+             num_key_value_heads=8, head_dim=64, vocab_size=128256)
+
+
+class _IdsOnlyTokenizer:
+    """The bench feeds token ids and reads token ids: decoding is not part of what is measured."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def _model(device: torch.device) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPE, max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192},
+                         bos_token_id=128000, eos_token_id=128001, pad_token_id=128001)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _engine_row(model: Any, prompts: list[list[int]], new: int, kv_dtype: str, kv_bytes: int,
+                max_num_seqs: int) -> dict:
+    from ..engine import LLM, SamplingParams
+
+    _free()
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    llm = LLM(model, tokenizer=_IdsOnlyTokenizer(), kv_dtype=kv_dtype, max_num_seqs=max_num_seqs,
+              kv_cache_memory=kv_bytes, max_model_len=max(len(p) for p in prompts) + new,
+              enable_prefix_caching=False)
+    # warm-up: compiles the kernels and captures the decode graphs of every bucket the run will use
+    llm.generate(prompts[: max_num_seqs], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    outs = llm.generate(prompts, sp)
+    st = llm.stats
+    row = {"kind": "kvcache.engine", "kv_dtype": kv_dtype, "generated_tokens": st.generated_tokens,
+           "elapsed_s": st.elapsed_s, "generated_tok_s": st.generated_tokens / st.elapsed_s,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "cache_gib": st.cache_bytes / 2**30,
+           "steps": st.steps, "graph_steps": st.graph_steps, "attention": st.attention,
+           "preemptions": st.preemptions, "blocks_used": st.blocks_used}
+    if any(len(o.token_ids) != new for o in outs):
+        row["error"] = "a request generated fewer tokens than asked"
+    del llm, outs
+    return row
+
+
+def _hf_row(model: Any, prompts: list[list[int]], new: int, static: bool) -> dict:
+    _free()
+    ids = torch.tensor(prompts, device=model.device)
+    kw: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              attention_mask=torch.ones_like(ids), pad_token_id=model.config.pad_token_id)
+    if static:
+        kw["cache_implementation"] = "static"
+    with torch.inference_mode():
+        model.generate(ids[:, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4,
+                                       "attention_mask": torch.ones_like(ids[:, :16])})
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    n = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"kind": "transformers generate", "cache": "StaticCache" if static else "DynamicCache",
+            "generated_tokens": n, "elapsed_s": dt, "generated_tok_s": n / dt,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def _fits_60gib(block_size: int = 16, seq_len: int = 4096) -> list[dict]:
+    rows = []
+    for kv in ("auto", "fp8", "int8", "int4"):
+        bb = cache_block_bytes(SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"], SHAPE["head_dim"], block_size,
+                               torch.bfloat16, kv)
+        per_seq = -(-seq_len // block_size) * bb
+        rows.append({"kv_dtype": kv, "block_bytes": bb, "bytes_per_4k_seq": per_seq,
+                     "max_concurrent_4k_seqs_in_60GiB": (60 * 2**30) // per_seq})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the engine benchmark; returns the exit code (0 ok, 1 a row failed).
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        ``--out FILE`` (JSON, default ``engine_bench.json``), ``--quick``, ``--long`` (add the 8 x 16k row),
+        ``--kv-dtypes auto,int8,int4``, ``--no-hf``.
+
+    Example
+    -------
+    >>> main(["--quick", "--out", "/tmp/engine.json"])   # doctest: +SKIP
+    0
+    """
+    p = argparse.ArgumentParser(prog="python -m kvcache.bench.engine", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="engine_bench.json")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--long", action="store_true", help="add 8 requests x 16k prompt tokens")
+    p.add_argument("--kv-dtypes", default="auto,fp8,int8,int4")
+    p.add_argument("--no-hf", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kvcache.bench.engine: needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    n_req, plen, new = (16, 128, 32) if args.quick else (64, 512, 128)
+    model = _model(dev)
+    prompts = _prompts(n_req, plen, SHAPE["vocab_size"])
+    result: dict[str, Any] = {
+        "benchmark": "kvcache.bench.engine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+        "workload": {"requests": n_req, "prompt_tokens": plen, "new_tokens": new, "model": SHAPE, "dtype": "bf16"},
+        "rows": [], "fits_60GiB": _fits_60gib(),
+    }
+    try:
+        import transformers
+
+        result["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    code = 0
+    kv_bytes = 8 * 2**30
+
+    def run(label: str, fn: Any) -> None:
+        nonlocal code
+        t0 = time.perf_counter()
+        try:
+            row = fn()
+        except Exception as e:  # one failed row must not lose the others
+            row = {"kind": label, "error": f"{type(e).__name__}: {e}"}
+            code = 1
+        row["wall_s"] = time.perf_counter() - t0
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+    for kv in [k for k in args.kv_dtypes.split(",") if k]:
+        run(f"engine {kv}", lambda kv=kv: _engine_row(model, prompts, new, kv, kv_bytes, n_req))
+    if not args.no_hf:
+        run("hf dynamic", lambda: _hf_row(model, prompts, new, static=False))
+        run("hf static", lambda: _hf_row(model, prompts, new, static=True))
+    if args.long:
+        long_prompts = _prompts(8, 16384, SHAPE["vocab_size"], seed=2)
+        for kv in [k for k in args.kv_dtypes.split(",") if k]:
+            run(f"engine long {kv}", lambda kv=kv: {**_engine_row(model, long_prompts, new, kv, 16 * 2**30, 8),
+                                                     "long_context": "8 x 16384"})
+    print(f"wrote {args.out}")
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
