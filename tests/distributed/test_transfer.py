@@ -273,6 +273,16 @@ def _make_snapshots(device: torch.device) -> list[KVSnapshot]:
     return [packed, mixed, fp8, empty]
 
 
+def _linear(device: torch.device) -> kvcache.LinearKVCache:
+    """A linear cache of two 12-token sequences of seeded values."""
+    cache = kvcache.LinearKVCache(kvcache.CacheConfig(num_layers=2, max_batch_size=2, max_seq_len=16, num_kv_heads=2,
+                                                      head_dim=8, dtype=torch.float16, device=device))
+    g = torch.Generator().manual_seed(21)
+    cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=g).half())
+    cache.reset_for_new_sequences([12, 12])
+    return cache
+
+
 def _snapshots(ctx: RankContext) -> None:
     snaps = _make_snapshots(ctx.device)
     if ctx.rank == 0:
@@ -281,6 +291,7 @@ def _snapshots(ctx: RankContext) -> None:
         with pytest.raises(ValueError, match="rejected the snapshot: it expects dtype torch.bfloat16"):
             send_snapshot(snaps[0], dst=ctx.size - 1)
         send_snapshot(snaps[1], dst=ctx.size - 1)  # received, then refused for its layer specs
+        send_snapshot(_linear(ctx.device).save(1, 10), dst=ctx.size - 1)  # a system prompt, saved and shipped
         return
     if ctx.rank != ctx.size - 1:
         return
@@ -293,6 +304,15 @@ def _snapshots(ctx: RankContext) -> None:
         recv_snapshot(src=0, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"layer_specs: expected \[\(1, 8\), \(4, 6\), \(2, 64\)\]"):
         recv_snapshot(src=0, layer_specs=[(1, 8), (4, 6), (2, 64)])
+    # restored into slot 0 of this rank's linear cache: the sender's slot 1, first 10 tokens
+    snap = recv_snapshot(src=0, device=ctx.device, dtype=torch.float16, layer_specs=[(2, 8), (2, 8)], seq_len=10)
+    mine, theirs = kvcache.LinearKVCache(kvcache.CacheConfig(num_layers=2, max_batch_size=2, max_seq_len=16,
+                                                             num_kv_heads=2, head_dim=8, dtype=torch.float16,
+                                                             device=ctx.device)), _linear(ctx.device)
+    mine.restore(snap, 0)
+    for i in range(2):
+        assert torch.equal(mine.layer(i)[0, :, :, :10], theirs.layer(i)[1, :, :, :10])
+        assert not mine.layer(i)[0, :, :, 10:].any() and not mine.layer(i)[1].any()
 
 
 @pytest.mark.parametrize("world", world_params(2, 3), indirect=True)
