@@ -14,7 +14,8 @@ run with the same bytes. Also timed on each side alone with CUDA events: packing
 Launch (2 GPUs of one host; NVLink multicast stays off):
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
-        torchrun --standalone --nproc_per_node=2 benchmarks/distributed_transfer.py --json $OUT/transfer.json
+        python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
+            benchmarks/distributed_transfer.py --json $OUT/transfer.json
 """
 
 from __future__ import annotations
