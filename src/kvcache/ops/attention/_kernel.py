@@ -36,8 +36,8 @@ import triton.language as tl
 
 from ..._backend import kernel
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -66,17 +66,18 @@ def _load_half(pool, base, dd, ok_n, ok_d, HI: tl.constexpr, H1: tl.constexpr, Q
     fp8 pools arrive as their bytes (uint8), so masked lanes read as +0.0 (a masked load's ``other`` cannot
     be an fp8 constant), then bitcast.
     """
+    mask = ok_n[None, :] & ok_d[:, None]
     if QUANT == 1:
-        raw = tl.load(pool + base[None, :] + HI * H1 + dd[:, None], mask=ok_n[None, :] & ok_d[:, None], other=0)
-        return raw.to(tl.float8e4nv, bitcast=True)
-    if QUANT == 3:
-        raw = tl.load(pool + base[None, :] + dd[:, None], mask=ok_n[None, :] & ok_d[:, None], other=0)
+        x = tl.load(pool + base[None, :] + HI * H1 + dd[:, None], mask=mask, other=0).to(tl.float8e4nv, bitcast=True)
+    elif QUANT == 3:
+        raw = tl.load(pool + base[None, :] + dd[:, None], mask=mask, other=0)
         if HI:
-            return raw >> 4
-        return raw & 15
-    if HI:
-        return tl.load(pool + base[None, :] + H1 + dd[:, None], mask=ok_n[None, :] & ok_d[:, None], other=0)
-    return tl.load(pool + base[None, :] + dd[:, None], mask=ok_n[None, :] & ok_d[:, None], other=0)
+            x = raw >> 4
+        else:
+            x = raw & 15
+    else:
+        x = tl.load(pool + base[None, :] + HI * H1 + dd[:, None], mask=mask, other=0)
+    return x
 
 
 @triton.jit
