@@ -201,7 +201,7 @@ def _attention_kernel(
             s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
         if SOFTCAP > 0:
             # softcap * tanh(x) in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
-            s = (1.0 - 2.0 / (tl.exp2((2.0 * LOG2E) * (s * qk_scale)) + 1.0)) * (SOFTCAP * LOG2E)
+            s = (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
         else:
             s = s * qk_scale
         k_pos = j * cp_size + cp_rank
