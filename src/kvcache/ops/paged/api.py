@@ -262,7 +262,7 @@ def gather_paged_kv(
             raise ValueError("batch: expected alone, without block_tables / kv_lens / cu_k_lens / cp_rank / cp_size")
         block_tables, kv_lens, cp_rank, cp_size = batch.block_tables, batch.seq_lens, batch.cp_rank, batch.cp_size
     if block_tables is None:
-        raise ValueError("block_tables: expected int32 [B, max_blocks] (or batch=), got None")
+        raise TypeError("block_tables: expected a torch.Tensor int32 [B, max_blocks] (or batch=), got NoneType")
     nb, bs, h, dp = pool_geometry(pool, params, kv_dtype, layout)
     dev = pool.device
     cp_rank, cp_size = check_cp(cp_rank, cp_size)

@@ -13,6 +13,7 @@ from ..._validate import cdiv, next_pow2, vec_elems
 from ...paged.format import KV_FORMAT_TABLE
 from ...rope import RopeKernelParams
 from .kernels.append import _append_kernel, gdc_wait
+from .kernels.codes import BY_CU_K_LENS, BY_KV_LENS, BY_SLOTS
 from .kernels.copy_blocks import _copy_blocks_kernel
 from .kernels.gather import _gather_kernel
 from .kernels.lookup import _GUESS_ONE, _guess_mul
@@ -143,7 +144,8 @@ def append_paged_kv_launch(
         table_width=block_tables.shape[1] if block_tables is not None else 0, n_seqs=ns, n_rows=n_tokens,
     )
     consts = dict(
-        MODE=2 if slot_mapping is not None else (0 if kv_lens is not None else 1), QUANT=quant, ROPE=has_rope,
+        MODE=(BY_SLOTS if slot_mapping is not None else BY_KV_LENS if kv_lens is not None else BY_CU_K_LENS).value,
+        QUANT=quant, ROPE=has_rope,
         ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, FMAX=_max_freq(rope), H=H, D=D, DP=pool.shape[-1],
         BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0], **_block_strides(hnd, H, pool.shape[-1], bs), CP_RANK=cp_rank,
         CP_SIZE=cp_size,
@@ -262,7 +264,7 @@ def gather_paged_kv_launch(
         fp8_scales if fp8_scales is not None else dummy,
         *[st // vec for st in out_strides],
         block_tables.stride(0), block_tables.shape[1], s_out,
-        MODE=0 if kv_lens is not None else 1, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter,
+        MODE=(BY_KV_LENS if kv_lens is not None else BY_CU_K_LENS).value, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter,
         ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0],
         **_block_strides(hnd, H, pool.shape[-1], bs),
         CP_RANK=cp_rank, CP_SIZE=cp_size, TOK=tok, BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),

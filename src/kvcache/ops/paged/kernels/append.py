@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ...._backend import kernel
+from .codes import Q_FP8, Q_NONE
 from .lookup import _lookup, _spec_lookup, _spec_same
 from .numerics import _rcp
 from .quant import _encode, _store_row
@@ -79,14 +80,14 @@ def _row_codes(
 ):
     # what _store_row stores for row n's K or V (see _write_row); SELECT: is_v is a per-program value, RoPE
     # computed by K and V programs and kept by K; CS_GIVEN: RoPE's cos / sin are cs_c / cs_s (see _rope_k)
-    if RAW and (QUANT == 0):
+    if RAW and (QUANT == Q_NONE):
         c1 = r1
         c2 = r2
         scale = tl.zeros([BLOCK_H, 1], tl.float32)  # unused
         zero = scale
     else:
         inv = 1.0
-        if QUANT == 1:  # one IEEE reciprocal per row, then multiplies (as the reference)
+        if QUANT == Q_FP8:  # one IEEE reciprocal per row, then multiplies (as the reference)
             inv = _rcp(tl.load(fp8_scales + is_v), LIBDEVICE)
         x1 = r1.to(tl.float32)
         x2 = r2.to(tl.float32)
@@ -114,7 +115,7 @@ def _row_codes(
 def _append_kernel(
     k, v,  # model dtype [N, H, D], head_dim contiguous; row strides stride_kn * VEC / stride_vn * VEC
     pool,  # storage dtype, one layer (see kvcache.paged.config)
-    qparams,  # float32 (scale, zero) pool when QUANT >= 2, else unused (not `params`: triton's binder
+    qparams,  # float32 (scale, zero) pool when QUANT >= Q_INT8, else unused (not `params`: triton's binder
     # uses that name for a local)
     block_tables,  # int32 [B, table_width] (MODE 0 / 1)
     cu_q,  # int32 [B + 1] (MODE 0 / 1)
@@ -122,7 +123,7 @@ def _append_kernel(
     slots,  # int64 [N] (MODE 2)
     positions,  # int32 / int64 [N] (MODE 2 with ROPE)
     inv_freq,  # float32 [ROT // 2] (ROPE)
-    fp8_scales,  # float32 [2]: k_scale, v_scale (QUANT == 1)
+    fp8_scales,  # float32 [2]: k_scale, v_scale (QUANT == Q_FP8)
     stride_kn, stride_vn, bt_stride, table_width, n_seqs,
     guess_mul,  # see _guess_mul
     MODE: tl.constexpr,  # 0: cu_q_lens + kv_lens, 1: cu_q_lens + cu_k_lens, 2: slot mapping
@@ -161,7 +162,7 @@ def _append_kernel(
     # pairs them directly, int4 packs them into one byte.
     HALF: tl.constexpr = (D + 1) // 2
     # a missed guess calls the search (see _find_seq_call): per-row launches, and split ones of raw rows
-    SEARCH_CALL: tl.constexpr = (not SPLIT) or (QUANT == 0 and not ROPE)
+    SEARCH_CALL: tl.constexpr = (not SPLIT) or (QUANT == Q_NONE and not ROPE)
     CS_GIVEN: tl.constexpr = CS_FIRST and ROPE and (not INTERLEAVED) and (ROT == D)
     FAST_F: tl.constexpr = ROPE and (not INTERLEAVED) and (ROT == D)  # freqs loaded once, below
     if PDL and not INDEX_FIRST:

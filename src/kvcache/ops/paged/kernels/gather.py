@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ...._backend import kernel
+from .codes import BY_KV_LENS, Q_FP8, Q_INT4, Q_INT8, Q_NONE
 from .quant import _load_dequantized, _tile_params
 from .rope import _rope_pairs, _rotate
 
@@ -23,10 +24,10 @@ def _read_tile(
     m = (hh < H) & (dd < D) & (tt >= 0)
     lm = m & tvalid
     out_ptr = dst + tt * OUT_S + hh * OUT_H + dd
-    if (QUANT == 0) and (not ROPE):
+    if (QUANT == Q_NONE) and (not ROPE):
         x = tl.load(row + tt * S_TOK + hh * S_HEAD + dd, mask=lm, other=0.0)
         tl.store(out_ptr, x.to(dst.dtype.element_ty), mask=m)
-    elif (QUANT == 3) and (not ROPE):
+    elif (QUANT == Q_INT4) and (not ROPE):
         # bytes [TOK, H, D/2]: low nibbles are elements [0, D/2), high nibbles [D/2, D): two contiguous stores
         d2 = tl.arange(0, BLOCK_D // 2)[None, None, :]
         hm = (hh < H) & tvalid & (tt >= 0)
@@ -38,7 +39,7 @@ def _read_tile(
         tl.store(dst + tt * OUT_S + hh * OUT_H + d2, lo.to(dst.dtype.element_ty), mask=sm)
         tl.store(dst + tt * OUT_S + hh * OUT_H + D // 2 + d2, hi.to(dst.dtype.element_ty), mask=sm)
     else:
-        if QUANT == 2:  # one scale / zero per (token, head), not per element
+        if QUANT == Q_INT8:  # one scale / zero per (token, head), not per element
             hm = (hh < H) & tvalid & (tt >= 0)
             q = tl.load(row + tt * S_TOK + hh * S_HEAD + dd, mask=lm, other=0).to(tl.float32)
             scale, zero = _tile_params(par, tt, hh, hm, P_TOK, P_HEAD, TOK, BLOCK_H)
@@ -73,7 +74,7 @@ def _gather_kernel(
     # grid: (cdiv(S_out, TOK), B): TOK consecutive output (local) tokens of one sequence, in one block.
     t0 = tl.program_id(0).to(tl.int64) * TOK
     b = tl.program_id(1).to(tl.int64)
-    if MODE == 0:
+    if MODE == BY_KV_LENS:
         total = tl.load(k_lens + b).to(tl.int64)
     else:
         total = (tl.load(k_lens + b + 1) - tl.load(k_lens + b)).to(tl.int64)
@@ -98,7 +99,7 @@ def _gather_kernel(
     pos_f = (t * CP_SIZE + CP_RANK).to(tl.float32)
     k_scale = 1.0
     v_scale = 1.0
-    if QUANT == 1:
+    if QUANT == Q_FP8:
         k_scale = tl.load(fp8_scales)
         v_scale = tl.load(fp8_scales + 1)
     if WIDE:  # the strides times VEC, and a head's offset, may pass int32: 64-bit address arithmetic

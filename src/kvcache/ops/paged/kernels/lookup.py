@@ -5,6 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .codes import BY_KV_LENS, BY_SLOTS
 from .rope import _rope_cs
 
 
@@ -14,7 +15,7 @@ def _seq_rows(b, cu_q, k_lens, MODE: tl.constexpr, CM: tl.constexpr):
     # minus its new rows); CM: the loads' cache modifier (".cg": from L2, past any line this SM's L1 holds)
     q0 = tl.load(cu_q + b, cache_modifier=CM)
     q1 = tl.load(cu_q + b + 1, cache_modifier=CM)
-    if MODE == 0:
+    if MODE == BY_KV_LENS:
         start = tl.load(k_lens + b, cache_modifier=CM)
     else:
         start = (tl.load(k_lens + b + 1, cache_modifier=CM) - tl.load(k_lens + b, cache_modifier=CM)) - (q1 - q0)
@@ -32,7 +33,7 @@ def _find_seq(n, cu_q, k_lens, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr,
         b = tl.sum((ends <= n).to(tl.int32), axis=0)  # sequences that end at or before row n
         q0 = tl.max(tl.where(ends <= n, ends, 0), axis=0)  # cu_q[b]
         q1 = tl.min(tl.where(ends > n, ends, 2147483647), axis=0)  # cu_q[b + 1]
-        if MODE == 0:
+        if MODE == BY_KV_LENS:
             kvl = tl.load(k_lens + ib, mask=ib < n_seqs, other=0, cache_modifier=CM)
             start = tl.sum(tl.where(ib == b, kvl, 0), axis=0)
         else:
@@ -106,7 +107,7 @@ def _row_target(
     # where row n goes: (valid, block id, offset in the block, global position); CALL: a guess that misses calls
     # the search (_find_seq_call) rather than inlining it; CM: the index loads' cache modifier (see _seq_rows)
     pos = n.to(tl.int64) * 0
-    if MODE == 2:
+    if MODE == BY_SLOTS:
         slot = tl.load(slots + n, cache_modifier=CM).to(tl.int64)
         valid = slot >= 0
         blk = slot // BLOCK_SIZE
@@ -180,7 +181,7 @@ def _spec_lookup(
     # 0) by slot mapping; raw: the block-table entry read at bt_ptr where bt_mask (ragged). hit: the guess is
     # row n's sequence (else valid is False and the row is looked up again after the wait).
     pos = n.to(tl.int64) * 0
-    if MODE == 2:
+    if MODE == BY_SLOTS:
         slot = tl.load(slots + n).to(tl.int64)
         if ROPE:
             pos = tl.load(positions + n).to(tl.int64)
@@ -220,7 +221,7 @@ def _spec_same(
     # After the wait: did _spec_lookup read what the index tensors now hold? Every value it read is read again
     # from L2 (".cg": past a line this SM's L1 may still hold from before the wait) at the same address and
     # compared; the lookup is a function of those values alone.
-    if MODE == 2:
+    if MODE == BY_SLOTS:
         same = tl.load(slots + n, cache_modifier=".cg").to(tl.int64) == a
         if ROPE:
             same = same & (tl.load(positions + n, cache_modifier=".cg").to(tl.int64) == b)

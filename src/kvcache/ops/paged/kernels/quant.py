@@ -5,6 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .codes import Q_FP8, Q_INT4, Q_INT8, Q_NONE
 from .numerics import _codes, _div, _fp8_grid, _rcp
 
 
@@ -14,22 +15,22 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
     # One token's rows, given as float32 half tiles [BLOCK_H, BLOCK_HF] of elements i (x1) and HALF + i (x2)
     # (m1 / m2: the elements that exist),
     # encoded in the pool's format: (codes of the first half, codes of the second half (QUANT 3: unused, both
-    # halves are packed in the first), per-head scale, per-head zero (unused unless QUANT >= 2)). Pure
+    # halves are packed in the first), per-head scale, per-head zero (unused unless QUANT >= Q_INT8)). Pure
     # arithmetic: the caller runs it before it knows where the row goes (the block-table load), so that the
     # two overlap.
     c1 = x1
     c2 = x2
-    scale = tl.zeros([BLOCK_H, 1], tl.float32)  # unused unless QUANT >= 2
+    scale = tl.zeros([BLOCK_H, 1], tl.float32)  # unused unless QUANT >= Q_INT8
     zero = scale
-    if QUANT == 1:
+    if QUANT == Q_FP8:
         c1 = tl.minimum(tl.maximum(x1 * inv_fp8, -448.0), 448.0)
         c2 = tl.minimum(tl.maximum(x2 * inv_fp8, -448.0), 448.0)
         if not LIBDEVICE:
             c1 = _fp8_grid(c1, LIBDEVICE)
             c2 = _fp8_grid(c2, LIBDEVICE)
-    elif QUANT >= 2:
+    elif QUANT >= Q_INT8:
         # per (token, head) asymmetric: masked lanes never take part in min / max
-        if QUANT == 3:
+        if QUANT == Q_INT4:
             qmax = 15.0
         else:
             qmax = 255.0
@@ -47,7 +48,7 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
         inv = tl.where(scale > 0.0, _rcp(tl.where(scale > 0.0, scale, 1.0), LIBDEVICE), 0.0)
         q1 = _codes((x1 - zero) * inv, LIBDEVICE)  # low byte: the code (bits above it: 2**23's exponent)
         q2 = _codes((x2 - zero) * inv, LIBDEVICE)
-        if QUANT == 3:  # planar nibbles: byte i = element i | element HALF + i << 4 (q1, q2 < 16 in their low bits)
+        if QUANT == Q_INT4:  # planar nibbles: byte i = element i | element HALF + i << 4 (q1, q2 < 16 in their low bits)
             c1 = (q1 | (q2 << 4)).to(tl.uint8)
             c2 = c1  # unused
         else:
@@ -75,9 +76,9 @@ def _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2
         hm = tl.where(ok, hm, False)
     p1 = dst + hh * S_HEAD + i
     tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1, cache_modifier=STORE_CM)
-    if QUANT != 3:
+    if QUANT != Q_INT4:
         tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2, cache_modifier=STORE_CM)
-    if QUANT >= 2:  # scale / zero [BLOCK_H, 1]
+    if QUANT >= Q_INT8:  # scale / zero [BLOCK_H, 1]
         if PAIR_ASM:
             _store_pair(par + hh * P_HEAD, scale, zero, hm, STORE_CM)
         else:
@@ -107,12 +108,12 @@ def _store_pair(ptr, a, b, mask, STORE_CM: tl.constexpr):
 def _load_dequantized(row, par, e, mask, fp8_scale, QUANT: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
           P_TOK: tl.constexpr, P_HEAD: tl.constexpr, tt, hh, HALF: tl.constexpr):
     # float32 values of elements e of tokens tt, heads hh of one block's K or V region (dequantized)
-    if QUANT == 0:
+    if QUANT == Q_NONE:
         x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32)
-    elif QUANT == 1:
+    elif QUANT == Q_FP8:
         x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32) * fp8_scale
     else:
-        if QUANT == 3:  # planar nibbles: element e < HALF low nibble of byte e, else high nibble of e - HALF
+        if QUANT == Q_INT4:  # planar nibbles: element e < HALF low nibble of byte e, else high nibble of e - HALF
             low = e < HALF
             byte = tl.load(row + tt * S_TOK + hh * S_HEAD + tl.where(low, e, e - HALF), mask=mask, other=0)
             byte = byte.to(tl.int32)

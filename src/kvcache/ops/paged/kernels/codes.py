@@ -1,0 +1,15 @@
+"""Named values of the kernels' ``QUANT`` (the pool's format, :class:`kvcache.paged.format.KVFormat` ``.code``) and
+``MODE`` (how a batch says where its rows go) constexprs."""
+
+import triton.language as tl
+
+# QUANT: the format of the pool
+Q_NONE = tl.constexpr(0)  # "auto": the model dtype
+Q_FP8 = tl.constexpr(1)  # float8_e4m3fn with a per-layer scale
+Q_INT8 = tl.constexpr(2)  # uint8 codes, (scale, zero) per (token, head)
+Q_INT4 = tl.constexpr(3)  # two uint4 codes per byte (planar halves), (scale, zero) per (token, head)
+
+# MODE: where the rows of a batch go
+BY_KV_LENS = tl.constexpr(0)  # ragged: cu_q_lens + kv_lens (tokens cached before the append)
+BY_CU_K_LENS = tl.constexpr(1)  # ragged: cu_q_lens + cu_k_lens (cumulative lengths after the append)
+BY_SLOTS = tl.constexpr(2)  # slot mapping (+ positions)
