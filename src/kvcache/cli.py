@@ -1,4 +1,11 @@
-"""Command line: ``kvcache info`` (backends, devices, smoke run of every op) and ``kvcache bench linear``."""
+"""Command line: ``kvcache demo | plan | info | bench | plot`` and ``--version``.
+
+* ``demo``: SmolLM2 answers chat questions on kvcache's engine (:mod:`kvcache.engine.demo`).
+* ``plan``: bytes per token, and tokens / sequences that fit in a memory budget, per kv_dtype, for a model.
+* ``info``: backends, devices and a smoke run of the linear and paged ops through the public API.
+* ``bench linear|paged``: GPU benchmarks; with ``--json FILE`` also a PNG plot beside it.
+* ``plot FILE.json``: the PNG of a bench result written earlier (e.g. on another machine).
+"""
 
 from __future__ import annotations
 
@@ -100,6 +107,16 @@ def _smoke(device: torch.device) -> list[tuple[str, bool, str]]:
             for i in range(2)
         )
 
+    def t_linear_append() -> bool:
+        cache = LinearKVCache(CacheConfig(num_layers=1, max_batch_size=2, max_seq_len=8, num_kv_heads=2,
+                                          head_dim=8, dtype=torch.float32, device=device))
+        cache.reset_for_new_sequences([1, 3])
+        k = torch.randn(2, 2, 4, 8, generator=g).to(device)
+        cache.append(0, k, -k)
+        cache.commit(4)
+        kc, vc = cache.kv(0)
+        return cache.lengths.tolist() == [5, 7] and torch.equal(kc[0, :, 1:5], k[0]) and torch.equal(vc[1, :, 3:7], -k[1])
+
     for name, fn in (
         ("increment_lengths", t_increment),
         ("save_kv_layer / restore_kv_layer", t_save_restore),
@@ -108,11 +125,94 @@ def _smoke(device: torch.device) -> list[tuple[str, bool, str]]:
         ("compact_batch", t_compact_batch),
         ("LinearKVCache", t_linear),
         ("KVCacheManager (fp8, mixed heads)", t_manager),
+        ("LinearKVCache.append (float32, ragged lengths)", t_linear_append),
     ):
+        run(name, fn)
+    for name, fn in _paged_smoke(device, g):
         run(name, fn)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return results
+
+
+def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Callable[[], bool]]]:
+    """Paged half of the smoke run: allocator, append -> gather per kv_dtype, copy_blocks, paged attention."""
+    from . import ops
+    from .paged import BlockAllocator, PagedConfig, PagedKVCache
+
+    H, D, bs = 2, 64, 4
+    lens = [5, 3]  # two sequences, the first across a block boundary
+
+    def filled(kv_dtype: str, layout: str = "NHD") -> tuple[PagedKVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = PagedKVCache(PagedConfig(num_layers=2, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=8,
+                                         dtype=torch.float32, kv_dtype=kv_dtype, layout=layout, device=device))
+        alloc = BlockAllocator(num_blocks=8, block_size=bs)
+        tables = [alloc.allocate(-(-n // bs)) for n in lens]
+        width = max(len(t) for t in tables)  # type: ignore[arg-type]
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)  # type: ignore[operator]
+        k = torch.randn(sum(lens), H, D, generator=g).to(device)
+        v = torch.randn(sum(lens), H, D, generator=g).to(device)
+        cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=device)
+        cache.append(1, k, v, block_tables=bt, cu_q_lens=cu, kv_lens=torch.zeros(2, dtype=torch.int32, device=device))
+        return cache, bt, k, v
+
+    def round_trip(kv_dtype: str, layout: str) -> bool:
+        cache, bt, k, v = filled(kv_dtype, layout)
+        kl = torch.tensor(lens, dtype=torch.int32, device=device)
+        ko, vo = cache.gather(1, bt, kv_lens=kl, max_len=max(lens))
+        got_k = torch.cat([ko[0, :, :lens[0]].transpose(0, 1), ko[1, :, :lens[1]].transpose(0, 1)])
+        got_v = torch.cat([vo[0, :, :lens[0]].transpose(0, 1), vo[1, :, :lens[1]].transpose(0, 1)])
+        if kv_dtype == "auto":
+            return torch.equal(got_k, k) and torch.equal(got_v, v)
+        ok = True
+        for x, y in ((k, got_k), (v, got_v)):
+            if kv_dtype == "fp8":  # e4m3: 3 mantissa bits, half a step of relative error
+                bound = x.abs() / 16 + 2.0**-9
+            else:  # scale / 2 per (token, head) row, scale = (max - min) / (2^bits - 1)
+                levels = 255 if kv_dtype == "int8" else 15
+                rng = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)
+                bound = rng / levels / 2 * 1.001 + 1e-6
+            ok = ok and bool(((x - y).abs() <= bound).all())
+        return ok
+
+    def t_copy_blocks() -> bool:
+        cache, bt, _, _ = filled("int8")
+        src = int(bt[0, 0])
+        cache.copy_blocks([src], [7])
+        return all(torch.equal(cache.pool(i)[7], cache.pool(i)[src]) and torch.equal(cache.params(i)[7],
+                                                                                      cache.params(i)[src])
+                   for i in range(2))
+
+    def t_allocator() -> bool:
+        alloc = BlockAllocator(num_blocks=4, block_size=bs)
+        a = alloc.allocate(3)
+        shared = alloc.fork(a)  # type: ignore[arg-type]
+        full = alloc.allocate(2) is None
+        alloc.free(a)  # type: ignore[arg-type]
+        alloc.free(shared)
+        return full and alloc.num_free_blocks == 4
+
+    def t_attention() -> bool:
+        cache, bt, k, v = filled("auto")
+        q = torch.randn(sum(lens), 4, D, generator=g).to(device)  # GQA: 4 query heads over 2 KV heads
+        cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=device)
+        out = ops.paged_attention(q, cache.pool(1), kv_dtype="auto", layout="NHD", block_tables=bt, cu_q_lens=cu,
+                                  kv_lens=torch.tensor(lens, dtype=torch.int32, device=device))
+        ok = True
+        for b, (s, n) in enumerate(((0, lens[0]), (lens[0], lens[1]))):
+            qs, ks, vs = (t[s : s + n].transpose(0, 1) for t in (q, k, v))
+            ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            ok = ok and torch.allclose(out[s : s + n], ref.transpose(0, 1), atol=1e-4, rtol=1e-4)
+        return ok
+
+    checks: list[tuple[str, Callable[[], bool]]] = [("BlockAllocator (allocate, fork, free)", t_allocator)]
+    for kv_dtype, layout in (("auto", "NHD"), ("fp8", "HND"), ("int8", "NHD"), ("int4", "HND")):
+        checks.append((f"PagedKVCache append -> gather ({kv_dtype}, {layout})",
+                       lambda kv_dtype=kv_dtype, layout=layout: round_trip(kv_dtype, layout)))
+    checks.append(("PagedKVCache.copy_blocks (int8: data and params)", t_copy_blocks))
+    if hasattr(ops, "paged_attention"):
+        checks.append(("paged_attention (GQA, two sequences) vs SDPA", t_attention))
+    return checks
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -158,24 +258,107 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.suite == "linear":
         from .bench.linear import main as bench_main
 
-        return bench_main(quick=args.quick, json_path=args.json)
-    if args.suite == "paged":
+        rc = bench_main(quick=args.quick, json_path=args.json)
+    elif args.suite == "paged":
         from .bench.paged import main as paged_main
 
-        return paged_main(quick=args.quick, json_path=args.json)
-    raise SystemExit(f"unknown bench suite {args.suite!r}")
+        rc = paged_main(quick=args.quick, json_path=args.json)
+    else:
+        raise SystemExit(f"unknown bench suite {args.suite!r}")
+    if args.json and rc == 0:
+        try:
+            from .bench.plot import plot_bench
+
+            print(f"plot: {plot_bench(args.json)}")
+        except ImportError as e:  # matplotlib is in the bench extra
+            print(f"plot: skipped ({e}; pip install 'kvcache[bench]')")
+    return rc
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .bench.plot import plot_bench
+
+    try:
+        print(plot_bench(args.json, args.png))
+    except (OSError, ValueError) as e:
+        print(f"kvcache plot: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from .hf.plan import load_model_config, parse_memory, plan
+
+    try:
+        memory = parse_memory(args.memory)
+        config = load_model_config(args.model)
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        shape, dtype, rows = plan(config, memory, args.seq_len, block_size=args.block_size, dtype=dtype)
+    except (OSError, ValueError, TypeError) as e:
+        print(f"kvcache plan: {e}", file=sys.stderr)
+        return 2
+    print(f"model: {args.model or 'SmolLM2-135M-Instruct (default)'}: {shape.num_layers} layers, "
+          f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim}, model dtype {str(dtype).removeprefix('torch.')}")
+    print(f"memory: {memory / 2**30:.2f} GiB for the cache, sequences of {args.seq_len} tokens, "
+          f"paged block_size {args.block_size}\n")
+    print(f"| {'cache':<6} | {'kv_dtype':<16} | {'bytes/token':>12} | {'tokens':>14} | {'sequences':>10} |")
+    print(f"|{'-' * 8}|{'-' * 18}|{'-' * 14}|{'-' * 16}|{'-' * 12}|")
+    for r in rows:
+        print(f"| {r.cache:<6} | {r.kv_dtype:<16} | {r.bytes_per_token:>12,.0f} | {r.tokens:>14,} | {r.sequences:>10,} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "memory": memory, "seq_len": args.seq_len, "block_size": args.block_size,
+                       "shape": dataclasses.asdict(shape), "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+def cmd_demo(argv: list[str]) -> int:
+    try:
+        from .engine.demo import demo_main
+    except ImportError as e:
+        print(f"kvcache demo: the engine is not available ({e}); install the hf extra: bash scripts/setup.sh "
+              "io,bench,hf", file=sys.stderr)
+        return 2
+    return int(demo_main(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvcache", description=__doc__)
+    """Entry point of the ``kvcache`` console script (and ``python -m kvcache``); returns the exit code."""
+    from . import __version__
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        return cmd_demo(argv[1:])  # every option belongs to the demo's own parser
+    parser = argparse.ArgumentParser(prog="kvcache", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("demo", help="SmolLM2 answers chat questions on kvcache's engine (kvcache demo --help)")
+    p_plan = sub.add_parser("plan", help="bytes per token and how many tokens / sequences fit, per kv_dtype")
+    p_plan.add_argument("--model", default=None, help="config.json, a model folder or a .gguf file (default: "
+                        "SmolLM2-135M-Instruct)")
+    p_plan.add_argument("--memory", required=True, help="memory for the KV cache, e.g. 80GiB, 40GB, 512MiB")
+    p_plan.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p_plan.add_argument("--block-size", type=int, default=16, help="paged block size (default 16)")
+    p_plan.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                        help="model dtype (default: the config's, else float16)")
+    p_plan.add_argument("--json", default=None, help="also write the plan to this JSON file")
+    p_plan.set_defaults(fn=cmd_plan)
     p_info = sub.add_parser("info", help="backends, devices and a smoke run of every op")
     p_info.set_defaults(fn=cmd_info)
     p_bench = sub.add_parser("bench", help="GPU benchmarks against copy bandwidth and plain PyTorch")
     p_bench.add_argument("suite", choices=["linear", "paged"])
     p_bench.add_argument("--quick", action="store_true", help="smaller shapes (a smoke test of the bench)")
-    p_bench.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p_bench.add_argument("--json", default=None, help="also write the results to this JSON file, and a PNG plot "
+                         "beside it")
     p_bench.set_defaults(fn=cmd_bench)
+    p_plot = sub.add_parser("plot", help="PNG plot of a bench JSON file: bandwidth per op against the copy")
+    p_plot.add_argument("json", help="a file written by kvcache bench ... --json")
+    p_plot.add_argument("--png", default=None, help="output path (default: beside the JSON)")
+    p_plot.set_defaults(fn=cmd_plot)
     args = parser.parse_args(argv)
     return int(args.fn(args))
 

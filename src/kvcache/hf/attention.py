@@ -1,0 +1,156 @@
+"""The ``"kvcache_paged"`` attention implementation: transformers' attention-function registry entry that writes
+a step's keys and values into a :class:`~kvcache.hf.PagedCache` and attends over its blocks in place.
+
+``register()`` (run on ``import kvcache.hf``) adds the function to ``AttentionInterface`` and transformers'
+sdpa mask builder to ``AttentionMaskInterface`` under the same name, so a model loaded with
+``attn_implementation="kvcache_paged"`` gets the usual 4-D boolean mask: its diagonal says which tokens of
+the chunk are real (left padding is not), and only those are written and attend.
+
+Attention over the blocks: :func:`kvcache.ops.paged_attention` where kvcache has it. Until then
+(TEMPORARY FALLBACK, see docs/hf.md): the layer's blocks are gathered (dequantized) to ``[B, H, L, D]``
+and attended with ``torch.nn.functional.scaled_dot_product_attention`` under each row's causal mask. Same
+results, but it reads and writes the whole cache every layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from .paged import ATTN_IMPLEMENTATION, PagedCache, Step
+
+__all__ = ["ATTN_IMPLEMENTATION", "kvcache_paged_attention", "register"]
+
+
+def register() -> None:
+    """Register ``"kvcache_paged"`` with transformers' attention and mask registries (idempotent).
+
+    Examples
+    --------
+    >>> register()
+    >>> from transformers import AttentionInterface
+    >>> "kvcache_paged" in AttentionInterface._global_mapping
+    True
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvcache_paged_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def _valid_tokens(mask: torch.Tensor | None, past: int, T: int) -> torch.Tensor | None:
+    """bool ``[B, T]``: token ``t`` of row ``b`` is real iff it may attend to itself (its own key at ``past + t``).
+    None without a mask (no padding)."""
+    if mask is None:
+        return None
+    if mask.dim() != 4 or mask.shape[-1] < past + T or mask.shape[-2] != T:
+        raise ValueError(f"attention_mask: expected [B, 1, {T}, >= {past + T}], got {list(mask.shape)}")
+    diag = torch.diagonal(mask[:, 0, :, past : past + T], dim1=-2, dim2=-1)  # [B, T]
+    return diag if diag.dtype == torch.bool else diag == 0  # additive float masks: 0 where allowed
+
+
+def kvcache_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function over a :class:`~kvcache.hf.PagedCache`'s blocks.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention layer (unused beyond transformers' calling convention).
+    query : torch.Tensor
+        ``[B, Hq, T, D]``, the model's dtype, RoPE applied.
+    key, value : torch.Tensor
+        ``[B, H, T, D]``: the step's new keys / values as returned by ``PagedCache.update`` (which marks them);
+        unmarked keys (another cache, or none) are attended directly with SDPA under ``attention_mask``.
+    attention_mask : torch.Tensor, optional
+        ``[B, 1, T, KV]`` bool (True = attend) or additive float, or None (no padding).
+    dropout : float
+        Must be 0 (inference).
+    scaling : float, optional
+        Softmax scale (default ``D ** -0.5``).
+
+    Returns
+    -------
+    tuple
+        ``(out, None)``: ``out`` ``[B, T, Hq, D]``, zeros at padding rows.
+
+    Examples
+    --------
+    >>> q = torch.randn(1, 4, 3, 8); k = torch.randn(1, 2, 3, 8)
+    >>> out, _ = kvcache_paged_attention(torch.nn.Module(), q, k, k, None)
+    >>> out.shape
+    torch.Size([1, 3, 4, 8])
+    """
+    if dropout:
+        raise ValueError(f"dropout: expected 0.0 (kvcache_paged attention is for inference), got {dropout}")
+    pending = getattr(key, "_kvcache_pending", None)
+    if pending is None:
+        Hq, H = query.shape[1], key.shape[1]
+        causal = attention_mask is None and query.shape[2] > 1
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
+                                             scale=scaling, enable_gqa=Hq != H)
+        return out.transpose(1, 2).contiguous(), None
+    return attend(pending.cache, pending.layer, query, key, value, attention_mask, scaling), None
+
+
+def attend(cache: PagedCache, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+    """Write the step's real tokens of ``layer`` into ``cache`` and attend: ``[B, T, Hq, D]``."""
+    B, Hq, T, D = query.shape
+    step = cache._step or cache._begin_step(T, _valid_tokens(attention_mask, cache._hf_len, T))
+    cache._write(layer, key, value)
+    q = query.transpose(1, 2)  # [B, T, Hq, D]
+    q = q.reshape(B * T, Hq, D) if step.valid is None else q[step.valid]
+    scale = scaling if scaling is not None else D**-0.5
+    paged = cache.paged
+    if hasattr(ops, "paged_attention"):
+        o = ops.paged_attention(
+            q.contiguous(), paged.pool(layer), paged.params(layer),
+            paged.kv_scales[layer] if cache.kv_dtype == "fp8" else None,
+            kv_dtype=cache.kv_dtype, layout=cache.layout, block_tables=step.block_tables,
+            cu_q_lens=step.cu_q_lens, kv_lens=step.kv_after, scale=scale)
+    else:
+        o = _gather_sdpa(cache, layer, q, step, scale)  # TEMPORARY FALLBACK until ops.paged_attention lands
+    cache._finish_layer()
+    if step.valid is None:
+        return o.view(B, T, Hq, D)
+    out = o.new_zeros((B, T, Hq, D))
+    out[step.valid] = o
+    return out
+
+
+def _gather_sdpa(cache: PagedCache, layer: int, q: torch.Tensor, step: Step, scale: float) -> torch.Tensor:
+    """TEMPORARY FALLBACK (until ``kvcache.ops.paged_attention``): gather the layer's blocks to ``[B, H, L, D]``
+    and run SDPA with each row's causal mask. ``q`` ``[n, Hq, D]`` (the step's real tokens, row-major) ->
+    ``[n, Hq, D]``."""
+    counts, before = step.counts, step.before
+    B = len(counts)
+    Tq = max(counts)
+    L = max(b + c for b, c in zip(before, counts))
+    k, v = cache.paged.gather(layer, step.block_tables, kv_lens=step.kv_after, max_len=L)  # type: ignore[union-attr]
+    dev = q.device
+    n, Hq, D = q.shape
+    # token j (0-based among the row's new ones) of row b sits at position before[b] + j and sees keys <= it
+    cnt = torch.tensor(counts, device=dev)
+    j = torch.arange(Tq, device=dev)
+    valid_q = j[None, :] < cnt[:, None]  # [B, Tq]
+    qp = q.new_zeros((B, Tq, Hq, D))
+    qp[valid_q] = q
+    pos = torch.tensor(before, device=dev)[:, None] + j[None, :]  # [B, Tq]
+    mask = torch.arange(L, device=dev)[None, None, :] <= pos[:, :, None]  # [B, Tq, L]
+    mask[:, :, 0] |= ~valid_q  # rows past a row's count attend key 0 (discarded) rather than nothing (NaN)
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
+                                       enable_gqa=Hq != k.shape[1])
+    return o.transpose(1, 2)[valid_q]

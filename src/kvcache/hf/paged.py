@@ -1,0 +1,337 @@
+"""PagedCache: a transformers ``Cache`` backed by :class:`~kvcache.PagedKVCache` + :class:`~kvcache.BlockAllocator`.
+
+Every batch row owns a block table; blocks are allocated as rows grow, shared by beam search (fork, then
+copy-on-write of the one partly filled block a row writes next), freed by ``crop`` and ``reset``.
+
+Two ways to run attention, chosen per step by the model's ``config._attn_implementation``:
+
+* ``"kvcache_paged"`` (see :mod:`kvcache.hf.attention`): ``update`` only records the step; the attention
+  function writes the new keys and values (padding rows left out: a row's blocks hold its real tokens only,
+  found from the attention mask) and attends over the blocks in place.
+* anything else (sdpa, eager, ...): ``update`` writes every token (left padding included, as the model
+  computed it) and returns the layer's keys and values gathered back to ``[B, H, L, D]`` (dequantized), for
+  transformers' attention and its mask. Correct with every implementation; it reads the whole cache every layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from .._validate import cdiv
+from ..paged import BlockAllocator, PagedConfig, PagedKVCache
+from ..paged.config import KV_FORMATS, LAYOUTS
+from ._common import LayerView, ModelShape, tokens_to_keep
+
+__all__ = ["PagedCache"]
+
+ATTN_IMPLEMENTATION = "kvcache_paged"
+
+
+@dataclasses.dataclass(slots=True)
+class Step:
+    """One forward's writes, shared by every layer: where each row's new tokens go and which rows of the
+    ``[B, T]`` chunk are real tokens (``valid``: None when all are)."""
+
+    counts: list[int]  # real tokens per row in this chunk
+    before: list[int]  # tokens each row's blocks held before the chunk
+    valid: torch.Tensor | None  # bool [B, T] on the device
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    cu_q_lens: torch.Tensor  # int32 [B + 1]
+    kv_lens: torch.Tensor  # int32 [B]: before the chunk
+    kv_after: torch.Tensor  # int32 [B]: after the chunk
+    done: int = 0  # layers that have written
+
+
+class Pending:
+    """What ``update`` hands the ``kvcache_paged`` attention function (attached to the returned keys)."""
+
+    __slots__ = ("cache", "layer")
+
+    def __init__(self, cache: PagedCache, layer: int) -> None:
+        self.cache = cache
+        self.layer = layer
+
+
+class PagedCache(Cache):
+    """A transformers cache whose keys and values live in the blocks of a kvcache paged cache.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The model's config: layers, KV heads and head_dim are read from it, and, at each step,
+        ``_attn_implementation`` (``"kvcache_paged"``: attention in place; else gathered K / V).
+    max_batch_size : int
+        Batch rows (prompts x ``num_beams``).
+    max_cache_len : int
+        Tokens per row the pool is sized for by default (``num_blocks = max_batch_size * ceil(max_cache_len /
+        block_size)``).
+    kv_dtype : str
+        ``"auto"`` (the model's dtype), ``"fp8"``, ``"int8"`` or ``"int4"`` (see :mod:`kvcache.paged.config`).
+    block_size : int
+        Tokens per block.
+    num_blocks : int, optional
+        Blocks in the pool (default above).
+    layout : str
+        ``"NHD"`` or ``"HND"``.
+    device : torch.device | str, optional
+        Default: the device of the first ``update``'s keys.
+
+    Notes
+    -----
+    The pools are allocated on the first ``update`` (the model's dtype, the dtype of K / V given to the
+    paged cache, is known then). ``paged`` (the :class:`~kvcache.PagedKVCache`) and ``allocator`` are
+    public; ``block_tables`` lists each row's blocks.
+
+    Examples
+    --------
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    ...                   num_key_value_heads=2, vocab_size=100)
+    >>> model = LlamaForCausalLM(cfg).eval()
+    >>> cache = PagedCache(cfg, max_batch_size=1, max_cache_len=32, kv_dtype="int8", block_size=4)
+    >>> out = model.generate(torch.tensor([[1, 2, 3]]), past_key_values=cache, max_new_tokens=4, do_sample=False)
+    >>> cache.get_seq_length(), cache.block_tables
+    (6, [[0, 1]])
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        max_batch_size: int,
+        max_cache_len: int,
+        kv_dtype: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        layout: str = "NHD",
+        device: torch.device | str | None = None,
+    ) -> None:
+        shape = ModelShape.from_config(config)
+        ints = {"max_batch_size": max_batch_size, "max_cache_len": max_cache_len, "block_size": block_size}
+        if num_blocks is not None:
+            ints["num_blocks"] = num_blocks
+        for name, value in ints.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value}")
+        if kv_dtype not in KV_FORMATS:
+            raise ValueError(f"kv_dtype: expected one of {KV_FORMATS}, got {kv_dtype!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        if kv_dtype == "int4" and shape.head_dim % 2:
+            raise ValueError(f"kv_dtype: 'int4' needs an even head_dim, the model's is {shape.head_dim}")
+        super().__init__(layers=[LayerView(self, i) for i in range(shape.num_layers)])
+        self.model_config = config
+        self.shape = shape
+        self.max_batch_size = max_batch_size
+        self.max_cache_len = max_cache_len
+        self.kv_dtype = kv_dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks if num_blocks is not None else max_batch_size * cdiv(max_cache_len, block_size)
+        self.layout = layout
+        self._device = torch.device(device) if device is not None else None
+        self.paged: PagedKVCache | None = None
+        self.allocator = BlockAllocator(self.num_blocks, block_size, enable_prefix_caching=False)
+        self._allocated = False
+        self.block_tables: list[list[int]] = []
+        self._stored: list[int] = []  # tokens in each row's blocks (committed steps)
+        self._layer_len = [0] * shape.num_layers  # transformers' length per layer (left padding included)
+        self._hf_len = 0  # transformers' length after the last complete step
+        self._step: Step | None = None
+
+    # ------------------------------------------------------------------------------------------ storage
+
+    def _allocate(self, key_states: torch.Tensor) -> None:
+        if self._allocated:
+            return
+        s = self.shape
+        self.paged = PagedKVCache(PagedConfig(
+            num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, block_size=self.block_size,
+            num_blocks=self.num_blocks, dtype=key_states.dtype, kv_dtype=self.kv_dtype, layout=self.layout,
+            device=self._device or key_states.device))
+        self._allocated = True
+
+    @property
+    def in_place(self) -> bool:
+        """True when the model's attention is ``"kvcache_paged"`` (reads the blocks in place)."""
+        return getattr(self.model_config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+
+    def _check_update(self, i: int, key_states: torch.Tensor) -> None:
+        self._allocate(key_states)
+        B = key_states.shape[0]
+        if not self.block_tables and not any(self._layer_len):
+            if B > self.max_batch_size:
+                raise ValueError(f"key_states: expected at most {self.max_batch_size} rows (max_batch_size), got {B}")
+            self.block_tables = [[] for _ in range(B)]
+            self._stored = [0] * B
+        if B != len(self.block_tables):
+            raise ValueError(f"key_states: expected {len(self.block_tables)} rows (the batch this cache holds), got "
+                             f"{B}; call reset() before a new batch")
+        if self._layer_len[i] != self._hf_len:
+            raise ValueError(f"layer_idx: layer {i} was already updated in this step; every layer is updated once "
+                             "per forward")
+
+    def _update(self, i: int, key_states: torch.Tensor, value_states: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_update(i, key_states)
+        T = key_states.shape[2]
+        if self.in_place:
+            # the attention function writes (it sees the mask, so padding stays out of the blocks)
+            self._layer_len[i] += T
+            key_states._kvcache_pending = Pending(self, i)  # type: ignore[attr-defined]
+            return key_states, value_states
+        step = self._step or self._begin_step(T, None)
+        self._write(i, key_states, value_states)
+        self._layer_len[i] += T
+        paged: PagedKVCache = self.paged  # type: ignore[assignment]
+        k, v = paged.gather(i, step.block_tables, kv_lens=step.kv_after, max_len=max(step.kv_after.tolist()))
+        self._finish_layer()
+        return k, v
+
+    def _begin_step(self, T: int, valid: torch.Tensor | None) -> Step:
+        """Allocate blocks for a chunk of ``T`` tokens per row (``valid`` bool ``[B, T]``: the real ones; None: all)
+        and describe where they go. Raises ValueError, nothing changed, when the pool is too small."""
+        B = len(self.block_tables)
+        if valid is None:
+            counts = [T] * B
+        else:
+            counts = [int(c) for c in valid.sum(dim=1).tolist()]
+            if all(c == T for c in counts):
+                valid = None
+        before = list(self._stored)
+        need = [max(cdiv(n + c, self.block_size) - len(t), 0)
+                for n, c, t in zip(before, counts, self.block_tables)]
+        # a row writing into a block it shares (after a beam-search fork) copies it first
+        shared = [b for b in range(B) if counts[b] and before[b] % self.block_size
+                  and self.allocator.ref_count(self.block_tables[b][before[b] // self.block_size]) > 1]
+        if sum(need) + len(shared) > self.allocator.num_free_blocks:
+            raise ValueError(
+                f"num_blocks: the chunk needs {sum(need) + len(shared)} more blocks, {self.allocator.num_free_blocks} "
+                f"of {self.num_blocks} are free; give PagedCache a larger num_blocks or max_cache_len")
+        paged: PagedKVCache = self.paged  # type: ignore[assignment]
+        for b in shared:
+            j = before[b] // self.block_size
+            old = self.block_tables[b][j]
+            new = self.allocator.copy_on_write(old)
+            if new is not None and new != old:
+                paged.copy_blocks([old], [new])
+                self.block_tables[b][j] = new
+        for b, n in enumerate(need):
+            if n:
+                self.block_tables[b] += self.allocator.allocate(n)  # type: ignore[operator]  # checked above
+        dev = paged.device
+        width = max(1, max(len(t) for t in self.block_tables))
+        tables = torch.zeros((B, width), dtype=torch.int32)
+        for b, t in enumerate(self.block_tables):
+            tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        cu = [0]
+        for c in counts:
+            cu.append(cu[-1] + c)
+        after = [n + c for n, c in zip(before, counts)]
+        self._step = Step(
+            counts=counts, before=before, valid=valid, block_tables=tables.to(dev),
+            cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            kv_lens=torch.tensor(before, dtype=torch.int32, device=dev),
+            kv_after=torch.tensor(after, dtype=torch.int32, device=dev),
+        )
+        return self._step
+
+    def _write(self, i: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append this step's real tokens of layer ``i`` (``[B, H, T, D]``) into the blocks."""
+        step: Step = self._step  # type: ignore[assignment]
+        k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [B, T, H, D]
+        if step.valid is None:
+            k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+        else:
+            k, v = k[step.valid], v[step.valid]
+        paged: PagedKVCache = self.paged  # type: ignore[assignment]
+        paged.append(i, k, v, block_tables=step.block_tables, cu_q_lens=step.cu_q_lens, kv_lens=step.kv_lens)
+
+    def _finish_layer(self) -> None:
+        step: Step = self._step  # type: ignore[assignment]
+        step.done += 1
+        if step.done == len(self._layer_len):
+            self._stored = [n + c for n, c in zip(step.before, step.counts)]
+            self._hf_len = self._layer_len[0]
+            self._step = None
+
+    # ------------------------------------------------------------------------------------------ Cache API
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens of layer ``layer_idx`` as transformers counts them (left padding included)."""
+        if not 0 <= layer_idx < len(self._layer_len):
+            return 0
+        return self._layer_len[layer_idx]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Tokens held in each row's blocks (without left padding in ``kvcache_paged`` mode)."""
+        return list(self._stored)
+
+    def reset(self) -> None:
+        """Free every row's blocks: the next ``update`` starts a new batch (the pools are kept)."""
+        for t in self.block_tables:
+            if t:
+                self.allocator.free(t)
+        self.block_tables = []
+        self._stored = []
+        self._layer_len = [0] * len(self._layer_len)
+        self._hf_len = 0
+        self._step = None
+
+    def _reset_layer(self, i: int) -> None:
+        self.reset()
+
+    def _between_steps(self, what: str) -> None:
+        if self._step is not None or any(n != self._hf_len for n in self._layer_len):
+            raise ValueError(f"{what}: expected a cache between forwards, got one in the middle of a step")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop tokens from the end of every row and free the blocks no longer needed: ``crop(-n)`` removes
+        ``n`` (transformers 5.x); ``crop(n)`` with ``n >= 0`` keeps the first ``n`` (the older form)."""
+        self._between_steps("crop")
+        keep = tokens_to_keep(self._hf_len, tokens_to_remove)
+        removed = self._hf_len - keep
+        if removed == 0:
+            return
+        for b, t in enumerate(self.block_tables):
+            self._stored[b] = max(self._stored[b] - removed, 0)
+            n = cdiv(self._stored[b], self.block_size)
+            if len(t) > n:
+                self.allocator.free(t[n:])
+                del t[n:]
+        self._layer_len = [keep] * len(self._layer_len)
+        self._hf_len = keep
+
+    def _crop_layer(self, i: int, tokens_to_remove: int) -> None:
+        raise NotImplementedError("PagedCache: crop the whole cache (cache.crop), its block tables are shared by layers")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``b`` continues row ``beam_idx[b]``. Block tables are forked (ref counts), no bytes
+        move; a row copies only the partly filled block it writes next, and only if it is shared."""
+        self._between_steps("reorder_cache")
+        B = len(self.block_tables)
+        if not isinstance(beam_idx, torch.Tensor) or beam_idx.dim() != 1 or beam_idx.shape[0] != B:
+            raise ValueError(f"beam_idx: expected a 1-d tensor of {B} row indices, got {beam_idx!r}")
+        idx = [int(x) for x in beam_idx.tolist()]
+        if any(not 0 <= x < B for x in idx):
+            raise ValueError(f"beam_idx: expected row indices in [0, {B}), got {idx}")
+        new_tables = [self.allocator.fork(self.block_tables[x]) if self.block_tables[x] else [] for x in idx]
+        for t in self.block_tables:
+            if t:
+                self.allocator.free(t)
+        self.block_tables = new_tables
+        self._stored = [self._stored[x] for x in idx]
+
+    def _reorder_layer(self, i: int, beam_idx: torch.Tensor) -> None:
+        raise NotImplementedError("PagedCache: reorder the whole cache (cache.reorder_cache), its block tables are "
+                                  "shared by layers")
+
+    def __repr__(self) -> str:
+        return (f"PagedCache(layers={len(self._layer_len)}, rows={len(self.block_tables)}, kv_dtype={self.kv_dtype!r}, "
+                f"block_size={self.block_size}, blocks used={self.allocator.num_used_blocks}/{self.num_blocks})")

