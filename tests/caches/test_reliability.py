@@ -44,8 +44,16 @@ def write_buffer(c):
     c.lengths_buffer[:2].sub_(5)
 
 
+def write_setitem_past_capacity(c):
+    c.lengths[1] = 12
+
+
+def write_add_one(c):
+    c.lengths.add_(1)
+
+
 WRITES = {"ops.increment_lengths": write_increment, "setitem": write_setitem, "add_": write_add,
-          "lengths_buffer": write_buffer}
+          "lengths_buffer": write_buffer, "setitem-12": write_setitem_past_capacity, "add_+1": write_add_one}
 
 
 @pytest.mark.parametrize("kind", list(CACHES))
@@ -80,15 +88,14 @@ def test_commit_after_outside_write_checks_device_values(device, write):
     c.reset_for_new_sequences([6, 6])
     WRITES[write](c)
     dev = c.lengths.tolist()
-    # a commit that the stale mirror would have accepted and the device refuses: raises, nothing changes
-    big = 8 - min(dev) + 1
-    assert 6 + big > 8
-    with pytest.raises(ValueError, match=r"^new_lengths: sequence \d would hold"):
-        c.commit(big)
-    assert c.lengths.tolist() == dev and c.host_lengths() == dev
-    # one the stale mirror would have refused (6 + 7 > 8) and that fits the device values: accepted
-    c.commit(8 - max(dev))
-    assert c.lengths.tolist() == [v + 8 - max(dev) for v in dev]
+    if max(dev) > 6:
+        # the stale mirror [6, 6] would accept + 2; the device values refuse it: raises, nothing changes
+        with pytest.raises(ValueError, match=r"^new_lengths: sequence \d would hold"):
+            c.commit(2)
+        assert c.lengths.tolist() == dev and c.host_lengths() == dev
+    inc = 8 - max(dev)  # fills the fullest sequence; after a decrease, more than the stale mirror allowed (2)
+    c.commit(inc)
+    assert c.lengths.tolist() == [v + inc for v in dev]
     assert c.host_lengths() == c.lengths.tolist()
 
 
