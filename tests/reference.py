@@ -1,7 +1,8 @@
 """Independent reference of every op in :mod:`kvcache.ops`, written from the docstrings.
 
-This is a second implementation, on purpose: plain Python loops over slices, no import of ``kvcache`` and
-nothing copied from the library's ``*_reference`` functions. Every function returns new values and leaves
+This is a second implementation, on purpose: plain Python loops over slices, no import of ``kvcache`` (but for
+``kvcache._validate.bits``, the bit view every test compares with) and nothing copied from the library's
+``*_reference`` functions. Every function returns new values and leaves
 its arguments alone. Tensor results are *bit views* (the integer dtype of the same width), so tests
 compare them bit-exactly with ``torch.equal`` whatever the stored dtype (fp8, NaN payloads, bool bytes).
 
@@ -15,16 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcache._validate import bits
+
 SENTINEL_BYTE = 0x7B
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as the integer dtype of the same width (``bool`` included: its bytes); wider
-    elements (complex128) as their bytes, in a last dimension."""
-    target = _BITS.get(t.element_size(), torch.uint8)
-    return t if t.dtype == target else t.view(target)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -98,18 +98,22 @@ def test_save_restore_graph() -> None:
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
-def test_paged_decode_append_graph(kv_dtype: str, pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A captured decode step of appends (optionally with programmatic dependent launch between them) replayed
-    on new data equals the same appends run eagerly (with the same PDL setting: with PDL the decode appends
-    speculate, computing RoPE's cos / sin before the wait, which may move a rotated key by an ulp against a
-    launch that waits first; both are checked against the reference in tests/paged)."""
+def test_paged_decode_append_graph(kv_dtype: str, pdl: bool) -> None:
+    """A captured decode step of appends (with or without programmatic dependent launch between them) replayed
+    on new data equals the same appends run eagerly with the same launch. With PDL: ``PagedKVCache.append``,
+    whose decode appends speculate (RoPE's cos / sin before the wait, which may move a rotated key by an ulp
+    against a launch that waits first; both are checked against the reference in tests/paged). Without: the
+    policy's launch planned with ``pdl=False``, through the launcher (``KVCACHE_PDL=0`` does the same for the
+    cache, read at import)."""
     from kvcache import PagedConfig, PagedKVCache, RopeConfig
-    from kvcache.ops import paged as paged_ops
-
-    if pdl and not paged_ops._pdl_supported(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    from kvcache._backend import pdl_enabled
+    from kvcache.ops.paged import append_paged_kv_launch, plan_append
+    from kvcache.ops.paged.launch import pdl_supported
 
     dev = torch.device("cuda")
+    if pdl and not (pdl_enabled() and pdl_supported(dev)):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0 (and KVCACHE_PDL not 0)")
+
     cfg = PagedConfig(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=64, kv_dtype=kv_dtype,
                       device=dev)
     rope = RopeConfig(head_dim=64)
@@ -120,15 +124,27 @@ def test_paged_decode_append_graph(kv_dtype: str, pdl: bool, monkeypatch: pytest
     cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
     kv_lens = torch.empty(n, dtype=torch.int32, device=dev)
     tables = torch.arange(n * 4, dtype=torch.int32, device=dev).view(n, 4)
+    params = rope.kernel_params(device=dev)
+    launch = plan_append(n_rows=n, n_seqs=n, num_kv_heads=4, head_dim=64, kv_dtype=kv_dtype, rope="full", pdl=False,
+                         ptx=True, rope_ready=True)
+    assert not (launch.pdl or launch.index_first or launch.speculate)
+
+    def append(cache: PagedKVCache, layer: int) -> None:
+        if pdl:
+            cache.append(layer, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
+        else:
+            append_paged_kv_launch(
+                k, v, cache.pool(layer), cache.params(layer), kv_dtype=kv_dtype, layout="NHD", block_tables=tables,
+                cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None, slot_mapping=None, positions=None, rope=params,
+                fp8_scales=cache.kv_scales[layer], cp_rank=0, cp_size=1, launch=launch)
 
     def step() -> None:
         for layer in range(cfg.num_layers):
-            graphed.append(layer, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
+            append(graphed, layer)
 
     kv_lens.zero_()
     k.normal_()
     v.normal_()
-    monkeypatch.setattr(paged_ops, "_PDL_ENV", pdl)
     graph = _capture(step)
     graphed.buffer.zero_()  # the warm-up before capture wrote tokens the eager cache never saw
     if graphed.params_buffer is not None:
@@ -140,7 +156,7 @@ def test_paged_decode_append_graph(kv_dtype: str, pdl: bool, monkeypatch: pytest
         kv_lens.copy_(torch.randint(0, 63, (n,), generator=gen, dtype=torch.int32))
         graph.replay()
         for layer in range(cfg.num_layers):
-            eager.append(layer, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
+            append(eager, layer)
         torch.cuda.synchronize()
         assert torch.equal(graphed.buffer.view(torch.uint8), eager.buffer.view(torch.uint8))
         if graphed.params_buffer is not None:

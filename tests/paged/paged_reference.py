@@ -35,13 +35,13 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcache._validate import bits
 from kvcache.rope import RopeConfig, apply_rope_reference
 
 SENTINEL = 0x5A
 FP8_MAX = 448.0
 QMAX = {"int8": 255, "int4": 15}
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # (explicit mantissa bits, smallest normal exponent) of each floating dtype used here
 _FLOAT_FORMAT = {
     torch.float16: (10, -14),
@@ -53,12 +53,6 @@ _FLOAT_FORMAT = {
 
 # ---------------------------------------------------------------------------------------------------------
 # bits and sentinels
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as the integer dtype of the same width (bit-exact comparisons with torch.equal)."""
-    target = _BITS[t.element_size()]
-    return t if t.dtype == target else t.view(target)
 
 
 def fill_sentinel(t: torch.Tensor) -> torch.Tensor:

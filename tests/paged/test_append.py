@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvcache.ops import append_paged_kv
-from kvcache.ops import paged as paged_ops
 from kvcache.rope import RopeConfig, apply_rope_reference
 
+from . import launches as la
 from . import paged_reference as pr
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -178,12 +178,11 @@ def test_no_tokens_is_a_no_op(device):
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
 @pytest.mark.parametrize("split", [False, True], ids=["per-row", "split"])
-def test_rows_outside_the_block_table_are_skipped_without_check(device, monkeypatch, split, kv_dtype):
+def test_rows_outside_the_block_table_are_skipped_without_check(device, split, kv_dtype):
     """Without check=True, rows whose block index is past the table, or whose block id is -1 or past the
     pool, are skipped on the device; the other rows are written. Both launch shapes: one program per row
     (stores behind a branch on the row's validity) and split (stores predicated on it), every format (data
     and scale / zero)."""
-    monkeypatch.setattr(paged_ops, "_SPLIT_BELOW", 1 << 40 if split else 0)
     H, D, bs, nb = 2, 8, 4, 8
     gen = pr.generator(9)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
@@ -196,8 +195,8 @@ def test_rows_outside_the_block_table_are_skipped_without_check(device, monkeypa
     targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
     assert len(targets) == 8 + 2 + 4
     exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD")
-    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32(kv_lens, device))
+    la.append_with(cache, 0, k, v, "split-kv" if split else "per-row", block_tables=pr.i32(tables, device),
+                   cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device))
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD")
 
 
@@ -243,10 +242,9 @@ def test_slot_mapping_with_padding(device, layout, slot_dtype):
 @pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
 @pytest.mark.parametrize("split", [False, True], ids=["per-row", "split"])
-def test_slot_mapping_past_the_pool_is_skipped_without_check(device, monkeypatch, split, kv_dtype, use_rope):
+def test_slot_mapping_past_the_pool_is_skipped_without_check(device, split, kv_dtype, use_rope):
     """Slots -1 and past the pool write nothing, in both launch shapes and every format (see above), with RoPE
-    too (quantized split launches with RoPE keep the branch on the row's validity: ROPE_SELECT)."""
-    monkeypatch.setattr(paged_ops, "_SPLIT_BELOW", 1 << 40 if split else 0)
+    too (quantized split launches with RoPE keep the branch on the row's validity: rope_select)."""
     H, D, bs, nb = 2, 8, 4, 4
     gen = pr.generator(12)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, kv_dtype=kv_dtype)
@@ -257,9 +255,9 @@ def test_slot_mapping_past_the_pool_is_skipped_without_check(device, monkeypatch
     targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb, positions=positions)
     exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
                              rope=rope)
-    cache.append(0, k, v, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-                 positions=torch.tensor(positions, device=device) if use_rope else None,
-                 rope=rope if use_rope else False)
+    la.append_with(cache, 0, k, v, "split-kv" if split else "per-row",
+                   slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+                   positions=torch.tensor(positions, device=device) if use_rope else None, rope=rope)
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 

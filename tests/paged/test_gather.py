@@ -6,6 +6,8 @@ test of random ragged batches. Quantized gathers are also in test_quant.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -366,11 +368,11 @@ def test_gather_into_odd_strided_outputs(device, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
-def test_gather_with_64bit_output_offsets(device, kv_dtype, monkeypatch):
-    """Outputs spanning 2**31 elements or more take 64-bit address arithmetic (the kernel's WIDE); with the
-    threshold lowered to 1 element here, that code path writes what the 32-bit one does, into strided
-    outputs (a padded head stride and a permuted view)."""
-    from kvcache.ops import paged as paged_ops
+def test_gather_with_64bit_output_offsets(device, kv_dtype):
+    """Outputs spanning 2**31 elements or more take 64-bit address arithmetic (the launch's ``wide``, chosen by
+    plan_gather: tests/paged/test_append_policy.py); forced on here for small outputs, that code path writes
+    what the 32-bit one does, into strided outputs (a padded head stride and a permuted view)."""
+    from kvcache.ops.paged import gather_paged_kv_launch, plan_gather
 
     H, D, bs = 3, 16, 4
     lens = [7, 2]
@@ -378,11 +380,15 @@ def test_gather_with_64bit_output_offsets(device, kv_dtype, monkeypatch):
     s_out = 9
     outs = {}
     for wide in (False, True):
-        monkeypatch.setattr(paged_ops, "_GATHER_WIDE_FROM", 1 if wide else 1 << 31)
         kb = pr.fill_sentinel(torch.empty((len(lens), H, s_out + 3, D), dtype=torch.float16, device=device))
         vb = pr.fill_sentinel(torch.empty((len(lens), s_out, H, D), dtype=torch.float16, device=device))
-        cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device), k_out=kb[:, :, 3:],
-                     v_out=vb.permute(0, 2, 1, 3))
+        k_out, v_out = kb[:, :, 3:], vb.permute(0, 2, 1, 3)
+        launch = plan_gather(k_out, v_out, num_kv_heads=H, head_dim=D)
+        assert launch.wide is False
+        gather_paged_kv_launch(
+            k_out, v_out, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD",
+            block_tables=pr.i32(tables, device), kv_lens=pr.i32(lens, device), cu_k_lens=None, rope=None,
+            fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, launch=dataclasses.replace(launch, wide=wide))
         outs[wide] = (kb, vb)
     exp = pr.gather_expected(cache.pool(0), cache.params(0), tables, lens, kv_dtype=kv_dtype, layout="NHD",
                              s_out=s_out, dtype=torch.float16)

@@ -1,5 +1,5 @@
-"""The append kernel's branch-free cos / sin (``kvcache.ops.paged._sincos``) against float64, over its whole
-range: compiled on the GPU, through Triton's interpreter on the CPU."""
+"""The append kernel's branch-free cos / sin (``_sincos`` in kvcache/ops/paged/kernels/numerics.py) against
+float64, over its whole range: compiled on the GPU, through Triton's interpreter on the CPU."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import triton.language as tl
 
-from kvcache._backend import kernel
-from kvcache.ops import paged as paged_ops
+from kvcache._backend import kernel, use_triton
+from kvcache.ops.paged.kernels.numerics import _SINCOS_MAX, _sincos
 
 from . import paged_reference as pr
 
@@ -19,7 +19,7 @@ from . import paged_reference as pr
 def _sincos_probe(x, cos_out, sin_out, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    c, s = paged_ops._sincos(tl.load(x + offs, mask=m, other=0.0))
+    c, s = _sincos(tl.load(x + offs, mask=m, other=0.0))
     tl.store(cos_out + offs, c, mask=m)
     tl.store(sin_out + offs, s, mask=m)
 
@@ -36,12 +36,12 @@ def _angles(gen: torch.Generator) -> torch.Tensor:
     edges = (k * math.pi / 4).float()
     near = torch.cat([torch.nextafter(edges, edges + 1), edges, torch.nextafter(edges, edges - 1)]).double()
     x = torch.cat([rand, rope, near, torch.tensor([0.0, 1e-30, 1e5], dtype=torch.float64)]).float()
-    x = x[(x >= 0) & (x <= paged_ops._SINCOS_MAX.value)]
+    x = x[(x >= 0) & (x <= _SINCOS_MAX.value)]
     return torch.cat([x, -x])  # negative angles too (slot mapping takes negative positions)
 
 
 def test_sincos_matches_float64_within_2_pow_minus_22(device):
-    if device.type == "cpu" and not paged_ops.use_triton(device):
+    if device.type == "cpu" and not use_triton(device):
         pytest.skip("the torch backend launches no kernel")
     x = _angles(pr.generator(77)).to(device)
     n = x.numel()
