@@ -60,24 +60,33 @@ def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
 
 
 @triton.jit
-def _load_half(pool, base, dd, ok_n, ok_d, HI: tl.constexpr, H1: tl.constexpr, QUANT: tl.constexpr):
-    """[HALF_P, BLOCK_N] tile of one half of K or V rows (codes for int4 / int8, stored values otherwise).
+def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.constexpr, KT: tl.constexpr):
+    """The two halves of K or V rows at ``base`` (one per token): ``[HALF_P, BLOCK_N]`` tiles when ``KT`` (K,
+    the B operand of QK^T), else ``[BLOCK_N, HALF_P]`` (V). Codes for int8 / int4, stored values otherwise.
 
-    fp8 pools arrive as their bytes (uint8), so masked lanes read as +0.0 (a masked load's ``other`` cannot
-    be an fp8 constant), then bitcast.
+    int4: one load of the byte row; the low nibbles are the first half, the high nibbles the second. fp8 pools
+    arrive as their bytes (uint8), so masked lanes read as +0.0 (a masked load's ``other`` cannot be an fp8
+    constant), then bitcast.
     """
-    mask = ok_n[None, :] & ok_d[:, None]
-    if QUANT == 1:
-        x = tl.load(pool + base[None, :] + HI * H1 + dd[:, None], mask=mask, other=0).to(tl.float8e4nv, bitcast=True)
-    elif QUANT == 3:
-        raw = tl.load(pool + base[None, :] + dd[:, None], mask=mask, other=0)
-        if HI:
-            x = raw >> 4
-        else:
-            x = raw & 15
+    if KT:
+        off = base[None, :] + dd[:, None]
+        m_lo = ok_n[None, :] & ok_lo[:, None]
+        m_hi = ok_n[None, :] & ok_hi[:, None]
     else:
-        x = tl.load(pool + base[None, :] + HI * H1 + dd[:, None], mask=mask, other=0)
-    return x
+        off = base[:, None] + dd[None, :]
+        m_lo = ok_n[:, None] & ok_lo[None, :]
+        m_hi = ok_n[:, None] & ok_hi[None, :]
+    if QUANT == 3:
+        raw = tl.load(pool + off, mask=m_lo, other=0)
+        lo = raw & 15
+        hi = raw >> 4
+    elif QUANT == 1:
+        lo = tl.load(pool + off, mask=m_lo, other=0).to(tl.float8e4nv, bitcast=True)
+        hi = tl.load(pool + off + H1, mask=m_hi, other=0).to(tl.float8e4nv, bitcast=True)
+    else:
+        lo = tl.load(pool + off, mask=m_lo, other=0)
+        hi = tl.load(pool + off + H1, mask=m_hi, other=0)
+    return lo, hi
 
 
 @triton.jit
@@ -190,8 +199,7 @@ def _attention_kernel(
             blk = blk.to(tl.int64)
             tok = j % BS
         base = blk * S_BLK + tok * S_TOK + kvh * S_HEAD
-        k_lo = _load_half(pool, base, dd, ok_n, ok_lo, False, H1, QUANT)
-        k_hi = _load_half(pool, base, dd, ok_n, ok_hi, True, H1, QUANT)
+        k_lo, k_hi = _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1, QUANT, True)
         s = tl.dot(q_lo, k_lo.to(qdt), input_precision=PRECISION)
         s = tl.dot(q_hi, k_hi.to(qdt), acc=s, input_precision=PRECISION)
         if QUANT >= 2:
@@ -216,17 +224,16 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
         vbase = base + S_KV
-        v_lo = _load_half(pool, vbase, dd, ok_n, ok_lo, False, H1, QUANT)
-        v_hi = _load_half(pool, vbase, dd, ok_n, ok_hi, True, H1, QUANT)
+        v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False)
         if QUANT >= 2:
             vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
             vs = tl.load(params + vp, mask=ok_n, other=0.0)
             vz = tl.load(params + vp + 1, mask=ok_n, other=0.0)
-            v_lo = v_lo.to(tl.float32) * vs[None, :] + vz[None, :]
-            v_hi = v_hi.to(tl.float32) * vs[None, :] + vz[None, :]
+            v_lo = v_lo.to(tl.float32) * vs[:, None] + vz[:, None]
+            v_hi = v_hi.to(tl.float32) * vs[:, None] + vz[:, None]
         pc = p.to(qdt)
-        acc_lo = tl.dot(pc, tl.trans(v_lo.to(qdt)), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
-        acc_hi = tl.dot(pc, tl.trans(v_hi.to(qdt)), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
+        acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
+        acc_hi = tl.dot(pc, v_hi.to(qdt), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
 
     if HAS_SINKS:
         # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only
