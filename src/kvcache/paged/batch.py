@@ -154,3 +154,33 @@ class PagedBatch:
         return dict(block_tables=self.block_tables, cu_q_lens=self.cu_q_lens, kv_lens=self.kv_lens,
                     cu_k_lens=self.cu_k_lens, slot_mapping=self.slot_mapping, positions=self.positions,
                     cp_rank=self.cp_rank, cp_size=self.cp_size)
+
+
+def unpack_append_batch(batch: object, block_tables: object, cu_q_lens: object, kv_lens: object, cu_k_lens: object,
+                        slot_mapping: object, positions: object, cp_rank: object, cp_size: object) -> tuple:
+    """The append's index arguments: ``batch``'s when it is given (then it must come alone), else those given."""
+    given = (block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size)
+    if batch is None:
+        return given
+    if not isinstance(batch, PagedBatch):
+        raise TypeError(f"batch: expected a PagedBatch, got {type(batch).__name__}")
+    if any(x is not None for x in given[:6]) or cp_rank != 0 or cp_size != 1:
+        raise ValueError("batch: expected alone, without block_tables / cu_q_lens / kv_lens / cu_k_lens / "
+                         "slot_mapping / positions / cp_rank / cp_size")
+    return (batch.block_tables, batch.cu_q_lens, batch.kv_lens, batch.cu_k_lens, batch.slot_mapping,
+            batch.positions, batch.cp_rank, batch.cp_size)
+
+
+def unpack_gather_batch(batch: object, block_tables: object, kv_lens: object, cu_k_lens: object, cp_rank: object,
+                        cp_size: object) -> tuple:
+    """The gather's arguments: a ragged ``batch``'s sequences as they stand after the step (``seq_lens``) when it
+    is given (then it must come alone), else those given; ``block_tables`` is required either way."""
+    if batch is not None:
+        if not isinstance(batch, PagedBatch) or not batch.is_ragged:
+            raise TypeError(f"batch: expected a ragged PagedBatch, got {type(batch).__name__}")
+        if any(x is not None for x in (block_tables, kv_lens, cu_k_lens)) or cp_rank != 0 or cp_size != 1:
+            raise ValueError("batch: expected alone, without block_tables / kv_lens / cu_k_lens / cp_rank / cp_size")
+        return batch.block_tables, batch.seq_lens, None, batch.cp_rank, batch.cp_size
+    if block_tables is None:
+        raise TypeError("block_tables: expected a torch.Tensor int32 [B, max_blocks] (or batch=), got NoneType")
+    return block_tables, kv_lens, cu_k_lens, cp_rank, cp_size

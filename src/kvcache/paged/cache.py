@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -13,37 +12,11 @@ from ..ops import paged as paged_ops
 from ..ops.paged.launch import default_append_launch
 from ..ops.paged.policy import SPLIT_BELOW
 from ..rope import RopeConfig, RopeKernelParams
-from .batch import PagedBatch
+from .batch import PagedBatch, unpack_append_batch, unpack_gather_batch
 from .config import PagedConfig
+from .swap import SwappedBlocks, swap_in, swap_out
 
 __all__ = ["PagedKVCache", "SwappedBlocks"]
-
-
-@dataclasses.dataclass
-class SwappedBlocks:
-    """Blocks copied to page-locked host memory by :meth:`PagedKVCache.swap_out`.
-
-    ``data`` ``[n, L, *block]`` (and ``params`` for int8 / int4) hold the blocks in the order given;
-    ``event`` completes when the copy has (wait on it, or pass the object to ``swap_in``, which orders itself
-    after it on the device).
-    """
-
-    data: torch.Tensor
-    params: torch.Tensor | None
-    event: torch.cuda.Event | None
-    # (kv_dtype, layout, num_kv_heads, head_dim, block_size, num_layers) of the cache the blocks came from: swap_in
-    # takes them only into a cache of the same format (None: not recorded, checked by shape and dtype alone)
-    layout_key: tuple | None = None
-
-    @property
-    def num_blocks(self) -> int:
-        """Number of blocks held (``data.shape[0]``)."""
-        return self.data.shape[0]
-
-    def synchronize(self) -> None:
-        """Block the host until the copy to host memory has completed (no-op on the CPU)."""
-        if self.event is not None:
-            self.event.synchronize()
 
 
 class PagedKVCache:
@@ -219,16 +192,8 @@ class PagedKVCache:
         it, decode-sized appends with PDL look their rows up before the wait speculatively and check every
         value read after it (see :func:`kvcache.ops.append_paged_kv`): nearly as fast, and safe.
         """
-        if batch is not None:
-            if not isinstance(batch, PagedBatch):
-                raise TypeError(f"batch: expected a PagedBatch, got {type(batch).__name__}")
-            if any(x is not None for x in (block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions)) \
-                    or cp_rank != 0 or cp_size != 1:
-                raise ValueError("batch: expected alone, without block_tables / cu_q_lens / kv_lens / cu_k_lens / "
-                                 "slot_mapping / positions / cp_rank / cp_size")
-            block_tables, cu_q_lens, kv_lens, cu_k_lens = (batch.block_tables, batch.cu_q_lens, batch.kv_lens,
-                                                           batch.cu_k_lens)
-            slot_mapping, positions, cp_rank, cp_size = batch.slot_mapping, batch.positions, batch.cp_rank, batch.cp_size
+        block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size = unpack_append_batch(
+            batch, block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size)
         cfg = self._config
         # fast paths: the common calls (ragged with kv_lens, or slot mapping; the cache's own RoPE or none), every
         # argument checked in a few expressions (each tensor attribute read costs 0.1-0.3 us: read once, compare
@@ -360,15 +325,8 @@ class PagedKVCache:
         rotates keys that were stored un-rotated. ``batch``: a ragged :class:`~kvcache.paged.PagedBatch` in
         place of ``block_tables`` / ``kv_lens`` / ``cu_k_lens`` / ``cp_rank`` / ``cp_size``: its sequences are
         read as they stand after the step (``batch.seq_lens`` tokens)."""
-        if batch is not None:
-            if not isinstance(batch, PagedBatch):
-                raise TypeError(f"batch: expected a PagedBatch, got {type(batch).__name__}")
-            if any(x is not None for x in (block_tables, kv_lens, cu_k_lens)) or cp_rank != 0 or cp_size != 1:
-                raise ValueError("batch: expected alone, without block_tables / kv_lens / cu_k_lens / cp_rank / "
-                                 "cp_size")
-            block_tables, kv_lens, cp_rank, cp_size = batch.block_tables, batch.seq_lens, batch.cp_rank, batch.cp_size
-        elif block_tables is None:
-            raise ValueError("block_tables: expected int32 [B, max_blocks] (or batch=), got None")
+        block_tables, kv_lens, cu_k_lens, cp_rank, cp_size = unpack_gather_batch(batch, block_tables, kv_lens,
+                                                                                cu_k_lens, cp_rank, cp_size)
         i = self._layer(layer)
         return paged_ops.gather_paged_kv(
             self.buffer[i], None if self.params_buffer is None else self.params_buffer[i],
@@ -410,89 +368,23 @@ class PagedKVCache:
 
     def swap_out(self, block_ids: Sequence[int] | torch.Tensor, *, stream: torch.cuda.Stream | None = None,
                  pin_memory: bool = True) -> SwappedBlocks:
-        """Copy blocks of every layer to page-locked host memory, asynchronously on ``stream``.
-
-        The blocks are gathered on the device (``index_select``) and copied with one non-blocking transfer;
-        the returned :class:`SwappedBlocks` records an event when done. The device blocks may be reused
-        once ``stream`` has passed that point (the caller orders later writes after it).
-
-        Returns :class:`SwappedBlocks`: ``data`` ``[n, L, *block]`` in the storage dtype (a block of
-        ``pool(layer)`` per layer), ``params`` float32 ``[n, L, *param_block]`` for int8 / int4 (else None),
-        in the order of ``block_ids``.
-        """
-        ids = self._block_ids("block_ids", block_ids).to(self.device)
-        cuda = self.device.type == "cuda"
-        ctx = torch.cuda.stream(stream) if (cuda and stream is not None) else _null()
-        with ctx:
-            if cuda and stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-            data = self.buffer.index_select(1, ids).transpose(0, 1).contiguous()
-            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=pin_memory and cuda)
-            host.copy_(data, non_blocking=cuda)
-            hparams = None
-            if self.params_buffer is not None:
-                p = self.params_buffer.index_select(1, ids).transpose(0, 1).contiguous()
-                hparams = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin_memory and cuda)
-                hparams.copy_(p, non_blocking=cuda)
-            event = None
-            if cuda:
-                event = torch.cuda.Event()
-                event.record()
-                data.record_stream(torch.cuda.current_stream(self.device))
-        return SwappedBlocks(host, hparams, event, self._swap_key())
-
-    def _swap_key(self) -> tuple:
-        c = self._config
-        return (c.kv_dtype, c.layout, c.num_kv_heads, c.head_dim, c.block_size, c.num_layers)
+        """Copy blocks of every layer to page-locked host memory, asynchronously on ``stream``: see
+        :func:`kvcache.paged.swap.swap_out`."""
+        return swap_out(self, self._block_ids("block_ids", block_ids), stream=stream, pin_memory=pin_memory)
 
     def swap_in(self, swapped: SwappedBlocks, block_ids: Sequence[int] | torch.Tensor, *,
                 stream: torch.cuda.Stream | None = None) -> None:
-        """Copy swapped-out blocks back into blocks ``block_ids`` of every layer, asynchronously on
-        ``stream`` (after the swap-out's event).
-
-        ``swapped``: from :meth:`swap_out` of a cache of the same format (kv_dtype, layout, heads, head_dim,
-        block size, layers): ``data`` ``[n, L, *block]`` in the storage dtype, ``params`` float32 ``[n, L,
-        2, ...]`` for int8 / int4 (else None). ``block_ids``: ``n`` distinct ids in ``[0, num_blocks)``.
-        Anything else raises ValueError before a byte is copied."""
+        """Copy swapped-out blocks back into blocks ``block_ids`` of every layer: see
+        :func:`kvcache.paged.swap.swap_in`."""
         if not isinstance(swapped, SwappedBlocks):
             raise TypeError(f"swapped: expected SwappedBlocks, got {type(swapped).__name__}")
-        ids = self._block_ids("block_ids", block_ids)
-        if ids.shape[0] != swapped.num_blocks:
-            raise ValueError(f"block_ids: expected {swapped.num_blocks} ids (the swapped blocks), got {ids.shape[0]}")
-        if len(set(ids.tolist())) != ids.shape[0]:
-            raise ValueError(f"block_ids: expected distinct block ids, got {ids.tolist()[:8]}")
-        if swapped.layout_key is not None and swapped.layout_key != self._swap_key():
-            raise ValueError(f"swapped: blocks of another cache format (kv_dtype, layout, num_kv_heads, head_dim, "
-                             f"block_size, num_layers) {swapped.layout_key}, expected {self._swap_key()}")
-        shape = (self.buffer.shape[0], *self.buffer.shape[2:])
-        if not isinstance(swapped.data, torch.Tensor) or swapped.data.dtype != self.buffer.dtype or tuple(
-                swapped.data.shape[1:]) != shape:
-            got = (f"{swapped.data.dtype} {list(swapped.data.shape)}" if isinstance(swapped.data, torch.Tensor)
-                   else type(swapped.data).__name__)
-            raise ValueError(f"swapped: expected data {self.buffer.dtype} [n, {', '.join(map(str, shape))}] (blocks "
-                             f"of this cache's shape), got {got}")
-        if self.params_buffer is not None:
-            pshape = (self.params_buffer.shape[0], *self.params_buffer.shape[2:])
-            p = swapped.params
-            if not isinstance(p, torch.Tensor) or p.dtype != torch.float32 or tuple(p.shape) != (ids.shape[0],
-                                                                                              *pshape):
-                got = f"{p.dtype} {list(p.shape)}" if isinstance(p, torch.Tensor) else repr(p)
-                raise ValueError(f"swapped: expected params float32 [{ids.shape[0]}, {', '.join(map(str, pshape))}] "
-                                 f"(the blocks' scale / zero), got {got}")
-        elif swapped.params is not None:
-            raise ValueError("swapped: expected params None (this cache stores no scale / zero)")
-        ids = ids.to(self.device)
-        cuda = self.device.type == "cuda"
-        ctx = torch.cuda.stream(stream) if (cuda and stream is not None) else _null()
-        with ctx:
-            if swapped.event is not None:
-                torch.cuda.current_stream(self.device).wait_event(swapped.event)
-            data = swapped.data.to(self.device, non_blocking=cuda).transpose(0, 1)
-            self.buffer.index_copy_(1, ids, data)
-            if self.params_buffer is not None:
-                p = swapped.params.to(self.device, non_blocking=cuda).transpose(0, 1)
-                self.params_buffer.index_copy_(1, ids, p)
+        swap_in(self, swapped, self._block_ids("block_ids", block_ids), stream=stream)
 
+    def swap_key(self) -> tuple:
+        """(kv_dtype, layout, num_kv_heads, head_dim, block_size, num_layers): blocks swapped out of this cache
+        go back only into a cache with the same key."""
+        c = self._config
+        return (c.kv_dtype, c.layout, c.num_kv_heads, c.head_dim, c.block_size, c.num_layers)
 
 def _ints_len(t: object, device_id: int, int64: bool = False) -> int:
     """Entries of ``t`` if it is a contiguous 1-d int32 tensor (int64 too with ``int64``) on the device
@@ -508,10 +400,3 @@ def _ints_len(t: object, device_id: int, int64: bool = False) -> int:
     )
     return sh[0] if ok else -1
 
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None

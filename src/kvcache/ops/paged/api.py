@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..._validate import MODEL_DTYPES, check_dtype_in, fmt_shape
-from ...paged.batch import PagedBatch
+from ...paged.batch import PagedBatch, unpack_append_batch, unpack_gather_batch
 from ...rope import RopeKernelParams
 from .checks import (
     check_arg_tensor,
@@ -37,18 +37,6 @@ from .checks import (
 from .launch import append_paged_kv_launch, copy_blocks_launch, gather_paged_kv_launch
 
 __all__ = ["append_paged_kv", "gather_paged_kv", "copy_blocks"]
-
-
-def _from_batch(batch: object, *given: object) -> tuple:
-    """The index arguments of a :class:`~kvcache.paged.PagedBatch` (which must come alone)."""
-    if not isinstance(batch, PagedBatch):
-        raise TypeError(f"batch: expected a PagedBatch, got {type(batch).__name__}")
-    if any(x is not None for x in given[:6]) or given[6] != 0 or given[7] != 1:
-        raise ValueError("batch: expected alone, without block_tables / cu_q_lens / kv_lens / cu_k_lens / "
-                         "slot_mapping / positions / cp_rank / cp_size")
-    a = batch.append_args()
-    return (a["block_tables"], a["cu_q_lens"], a["kv_lens"], a["cu_k_lens"], a["slot_mapping"], a["positions"],
-            a["cp_rank"], a["cp_size"])
 
 
 def append_paged_kv(
@@ -143,9 +131,8 @@ def append_paged_kv(
     ----
     One kernel launch, no allocation, no host sync: capturable in a CUDA graph.
     """
-    if batch is not None:
-        block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size = _from_batch(
-            batch, block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size)
+    block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size = unpack_append_batch(
+        batch, block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size)
     if type(metadata_ready) is not bool:
         raise TypeError(f"metadata_ready: expected a bool, got {metadata_ready!r} ({type(metadata_ready).__name__})")
     if type(check) is not bool:
@@ -255,14 +242,8 @@ def gather_paged_kv(
     -------
     (k, v) : ``[B, H, S_out, D]`` each.
     """
-    if batch is not None:
-        if not isinstance(batch, PagedBatch) or not batch.is_ragged:
-            raise TypeError(f"batch: expected a ragged PagedBatch, got {batch!r}")
-        if any(x is not None for x in (block_tables, kv_lens, cu_k_lens)) or cp_rank != 0 or cp_size != 1:
-            raise ValueError("batch: expected alone, without block_tables / kv_lens / cu_k_lens / cp_rank / cp_size")
-        block_tables, kv_lens, cp_rank, cp_size = batch.block_tables, batch.seq_lens, batch.cp_rank, batch.cp_size
-    if block_tables is None:
-        raise TypeError("block_tables: expected a torch.Tensor int32 [B, max_blocks] (or batch=), got NoneType")
+    block_tables, kv_lens, cu_k_lens, cp_rank, cp_size = unpack_gather_batch(batch, block_tables, kv_lens, cu_k_lens,
+                                                                            cp_rank, cp_size)
     nb, bs, h, dp = pool_geometry(pool, params, kv_dtype, layout)
     dev = pool.device
     cp_rank, cp_size = check_cp(cp_rank, cp_size)
