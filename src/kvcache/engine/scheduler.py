@@ -98,14 +98,27 @@ class Scheduler:
     # ----------------------------------------------------------------------------------- requests
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request (validated: it must fit in one block table and in the pool)."""
+        """Queue a request (validated first by :meth:`check`)."""
+        self.check(seq)
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise ValueError if ``seq`` could never run: more blocks than one block table or the pool hold."""
         need = -(-(seq.num_prompt_tokens + seq.params.max_tokens) // self.block_size)
         limit = min(self.max_blocks_per_seq, self.allocator.num_blocks)
         if need > limit:
             raise ValueError(
                 f"prompts: request {seq.request_id} needs up to {seq.num_prompt_tokens} + {seq.params.max_tokens} "
                 f"tokens = {need} blocks of {self.block_size}, expected at most {limit} (the pool or max_model_len)")
-        self.waiting.append(seq)
+
+    def abort_all(self) -> None:
+        """Drop every request, waiting or running, and free their blocks (after an error in a step)."""
+        for seq in self.running:
+            self._release(seq)
+            seq.status = SequenceStatus.FINISHED
+        self.running.clear()
+        self.waiting.clear()
+        self._pending.clear()
 
     def has_unfinished(self) -> bool:
         """Requests are waiting or running."""
