@@ -188,9 +188,10 @@ def test_fuzz_save_restore(data, seed):  # type: ignore[no-untyped-def]
 
     def op(*ts):  # type: ignore[no-untyped-def]
         cache, snap = list(ts[:nl]), list(ts[nl:])
-        if one:
-            (ops.save_kv_layer if save else ops.restore_kv_layer)(*((cache[0], snap[0]) if save else (snap[0], cache[0])),
-                                                                   b)
+        if one and save:
+            ops.save_kv_layer(cache[0], snap[0], b)
+        elif one:
+            ops.restore_kv_layer(snap[0], cache[0], b)
         elif save:
             ops.save_kv_layers(cache, snap, b, seq_len)
         else:

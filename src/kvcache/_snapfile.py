@@ -114,7 +114,9 @@ def decode(data: bytes, where: str, *, verify: bool) -> list[torch.Tensor]:
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise ValueError(f"path: {where} has damaged metadata (expected str keys and values)")
     if meta.get("format") != FORMAT:
-        raise ValueError(f"path: {where} is not a kvcache snapshot (format {meta.get('format')!r}, expected {FORMAT!r})")
+        raise ValueError(
+            f"path: {where} is not a kvcache snapshot (format {meta.get('format')!r}, expected {FORMAT!r})"
+        )
     required = RESERVED if verify else ("format", "seq_len", "num_layers")
     for key in required:
         if key not in meta:

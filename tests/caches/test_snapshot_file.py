@@ -138,7 +138,7 @@ def test_wrong_metadata(saved, tmp_path):
         "missing-checksum": ({"checksum": None}, r"key 'checksum' is missing \(load_file\(\.\.\., verify=False\)"),
         "user-key": ({"model": "other"}, r"is damaged: checksum"),
     }
-    for name, (update, msg) in cases.items():
+    for update, msg in cases.values():
         with pytest.raises(ValueError, match=r"^path: .*" + msg):
             load_bytes(tmp_path, rewrite(data, update))
     # structure is checked without the checksum too
