@@ -13,7 +13,7 @@ import torch
 
 from kvcache import CacheConfig, KVCacheManager, KVLayerConfig, LinearKVCache, ManagerConfig, ops
 
-from . import capture, assert_unchanged
+from . import assert_unchanged, capture
 
 
 def linear(device, B=2, S=8) -> LinearKVCache:
@@ -212,3 +212,30 @@ def test_check_memory_function():
     check_memory(1 << 20, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"^pool: the cache needs"):
         check_memory(total * 4 + avail * 4, torch.device("cpu"), "pool")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graph_replay_then_invalidate_host_lengths():
+    # A replay runs no Python: torch's version counter cannot see it, invalidate_host_lengths() is the contract.
+    dev = torch.device("cuda")
+    c = linear(dev, S=64)
+    c.reset_for_new_sequences([1, 2])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        c.commit(1)  # warm-up: compiles the kernel
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        c.commit(1)  # host mirror: +1 once, at capture
+    assert c.host_lengths() == [3, 4]
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert c.lengths.tolist() == [5, 6]
+    c.invalidate_host_lengths()
+    assert c.host_lengths() == [5, 6]
+    with pytest.raises(ValueError, match=r"would hold 65 tokens"):
+        c.commit(59)
