@@ -6,10 +6,8 @@ sdpa mask builder to ``AttentionMaskInterface`` under the same name, so a model 
 ``attn_implementation="kvcache_paged"`` gets the usual 4-D boolean mask: its diagonal says which tokens of
 the chunk are real (left padding is not), and only those are written and attend.
 
-Attention over the blocks: :func:`kvcache.ops.paged_attention` where kvcache has it. Until then
-(TEMPORARY FALLBACK, see docs/hf.md): the layer's blocks are gathered (dequantized) to ``[B, H, L, D]``
-and attended with ``torch.nn.functional.scaled_dot_product_attention`` under each row's causal mask. Same
-results, but it reads and writes the whole cache every layer.
+Attention over the blocks is :func:`kvcache.ops.paged_attention`: it reads and dequantizes the blocks in its
+kernel (no gather), causal over each row's real tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from .paged import ATTN_IMPLEMENTATION, PagedCache, Step
+from .paged import ATTN_IMPLEMENTATION, PagedCache
 
 __all__ = ["ATTN_IMPLEMENTATION", "kvcache_paged_attention", "register"]
 
@@ -102,12 +100,15 @@ def kvcache_paged_attention(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
                                              scale=scaling, enable_gqa=Hq != H)
         return out.transpose(1, 2).contiguous(), None
-    return attend(pending.cache, pending.layer, query, key, value, attention_mask, scaling), None
+    return attend(pending.cache, pending.layer, query, key, value, attention_mask, scaling,
+                  window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap")), None
 
 
 def attend(cache: PagedCache, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
-    """Write the step's real tokens of ``layer`` into ``cache`` and attend: ``[B, T, Hq, D]``."""
+           attention_mask: torch.Tensor | None, scaling: float | None, *, window: int | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """Write the step's real tokens of ``layer`` into ``cache`` and attend (``window``: transformers'
+    ``sliding_window``, ``softcap``: logit soft-capping): ``[B, T, Hq, D]``."""
     B, Hq, T, D = query.shape
     step = cache._step or cache._begin_step(T, _valid_tokens(attention_mask, cache._hf_len, T))
     cache._write(layer, key, value)
@@ -115,42 +116,14 @@ def attend(cache: PagedCache, layer: int, query: torch.Tensor, key: torch.Tensor
     q = q.reshape(B * T, Hq, D) if step.valid is None else q[step.valid]
     scale = scaling if scaling is not None else D**-0.5
     paged = cache.paged
-    if hasattr(ops, "paged_attention"):
-        o = ops.paged_attention(
-            q.contiguous(), paged.pool(layer), paged.params(layer),
-            paged.kv_scales[layer] if cache.kv_dtype == "fp8" else None,
-            kv_dtype=cache.kv_dtype, layout=cache.layout, block_tables=step.block_tables,
-            cu_q_lens=step.cu_q_lens, kv_lens=step.kv_after, scale=scale)
-    else:
-        o = _gather_sdpa(cache, layer, q, step, scale)  # TEMPORARY FALLBACK until ops.paged_attention lands
+    o = ops.paged_attention(
+        q.contiguous(), paged.pool(layer), paged.params(layer),  # type: ignore[union-attr]
+        paged.kv_scales[layer] if cache.kv_dtype == "fp8" else None,  # type: ignore[union-attr]
+        kv_dtype=cache.kv_dtype, layout=cache.layout, block_tables=step.block_tables,
+        cu_q_lens=step.cu_q_lens, kv_lens=step.kv_after, scale=scale, window=window, softcap=softcap)
     cache._finish_layer()
     if step.valid is None:
         return o.view(B, T, Hq, D)
     out = o.new_zeros((B, T, Hq, D))
     out[step.valid] = o
     return out
-
-
-def _gather_sdpa(cache: PagedCache, layer: int, q: torch.Tensor, step: Step, scale: float) -> torch.Tensor:
-    """TEMPORARY FALLBACK (until ``kvcache.ops.paged_attention``): gather the layer's blocks to ``[B, H, L, D]``
-    and run SDPA with each row's causal mask. ``q`` ``[n, Hq, D]`` (the step's real tokens, row-major) ->
-    ``[n, Hq, D]``."""
-    counts, before = step.counts, step.before
-    B = len(counts)
-    Tq = max(counts)
-    L = max(b + c for b, c in zip(before, counts))
-    k, v = cache.paged.gather(layer, step.block_tables, kv_lens=step.kv_after, max_len=L)  # type: ignore[union-attr]
-    dev = q.device
-    n, Hq, D = q.shape
-    # token j (0-based among the row's new ones) of row b sits at position before[b] + j and sees keys <= it
-    cnt = torch.tensor(counts, device=dev)
-    j = torch.arange(Tq, device=dev)
-    valid_q = j[None, :] < cnt[:, None]  # [B, Tq]
-    qp = q.new_zeros((B, Tq, Hq, D))
-    qp[valid_q] = q
-    pos = torch.tensor(before, device=dev)[:, None] + j[None, :]  # [B, Tq]
-    mask = torch.arange(L, device=dev)[None, None, :] <= pos[:, :, None]  # [B, Tq, L]
-    mask[:, :, 0] |= ~valid_q  # rows past a row's count attend key 0 (discarded) rather than nothing (NaN)
-    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
-                                       enable_gqa=Hq != k.shape[1])
-    return o.transpose(1, 2)[valid_q]

@@ -1,0 +1,251 @@
+"""kvcache.hf caches on a small random Llama (fast): logits equal DynamicCache's step by step (left-padded
+batch, every layout and mode, fp32 / fp16 / bf16 models), quantized keys and values within their format's
+bound, crop, beam search, reset, per-layer lengths and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from kvcache.hf import LinearCache, PagedCache, kvcache_paged_attention
+
+B, PROMPT, STEPS = 3, 7, 5
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, initializer_range=0.2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 97, (B, PROMPT), generator=g)
+    mask = torch.ones(B, PROMPT, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    mask[2, :1] = 0
+    return ids, mask
+
+
+def _run(model, cache, steps: int = STEPS, attn: str = "sdpa") -> list[torch.Tensor]:
+    """Prefill, then ``steps`` decode steps fed with fixed tokens (teacher forcing): logits of each step."""
+    model.set_attn_implementation(attn)
+    ids, mask = _inputs()
+    g = torch.Generator().manual_seed(2)
+    out = []
+    with torch.no_grad():
+        for s in range(steps + 1):
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                           use_cache=True).logits
+            out.append(logits[:, -1].float())
+            ids = torch.randint(1, 97, (B, 1), generator=g)
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+    return out
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float) -> None:
+    for s, (x, y) in enumerate(zip(a, b)):
+        err = (x - y).abs().max().item()
+        assert err <= tol * max(1.0, y.abs().max().item()), f"step {s}: max logit error {err}"
+
+
+CASES = [
+    ("linear", dict(), "sdpa"),
+    ("linear", dict(kv_dtype="fp32"), "eager"),
+    ("paged", dict(), "sdpa"),
+    ("paged", dict(block_size=3, layout="HND"), "sdpa"),
+    ("paged", dict(), "kvcache_paged"),
+    ("paged", dict(block_size=5, layout="HND"), "kvcache_paged"),
+]
+
+
+def _make(kind: str, model, **kw):
+    if kind == "linear":
+        return LinearCache(model.config, max_batch_size=B, max_cache_len=PROMPT + STEPS + 2, **kw)
+    return PagedCache(model.config, max_batch_size=B, max_cache_len=PROMPT + STEPS + 2, **kw)
+
+
+@pytest.mark.parametrize(("kind", "kw", "attn"), CASES, ids=[f"{k}-{a}-{kw}" for k, kw, a in CASES])
+def test_logits_equal_dynamic_fp32(tiny, kind, kw, attn):
+    ref = _run(tiny, DynamicCache(config=tiny.config))
+    cache = _make(kind, tiny, **kw)
+    got = _run(tiny, cache, attn=attn)
+    _close(got, ref, 1e-5)
+    assert cache.get_seq_length() == PROMPT + STEPS
+    if kind == "paged" and attn == "kvcache_paged":
+        assert cache.seq_lens == [PROMPT + STEPS, PROMPT + STEPS - 3, PROMPT + STEPS - 1]  # padding not stored
+        bs = cache.block_size
+        assert cache.allocator.num_used_blocks == sum(-(-n // bs) for n in cache.seq_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("kind", "attn"), [("linear", "sdpa"), ("paged", "sdpa"), ("paged", "kvcache_paged")])
+def test_half_models(tiny, dtype, kind, attn):
+    model = LlamaForCausalLM(tiny.config).eval()
+    model.load_state_dict(tiny.state_dict())
+    model.to(dtype)
+    ref = _run(model, DynamicCache(config=model.config))
+    got = _run(model, _make(kind, model), attn=attn)
+    # same stored values; attention may round differently in half precision (one bf16 step of the logits)
+    _close(got, ref, 2e-2 if dtype == torch.bfloat16 else 4e-3)
+
+
+def _fp8_bound(x: torch.Tensor) -> torch.Tensor:
+    return x.abs() / 16 + 2.0**-9  # e4m3 (scale 1): half a step of 3 mantissa bits, subnormal spacing 2^-9
+
+
+def _int_bound(x: torch.Tensor, bits: int) -> torch.Tensor:
+    rng = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)
+    return rng / (2**bits - 1) / 2 * 1.001 + 1e-6  # scale / 2 per (token, head) row
+
+
+@pytest.mark.parametrize(("kind", "kv_dtype"), [("paged", "fp8"), ("paged", "int8"), ("paged", "int4"),
+                                                 ("linear", "fp8"), ("linear", "bf16")])
+def test_quantized_kv_within_format_bound(tiny, kind, kv_dtype):
+    """After prefill, every stored key / value of the first layer (dequantized) is within its format's rounding
+    bound of the model's own (DynamicCache's; later layers see different inputs); logits stay close."""
+    ref_cache = DynamicCache(config=tiny.config)
+    ref = _run(tiny, ref_cache, steps=0)
+    cache = _make(kind, tiny, kv_dtype=kv_dtype)
+    got = _run(tiny, cache, steps=0)
+    for i in (0,):
+        want_k, want_v = ref_cache.layers[i].keys, ref_cache.layers[i].values  # [B, H, PROMPT, D]
+        if kind == "paged":
+            tables = torch.tensor(cache.block_tables, dtype=torch.int32)
+            lens = torch.full((B,), PROMPT, dtype=torch.int32)
+            k, v = cache.paged.gather(i, tables, kv_lens=lens, max_len=PROMPT)
+        else:
+            k, v = (t[:B, :, :PROMPT].float() for t in cache.store.kv(i))
+        for x, y in ((want_k, k), (want_v, v)):
+            if kv_dtype == "fp8":
+                bound = _fp8_bound(x)
+            elif kv_dtype == "bf16":
+                bound = x.abs() * 2.0**-8  # half a unit in the last place of 8 significant bits
+            else:
+                bound = _int_bound(x, 8 if kv_dtype == "int8" else 4)
+            assert ((x - y).abs() <= bound).all(), f"layer {i}: max error {(x - y).abs().max().item()}"
+    _close(got, ref, 0.5 if kv_dtype == "int4" else 0.1)
+
+
+@pytest.mark.parametrize(("kind", "attn"), [("linear", "sdpa"), ("paged", "sdpa"), ("paged", "kvcache_paged")])
+def test_crop_then_continue(tiny, kind, attn):
+    ids, mask = _inputs()
+    caches = [DynamicCache(config=tiny.config), _make(kind, tiny, **({"block_size": 4} if kind == "paged" else {}))]
+    outs = []
+    for c, a in zip(caches, ("sdpa", attn)):
+        tiny.set_attn_implementation(a)
+        with torch.no_grad():
+            tiny(input_ids=ids, attention_mask=mask, past_key_values=c)
+            more = torch.full((B, 3), 5)
+            m2 = torch.cat([mask, torch.ones(B, 3, dtype=torch.long)], 1)
+            tiny(input_ids=more, attention_mask=m2, past_key_values=c)
+            c.crop(-2)
+            assert c.get_seq_length() == PROMPT + 1
+            m3 = torch.cat([mask, torch.ones(B, 2, dtype=torch.long)], 1)
+            outs.append(tiny(input_ids=torch.full((B, 1), 9), attention_mask=m3, past_key_values=c).logits)
+    _close([outs[1][:, -1]], [outs[0][:, -1]], 1e-5)
+    if kind == "paged":
+        used = caches[1].allocator.num_used_blocks
+        caches[1].crop(2)  # the older absolute form: keep the first 2 tokens
+        assert caches[1].get_seq_length() == 2 and caches[1].allocator.num_used_blocks < used
+
+
+@pytest.mark.parametrize(("kind", "attn"), [("linear", "sdpa"), ("paged", "sdpa"), ("paged", "kvcache_paged")])
+def test_beam_search_equals_dynamic(tiny, kind, attn):
+    ids, mask = _inputs()
+    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, early_stopping=True, pad_token_id=0)
+    tiny.set_attn_implementation("sdpa")
+    ref = tiny.generate(input_ids=ids, attention_mask=mask, **kw)
+    tiny.set_attn_implementation(attn)
+    cache = LinearCache(tiny.config, max_batch_size=3 * B, max_cache_len=PROMPT + 8) if kind == "linear" else \
+        PagedCache(tiny.config, max_batch_size=3 * B, max_cache_len=PROMPT + 8, block_size=4)
+    got = tiny.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
+    assert torch.equal(got, ref)
+    if kind == "paged":  # forked tables share blocks: fewer blocks than rows x length
+        tiny.set_attn_implementation("sdpa")
+        assert cache.allocator.num_used_blocks <= 3 * B * -(-(PROMPT + 6) // 4)
+
+
+@pytest.mark.parametrize("kind", ["linear", "paged"])
+def test_reset_reuses_cache_and_both_kwarg_names(tiny, kind):
+    ids, mask = _inputs()
+    tiny.set_attn_implementation("kvcache_paged" if kind == "paged" else "sdpa")
+    cache = _make(kind, tiny)
+    first = tiny.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4,
+                          do_sample=False, pad_token_id=0)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    if kind == "paged":
+        assert cache.allocator.num_used_blocks == 0
+    again = tiny.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=4, do_sample=False,
+                          pad_token_id=0)
+    tiny.set_attn_implementation("sdpa")
+    assert torch.equal(first, again)
+
+
+def test_lengths_are_per_layer(tiny):
+    for cache in (_make("linear", tiny), _make("paged", tiny)):
+        k = torch.randn(B, 2, 4, 16)
+        cache.update(k, k, 0)
+        assert [cache.get_seq_length(i) for i in range(3)] == [4, 0, 0]
+        assert cache.get_mask_sizes(1, 0) == (5, 0) and cache.get_mask_sizes(1, 1) == (1, 0)
+        with pytest.raises(ValueError, match="layer_idx"):
+            cache.update(k, k, 0)  # twice in one step
+        cache.update(k, k, 1)
+        cache.update(k, k, 2)
+        assert [cache.get_seq_length(i) for i in range(3)] == [4, 4, 4]
+        kk, vv = cache.update(k, k, 0)
+        assert kk.shape == (B, 2, 8, 16) and torch.equal(kk[:, :, 4:], k)
+
+
+def test_errors(tiny):
+    cfg = tiny.config
+    with pytest.raises(ValueError, match="kv_dtype"):
+        PagedCache(cfg, max_batch_size=1, max_cache_len=8, kv_dtype="int2")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        LinearCache(cfg, max_batch_size=1, max_cache_len=8, kv_dtype="int8")
+    with pytest.raises(ValueError, match="max_cache_len"):
+        LinearCache(cfg, max_batch_size=1, max_cache_len=0)
+    with pytest.raises(TypeError, match="max_batch_size"):
+        PagedCache(cfg, max_batch_size=1.5, max_cache_len=8)
+    with pytest.raises(ValueError, match="layout"):
+        PagedCache(cfg, max_batch_size=1, max_cache_len=8, layout="XYZ")
+    with pytest.raises(TypeError, match="config"):
+        PagedCache(object(), max_batch_size=1, max_cache_len=8)
+    k = torch.randn(2, 2, 3, 16)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        LinearCache(cfg, max_batch_size=1, max_cache_len=8).update(k, k, 0)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        PagedCache(cfg, max_batch_size=1, max_cache_len=8).update(k, k, 0)
+    small = PagedCache(cfg, max_batch_size=2, max_cache_len=8, block_size=2, num_blocks=2)
+    with pytest.raises(ValueError, match="num_blocks"):
+        small.update(k, k, 0)  # 2 rows x 2 blocks needed, 2 in the pool
+    assert small.allocator.num_used_blocks == 0 and small.get_seq_length() == 0
+    lin = LinearCache(cfg, max_batch_size=2, max_cache_len=4)
+    lin.update(k, k, 0)
+    lin.update(k, k, 1)
+    lin.update(k, k, 2)
+    before = lin.store.buffer.clone()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        lin.update(k, k, 0)  # 3 + 3 > 4
+    assert torch.equal(lin.store.buffer, before) and lin.get_seq_length(0) == 3
+    with pytest.raises(ValueError, match="beam_idx"):
+        PagedCache(cfg, max_batch_size=2, max_cache_len=8).reorder_cache(torch.tensor([0, 1, 2]))
+
+
+def test_attention_function_without_kvcache_equals_sdpa(tiny):
+    ids, mask = _inputs()
+    tiny.set_attn_implementation("sdpa")
+    ref = tiny(input_ids=ids, attention_mask=mask).logits
+    tiny.set_attn_implementation("kvcache_paged")
+    got = tiny(input_ids=ids, attention_mask=mask).logits  # no cache given: transformers' DynamicCache
+    tiny.set_attn_implementation("sdpa")
+    valid = mask.bool()
+    assert torch.allclose(got[valid], ref[valid], atol=1e-5)
+    q = torch.randn(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="dropout"):
+        kvcache_paged_attention(torch.nn.Module(), q, q[:, :2], q[:, :2], None, dropout=0.1)
