@@ -31,7 +31,7 @@ def compile_kernel(kern, ptr_types, consts, opts):  # type: ignore[no-untyped-de
 
 
 def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", linear=False, softcap=0.0, warps=4,
-              stages=3):  # type: ignore[no-untyped-def]
+              stages=3, window=True):  # type: ignore[no-untyped-def]
     h = 8
     r = d // 2 if quant == 3 else d
     ptr = dict(q=qdt, out=qdt, pool=qdt if quant == 0 else "*u8", block_tables="*i32", cu_q="*i32", kv_lens="*i32")
@@ -41,7 +41,7 @@ def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", line
                   HQ=h * g, G=g, G_P=triton.next_power_of_2(g), BLOCK_Q=block_q, BLOCK_N=block_n, BS=bs,
                   S_BLK=2 * bs * h * r, S_KV=bs * h * r, S_TOK=s_tok, S_HEAD=s_head, P_BLK=2 * bs * h * 2,
                   P_KV=bs * h * 2, P_TOK=h * 2 if layout == "NHD" else 2, P_HEAD=2 if layout == "NHD" else bs * 2,
-                  QUANT=quant, FP8_SCALED=quant == 1, LINEAR=linear, LOG_B=7, NUM_SPLITS=splits, HAS_WINDOW=True,
+                  QUANT=quant, FP8_SCALED=quant == 1, LINEAR=linear, LOG_B=7, HAS_WINDOW=window,
                   HAS_SINKS=True, HAS_LSE=True, PRECISION="ieee" if qdt == "*fp32" else "tf32", DOT_F32=False)
     return compile_kernel(_attention_kernel, ptr, consts, dict(num_warps=warps, num_stages=stages))
 
@@ -49,6 +49,7 @@ def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", line
 CASES = [dict(qdt=qdt, quant=quant, d=128, g=4, block_q=4, block_n=64, bs=16, splits=1)
          for qdt in ("*fp16", "*bf16") for quant in (0, 1, 2, 3)] + [
     dict(qdt="*fp16", quant=0, d=128, g=4, block_q=32, block_n=64, bs=64, splits=1, warps=8, stages=2),
+    dict(qdt="*fp16", quant=3, d=128, g=4, block_q=4, block_n=64, bs=64, splits=1, window=False),
     dict(qdt="*fp16", quant=2, d=80, g=3, block_q=4, block_n=64, bs=32, splits=4, layout="HND", softcap=30.0),
     dict(qdt="*fp32", quant=0, d=64, g=1, block_q=16, block_n=64, bs=16, splits=1),
     dict(qdt="*fp16", quant=1, d=256, g=8, block_q=2, block_n=32, bs=16, splits=2, linear=True),
@@ -67,7 +68,7 @@ def main() -> int:
             print(f"FAIL {case}: {str(e)[-1500:]}", flush=True)
     try:
         compile_kernel(_combine_kernel, dict(out="*fp16", cu_q="*i32"),
-                       dict(D=128, D_P=128, HQ=32, NUM_SPLITS=5, SPLITS_P=8, LINEAR=False, HAS_LSE=True),
+                       dict(D=128, D_P=128, HQ=32, SPLITS_P=8, LINEAR=False, HAS_LSE=True),
                        dict(num_warps=4))
         compile_kernel(_merge_kernel, dict(out_a="*fp16", out_b="*fp16", out="*fp16"), dict(D=128, D_P=128,
                        BLOCK_R=32), dict(num_warps=4))

@@ -25,7 +25,7 @@ Shape contract (strides in elements, head_dim contiguous):
 * pool: element (block, k/v, token, kv head, r) at ``block * S_BLK + kv * S_KV + tok * S_TOK + head * S_HEAD +
   r``; params the same with ``P_*`` strides and r in {0: scale, 1: zero}. A linear layer ``[B, 2, H, S, D]``
   is a pool of ``B`` blocks of ``S`` tokens, block ``b`` holding sequence ``b`` (``LINEAR``).
-* workspace (``NUM_SPLITS > 1``): partial outputs ``[NUM_SPLITS, n_rows, HQ, D]`` and lse ``[NUM_SPLITS,
+* workspace (``num_splits > 1``): partial outputs ``[num_splits, n_rows, HQ, D]`` and lse ``[num_splits,
   n_rows, HQ]`` float32, row index ``row0_b + i`` (linear: ``b * q_len + i``).
 """
 
@@ -94,17 +94,82 @@ def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
     tl.store(ptr + rows[:, None] + dd[None, :], val, mask=ok_m[:, None] & ok_d[None, :])
 
 
+@triton.jit
+def _tile(
+    t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, params, bt_row, b, kvh, j_hi,
+    n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr, SOFTCAP: tl.constexpr,
+    H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
+    S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr,
+    P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, MASK: tl.constexpr,
+):
+    """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi).
+
+    ``MASK=False`` for tiles whose every key every row may see (inside the causal bound of the tile's first row
+    and the window of its last): no score mask. Loads stay masked by the length and the block ids' range, so no
+    input reads outside the pool.
+    """
+    j = t * BLOCK_N + offs_n
+    ok_n = j < j_hi
+    if LINEAR:
+        blk = b.to(tl.int64) + j * 0
+        tok = j
+    else:
+        blk = tl.load(bt_row + j // BS, mask=ok_n, other=0)
+        ok_n = ok_n & (blk >= 0) & (blk < n_blocks)
+        blk = blk.to(tl.int64)
+        tok = j % BS
+    base = blk * S_BLK + tok * S_TOK + kvh * S_HEAD
+    k_lo, k_hi = _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1, QUANT, True)
+    s = tl.dot(q_lo, k_lo.to(qdt), input_precision=PRECISION)
+    s = tl.dot(q_hi, k_hi.to(qdt), acc=s, input_precision=PRECISION)
+    if QUANT >= 2:
+        pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
+        ks = tl.load(params + pbase, mask=ok_n, other=0.0)
+        kz = tl.load(params + pbase + 1, mask=ok_n, other=0.0)
+        s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
+    if SOFTCAP > 0:
+        # softcap * tanh(x) in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
+        s = (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
+    else:
+        s = s * qk_scale
+    if MASK:
+        k_pos = j * cp_size + cp_rank
+        allowed = ok_m[:, None] & ok_n[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    m_i = m_new
+    vbase = base + S_KV
+    v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False)
+    if QUANT >= 2:
+        vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
+        vs = tl.load(params + vp, mask=ok_n, other=0.0)
+        vz = tl.load(params + vp + 1, mask=ok_n, other=0.0)
+        v_lo = v_lo.to(tl.float32) * vs[:, None] + vz[:, None]
+        v_hi = v_hi.to(tl.float32) * vs[:, None] + vz[:, None]
+    pc = p.to(qdt)
+    acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
+    acc_hi = tl.dot(pc, v_hi.to(qdt), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
+    return m_i, l_i, acc_lo, acc_hi
+
+
 @kernel(ints=("s_qt", "s_qh", "s_qb", "s_ot", "s_oh", "s_ob", "s_lt", "s_lh", "s_lb", "bt_stride", "table_width",
-              "n_blocks", "q_len_u", "n_seqs", "n_rows", "cp_rank", "cp_size", "window"))
+              "n_blocks", "q_len_u", "n_seqs", "n_rows", "cp_rank", "cp_size", "window", "num_splits"))
 def _attention_kernel(
     q, out, lse, ws_out, ws_lse, pool, params, kv_scales, sinks, block_tables, cu_q, kv_lens,
     s_qt, s_qh, s_qb, s_ot, s_oh, s_ob, s_lt, s_lh, s_lb, bt_stride, table_width, n_blocks, q_len_u, n_seqs,
-    n_rows, cp_rank, cp_size, window,
+    n_rows, cp_rank, cp_size, window, num_splits,
     SM_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, D: tl.constexpr, H1: tl.constexpr, HALF_P: tl.constexpr,
     HQ: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
     P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr,
-    FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -154,6 +219,8 @@ def _attention_kernel(
     q_hi = q_hi.to(qdt)
     if QUANT >= 2:
         q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
+    else:
+        q_sum = tl.zeros([BLOCK_Q * G_P], tl.float32)  # unused
 
     k_scale = 1.0
     v_scale = 1.0
@@ -178,62 +245,41 @@ def _attention_kernel(
         j_lo = tl.where(z > 0, (z + cp_size - 1) // cp_size, 0)
     t_lo = j_lo // BLOCK_N
     n_t = tl.maximum(tl.cdiv(j_hi, BLOCK_N) - t_lo, 0)
-    per = tl.cdiv(n_t, NUM_SPLITS)
+    per = tl.cdiv(n_t, num_splits)
     t_begin = t_lo + split * per
     t_end = tl.minimum(t_begin + per, t_lo + n_t)
+
+    # tiles every row sees whole (keys inside the first row's causal bound and the last row's window) run
+    # without the score mask: [tf_lo, tf_hi); the tiles before and after it are masked
+    y0 = kv_len - q_len + lt * BLOCK_Q - cp_rank
+    jf_hi = tl.minimum(tl.where(y0 >= 0, y0 // cp_size + 1, 0), j_hi)
+    tf_lo = t_lo
+    if HAS_WINDOW:
+        zf = last_pos - window + 1 - cp_rank
+        tf_lo = tl.cdiv(tl.where(zf > 0, (zf + cp_size - 1) // cp_size, 0), BLOCK_N)
+    tf_hi = tl.maximum(jf_hi // BLOCK_N, tf_lo)
 
     m_i = tl.full([BLOCK_Q * G_P], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_P], tl.float32)
     acc_lo = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
     acc_hi = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for t in range(t_begin, t_end):
-        j = t * BLOCK_N + offs_n
-        ok_n = j < j_hi
-        if LINEAR:
-            blk = b.to(tl.int64) + j * 0
-            tok = j
-        else:
-            blk = tl.load(bt_row + j // BS, mask=ok_n, other=0)
-            ok_n = ok_n & (blk >= 0) & (blk < n_blocks)
-            blk = blk.to(tl.int64)
-            tok = j % BS
-        base = blk * S_BLK + tok * S_TOK + kvh * S_HEAD
-        k_lo, k_hi = _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1, QUANT, True)
-        s = tl.dot(q_lo, k_lo.to(qdt), input_precision=PRECISION)
-        s = tl.dot(q_hi, k_hi.to(qdt), acc=s, input_precision=PRECISION)
-        if QUANT >= 2:
-            pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
-            ks = tl.load(params + pbase, mask=ok_n, other=0.0)
-            kz = tl.load(params + pbase + 1, mask=ok_n, other=0.0)
-            s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
-        if SOFTCAP > 0:
-            # softcap * tanh(x) in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
-            s = (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
-        else:
-            s = s * qk_scale
-        k_pos = j * cp_size + cp_rank
-        allowed = ok_m[:, None] & ok_n[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        vbase = base + S_KV
-        v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False)
-        if QUANT >= 2:
-            vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
-            vs = tl.load(params + vp, mask=ok_n, other=0.0)
-            vz = tl.load(params + vp + 1, mask=ok_n, other=0.0)
-            v_lo = v_lo.to(tl.float32) * vs[:, None] + vz[:, None]
-            v_hi = v_hi.to(tl.float32) * vs[:, None] + vz[:, None]
-        pc = p.to(qdt)
-        acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
-        acc_hi = tl.dot(pc, v_hi.to(qdt), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
+    if HAS_WINDOW:  # without a window, tf_lo == t_lo: nothing before the unmasked tiles
+        for t in range(t_begin, tl.minimum(t_end, tf_lo)):
+            m_i, l_i, acc_lo, acc_hi = _tile(
+                t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, params, bt_row, b, kvh,
+                j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
+                S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True)
+    for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
+        m_i, l_i, acc_lo, acc_hi = _tile(
+            t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, params, bt_row, b, kvh,
+            j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
+            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False)
+    for t in range(tl.maximum(t_begin, tf_hi), t_end):
+        m_i, l_i, acc_lo, acc_hi = _tile(
+            t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, params, bt_row, b, kvh,
+            j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
+            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True)
 
     if HAS_SINKS:
         # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only
@@ -252,7 +298,7 @@ def _attention_kernel(
     o_lo = acc_lo * inv[:, None]
     o_hi = acc_hi * inv[:, None]
     row_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         o_rows = b.to(tl.int64) * s_ob + (row0 + qi).to(tl.int64) * s_ot + hq * s_oh
         _store_rows(out, o_rows, dd, ok_m, ok_lo, o_lo.to(out.dtype.element_ty))
         _store_rows(out + H1, o_rows, dd, ok_m, ok_hi, o_hi.to(out.dtype.element_ty))
@@ -266,10 +312,10 @@ def _attention_kernel(
         tl.store(ws_lse + w_rows, row_lse, mask=ok_m)
 
 
-@kernel(ints=("s_ot", "s_oh", "s_ob", "s_lt", "s_lh", "s_lb", "n_rows", "q_len_u", "n_seqs"))
+@kernel(ints=("s_ot", "s_oh", "s_ob", "s_lt", "s_lh", "s_lb", "n_rows", "q_len_u", "n_seqs", "num_splits"))
 def _combine_kernel(
-    ws_out, ws_lse, out, lse, cu_q, s_ot, s_oh, s_ob, s_lt, s_lh, s_lb, n_rows, q_len_u, n_seqs,
-    D: tl.constexpr, D_P: tl.constexpr, HQ: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+    ws_out, ws_lse, out, lse, cu_q, s_ot, s_oh, s_ob, s_lt, s_lh, s_lb, n_rows, q_len_u, n_seqs, num_splits,
+    D: tl.constexpr, D_P: tl.constexpr, HQ: tl.constexpr, SPLITS_P: tl.constexpr,
     LINEAR: tl.constexpr, HAS_LSE: tl.constexpr,
 ):
     """Merge the splits of one (row, q head) by log-sum-exp into ``out`` (and ``lse``)."""
@@ -285,7 +331,7 @@ def _combine_kernel(
         i = row
     ss = tl.arange(0, SPLITS_P)
     dd = tl.arange(0, D_P)
-    ok_s = ss < NUM_SPLITS
+    ok_s = ss < num_splits
     w = (ss.to(tl.int64) * n_rows + row) * HQ + h
     ls = tl.load(ws_lse + w, mask=ok_s, other=float("-inf"))
     m = tl.max(ls, 0)
