@@ -76,7 +76,7 @@ def linear_attention(
     >>> from kvcache.ops import linear_attention
     >>> cache = kvcache.LinearKVCache(kvcache.CacheConfig(num_layers=1, max_batch_size=2, max_seq_len=32,
     ...                               num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu"))
-    >>> cache.layer(0).normal_()  # stands for keys / values written by the model
+    >>> _ = cache.layer(0).normal_()  # stands for keys / values written by the model
     >>> q = torch.randn(2, 4, 1, 64, dtype=torch.float16)  # one decode row per slot
     >>> o = linear_attention(q, cache.layer(0), torch.tensor([7, 3], dtype=torch.int32))
     >>> o.shape
