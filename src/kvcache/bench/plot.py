@@ -24,17 +24,23 @@ __all__ = ["plot_bench", "bandwidth_bars", "throughput_bars"]
 _ROLE_COLORS = {"kvcache": "#1f77b4", "baseline": "#ff7f0e", "ceiling": "#7f7f7f"}
 
 
-def bandwidth_bars(result: dict[str, Any]) -> tuple[list[tuple[str, float, str]], float | None]:
-    """``([(label, GB/s, role)], copy GB/s or None)`` from a bench result (linear or paged format).
+def bandwidth_bars(result: dict[str, Any]) -> tuple[list[tuple[str, float, str, float | None]], float | None]:
+    """``([(label, GB/s, role, ceiling GB/s or None)], copy GB/s or None)`` from a bench result (linear or paged
+    format). A row's ceiling is the copy bandwidth (linear) or the ``ceiling`` row of the same op and shape
+    (paged).
 
     Examples
     --------
     >>> bandwidth_bars({"copy_gbs": 3000.0, "rows": [{"case": "save", "impl": "kvcache", "extra": {"gbs": 2500.0}}]})
-    ([('save | kvcache', 2500.0, 'kvcache')], 3000.0)
+    ([('save | kvcache', 2500.0, 'kvcache', 3000.0)], 3000.0)
     """
     if not isinstance(result, dict) or not isinstance(result.get("rows"), list):
         raise ValueError("result: expected a bench result with a 'rows' list")
-    bars: list[tuple[str, float, str]] = []
+    copy = result.get("copy_gbs")
+    copy = float(copy) if isinstance(copy, (int, float)) else None
+    ceilings = {(r.get("op"), r.get("shape")): float(r["gbs"]) for r in result["rows"]
+                if isinstance(r, dict) and r.get("role") == "ceiling" and isinstance(r.get("gbs"), (int, float))}
+    bars: list[tuple[str, float, str, float | None]] = []
     for r in result["rows"]:
         if not isinstance(r, dict):
             continue
@@ -46,13 +52,16 @@ def bandwidth_bars(result: dict[str, Any]) -> tuple[list[tuple[str, float, str]]
         if "op" in r:
             label = f"{r['op']} {r.get('shape', '')} | {r.get('impl', '')}"
             role = str(r.get("role", "kvcache"))
+            ceiling = ceilings.get((r.get("op"), r.get("shape")))
         else:
             impl = str(r.get("impl", ""))
             label = f"{r.get('case', '')} | {impl}"
-            role = "baseline" if impl.startswith("torch") else "ceiling" if "copy 2 x" in str(r.get("case")) else "kvcache"
-        bars.append((label, float(gbs), role))
-    copy = result.get("copy_gbs")
-    return bars, float(copy) if isinstance(copy, (int, float)) else None
+            case = str(r.get("case", ""))
+            # the linear suite's first row is the device copy itself: the ceiling; other torch rows are baselines
+            role = "ceiling" if case.startswith("copy ") else "baseline" if impl.startswith("torch") else "kvcache"
+            ceiling = copy
+        bars.append((label, float(gbs), role, ceiling))
+    return bars, copy
 
 
 def throughput_bars(result: dict[str, Any]) -> list[tuple[str, float]]:
@@ -98,6 +107,7 @@ def plot_bench(json_path: str, png_path: str | None = None) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     with open(json_path) as f:
         result = json.load(f)
@@ -120,14 +130,14 @@ def plot_bench(json_path: str, png_path: str | None = None) -> str:
         ax.barh(range(len(bars)), values, color=colors)
         ax.set_yticks(range(len(bars)), labels, fontsize=7)
         ax.set_xlabel("achieved GB/s (bytes read + written per second)")
+        for i, b in enumerate(bars[::-1]):
+            if b[3]:
+                ax.text(b[1], i, f" {100 * b[1] / b[3]:.0f}%", va="center", fontsize=6)
+        handles = [Patch(color=c, label=r) for r, c in _ROLE_COLORS.items() if any(b[2] == r for b in bars)]
         if copy:
-            ax.axvline(copy, color="red", linestyle="--", label=f"device copy {copy:.0f} GB/s")
-            for i, v in enumerate(values):
-                ax.text(v, i, f" {100 * v / copy:.0f}%", va="center", fontsize=6)
-        for role, color in _ROLE_COLORS.items():
-            if any(b[2] == role for b in bars):
-                ax.barh([], [], color=color, label=role)
-        ax.legend(fontsize=7, loc="lower right")
+            handles.append(ax.axvline(copy, color="red", linestyle="--", label=f"device copy {copy:.0f} GB/s"))
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                  title="% = of the copy ceiling", title_fontsize=6)
         ax.set_title(title, fontsize=9)
     if tput:
         ax = axes[ax_i][0]
@@ -138,6 +148,6 @@ def plot_bench(json_path: str, png_path: str | None = None) -> str:
             ax.set_title(title, fontsize=9)
     fig.tight_layout()
     out = png_path or os.path.splitext(json_path)[0] + ".png"
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out
