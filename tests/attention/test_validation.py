@@ -45,7 +45,6 @@ def _setup(device, kv_dtype="auto"):  # type: ignore[no-untyped-def]
         (dict(cp_rank=2, cp_size=2), ValueError, "cp_rank: expected an int <= 1"),
         (dict(num_splits=0), ValueError, "num_splits: expected an int >= 1"),
         (dict(params=torch.zeros(1)), ValueError, "params: expected None"),
-        (dict(kv_scales=torch.ones(2)), ValueError, "kv_scales: expected None"),
     ],
 )
 def test_paged_errors(device, change, exc, match):
@@ -68,6 +67,14 @@ def test_quantized_pools_need_their_parameters(device):
         paged_attention(q, cache.pool(0), **kw)
     with pytest.raises(ValueError, match="kv_scales: expected a contiguous float32 \\[2\\]"):
         paged_attention(q, cache.pool(0), kv_scales=torch.ones(3, device=device), **kw)
+
+
+def test_kv_scales_ignored_for_other_formats(device):
+    """PagedKVCache.kv_scales[layer] can be passed for every format, as to the append: only fp8 reads it."""
+    cache, q, kw = _setup(device, "int8")
+    a = paged_attention(q, cache.pool(0), cache.params(0), **kw)
+    b = paged_attention(q, cache.pool(0), cache.params(0), torch.full((2,), 3.0, device=device), **kw)
+    assert torch.equal(a, b)
 
 
 def test_workspace_too_small(device):

@@ -127,10 +127,8 @@ def check_pool(pool: object, params: object, kv_scales: object, kv_dtype: str, l
                              f"{fmt_shape(params.shape)} strides {tuple(params.stride())}")
     elif params is not None:
         raise ValueError(f"params: expected None for kv_dtype {kv_dtype!r}, got a tensor")
-    if kv_dtype == "fp8":
+    if kv_dtype == "fp8":  # other formats ignore kv_scales (as the append does): PagedKVCache.kv_scales[layer] fits all
         check_kv_scales(kv_scales, dev, required=True)
-    elif kv_scales is not None:
-        raise ValueError(f"kv_scales: expected None for kv_dtype {kv_dtype!r}, got a tensor")
     return nb, bs, h
 
 

@@ -54,7 +54,8 @@ def paged_attention(
     params : torch.Tensor, optional
         ``PagedKVCache.params(layer)``: float32 (scale, zero) per token and head, required for int8 / int4.
     kv_scales : torch.Tensor, optional
-        ``PagedKVCache.kv_scales[layer]``: float32 ``[2]`` = (k_scale, v_scale), required for fp8.
+        ``PagedKVCache.kv_scales[layer]``: float32 ``[2]`` = (k_scale, v_scale), required for fp8, ignored for the
+        other formats.
     kv_dtype, layout : str
         ``"auto" | "fp8" | "int8" | "int4"`` and ``"NHD" | "HND"`` (the byte format of
         :mod:`kvcache.paged.config`).
