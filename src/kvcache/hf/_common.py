@@ -98,8 +98,8 @@ class LayerView(CacheLayerMixin):
     def is_initialized(self, value: bool) -> None:  # set by CacheLayerMixin.__init__; the owner decides
         pass
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._owner._allocate(key_states)
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        self._owner._allocate(key_states)  # one argument before transformers 5.x
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +114,9 @@ class LayerView(CacheLayerMixin):
         return self._owner._layer_len[self._index]
 
     def get_max_length(self) -> int:
+        return self._owner.max_cache_len
+
+    def get_max_cache_shape(self) -> int:  # the name before transformers 5.x
         return self._owner.max_cache_len
 
     def reset(self) -> None:
