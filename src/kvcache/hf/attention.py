@@ -40,14 +40,14 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-def _valid_tokens(mask: torch.Tensor | None, past: int, T: int) -> torch.Tensor | None:
+def _valid_tokens(mask: torch.Tensor | None, B: int, past: int, T: int) -> torch.Tensor | None:
     """bool ``[B, T]``: token ``t`` of row ``b`` is real iff it may attend to itself (its own key at ``past + t``).
     None without a mask (no padding)."""
     if mask is None:
         return None
-    if mask.dim() != 4 or mask.shape[-1] < past + T or mask.shape[-2] != T:
-        raise ValueError(f"attention_mask: expected [B, 1, {T}, >= {past + T}], got {list(mask.shape)}")
-    diag = torch.diagonal(mask[:, 0, :, past : past + T], dim1=-2, dim2=-1)  # [B, T]
+    if mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[-1] < past + T or mask.shape[-2] != T:
+        raise ValueError(f"attention_mask: expected [{B}, 1, {T}, >= {past + T}], got {list(mask.shape)}")
+    diag = torch.diagonal(mask[:, 0, :, past : past + T], dim1=-2, dim2=-1).expand(B, T)
     return diag if diag.dtype == torch.bool else diag == 0  # additive float masks: 0 where allowed
 
 
@@ -110,7 +110,7 @@ def attend(cache: PagedCache, layer: int, query: torch.Tensor, key: torch.Tensor
     """Write the step's real tokens of ``layer`` into ``cache`` and attend (``window``: transformers'
     ``sliding_window``, ``softcap``: logit soft-capping): ``[B, T, Hq, D]``."""
     B, Hq, T, D = query.shape
-    step = cache._step or cache._begin_step(T, _valid_tokens(attention_mask, cache._hf_len, T))
+    step = cache._step or cache._begin_step(T, _valid_tokens(attention_mask, B, cache._hf_len, T))
     cache._write(layer, key, value)
     q = query.transpose(1, 2)  # [B, T, Hq, D]
     q = q.reshape(B * T, Hq, D) if step.valid is None else q[step.valid]
