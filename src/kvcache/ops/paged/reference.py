@@ -17,12 +17,15 @@ def quantize_rows_reference(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, t
     """Asymmetric quantization of the last dim: returns (codes uint8 [..., D], scale f32 [...], zero f32 [...])."""
     x = x.float()
     qmax = float(2**bits - 1)
-    mn = x.amin(dim=-1)
-    mx = x.amax(dim=-1)
+    bad = ~torch.isfinite(x).all(dim=-1)  # a NaN or an infinity: codes 0, scale and zero NaN (reads back NaN)
+    xf = torch.where(bad[..., None], torch.zeros_like(x), x)
+    mn = xf.amin(dim=-1)
+    mx = xf.amax(dim=-1)
     scale = (mx - mn) / qmax
     inv = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(scale))
-    q = torch.round((x - mn[..., None]) * inv[..., None]).clamp(0, qmax)  # round half to even
-    return q.to(torch.uint8), scale, mn
+    q = torch.round((xf - mn[..., None]) * inv[..., None]).clamp(0, qmax)  # round half to even
+    nan = torch.full_like(scale, float("nan"))
+    return q.to(torch.uint8), torch.where(bad, nan, scale), torch.where(bad, nan, mn)
 
 
 def dequantize_rows_reference(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -115,7 +118,8 @@ def append_paged_kv_reference(
             data = x.to(pool.dtype)
         elif kv_dtype == "fp8":
             inv = 1.0 / fp8_scales[kv].float()
-            data = (x.float() * inv).clamp(-_FP8_MAX, _FP8_MAX).to(pool.dtype)
+            y = x.float() * inv  # finite values saturate; NaN and +-inf are stored as NaN (e4m3fn has no infinity)
+            data = torch.where(torch.isfinite(y), y.clamp(-_FP8_MAX, _FP8_MAX), float("nan")).to(pool.dtype)
         else:
             q, scale, zero = quantize_rows_reference(x, KV_FORMAT_TABLE[kv_dtype].bits)
             if kv_dtype == "int4":  # planar nibbles: byte i = q[i] | q[D/2 + i] << 4

@@ -59,7 +59,7 @@ def _write_row(
         # so the wait for the block table) above the per-head division and the codes, which then ran after the
         # block-table load returned instead of overlapping it
         _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2, valid, QUANT, H, HALF, DP,
-                   BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STORE_CM, PAIR_ASM, True)
+                   BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STORE_CM, PAIR_ASM, True, LIBDEVICE)
     elif valid:
         if not EARLY:
             c1, c2, scale, zero = _row_codes(r1, r2, is_v, pos, k, n, stride_kn, inv_freq, freqs, FMAX, fp8_scales,
@@ -67,7 +67,7 @@ def _write_row(
                                              HALF, STRIDE_KH, BLOCK_H, LIBDEVICE, VEC, SELECT, cs_c, cs_s,
                                              CS_GIVEN)
         _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2, valid, QUANT, H, HALF, DP,
-                   BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STORE_CM, PAIR_ASM, False)
+                   BLOCK_SIZE, S_TOK, S_HEAD, P_TOK, P_HEAD, STORE_CM, PAIR_ASM, False, LIBDEVICE)
 
 
 @triton.jit

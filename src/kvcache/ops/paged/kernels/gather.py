@@ -45,11 +45,12 @@ def _read_tile(
             scale, zero = _tile_params(par, tt, hh, hm, P_TOK, P_HEAD, TOK, BLOCK_H)
             x = q * scale + zero
         else:
-            x = _load_dequantized(row, par, dd, lm, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh, D // 2)
+            x = _load_dequantized(row, par, dd, lm, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh, D // 2,
+                                  LIBDEVICE)
         if ROPE:
             partner, j, first, in_rot = _rope_pairs(dd, ROT, INTERLEAVED)
-            xp = _load_dequantized(row, par, partner, lm & in_rot, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh,
-                       D // 2)
+            xp = _load_dequantized(row, par, partner, lm & in_rot, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt,
+                                   hh, D // 2, LIBDEVICE)
             f = tl.load(inv_freq + j, mask=in_rot, other=0.0)
             x = _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE)
         x = tl.where(tvalid, x, 0.0)

@@ -23,8 +23,12 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
     scale = tl.zeros([BLOCK_H, 1], tl.float32)  # unused unless QUANT >= Q_INT8
     zero = scale
     if QUANT == Q_FP8:
-        c1 = tl.minimum(tl.maximum(x1 * inv_fp8, -448.0), 448.0)
-        c2 = tl.minimum(tl.maximum(x2 * inv_fp8, -448.0), 448.0)
+        # finite values saturate at +-448; NaN and +-inf are stored as NaN (e4m3fn has no infinity): visible,
+        # never a finite value (y * 0 is 0 exactly when y is finite)
+        y1 = x1 * inv_fp8
+        y2 = x2 * inv_fp8
+        c1 = tl.where(y1 * 0.0 == 0.0, tl.minimum(tl.maximum(y1, -448.0), 448.0), float("nan"))
+        c2 = tl.where(y2 * 0.0 == 0.0, tl.minimum(tl.maximum(y2, -448.0), 448.0), float("nan"))
         if not LIBDEVICE:
             c1 = _fp8_grid(c1, LIBDEVICE)
             c2 = _fp8_grid(c2, LIBDEVICE)
@@ -41,13 +45,18 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
                     keep_dims=True)
         mx = tl.max(tl.maximum(tl.where(m1, x1, float("-inf")), tl.where(m2, x2, float("-inf"))), axis=1,
                     keep_dims=True)
+        # NaN where the head holds a NaN or an infinity (x * 0 is 0 exactly for finite x), else 0: such a head
+        # stores codes 0 with scale and zero NaN, and reads back as NaN (visible, never a finite value)
+        bad = tl.sum(tl.where(m1, x1 * 0.0, 0.0) + tl.where(m2, x2 * 0.0, 0.0), axis=1, keep_dims=True)
         zero = tl.where(hh < H, mn, 0.0)
         mx = tl.where(hh < H, mx, 0.0)
-        scale = _div(mx - zero, tl.zeros_like(zero) + qmax, LIBDEVICE)  # per head: IEEE, as the reference
+        scale = _div(mx - zero, tl.zeros_like(zero) + qmax, LIBDEVICE) + bad  # per head: IEEE, as the reference
         # scale == 0: every code 0, a constant row round-trips exactly
         inv = tl.where(scale > 0.0, _rcp(tl.where(scale > 0.0, scale, 1.0), LIBDEVICE), 0.0)
-        q1 = _codes((x1 - zero) * inv, LIBDEVICE)  # low byte: the code (bits above it: 2**23's exponent)
-        q2 = _codes((x2 - zero) * inv, LIBDEVICE)
+        fin = scale == scale
+        q1 = _codes(tl.where(fin, (x1 - zero) * inv, 0.0), LIBDEVICE)  # low byte: the code (above: 2**23's exponent)
+        q2 = _codes(tl.where(fin, (x2 - zero) * inv, 0.0), LIBDEVICE)
+        zero = zero + bad
         if QUANT == Q_INT4:  # planar nibbles: byte i = element i | element HALF + i << 4 (q1, q2 < 16 in their low bits)
             c1 = (q1 | (q2 << 4)).to(tl.uint8)
             c2 = c1  # unused
@@ -61,7 +70,7 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
 def _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2, ok, QUANT: tl.constexpr,
                H: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, BLOCK_SIZE: tl.constexpr, S_TOK: tl.constexpr,
                S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, STORE_CM: tl.constexpr,
-               PAIR_ASM: tl.constexpr, MASKED: tl.constexpr):
+               PAIR_ASM: tl.constexpr, MASKED: tl.constexpr, LIBDEVICE: tl.constexpr):
     # Store what _encode returned (or, unquantized, the values to store in any float dtype) as the K (is_v == 0)
     # or V row at (blk, off) of the data pool and of the (scale, zero) pool; m1 / m2: the elements that exist;
     # MASKED: ok (a scalar) masks every store too
@@ -75,9 +84,17 @@ def _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2
         m2 = tl.where(ok, m2, False)
         hm = tl.where(ok, hm, False)
     p1 = dst + hh * S_HEAD + i
-    tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1, cache_modifier=STORE_CM)
-    if QUANT != Q_INT4:
-        tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2, cache_modifier=STORE_CM)
+    if QUANT == Q_FP8 and not LIBDEVICE:
+        # the interpreter converts float32 NaN to 384.0 in fp8: NaN lanes are written as the NaN byte 0x7F
+        b1 = tl.where(c1 == c1, c1.to(tl.float8e4nv).to(tl.uint8, bitcast=True), 0x7F).to(tl.uint8)
+        b2 = tl.where(c2 == c2, c2.to(tl.float8e4nv).to(tl.uint8, bitcast=True), 0x7F).to(tl.uint8)
+        p8 = p1.to(tl.pointer_type(tl.uint8))
+        tl.store(p8, b1, mask=m1)
+        tl.store(p8 + HALF, b2, mask=m2)
+    else:
+        tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1, cache_modifier=STORE_CM)
+        if QUANT != Q_INT4:
+            tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2, cache_modifier=STORE_CM)
     if QUANT >= Q_INT8:  # scale / zero [BLOCK_H, 1]
         if PAIR_ASM:
             _store_pair(par + hh * P_HEAD, scale, zero, hm, STORE_CM)
@@ -106,12 +123,15 @@ def _store_pair(ptr, a, b, mask, STORE_CM: tl.constexpr):
 
 @triton.jit
 def _load_dequantized(row, par, e, mask, fp8_scale, QUANT: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
-          P_TOK: tl.constexpr, P_HEAD: tl.constexpr, tt, hh, HALF: tl.constexpr):
+                      P_TOK: tl.constexpr, P_HEAD: tl.constexpr, tt, hh, HALF: tl.constexpr, LIBDEVICE: tl.constexpr):
     # float32 values of elements e of tokens tt, heads hh of one block's K or V region (dequantized)
     if QUANT == Q_NONE:
         x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32)
     elif QUANT == Q_FP8:
-        x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32) * fp8_scale
+        raw = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0)
+        x = raw.to(tl.float32) * fp8_scale
+        if not LIBDEVICE:  # the interpreter reads the NaN bytes 0x7F / 0xFF as +-480
+            x = tl.where((raw.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), x)
     else:
         if QUANT == Q_INT4:  # planar nibbles: element e < HALF low nibble of byte e, else high nibble of e - HALF
             low = e < HALF
