@@ -90,6 +90,13 @@ def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.con
 
 
 @triton.jit
+def _load_params(params, pbase, ok_n):
+    """(scale, zero) of each token of a tile: one 8-byte load per token, split in registers."""
+    par = tl.load(params + pbase[:, None] + tl.arange(0, 2)[None, :], mask=ok_n[:, None], other=0.0)
+    return tl.split(par)
+
+
+@triton.jit
 def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
     tl.store(ptr + rows[:, None] + dd[None, :], val, mask=ok_m[:, None] & ok_d[None, :])
 
@@ -125,8 +132,7 @@ def _tile(
     s = tl.dot(q_hi, k_hi.to(qdt), acc=s, input_precision=PRECISION)
     if QUANT >= 2:
         pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
-        ks = tl.load(params + pbase, mask=ok_n, other=0.0)
-        kz = tl.load(params + pbase + 1, mask=ok_n, other=0.0)
+        ks, kz = _load_params(params, pbase, ok_n)
         s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
     if SOFTCAP > 0:
         # softcap * tanh(x) in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
@@ -149,8 +155,7 @@ def _tile(
     v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False)
     if QUANT >= 2:
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
-        vs = tl.load(params + vp, mask=ok_n, other=0.0)
-        vz = tl.load(params + vp + 1, mask=ok_n, other=0.0)
+        vs, vz = _load_params(params, vp, ok_n)
         v_lo = v_lo.to(tl.float32) * vs[:, None] + vz[:, None]
         v_hi = v_hi.to(tl.float32) * vs[:, None] + vz[:, None]
     pc = p.to(qdt)
