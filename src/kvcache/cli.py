@@ -115,7 +115,8 @@ def _smoke(device: torch.device) -> list[tuple[str, bool, str]]:
         cache.append(0, k, -k)
         cache.commit(4)
         kc, vc = cache.kv(0)
-        return cache.lengths.tolist() == [5, 7] and torch.equal(kc[0, :, 1:5], k[0]) and torch.equal(vc[1, :, 3:7], -k[1])
+        return (cache.lengths.tolist() == [5, 7] and torch.equal(kc[0, :, 1:5], k[0])
+                and torch.equal(vc[1, :, 3:7], -k[1]))
 
     for name, fn in (
         ("increment_lengths", t_increment),
@@ -199,7 +200,7 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
         out = ops.paged_attention(q, cache.pool(1), kv_dtype="auto", layout="NHD", block_tables=bt, cu_q_lens=cu,
                                   kv_lens=torch.tensor(lens, dtype=torch.int32, device=device))
         ok = True
-        for b, (s, n) in enumerate(((0, lens[0]), (lens[0], lens[1]))):
+        for s, n in ((0, lens[0]), (lens[0], lens[1])):
             qs, ks, vs = (t[s : s + n].transpose(0, 1) for t in (q, k, v))
             ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             ok = ok and torch.allclose(out[s : s + n], ref.transpose(0, 1), atol=1e-4, rtol=1e-4)
@@ -307,7 +308,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"| {'cache':<6} | {'kv_dtype':<16} | {'bytes/token':>12} | {'tokens':>14} | {'sequences':>10} |")
     print(f"|{'-' * 8}|{'-' * 18}|{'-' * 14}|{'-' * 16}|{'-' * 12}|")
     for r in rows:
-        print(f"| {r.cache:<6} | {r.kv_dtype:<16} | {r.bytes_per_token:>12,.0f} | {r.tokens:>14,} | {r.sequences:>10,} |")
+        print(f"| {r.cache:<6} | {r.kv_dtype:<16} | {r.bytes_per_token:>12,.0f} | {r.tokens:>14,} "
+              f"| {r.sequences:>10,} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "memory": memory, "seq_len": args.seq_len, "block_size": args.block_size,

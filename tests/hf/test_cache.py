@@ -37,7 +37,7 @@ def _run(model, cache, steps: int = STEPS, attn: str = "sdpa") -> list[torch.Ten
     g = torch.Generator().manual_seed(2)
     out = []
     with torch.no_grad():
-        for s in range(steps + 1):
+        for _ in range(steps + 1):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
             logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                            use_cache=True).logits

@@ -17,7 +17,7 @@ from .._validate import bits
 from ..config import CacheConfig, KVLayerConfig, ManagerConfig
 from ..linear import LinearKVCache
 from ..manager import KVCacheManager
-from ._common import LINEAR_KV_DTYPES, LayerView, ModelShape, tokens_to_keep, to_storage
+from ._common import LINEAR_KV_DTYPES, LayerView, ModelShape, to_storage, tokens_to_keep
 
 __all__ = ["LinearCache"]
 
@@ -77,7 +77,8 @@ class LinearCache(Cache):
                 raise ValueError(f"{name}: expected an int >= 1, got {value}")
         if isinstance(kv_dtype, str):
             if kv_dtype not in LINEAR_KV_DTYPES:
-                raise ValueError(f"kv_dtype: expected one of {tuple(LINEAR_KV_DTYPES)} or a torch dtype, got {kv_dtype!r}")
+                raise ValueError(
+                    f"kv_dtype: expected one of {tuple(LINEAR_KV_DTYPES)} or a torch dtype, got {kv_dtype!r}")
             store_dtype = LINEAR_KV_DTYPES[kv_dtype]
         elif isinstance(kv_dtype, torch.dtype):
             store_dtype = kv_dtype

@@ -309,7 +309,8 @@ class PagedCache(Cache):
         self._hf_len = keep
 
     def _crop_layer(self, i: int, tokens_to_remove: int) -> None:
-        raise NotImplementedError("PagedCache: crop the whole cache (cache.crop), its block tables are shared by layers")
+        raise NotImplementedError(
+            "PagedCache: crop the whole cache (cache.crop), its block tables are shared by layers")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``b`` continues row ``beam_idx[b]``. Block tables are forked (ref counts), no bytes
