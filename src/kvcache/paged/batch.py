@@ -149,6 +149,49 @@ class PagedBatch:
                 self._seq_lens = (self.kv_lens + (self.cu_q_lens[1:] - self.cu_q_lens[:-1])).to(torch.int32)
         return self._seq_lens
 
+    def unwritable_rows(self, num_rows: int, *, block_size: int, num_blocks: int) -> torch.Tensor:
+        """Rows of an append of ``num_rows`` rows that the kernel would skip although they are meant to be
+        written: a block index past the sequence's block table, a block id outside ``[0, num_blocks)``, or a
+        slot past the pool (padding rows, slot ``-1`` and another context-parallel rank's tokens are not
+        counted). An int64 0-d tensor on the batch's device, from a few torch ops with no host sync: read it
+        when convenient (``int(...)`` syncs).
+
+        Example
+        -------
+        >>> b = PagedBatch.slots(torch.tensor([3, -1, 99]))
+        >>> int(b.unwritable_rows(3, block_size=4, num_blocks=8))  # slot 99 is past the 32-slot pool
+        1
+        """
+        check_int("num_rows", num_rows, 0)
+        check_int("block_size", block_size, 1)
+        check_int("num_blocks", num_blocks, 0)
+        if self.slot_mapping is not None:
+            s = self.slot_mapping.long()
+            return ((s < -1) | (s >= num_blocks * block_size)).sum()
+        cu = self.cu_q_lens.long()  # type: ignore[union-attr]
+        n_seqs = cu.shape[0] - 1
+        if n_seqs == 0 or num_rows == 0:
+            return torch.zeros((), dtype=torch.int64, device=cu.device)
+        rows = torch.arange(num_rows, device=cu.device)
+        b = torch.searchsorted(cu[1:].contiguous(), rows, right=True).clamp(max=n_seqs - 1)  # first end past row
+        q0, q1 = cu[b], cu[b + 1]
+        if self.kv_lens is not None:
+            start = self.kv_lens.long()[b]
+        else:
+            ck = self.cu_k_lens.long()  # type: ignore[union-attr]
+            start = (ck[b + 1] - ck[b]) - (q1 - q0)
+        pos = start + (rows - q0)
+        want = (rows >= q0) & (rows < q1) & (pos >= 0) & (pos % self.cp_size == self.cp_rank)
+        local = pos.clamp(min=0) // self.cp_size
+        width = self.block_tables.shape[1]  # type: ignore[union-attr]
+        bi = local // block_size
+        in_table = bi < width
+        if width == 0:
+            return want.sum()
+        blk = self.block_tables.long()[b, bi.clamp(max=width - 1)]  # type: ignore[union-attr]
+        ok = in_table & (blk >= 0) & (blk < num_blocks)
+        return (want & ~ok).sum()
+
     def append_args(self) -> dict:
         """The keyword arguments :func:`kvcache.ops.append_paged_kv` takes for this batch."""
         return dict(block_tables=self.block_tables, cu_q_lens=self.cu_q_lens, kv_lens=self.kv_lens,

@@ -8,12 +8,13 @@ import torch
 
 from .._backend import _current_device, _current_stream, _hooks_active
 from .._validate import check_int
+from ..config import check_memory
 from ..ops import paged as paged_ops
 from ..ops.paged.launch import default_append_launch
 from ..ops.paged.policy import SPLIT_BELOW
 from ..rope import RopeConfig, RopeKernelParams
 from .batch import PagedBatch, unpack_append_batch, unpack_gather_batch
-from .config import PagedConfig
+from .config import PagedConfig, cache_block_bytes
 from .swap import SwappedBlocks, swap_in, swap_out
 
 __all__ = ["PagedKVCache", "SwappedBlocks"]
@@ -39,18 +40,34 @@ class PagedKVCache:
         Default RoPE applied to keys by :meth:`append` (``rope=`` per call overrides; ``rope=False``
         disables). Its kernel parameters are kept on the device, so appends stay capturable in CUDA graphs
         (except ``"dynamic"`` scaling, whose frequencies depend on the sequence length).
+    debug : bool
+        Every :meth:`append` runs with ``check=True``: lengths, block-table capacity, block ids, slots written
+        twice and fp8 scales are verified on the host (a sync per call) and a bad batch raises ValueError before
+        anything is written. Without it, rows that cannot be written (block index past the table, block id or
+        slot outside the pool) are skipped on the device; :meth:`unwritable_rows` counts them without a sync.
+
+    Example
+    -------
+    >>> cache = PagedKVCache(PagedConfig(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=8,
+    ...                                  dtype=torch.float16, device="cpu"), debug=True)
+    >>> cache.pool(0).shape
+    torch.Size([8, 2, 4, 2, 8])
     """
 
-    def __init__(self, config: PagedConfig, *, rope: RopeConfig | None = None) -> None:
+    def __init__(self, config: PagedConfig, *, rope: RopeConfig | None = None, debug: bool = False) -> None:
         if not isinstance(config, PagedConfig):
             raise TypeError(f"config: expected a PagedConfig, got {type(config).__name__}")
         if rope is not None and not isinstance(rope, RopeConfig):
             raise TypeError(f"rope: expected a RopeConfig, got {type(rope).__name__}")
         if rope is not None and rope.head_dim != config.head_dim:
             raise ValueError(f"rope: expected head_dim {config.head_dim} (the cache's), got {rope.head_dim}")
+        if type(debug) is not bool:
+            raise TypeError(f"debug: expected a bool, got {type(debug).__name__}")
         self._config = config
+        self.debug = debug
         dev = config.device
         L = config.num_layers
+        check_memory(self.nbytes_for(config), dev, "config")
         self.buffer = torch.zeros((L, *config.pool_shape()), dtype=config.storage_dtype, device=dev)
         self.params_buffer = (
             torch.zeros((L, *config.params_shape()), dtype=torch.float32, device=dev) if config.quantized else None
@@ -85,6 +102,19 @@ class PagedKVCache:
         self._plans: dict[tuple, paged_ops.AppendPlan] = {}
         self._launches: dict[tuple, paged_ops.AppendLaunch] = {}  # the policy's launch per kind of call
         self.prepared_launches = 0  # appends launched through a prepared plan (a diagnostic)
+
+    @staticmethod
+    def nbytes_for(config: PagedConfig) -> int:
+        """Bytes a cache of ``config`` allocates (pools of every layer, (scale, zero) included)."""
+        return cache_block_bytes(config.num_layers, config.num_kv_heads, config.head_dim, config.block_size,
+                                 config.dtype, config.kv_dtype) * config.num_blocks
+
+    def unwritable_rows(self, batch: PagedBatch, num_rows: int) -> torch.Tensor:
+        """Rows of an append of ``num_rows`` rows described by ``batch`` that would be skipped although meant to
+        be written (block index past the table, block id or slot outside the pool): an int64 0-d device tensor,
+        no sync. See :meth:`PagedBatch.unwritable_rows`."""
+        return batch.unwritable_rows(num_rows, block_size=self._config.block_size,
+                                     num_blocks=self._config.num_blocks)
 
     # ------------------------------------------------------------------------------------------ views
 
@@ -195,6 +225,7 @@ class PagedKVCache:
         block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size = unpack_append_batch(
             batch, block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size)
         cfg = self._config
+        check = check or self.debug
         # fast paths: the common calls (ragged with kv_lens, or slot mapping; the cache's own RoPE or none), every
         # argument checked in a few expressions (each tensor attribute read costs 0.1-0.3 us: read once, compare
         # ints; devices by index, -1 for the CPU); a prepared launch once the kind of call has been seen

@@ -30,8 +30,10 @@ from .checks import (
     check_index_vector,
     check_kv_rows,
     check_rope,
+    host_check_fp8_scales,
     host_check_ragged,
     host_check_rope_bound,
+    host_check_slots,
     pool_geometry,
 )
 from .launch import append_paged_kv_launch, copy_blocks_launch, gather_paged_kv_launch
@@ -143,9 +145,11 @@ def append_paged_kv(
     dev = pool.device
     cp_rank, cp_size = check_cp(cp_rank, cp_size)
     rope = check_rope(rope, d, dev)
+    fp8_scales = check_fp8_scales(fp8_scales, kv_dtype, dev)
     if check:
         host_check_rope_bound(rope)
-    fp8_scales = check_fp8_scales(fp8_scales, kv_dtype, dev)
+        if fp8_scales is not None:
+            host_check_fp8_scales(fp8_scales)
     if slot_mapping is not None:
         if any(x is not None for x in (block_tables, cu_q_lens, kv_lens, cu_k_lens)):
             raise ValueError("slot_mapping: expected alone, without block_tables / cu_q_lens / kv_lens / cu_k_lens")
@@ -157,10 +161,7 @@ def append_paged_kv(
                 raise ValueError("positions: expected int32/int64 [num_tokens] with rope in slot-mapping mode")
             check_index_vector("positions", positions, n, dev, (torch.int64, torch.int32))
         if check:
-            s = slot_mapping.tolist()
-            bad = [x for x in s if x < -1 or x >= nb * bs]
-            if bad:
-                raise ValueError(f"slot_mapping: expected -1 or slots in [0, {nb * bs}), got {bad[:8]}")
+            host_check_slots(slot_mapping.tolist(), nb, bs)
     else:
         if cu_q_lens is None or block_tables is None or (kv_lens is None) == (cu_k_lens is None):
             raise ValueError("cu_q_lens: expected block_tables, cu_q_lens and exactly one of kv_lens / cu_k_lens "

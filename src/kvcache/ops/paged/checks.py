@@ -174,5 +174,37 @@ def host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp
         bad = [x for x in tables[i][:need] if not 0 <= x < nb]
         if bad:
             raise ValueError(f"block_tables: sequence {i} uses block ids {bad} outside [0, {nb})")
+    # two rows written to one slot (a block shared by sequences that both write into it): which one lands is
+    # up to the device's scheduling, so the debug mode refuses it
+    seen: dict[int, int] = {}
+    for i in range(b):
+        start = totals[i] - (cu[i + 1] - cu[i])
+        for p in range(max(start, 0), totals[i]):
+            if p % cp_size != cp_rank:
+                continue
+            lp = p // cp_size
+            slot = tables[i][lp // bs] * bs + lp % bs
+            if slot in seen:
+                raise ValueError(f"block_tables: sequences {seen[slot]} and {i} both write slot {slot} (block "
+                                 f"{slot // bs}, offset {slot % bs}) in one append")
+            seen[slot] = i
+
+
+def host_check_slots(slots: list[int], nb: int, bs: int) -> None:
+    """Debug checks of a slot mapping: -1 or a slot of the pool, no slot written twice."""
+    bad = [x for x in slots if x < -1 or x >= nb * bs]
+    if bad:
+        raise ValueError(f"slot_mapping: expected -1 or slots in [0, {nb * bs}), got {bad[:8]}")
+    written = [x for x in slots if x >= 0]
+    if len(set(written)) != len(written):
+        dup = sorted({x for x in written if written.count(x) > 1})
+        raise ValueError(f"slot_mapping: expected each slot at most once per append, got {dup[:8]} more than once")
+
+
+def host_check_fp8_scales(fp8_scales: torch.Tensor) -> None:
+    """Debug check of fp8 (k_scale, v_scale): finite and > 0 (a scale of 0 would store NaN / +-448)."""
+    vals = fp8_scales.tolist()
+    if not all(math.isfinite(x) and x > 0 for x in vals):
+        raise ValueError(f"fp8_scales: expected finite scales > 0, got {vals}")
 
 

@@ -77,7 +77,7 @@ def _token_targets(
         ck = cu_k_lens.tolist()
         starts = [(ck[b + 1] - ck[b]) - (cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
     for b in range(len(cu) - 1):
-        for n in range(cu[b], min(cu[b + 1], n_tokens)):
+        for n in range(max(cu[b], 0), min(cu[b + 1], n_tokens)):  # rows are >= 0: no index wraps around
             p = starts[b] + (n - cu[b])
             if p < 0 or p % cp_size != cp_rank:
                 continue
