@@ -25,9 +25,11 @@ def compile_kernel(kern, ptr_types, consts, opts):  # type: ignore[no-untyped-de
     sig = {}
     for i, n in enumerate(names[: len(names) - len(kern._const_names)]):
         sig[n] = "i32" if i in kern._int_pos else ptr_types.get(n, "*fp32")
+    # pointers 16-byte aligned, as the launcher specialises them (torch allocations are)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     sig.update({k: "constexpr" for k in consts})
-    return triton.compile(ASTSource(fn=kern.compiled, signature=sig, constexprs=dict(consts)), target=TARGET,
-                          options=opts)
+    return triton.compile(ASTSource(fn=kern.compiled, signature=sig, constexprs=dict(consts), attrs=attrs),
+                          target=TARGET, options=opts)
 
 
 def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", linear=False, softcap=0.0, warps=4,

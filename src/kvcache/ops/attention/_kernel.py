@@ -215,8 +215,16 @@ def _attention_kernel(
     ok_m = (qi < q_len) & (g < G) & (row0 + qi < n_rows)
     q_pos = kv_len - q_len + qi
     dd = tl.arange(0, HALF_P)
-    ok_lo = dd < H1
-    ok_hi = dd < D - H1
+    # lane masks of the two halves; all-true constants where a half fills its tile (D = 64, 128, 256), so that the
+    # compiler can prove whole 16-byte groups unmasked and vectorize the loads and stores
+    if H1 == HALF_P:
+        ok_lo = tl.full([HALF_P], 1, tl.int1)
+    else:
+        ok_lo = dd < H1
+    if D - H1 == HALF_P:
+        ok_hi = tl.full([HALF_P], 1, tl.int1)
+    else:
+        ok_hi = dd < D - H1
     q_rows = b.to(tl.int64) * s_qb + (row0 + qi).to(tl.int64) * s_qt + hq * s_qh
     q_lo = tl.load(q + q_rows[:, None] + dd[None, :], mask=ok_m[:, None] & ok_lo[None, :], other=0.0)
     q_hi = tl.load(q + q_rows[:, None] + H1 + dd[None, :], mask=ok_m[:, None] & ok_hi[None, :], other=0.0)
