@@ -169,6 +169,39 @@ class SlotCache:
             self._set_mirror(values)
         return list(values)
 
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        *,
+        scale: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of the active sequences' new rows over ``layer`` (no mask tensor): see
+        :func:`kvcache.ops.linear_attention`.
+
+        ``q`` ``[active_batch_size, Hq, q_len, D]``: the new tokens, whose K / V were written first (``append``)
+        and are not yet committed: row ``i`` of sequence ``b`` sits at position ``lengths[b] + i`` and attends
+        to the slot's valid prefix and the new rows up to its own. Returns ``out`` ``[active, Hq, q_len, D]``.
+
+        Example
+        -------
+        >>> cache = LinearKVCache(CacheConfig(1, 2, 16, 2, 8, dtype=torch.float32, device="cpu"))
+        >>> cache.reset_for_new_sequences([0, 0])
+        >>> k = torch.randn(2, 2, 3, 8)
+        >>> cache.append(0, k, k)
+        >>> cache.attention(0, torch.randn(2, 4, 3, 8)).shape
+        torch.Size([2, 4, 3, 8])
+        """
+        i = self._check_layer_index(layer)
+        return ops.linear_attention(q, self._store.layers[i], self.lengths, scale=scale, window=window,
+                                    softcap=softcap, sinks=sinks, kv_scales=kv_scales, out=out, lse=lse)
+
     def _check_layer_index(self, i: int) -> int:
         return check_int("i", i, 0, len(self._store.specs) - 1)
 

@@ -108,3 +108,25 @@ def test_bad_batches_are_refused_before_any_write(device):
     with pytest.raises(ValueError, match="^batch: expected alone"):
         ops.append_paged_kv(k, k, cache.pool(0), batch=batch, cp_size=2)
     assert torch.equal(cache.buffer, before)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+def test_cache_attention_reads_the_batch_as_it_stands_after_the_step(device, kv_dtype):
+    """PagedKVCache.attention(layer, q, batch=) is ops.paged_attention over the layer's pools with the batch's
+    tables and its lengths after the step (seq_lens), bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    cache = _cache(device, kv_dtype)
+    tables = _i32([[3, 9, 1], [12, 5, 0]], device)
+    batch = PagedBatch.ragged(tables, _i32([0, 1, 6], device), _i32([6, 2], device))
+    k = torch.randn(6, 2, 8, generator=gen).to(torch.float16).to(device)
+    q = torch.randn(6, 4, 8, generator=gen).to(torch.float16).to(device)
+    cache.append(1, k, k, batch=batch)
+    lse = torch.empty(6, 4, dtype=torch.float32, device=device)
+    got = cache.attention(1, q, batch=batch, lse=lse)
+    want_lse = torch.empty_like(lse)
+    want = ops.paged_attention(q, cache.pool(1), cache.params(1), cache.kv_scales[1], kv_dtype=kv_dtype,
+                               layout="NHD", block_tables=tables, cu_q_lens=batch.cu_q_lens,
+                               kv_lens=_i32([7, 7], device), lse=want_lse)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    with pytest.raises(TypeError, match="^batch"):
+        cache.attention(1, q, batch=PagedBatch.slots(torch.zeros(6, dtype=torch.int64, device=device)))

@@ -10,6 +10,7 @@ from .._backend import _current_device, _current_stream, _hooks_active
 from .._validate import check_int
 from ..config import check_memory
 from ..ops import paged as paged_ops
+from ..ops.attention import paged_attention as paged_ops_attention
 from ..ops.paged.launch import default_append_launch
 from ..ops.paged.policy import SPLIT_BELOW
 from ..rope import RopeConfig, RopeKernelParams
@@ -365,6 +366,52 @@ class PagedKVCache:
             kv_lens=kv_lens, cu_k_lens=cu_k_lens, k_out=k_out, v_out=v_out, max_len=max_len,
             dtype=self._config.dtype, rope=self._rope_for(rope, rope_seq_len), fp8_scales=self.kv_scales[i],
             cp_rank=cp_rank, cp_size=cp_size,
+        )
+
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        *,
+        batch: PagedBatch,
+        scale: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        max_kv_len: int | None = None,
+        num_splits: int | None = None,
+        workspace: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of the step's query rows over ``layer``'s blocks, read and dequantized in place (no
+        gather): see :func:`kvcache.ops.paged_attention`.
+
+        ``q`` ``[n_tokens, Hq, D]``: rows ordered as the step's ragged ``batch`` (the
+        :class:`~kvcache.paged.PagedBatch` its K / V were appended with, first: the sequences are read as they
+        stand after the step, ``batch.seq_lens`` tokens). Returns ``out`` ``[n_tokens, Hq, D]``; ``lse`` float32
+        ``[n_tokens, Hq]`` is filled when given (context-parallel ranks merge by it).
+
+        Example
+        -------
+        >>> cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4,
+        ...                                  num_blocks=8, dtype=torch.float32, kv_dtype="int8", device="cpu"))
+        >>> batch = PagedBatch.ragged(torch.tensor([[2, 5]], dtype=torch.int32),
+        ...                           torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
+        >>> k = torch.randn(6, 2, 8)
+        >>> cache.append(0, k, k, batch=batch)
+        >>> cache.attention(0, torch.randn(6, 4, 8), batch=batch).shape
+        torch.Size([6, 4, 8])
+        """
+        if not isinstance(batch, PagedBatch) or not batch.is_ragged:
+            raise TypeError(f"batch: expected a ragged PagedBatch, got {type(batch).__name__}")
+        i = self._layer(layer)
+        return paged_ops_attention(
+            q, self._pools[i], self._params[i], self._scales[i], kv_dtype=self._config.kv_dtype,
+            layout=self._config.layout, block_tables=batch.block_tables, cu_q_lens=batch.cu_q_lens,
+            kv_lens=batch.seq_lens, scale=scale, window=window, softcap=softcap, sinks=sinks, out=out, lse=lse,
+            cp_rank=batch.cp_rank, cp_size=batch.cp_size, max_kv_len=max_kv_len, num_splits=num_splits,
+            workspace=workspace,
         )
 
     # ------------------------------------------------------------------------------------------ blocks
