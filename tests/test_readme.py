@@ -35,3 +35,5 @@ def test_readme_paged_quick_start_runs() -> None:
     step = (v[:40].float().amax(-1) - v[:40].float().amin(-1)) / 255
     assert bool((err <= step[..., None] / 2 + 1e-2).all())
     assert bool((values[1, :, 7:] == 0).all())  # padded tail
+    out = namespace["out"]  # the decode step's attention over the blocks, read in place
+    assert out.shape == (2, 32, 128) and bool(torch.isfinite(out).all())
