@@ -39,9 +39,25 @@ def pdl_enabled() -> bool:
     return _PDL_ON
 
 
+_forced_interpreter = 0  # > 0 inside force_interpreter()
+
+
 def interpret_requested() -> bool:
     """True when CPU tensors should run the Triton kernels through Triton's interpreter."""
-    return os.environ.get(INTERPRET_ENV, "0") == "1" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return (_forced_interpreter > 0 or os.environ.get(INTERPRET_ENV, "0") == "1"
+            or os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@contextlib.contextmanager
+def force_interpreter() -> Iterator[None]:
+    """Inside the block, CPU tensors run the Triton kernels through Triton's interpreter, as with
+    ``KVCACHE_TRITON_INTERPRET=1`` (``kvcache info`` smoke-tests both CPU paths with it)."""
+    global _forced_interpreter
+    _forced_interpreter += 1
+    try:
+        yield
+    finally:
+        _forced_interpreter -= 1
 
 
 def use_triton(device: torch.device) -> bool:

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import platform
 import sys
 from collections.abc import Callable
@@ -220,7 +220,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     import triton
 
     from . import __version__
-    from ._backend import INTERPRET_ENV, backend_name
+    from ._backend import backend_name, force_interpreter
 
     print(f"kvcache {__version__} | python {platform.python_version()} | torch {torch.__version__} | "
           f"triton {triton.__version__}")
@@ -237,20 +237,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         runs.append((torch.device("cpu"), "interpreter"))
     for dev, mode in runs:
-        old = os.environ.get(INTERPRET_ENV)
-        if mode == "interpreter":
-            os.environ[INTERPRET_ENV] = "1"
-        try:
+        with force_interpreter() if mode == "interpreter" else contextlib.nullcontext():
             print(f"\nsmoke run on {dev} (backend: {backend_name(dev)})")
             for name, ok, msg in _smoke(dev):
                 failed += not ok
                 print(f"  {'ok  ' if ok else 'FAIL'}  {name}{'  ' + msg if msg else ''}")
-        finally:
-            if mode == "interpreter":
-                if old is None:
-                    os.environ.pop(INTERPRET_ENV, None)
-                else:
-                    os.environ[INTERPRET_ENV] = old
     print(f"\n{'all ops ok' if not failed else f'{failed} op(s) FAILED'}")
     return 1 if failed else 0
 
