@@ -148,3 +148,30 @@ def test_quantized_error_against_fp16(kv_dtype):
     err = (oq.float() - o16.float()).abs()
     print(f"\n{kv_dtype} vs fp16 cache: max abs error {err.max().item():.4f}, mean {err.mean().item():.5f}")
     assert err.max().item() < {"fp8": 0.05, "int8": 0.02, "int4": 0.3}[kv_dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn], ids=["fp16", "bf16", "fp8"])
+@pytest.mark.parametrize("q_len", [1, 64])
+def test_linear_realistic(dtype, q_len):
+    """A LinearKVCache layer (16 slots x 4096, 8 KV heads) against the float32 reference; slot 0 ends at S."""
+    import kvcache
+    from kvcache.ops import linear_attention
+    from kvcache.ops.attention.reference import linear_attention_reference
+
+    cache = kvcache.LinearKVCache(kvcache.CacheConfig(num_layers=1, max_batch_size=16, max_seq_len=4096,
+                                                      num_kv_heads=H, head_dim=D, dtype=dtype, device=DEV))
+    cache.layer(0).copy_(torch.randn(cache.layer(0).shape, device=DEV).to(dtype))
+    qdt = torch.float16 if dtype == torch.float8_e4m3fn else dtype
+    lengths = torch.randint(0, 4096 - q_len, (16,), device=DEV, dtype=torch.int32)
+    lengths[0] = 4096 - q_len
+    q = torch.randn((16, HQ, q_len, D), device=DEV, dtype=qdt)
+    lse = torch.empty((16, HQ, q_len), device=DEV)
+    out = linear_attention(q, cache.layer(0), lengths, lse=lse)
+    ref = torch.empty_like(q, dtype=torch.float32)
+    ref_lse = torch.empty_like(lse)
+    linear_attention_reference(q.float(), cache.layer(0), lengths, None, out=ref, lse=ref_lse, scale=1 / math.sqrt(D),
+                               window=None, softcap=None, sinks=None)
+    torch.cuda.synchronize()
+    flat = (lambda t: t.transpose(1, 2).reshape(-1, HQ, *t.shape[3:]))  # noqa: E731 - [B, Hq, q, ...] -> rows
+    assert_attn_close(flat(out), flat(lse[..., None])[..., 0], flat(ref).double().cpu(),
+                      flat(ref_lse[..., None])[..., 0].double().cpu(), qdt, what=f"linear {dtype}")
