@@ -419,10 +419,12 @@ def test_hash_extra_keys():
 def test_hash_is_stable_across_processes_and_needs_no_torch():
     """The allocator module loads without torch, and hashes do not depend on PYTHONHASHSEED."""
     code = (
-        "import importlib.util, sys\n"
+        "import importlib.util, sys, types\n"
         "sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
-        f"spec = importlib.util.spec_from_file_location('alloc', {str(ALLOCATOR_PY)!r})\n"
-        "m = sys.modules['alloc'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        # the allocator and its block_hash module as a bare package: kvcache/paged/__init__.py imports torch
+        f"pkg = sys.modules['alloc'] = types.ModuleType('alloc'); pkg.__path__ = [{str(ALLOCATOR_PY.parent)!r}]\n"
+        f"spec = importlib.util.spec_from_file_location('alloc.allocator', {str(ALLOCATOR_PY)!r})\n"
+        "m = sys.modules['alloc.allocator'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
         "a = m.BlockAllocator(4, 2)\n"
         "print(a.hash_blocks([5, 6, 7, 8, 9], extra_keys=('lora', 3, 'salt')))\n"
     )
@@ -435,9 +437,9 @@ def test_hash_is_stable_across_processes_and_needs_no_torch():
 
 
 def test_allocator_module_imports_no_torch():
-    spec = importlib.util.spec_from_file_location("alloc_src", ALLOCATOR_PY)
-    source = spec.loader.get_source("alloc_src")
-    assert "import torch" not in source and "from torch" not in source
+    for path in (ALLOCATOR_PY, ALLOCATOR_PY.parent / "block_hash.py"):
+        source = path.read_text()
+        assert "import torch" not in source and "from torch" not in source
 
 
 @pytest.mark.parametrize(
