@@ -233,6 +233,7 @@ def test_speculative_lookup_with_cu_k_lens_and_context_parallel(device, monkeypa
         pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("mode", ["ragged", "slots"])
 def test_speculation_sees_index_tensors_written_late(device, mode, kv_dtype):
     """Without the promise, the decode append reads the index tensors before the wait speculatively. A PDL
