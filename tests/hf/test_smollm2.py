@@ -59,13 +59,19 @@ def test_chat_answer(smollm2):
 BOUNDS = {"fp8": 5.0, "int8": 1.5, "int4": 16.0}
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4"])
-def test_quantized_paged_within_bound(smollm2, kv_dtype):
-    model = smollm2.model
+@pytest.fixture(scope="module")
+def two_prompts(smollm2):
     inputs = smollm2.batch(QUESTIONS[:2])
+    return inputs, greedy(smollm2.model, inputs, DynamicCache(config=smollm2.model.config), 8, "sdpa")
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4"])
+def test_quantized_paged_within_bound(smollm2, two_prompts, kv_dtype):
+    model = smollm2.model
+    inputs, ref = two_prompts
     B, T = inputs["input_ids"].shape
     a = compare(model, inputs, lambda: PagedCache(model.config, max_batch_size=B, max_cache_len=T + 8,
-                                                  kv_dtype=kv_dtype), 8)
+                                                  kv_dtype=kv_dtype), 8, reference=ref)
     model.set_attn_implementation("sdpa")
     assert a.max_logit_err <= BOUNDS[kv_dtype], a
     assert a.max_logit_err > 0  # the quantized path really ran
