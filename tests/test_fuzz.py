@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kvcache import PagedConfig, PagedKVCache, ops
+from kvcache._validate import bits as _bits
 
 HAS_CUDA = torch.cuda.is_available()
 _N = int(os.environ.get("KVCACHE_FUZZ_EXAMPLES", "0"))
@@ -86,11 +87,8 @@ def _to_cpu(x):  # type: ignore[no-untyped-def]
     return x
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(_BITS[t.element_size()])
+    return _bits(t.contiguous())
 
 
 # (mantissa bits, smallest normal exponent) of the formats whose interpreter conversions may be one step off

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from kvcache._validate import bits
+
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16}
 _INT_RANGE = {torch.uint8: (0, 256), torch.int16: (-(2**15), 2**15)}
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The same memory viewed as the integer dtype of the same width (bit-exact comparisons)."""
-    return t.view(_INT_OF_WIDTH[t.element_size()])
 
 
 def beq(a: torch.Tensor, b: torch.Tensor) -> bool:
