@@ -121,7 +121,7 @@ def launch_attention(
         P_HEAD=p_strides[3], QUANT=quant, FP8_SCALED=kv_scales is not None and quant == 1, LINEAR=linear,
         LOG_B=max(1, math.ceil(math.log2(max(n_seqs, 1))) + 1), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else "tf32", DOT_F32=dot_f32,
+        PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if splits > 1:
