@@ -112,8 +112,9 @@ def attend(cache: PagedCache, layer: int, query: torch.Tensor, key: torch.Tensor
     B, Hq, T, D = query.shape
     step = cache._step or cache._begin_step(T, _valid_tokens(attention_mask, B, cache._hf_len, T))
     cache._write(layer, key, value)
-    q = query.transpose(1, 2)  # [B, T, Hq, D]
-    q = q.reshape(B * T, Hq, D) if step.valid is None else q[step.valid]
+    q = query.transpose(1, 2).reshape(B * T, Hq, D)
+    if step.rows is not None:
+        q = q.index_select(0, step.rows)
     scale = scaling if scaling is not None else D**-0.5
     paged = cache.paged
     o = ops.paged_attention(
@@ -122,8 +123,8 @@ def attend(cache: PagedCache, layer: int, query: torch.Tensor, key: torch.Tensor
         kv_dtype=cache.kv_dtype, layout=cache.layout, block_tables=step.block_tables,
         cu_q_lens=step.cu_q_lens, kv_lens=step.kv_after, scale=scale, window=window, softcap=softcap)
     cache._finish_layer()
-    if step.valid is None:
+    if step.rows is None:
         return o.view(B, T, Hq, D)
-    out = o.new_zeros((B, T, Hq, D))
-    out[step.valid] = o
-    return out
+    out = o.new_zeros((B * T, Hq, D))
+    out.index_copy_(0, step.rows, o)
+    return out.view(B, T, Hq, D)

@@ -33,12 +33,14 @@ ATTN_IMPLEMENTATION = "kvcache_paged"
 
 @dataclasses.dataclass(slots=True)
 class Step:
-    """One forward's writes, shared by every layer: where each row's new tokens go and which rows of the
-    ``[B, T]`` chunk are real tokens (``valid``: None when all are)."""
+    """One forward's writes, shared by every layer: where each row's new tokens go and which tokens of the
+    ``[B, T]`` chunk are real (``rows``; None when all are). Built once per forward on the host, so no layer
+    syncs with the device."""
 
     counts: list[int]  # real tokens per row in this chunk
     before: list[int]  # tokens each row's blocks held before the chunk
-    valid: torch.Tensor | None  # bool [B, T] on the device
+    max_after: int  # longest row after the chunk
+    rows: torch.Tensor | None  # int64 [n]: the real tokens' indices in the flattened [B * T] chunk (None: all)
     block_tables: torch.Tensor  # int32 [B, max_blocks]
     cu_q_lens: torch.Tensor  # int32 [B + 1]
     kv_lens: torch.Tensor  # int32 [B]: before the chunk
@@ -189,7 +191,7 @@ class PagedCache(Cache):
         self._write(i, key_states, value_states)
         self._layer_len[i] += T
         paged: PagedKVCache = self.paged  # type: ignore[assignment]
-        k, v = paged.gather(i, step.block_tables, kv_lens=step.kv_after, max_len=max(step.kv_after.tolist()))
+        k, v = paged.gather(i, step.block_tables, kv_lens=step.kv_after, max_len=step.max_after)
         self._finish_layer()
         return k, v
 
@@ -233,8 +235,9 @@ class PagedCache(Cache):
         for c in counts:
             cu.append(cu[-1] + c)
         after = [n + c for n, c in zip(before, counts)]
+        rows = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)
         self._step = Step(
-            counts=counts, before=before, valid=valid, block_tables=tables.to(dev),
+            counts=counts, before=before, max_after=max(after, default=0), rows=rows, block_tables=tables.to(dev),
             cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
             kv_lens=torch.tensor(before, dtype=torch.int32, device=dev),
             kv_after=torch.tensor(after, dtype=torch.int32, device=dev),
@@ -245,10 +248,9 @@ class PagedCache(Cache):
         """Append this step's real tokens of layer ``i`` (``[B, H, T, D]``) into the blocks."""
         step: Step = self._step  # type: ignore[assignment]
         k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [B, T, H, D]
-        if step.valid is None:
-            k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
-        else:
-            k, v = k[step.valid], v[step.valid]
+        k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])  # [B * T, H, D]
+        if step.rows is not None:
+            k, v = k.index_select(0, step.rows), v.index_select(0, step.rows)
         paged: PagedKVCache = self.paged  # type: ignore[assignment]
         paged.append(i, k, v, block_tables=step.block_tables, cu_q_lens=step.cu_q_lens, kv_lens=step.kv_lens)
 
