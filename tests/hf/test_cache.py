@@ -249,3 +249,16 @@ def test_attention_function_without_kvcache_equals_sdpa(tiny):
     q = torch.randn(1, 4, 3, 8)
     with pytest.raises(ValueError, match="dropout"):
         kvcache_paged_attention(torch.nn.Module(), q, q[:, :2], q[:, :2], None, dropout=0.1)
+
+
+def test_linear_cache_with_per_layer_shapes_uses_the_manager(tiny):
+    cache = LinearCache(tiny.config, max_batch_size=2, max_cache_len=8, layers=[(2, 16), (1, 8), (2, 16)],
+                        kv_dtype="bf16")
+    ks = [torch.randn(2, h, 3, d) for h, d in ((2, 16), (1, 8), (2, 16))]
+    outs = [cache.update(k, -k, i) for i, k in enumerate(ks)]
+    assert type(cache.store).__name__ == "KVCacheManager" and cache.store.lengths.tolist() == [3, 3]
+    for k, (kk, vv) in zip(ks, outs):
+        assert kk.dtype == torch.float32 and kk.shape == k.shape  # converted back to the model's dtype
+        assert torch.equal(kk, k.to(torch.bfloat16).float()) and torch.equal(vv, (-k).to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="layers"):
+        LinearCache(tiny.config, max_batch_size=2, max_cache_len=8, layers=[(2, 16)])
