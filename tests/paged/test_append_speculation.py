@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kvcache._backend import use_triton
+from kvcache.ops.paged import append_paged_kv
 from kvcache.ops.paged.kernels import append as append_kernel_module
 from kvcache.ops.paged.kernels.lookup import _spec_same
 from kvcache.rope import RopeConfig
@@ -282,18 +283,26 @@ def test_speculation_sees_index_tensors_written_late(device, mode, kv_dtype):
     grid = (1,)
     t = fresh_targets[0]
 
-    def run(ready: bool, cache=None):  # type: ignore[no-untyped-def]
+    params = rope.kernel_params(device=device)  # built once: covered by the promise
+
+    def run(ready: bool, cache=None, op: bool = False):  # type: ignore[no-untyped-def]
+        """The late writer, then the append (PagedKVCache.append, or with ``op`` the public append_paged_kv)
+        into ``cache`` (refilled with sentinels), or a new sentinel cache."""
         if cache is None:
             cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                       kv_dtype=kv_dtype, rope=rope)
         else:
-            for buf in (cache.buffer, cache.params_buffer):
-                if buf is not None:
-                    pr.fill_sentinel(buf)
+            for pools in (cache.buffer, cache.params_buffer):
+                if pools is not None:
+                    pr.fill_sentinel(pools)
         buf.copy_(stale)
         torch.cuda.synchronize()
         writer[grid](fresh, buf, fresh.numel(), SPIN=500000, BLOCK=32, launch_pdl=True)
-        cache.append(0, k, v, metadata_ready=ready, **args)
+        if op:
+            append_paged_kv(k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, rope=params,
+                            fp8_scales=cache.kv_scales[0], metadata_ready=ready, **args)
+        else:
+            cache.append(0, k, v, metadata_ready=ready, **args)
         torch.cuda.synchronize()
         assert torch.equal(buf, fresh), "the writer did not run"
         return cache
@@ -301,21 +310,27 @@ def test_speculation_sees_index_tensors_written_late(device, mode, kv_dtype):
     args = index()
     for ready in (False, True):  # warm-up: compile, and prepare the cache's launches (a compile between the two
         # launches would let the writer finish first)
-        run(ready)
-        run(ready)
+        for op in (False, True):
+            run(ready, op=op)
+            run(ready, op=op)
     # control: trusting its early read, the promised append stores the rows where the stale values say (else
-    # this test could not tell). On a GPU shared with other processes (the suite's workers) a time slice may let
-    # the writer finish first: the control is tried up to 5 times
-    for _ in range(5):
-        control = run(True)
-        if pr.is_all_sentinel(control.pool(0)[t.block, :, t.offset]):
-            break
-    else:
-        pytest.fail("the index tensors were never written after the append read them, in 5 tries: no race to test")
+    # this test could not tell), through the cache and through the public op (which passes the promise on).
+    # On a GPU shared with other processes (the suite's workers) a time slice may let the writer finish first:
+    # each control is tried up to 5 times
+    for op in (False, True):
+        for _ in range(5):
+            control = run(True, op=op)
+            if pr.is_all_sentinel(control.pool(0)[t.block, :, t.offset]):
+                break
+        else:
+            pytest.fail(f"the index tensors were never written after the append {'op' if op else 'cache'} read "
+                        "them, in 5 tries: no race to test")
     # speculation reads them early too, checks them after the wait and stores the rows where the new values say
-    for _ in range(3):
-        cache = run(False)
-        pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
+    for op in (False, True):
+        for _ in range(3):
+            cache = run(False, op=op)
+            pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope,
+                                     what="op" if op else "cache")
     # the cache's prepared launches are kept apart by metadata_ready: a promise made by earlier calls (whose
     # launch the cache has prepared) does not carry over to a call without it
     shared = run(True)
