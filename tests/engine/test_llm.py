@@ -117,10 +117,13 @@ def test_int8_and_int4_caches_run_close_to_hf(smollm, conversations, prompt_ids,
         outs = llm.generate(conversations, GREEDY)
         assert llm.stats.kv_dtype == kv_dtype
         assert llm.cache.config.kv_dtype == kv_dtype
-        first = [o.token_ids[:4] == hf_greedy(p, NEW_TOKENS)[:4] for o, p in zip(outs, prompt_ids)]
-        if kv_dtype == "int8":  # int8 keys within scale / 2: the first tokens agree
-            assert all(first), first
-        assert all(len(o.token_ids) >= 1 for o in outs)
+        refs = [hf_greedy(p, NEW_TOKENS) for p in prompt_ids]
+        if kv_dtype == "int8":  # int8 K / V within scale / 2 of the float32 values: the first tokens agree
+            assert all(o.token_ids[:4] == r[:4] for o, r in zip(outs, refs)), [o.token_ids for o in outs]
+        else:  # int4 (16 levels per row) drifts sooner (first tokens: 15/16 agree on the demo's prompts, 2/4 here);
+            # a broken int4 path (garbage K / V) agrees on none
+            agree = [o.token_ids[:1] == r[:1] for o, r in zip(outs, refs)]
+            assert sum(agree) >= len(agree) // 2, agree
 
 
 def test_seeded_sampling_is_reproducible(smollm, conversations):
