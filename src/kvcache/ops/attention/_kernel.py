@@ -90,9 +90,9 @@ def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.con
 
 
 @triton.jit
-def _load_params(params, pbase, ok_n):
+def _load_params(qparams, pbase, ok_n):
     """(scale, zero) of each token of a tile: one 8-byte load per token, split in registers."""
-    par = tl.load(params + pbase[:, None] + tl.arange(0, 2)[None, :], mask=ok_n[:, None], other=0.0)
+    par = tl.load(qparams + pbase[:, None] + tl.arange(0, 2)[None, :], mask=ok_n[:, None], other=0.0)
     return tl.split(par)
 
 
@@ -103,7 +103,7 @@ def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
 
 @triton.jit
 def _tile(
-    t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, params, bt_row, b, kvh, j_hi,
+    t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh, j_hi,
     n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr, SOFTCAP: tl.constexpr,
     H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr,
@@ -132,7 +132,7 @@ def _tile(
     s = tl.dot(q_hi, k_hi.to(qdt), acc=s, input_precision=PRECISION)
     if QUANT >= 2:
         pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
-        ks, kz = _load_params(params, pbase, ok_n)
+        ks, kz = _load_params(qparams, pbase, ok_n)
         s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
     if SOFTCAP > 0:
         # softcap * tanh(x) in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
@@ -155,7 +155,7 @@ def _tile(
     v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False)
     if QUANT >= 2:
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
-        vs, vz = _load_params(params, vp, ok_n)
+        vs, vz = _load_params(qparams, vp, ok_n)
         v_lo = v_lo.to(tl.float32) * vs[:, None] + vz[:, None]
         v_hi = v_hi.to(tl.float32) * vs[:, None] + vz[:, None]
     pc = p.to(qdt)
@@ -167,7 +167,8 @@ def _tile(
 @kernel(ints=("s_qt", "s_qh", "s_qb", "s_ot", "s_oh", "s_ob", "s_lt", "s_lh", "s_lb", "bt_stride", "table_width",
               "n_blocks", "q_len_u", "n_seqs", "n_rows", "cp_rank", "cp_size", "window", "num_splits"))
 def _attention_kernel(
-    q, out, lse, ws_out, ws_lse, pool, params, kv_scales, sinks, block_tables, cu_q, kv_lens,
+    # qparams, not `params`: triton 3.6's argument binder has a local of that name
+    q, out, lse, ws_out, ws_lse, pool, qparams, kv_scales, sinks, block_tables, cu_q, kv_lens,
     s_qt, s_qh, s_qb, s_ot, s_oh, s_ob, s_lt, s_lh, s_lb, bt_stride, table_width, n_blocks, q_len_u, n_seqs,
     n_rows, cp_rank, cp_size, window, num_splits,
     SM_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, D: tl.constexpr, H1: tl.constexpr, HALF_P: tl.constexpr,
@@ -280,17 +281,17 @@ def _attention_kernel(
     if HAS_WINDOW:  # without a window, tf_lo == t_lo: nothing before the unmasked tiles
         for t in range(t_begin, tl.minimum(t_end, tf_lo)):
             m_i, l_i, acc_lo, acc_hi = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, params, bt_row, b, kvh,
+                t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh,
                 j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
                 S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True)
     for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
         m_i, l_i, acc_lo, acc_hi = _tile(
-            t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, params, bt_row, b, kvh,
+            t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh,
             j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
             S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False)
     for t in range(tl.maximum(t_begin, tf_hi), t_end):
         m_i, l_i, acc_lo, acc_hi = _tile(
-            t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, params, bt_row, b, kvh,
+            t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh,
             j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
             S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True)
 
