@@ -129,3 +129,27 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= ``n`` (``n >= 1``)."""
     return 1 << (n - 1).bit_length()
+
+
+def check_tensor_arg(name: str, t: object, *, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device,
+                     ref: str) -> torch.Tensor:
+    """``t`` as a tensor of one of ``dtypes`` with ``ndim`` dims on ``device`` (the device of the argument
+    ``ref``); TypeError / ValueError naming ``name``, the expected and the actual value otherwise."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d tensor, got shape {fmt_shape(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of {ref}), got {t.device}")
+    return t
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of the strings ``choices``; TypeError / ValueError naming ``name`` otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected one of {choices}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+    return value

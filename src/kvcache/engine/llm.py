@@ -120,7 +120,9 @@ class LLM:
     layout : str
         Paged pool layout, ``"NHD"`` or ``"HND"``.
     cuda_graphs : bool, optional
-        Capture decode steps in CUDA graphs (default: on with CUDA when in-place paged attention exists).
+        Run pure decode steps as CUDA graphs, captured per batch-size bucket (default: on with CUDA; needs
+        ``kvcache.ops.paged_attention``). ``True`` on the CPU runs them through the same static, padded
+        buffers without capture (checks the graph path's batch layout without a GPU).
 
     Example
     -------

@@ -98,7 +98,8 @@ class PagedRunner:
     scratch_block : int
         A block id no request ever holds: padded rows of CUDA graphs write and read it.
     cuda_graphs : bool
-        Capture decode steps (CUDA and ``kvcache.ops.paged_attention`` required; else ignored).
+        Run decode steps as CUDA graphs (``kvcache.ops.paged_attention`` required; else ignored). On the CPU:
+        the same static, padded buffers without capture (a check of the graph path's batch layout).
     max_graph_batch : int
         Largest decode batch run as a graph.
     """
@@ -111,7 +112,9 @@ class PagedRunner:
         self.device = cache.device
         self.scratch_block = scratch_block
         self.in_place = has_paged_attention()
-        self.use_graphs = bool(cuda_graphs) and self.device.type == "cuda" and self.in_place
+        # on the CPU, cuda_graphs=True runs decode steps through the same static, padded buffers uncaptured: the
+        # graph path's batch layout (buckets, scratch-block padding) is then checked without a GPU
+        self.use_graphs = bool(cuda_graphs) and self.in_place
         model.rope_tables(max_model_len + 1)
         self.max_graph_batch = max_graph_batch
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -226,7 +229,9 @@ class PagedRunner:
         st["before"][:bs].copy_(torch.tensor(before, dtype=torch.int32), non_blocking=True)
         st["after"][:bs].copy_(torch.tensor(after, dtype=torch.int32), non_blocking=True)
         graph = self._graphs.get(bs)
-        if graph is None:
+        if self.device.type != "cuda":
+            logits = self._forward_static(bs)
+        elif graph is None:
             logits = self._capture(bs)
         else:
             graph[0].replay()

@@ -9,8 +9,8 @@ import torch
 from .._backend import _current_device, _current_stream, _hooks_active
 from .._validate import check_int
 from ..config import check_memory
+from ..ops import attention as attention_ops
 from ..ops import paged as paged_ops
-from ..ops.attention import paged_attention as paged_ops_attention
 from ..ops.paged.launch import default_append_launch
 from ..ops.paged.policy import SPLIT_BELOW
 from ..rope import RopeConfig, RopeKernelParams
@@ -406,7 +406,7 @@ class PagedKVCache:
         if not isinstance(batch, PagedBatch) or not batch.is_ragged:
             raise TypeError(f"batch: expected a ragged PagedBatch, got {type(batch).__name__}")
         i = self._layer(layer)
-        return paged_ops_attention(
+        return attention_ops.paged_attention(
             q, self._pools[i], self._params[i], self._scales[i], kv_dtype=self._config.kv_dtype,
             layout=self._config.layout, block_tables=batch.block_tables, cu_q_lens=batch.cu_q_lens,
             kv_lens=batch.seq_lens, scale=scale, window=window, softcap=softcap, sinks=sinks, out=out, lse=lse,

@@ -42,19 +42,11 @@ import dataclasses
 
 import torch
 
-from .._validate import MODEL_DTYPES, check_dtype_in, check_int
+from .._validate import MODEL_DTYPES, check_choice, check_dtype_in, check_int
 from ..config import resolve_device
 from .format import KV_FORMATS, LAYOUTS, kv_format
 
 __all__ = ["PagedConfig", "cache_block_bytes", "KV_FORMATS", "LAYOUTS"]
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name}: expected one of {choices}, got {type(value).__name__}")
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-    return value
 
 
 def cache_block_bytes(
@@ -81,7 +73,7 @@ def cache_block_bytes(
     check_int("head_dim", head_dim, 1)
     check_int("block_size", block_size, 1)
     check_dtype_in("dtype", dtype, MODEL_DTYPES)
-    _check_choice("kv_dtype", kv_dtype, KV_FORMATS)
+    check_choice("kv_dtype", kv_dtype, KV_FORMATS)
     if kv_dtype == "int4" and head_dim % 2:
         raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {head_dim}")
     fmt = kv_format(kv_dtype)
@@ -130,8 +122,8 @@ class PagedConfig:
         check_int("block_size", self.block_size, 1)
         check_int("num_blocks", self.num_blocks, 1)
         check_dtype_in("dtype", self.dtype, MODEL_DTYPES)
-        _check_choice("kv_dtype", self.kv_dtype, KV_FORMATS)
-        _check_choice("layout", self.layout, LAYOUTS)
+        check_choice("kv_dtype", self.kv_dtype, KV_FORMATS)
+        check_choice("layout", self.layout, LAYOUTS)
         if self.kv_dtype == "int4" and self.head_dim % 2:
             raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {self.head_dim}")
         object.__setattr__(self, "device", resolve_device(self.device))

@@ -8,33 +8,10 @@ import math
 
 import torch
 
-from ..._validate import check_int, fmt_shape
+from ..._validate import check_choice, check_int, check_tensor_arg, fmt_shape
+from ...paged.format import LAYOUTS, kv_format
 
-KV_FORMATS = ("auto", "fp8", "int8", "int4")
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_STORED = {"fp8": (torch.float8_e4m3fn,), "int8": (torch.uint8,), "int4": (torch.uint8,)}
-
-
-def need(name: str, t: object, *, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device,
-         ref: str) -> torch.Tensor:
-    """``t`` as a tensor of one of ``dtypes``, ``ndim`` dims, on ``device`` (the device of ``ref``)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-d tensor, got shape {fmt_shape(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device} (the device of {ref}), got {t.device}")
-    return t
-
-
-def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name}: expected one of {choices}, got {type(value).__name__}")
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-    return value
 
 
 def check_options(scale: object, window: object, softcap: object, sinks: object, hq: int, d: int,
@@ -55,7 +32,7 @@ def check_options(scale: object, window: object, softcap: object, sinks: object,
             raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
         softcap = float(softcap)
     if sinks is not None:
-        need("sinks", sinks, dtypes=(torch.float32,), ndim=1, device=device, ref="q")
+        check_tensor_arg("sinks", sinks, dtypes=(torch.float32,), ndim=1, device=device, ref="q")
         if sinks.shape[0] != hq or (hq > 1 and sinks.stride(0) != 1):
             raise ValueError(f"sinks: expected a contiguous float32 [{hq}] (one logit per q head), got "
                              f"{fmt_shape(sinks.shape)} strides {tuple(sinks.stride())}")
@@ -76,7 +53,7 @@ def check_q(q: object, ndim: int, what: str) -> torch.Tensor:
 
 def check_out(out: object, q: torch.Tensor, name: str = "out") -> torch.Tensor:
     """``out``: q's shape, dtype and device, head_dim contiguous (other strides free)."""
-    need(name, out, dtypes=(q.dtype,), ndim=q.dim(), device=q.device, ref="q")
+    check_tensor_arg(name, out, dtypes=(q.dtype,), ndim=q.dim(), device=q.device, ref="q")
     if tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"{name}: expected shape {fmt_shape(q.shape)} (as q), got {fmt_shape(out.shape)}")
     if out.stride(-1) != 1 and out.shape[-1] > 1:
@@ -85,7 +62,7 @@ def check_out(out: object, q: torch.Tensor, name: str = "out") -> torch.Tensor:
 
 
 def check_lse(lse: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    need("lse", lse, dtypes=(torch.float32,), ndim=len(shape), device=device, ref="q")
+    check_tensor_arg("lse", lse, dtypes=(torch.float32,), ndim=len(shape), device=device, ref="q")
     if tuple(lse.shape) != tuple(shape):
         raise ValueError(f"lse: expected shape {fmt_shape(shape)}, got {fmt_shape(lse.shape)}")
     return lse
@@ -100,11 +77,11 @@ def check_gqa(hq: int, h: int) -> int:
 def check_pool(pool: object, params: object, kv_scales: object, kv_dtype: str, layout: str,
                q: torch.Tensor) -> tuple[int, int, int]:
     """Validate one layer's paged pool against q; returns (num_blocks, block_size, num_kv_heads)."""
-    check_choice("kv_dtype", kv_dtype, KV_FORMATS)
-    check_choice("layout", layout, ("NHD", "HND"))
+    fmt = kv_format(kv_dtype)
+    check_choice("layout", layout, LAYOUTS)
     dev = q.device
-    stored = _STORED.get(kv_dtype, (q.dtype,))
-    need("pool", pool, dtypes=stored, ndim=5, device=dev, ref="q")
+    stored = (q.dtype,) if fmt.storage is None else (fmt.storage,)
+    check_tensor_arg("pool", pool, dtypes=stored, ndim=5, device=dev, ref="q")
     want = "[num_blocks, 2, block_size, H, R]" if layout == "NHD" else "[num_blocks, 2, H, block_size, R]"
     if pool.shape[1] != 2:
         raise ValueError(f"pool: expected shape {want} ({layout}), got {fmt_shape(pool.shape)}")
@@ -120,7 +97,7 @@ def check_pool(pool: object, params: object, kv_scales: object, kv_dtype: str, l
     if kv_dtype in ("int8", "int4"):
         if params is None:
             raise ValueError(f"params: expected the float32 (scale, zero) pool for kv_dtype {kv_dtype!r}, got None")
-        need("params", params, dtypes=(torch.float32,), ndim=5, device=dev, ref="q")
+        check_tensor_arg("params", params, dtypes=(torch.float32,), ndim=5, device=dev, ref="q")
         pshape = (nb, 2, bs, h, 2) if layout == "NHD" else (nb, 2, h, bs, 2)
         if tuple(params.shape) != pshape or not params.is_contiguous():
             raise ValueError(f"params: expected a contiguous float32 {fmt_shape(pshape)}, got "
@@ -137,14 +114,14 @@ def check_kv_scales(kv_scales: object, device: torch.device, required: bool) -> 
         return
     if kv_scales is None:
         raise ValueError("kv_scales: expected float32 [2] (k_scale, v_scale) for kv_dtype 'fp8', got None")
-    need("kv_scales", kv_scales, dtypes=(torch.float32,), ndim=1, device=device, ref="q")
+    check_tensor_arg("kv_scales", kv_scales, dtypes=(torch.float32,), ndim=1, device=device, ref="q")
     if kv_scales.shape[0] != 2 or kv_scales.stride(0) != 1:
         raise ValueError(f"kv_scales: expected a contiguous float32 [2] (k_scale, v_scale), got "
                          f"{fmt_shape(kv_scales.shape)} strides {tuple(kv_scales.stride())}")
 
 
 def check_int_vec(name: str, t: object, n: int, device: torch.device) -> torch.Tensor:
-    need(name, t, dtypes=(torch.int32,), ndim=1, device=device, ref="q")
+    check_tensor_arg(name, t, dtypes=(torch.int32,), ndim=1, device=device, ref="q")
     if t.shape[0] != n:
         raise ValueError(f"{name}: expected shape [{n}], got {fmt_shape(t.shape)}")
     if t.stride(0) != 1 and n > 1:
@@ -159,7 +136,7 @@ def check_cp(cp_rank: object, cp_size: object) -> tuple[int, int]:
 
 
 def check_workspace(workspace: object, size: int, device: torch.device) -> torch.Tensor:
-    need("workspace", workspace, dtypes=(torch.float32,), ndim=1, device=device, ref="q")
+    check_tensor_arg("workspace", workspace, dtypes=(torch.float32,), ndim=1, device=device, ref="q")
     if workspace.numel() < size or (workspace.numel() > 1 and workspace.stride(0) != 1):
         raise ValueError(f"workspace: expected a contiguous float32 tensor of at least {size} elements, got "
                          f"{workspace.numel()} with strides {tuple(workspace.stride())}")

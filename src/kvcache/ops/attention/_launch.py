@@ -11,10 +11,9 @@ import math
 import torch
 
 from ..._validate import cdiv, next_pow2
+from ...paged.format import KV_FORMAT_TABLE
 from ._kernel import _attention_kernel, _combine_kernel, _merge_kernel
 from .policy import AttentionPlan
-
-QUANT_CODES = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3}
 
 
 @functools.cache
@@ -109,7 +108,7 @@ def launch_attention(
     else:
         ws_out = ws_lse = dummy
     sq, so, sl = _strides3(q, linear), _strides3(out, linear), _strides3(lse, linear)
-    quant = QUANT_CODES[kv_dtype]
+    quant = KV_FORMAT_TABLE[kv_dtype].code
     # triton's interpreter computes bf16 dots wrongly (it multiplies the raw bits): float32 operands there
     dot_f32 = dev.type != "cuda" and q.dtype == torch.bfloat16
     if quant == 1:

@@ -85,7 +85,7 @@ def linear_attention(
     q = c.check_q(q, 4, "[B, num_q_heads, q_len, head_dim]")
     bsz, hq, q_len, d = q.shape
     dev = q.device
-    c.need("layer", layer, dtypes=_LAYER_DTYPES, ndim=5, device=dev, ref="q")
+    c.check_tensor_arg("layer", layer, dtypes=_LAYER_DTYPES, ndim=5, device=dev, ref="q")
     if layer.shape[1] != 2 or layer.shape[4] != d or layer.shape[0] < bsz or (d > 1 and layer.stride(4) != 1):
         raise ValueError(f"layer: expected [>= {bsz}, 2, H, S, {d}] with head_dim contiguous, got "
                          f"{fmt_shape(layer.shape)} strides {tuple(layer.stride())}")

@@ -57,8 +57,8 @@ def merge_attention_states(
     """
     if not isinstance(out_a, torch.Tensor):
         raise TypeError(f"out_a: expected a torch.Tensor, got {type(out_a).__name__}")
-    c.need("out_a", out_a, dtypes=c.Q_DTYPES, ndim=out_a.dim(), device=out_a.device, ref="out_a")
-    c.need("out_b", out_b, dtypes=c.Q_DTYPES, ndim=out_a.dim(), device=out_a.device, ref="out_a")
+    c.check_tensor_arg("out_a", out_a, dtypes=c.Q_DTYPES, ndim=out_a.dim(), device=out_a.device, ref="out_a")
+    c.check_tensor_arg("out_b", out_b, dtypes=c.Q_DTYPES, ndim=out_a.dim(), device=out_a.device, ref="out_a")
     if out_a.dim() < 1:
         raise ValueError(f"out_a: expected at least 1 dim [..., D], got shape {fmt_shape(out_a.shape)}")
     dev = out_a.device
@@ -67,19 +67,19 @@ def merge_attention_states(
         raise ValueError(f"out_b: expected {out_a.dtype} {fmt_shape(shape)} (as out_a), got {out_b.dtype} "
                          f"{fmt_shape(out_b.shape)}")
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
-        c.need(name, t, dtypes=(torch.float32,), ndim=len(lshape), device=dev, ref="out_a")
+        c.check_tensor_arg(name, t, dtypes=(torch.float32,), ndim=len(lshape), device=dev, ref="out_a")
         if tuple(t.shape) != lshape:
             raise ValueError(f"{name}: expected shape {fmt_shape(lshape)}, got {fmt_shape(t.shape)}")
     if out is None:
         out = torch.empty_like(out_a)
     else:
-        c.need("out", out, dtypes=(out_a.dtype,), ndim=len(shape), device=dev, ref="out_a")
+        c.check_tensor_arg("out", out, dtypes=(out_a.dtype,), ndim=len(shape), device=dev, ref="out_a")
         if tuple(out.shape) != shape:
             raise ValueError(f"out: expected shape {fmt_shape(shape)}, got {fmt_shape(out.shape)}")
     if lse is None:
         lse = torch.empty(lshape, dtype=torch.float32, device=dev)
     else:
-        c.need("lse", lse, dtypes=(torch.float32,), ndim=len(lshape), device=dev, ref="out_a")
+        c.check_tensor_arg("lse", lse, dtypes=(torch.float32,), ndim=len(lshape), device=dev, ref="out_a")
         if tuple(lse.shape) != lshape:
             raise ValueError(f"lse: expected shape {fmt_shape(lshape)}, got {fmt_shape(lse.shape)}")
     for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b), ("out", out),

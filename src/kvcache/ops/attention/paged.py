@@ -132,7 +132,7 @@ def paged_attention(
     c.check_gqa(hq, h)
     scale, window, softcap = c.check_options(scale, window, softcap, sinks, hq, d, dev)
     cp_rank, cp_size = c.check_cp(cp_rank, cp_size)
-    c.need("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev, ref="q")
+    c.check_tensor_arg("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev, ref="q")
     if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
         raise ValueError(f"block_tables: expected contiguous rows, got strides {tuple(block_tables.stride())}")
     b = block_tables.shape[0]

@@ -111,7 +111,7 @@ def append_paged_kv(
         read by every layer's append. Decode-sized appends (fewer than 2048 rows) launched with PDL (Hopper)
         then find where each row goes, and compute RoPE's cos / sin (rotate-half over the whole head; not for
         fp8), before waiting for the previous kernel, which they wait for only to read ``k`` / ``v``; see
-        :func:`_ready_launch`. The launch shape changes with it, and with it the compiler's contraction of the
+        :func:`~kvcache.ops.paged.plan_append`. The launch shape changes with it, and with it the compiler's contraction of the
         RoPE arithmetic: rotated keys may differ from the launch that waits in the last bit (within the same
         bounds). A broken promise reads stale indices: rows written to the wrong slots.
 
@@ -122,7 +122,6 @@ def append_paged_kv(
         looked up and written again after the wait. ``rope.inv_freq`` is read after the wait there (the
         cache's own frequencies, built once, before it, with cos / sin: rotated keys may then differ from a
         launch that waits first in the last bit, as with the promise). Other appends wait before every read.
-        ``KVCACHE_SPECULATE=0`` (read at import) turns speculation off.
 
     batch : PagedBatch, optional
         The step's :class:`~kvcache.paged.PagedBatch` (validated once, when it was built), in place of

@@ -7,30 +7,21 @@ import math
 
 import torch
 
-from ..._validate import MODEL_DTYPES, fmt_shape
+from ..._validate import MODEL_DTYPES, check_choice, check_tensor_arg, fmt_shape
 from ...paged.format import LAYOUTS, kv_format
 from ...rope import RopeKernelParams
 
 
-def check_arg_tensor(name: str, t: object, *, dtypes: tuple[torch.dtype, ...], ndim: int, device: torch.device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-d tensor, got shape {fmt_shape(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device} (the device of pool), got {t.device}")
-    return t
+def check_arg_tensor(name: str, t: object, *, dtypes: tuple[torch.dtype, ...], ndim: int,
+                     device: torch.device) -> torch.Tensor:
+    """:func:`kvcache._validate.check_tensor_arg` for an argument that must live on the pool's device."""
+    return check_tensor_arg(name, t, dtypes=dtypes, ndim=ndim, device=device, ref="pool")
 
 
 def pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> tuple[int, int, int, int]:
     """Validate a layer pool (and params); returns (num_blocks, block_size, num_kv_heads, stored row elems)."""
     fmt = kv_format(kv_dtype)
-    if not isinstance(layout, str):
-        raise TypeError(f"layout: expected one of {LAYOUTS}, got {type(layout).__name__}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    check_choice("layout", layout, LAYOUTS)
     if not isinstance(pool, torch.Tensor):
         raise TypeError(f"pool: expected a torch.Tensor, got {type(pool).__name__}")
     if pool.dim() != 5 or pool.shape[1] != 2:

@@ -151,7 +151,7 @@ def _append_kernel(
     MASKED: tl.constexpr,  # EARLY: stores predicated on the row's validity rather than behind a branch (_write_row)
     CS_FIRST: tl.constexpr,  # rotate-half over all of D: RoPE's cos / sin right after the lookup (_rope_cs)
     INDEX_FIRST: tl.constexpr,  # the lookup (and CS_FIRST's cos / sin) before the wait for the previous kernel
-    # (PDL); only for index tensors and inv_freq that kernel does not write (see _ready_launch)
+    # (PDL); only for index tensors and inv_freq that kernel does not write (see policy.plan_append)
     SPECULATE: tl.constexpr,  # INDEX_FIRST without that promise: the lookup's first guess before the wait, every
     # value it read checked after the wait (_spec_same); a row whose values changed, or whose guess missed, is
     # looked up and written again after that, behind one branch
