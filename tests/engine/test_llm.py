@@ -200,6 +200,18 @@ def test_errors_name_the_argument(smollm, conversations):
     assert len(llm.generate(conversations[0], SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids) == 2
 
 
+def test_graph_batch_layout_equals_eager(smollm, conversations, prompt_ids, hf_greedy):
+    # cuda_graphs=True on the CPU: decode steps run through the static buffers, padded to buckets (4 requests
+    # -> bucket 4, fewer as they finish -> 2 / 1 / padded rows in the scratch block), uncaptured
+    model, tok = smollm
+    llm = LLM(model, tokenizer=tok, max_num_seqs=8, cuda_graphs=True)
+    outs = llm.generate(conversations[:3], GREEDY)  # 3 requests: bucket 4, one padded row
+    _check_equal(outs, prompt_ids[:3], hf_greedy)
+    # every step but the two with prefill (the first request, then the two that waited for its system prompt)
+    assert llm.stats.graph_steps == llm.stats.steps - 2 > 0
+    assert llm.allocator.num_used_blocks == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_equal_eager_on_gpu(smollm, conversations):
