@@ -81,8 +81,9 @@ def _engine_row(model: Any, prompts: list[list[int]], new: int, kv_dtype: str, k
     llm = LLM(model, tokenizer=_IdsOnlyTokenizer(), kv_dtype=kv_dtype, max_num_seqs=max_num_seqs,
               kv_cache_memory=kv_bytes, max_model_len=max(len(p) for p in prompts) + new,
               enable_prefix_caching=False)
-    # warm-up: compiles the kernels and captures the decode graphs of every bucket the run will use
-    llm.generate(prompts[: max_num_seqs], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    # warm-up: the same workload once, so every kernel is compiled and every decode bucket the run passes
+    # through (requests finish in waves as their prefills were chunked) is captured before the timed run
+    llm.generate(prompts, sp)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     outs = llm.generate(prompts, sp)
