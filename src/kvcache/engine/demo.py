@@ -232,7 +232,8 @@ def demo_main(argv: list[str] | None = None) -> int:
         if not ok:
             for i, (o, r) in enumerate(zip(outs, ref)):
                 if o.token_ids != r:
-                    k = next((j for j, (a, b) in enumerate(zip(o.token_ids, r)) if a != b), min(len(o.token_ids), len(r)))
+                    same = min(len(o.token_ids), len(r))
+                    k = next((j for j, (a, b) in enumerate(zip(o.token_ids, r)) if a != b), same)
                     console.print(f"  request {i}: first difference at token {k}")
             if exact:
                 code = 1
