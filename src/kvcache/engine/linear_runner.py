@@ -200,6 +200,7 @@ class LinearEngineCore:
         batched = len(decode) > 1 and decode == list(range(len(decode)))  # a leading run of decodes: one SDPA
         dev = model.device
         all_decode = len(decode) == len(counts) and hasattr(ops, "linear_attention")
+        has_append = hasattr(cache, "append")
         if all_decode:
             lengths = torch.tensor(before, dtype=torch.int32, device=dev)
         if batched:
@@ -212,11 +213,14 @@ class LinearEngineCore:
             k = model.rotate(k, cos, sin)
             kc, vc = cache.kv(i)  # [B, H, S, D] views of the slots
             out = torch.empty_like(q)
-            for b, n in enumerate(counts):
-                if n:
-                    c, s = before[b], starts[b]
-                    kc[b, :, c:c + n] = k[s:s + n].transpose(0, 1)
-                    vc[b, :, c:c + n] = v[s:s + n].transpose(0, 1)
+            if all_decode and has_append:  # one token per slot, at each slot's length
+                cache.append(i, k[:, :, None, :], v[:, :, None, :])
+            else:  # ragged chunks: each slot's rows at its own length
+                for b, n in enumerate(counts):
+                    if n:
+                        c, s = before[b], starts[b]
+                        kc[b, :, c:c + n] = k[s:s + n].transpose(0, 1)
+                        vc[b, :, c:c + n] = v[s:s + n].transpose(0, 1)
             first = 0
             if all_decode:
                 # every active slot feeds one token: attention over the slots in place
