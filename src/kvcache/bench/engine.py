@@ -9,6 +9,8 @@ download), 64 requests x 512 random prompt tokens + 128 new tokens, greedy, EOS 
 * transformers ``generate`` on the same 64 x 512 batch with its DynamicCache, and with ``cache_implementation=
   "static"`` (StaticCache);
 * peak GPU memory of each (``torch.cuda.max_memory_allocated``, weights included);
+* each engine row's greedy tokens against the DynamicCache run's (identical requests, agreeing first tokens:
+  bf16 with random weights, so reported, not required: a sanity check of the GPU path, CUDA graphs included);
 * a long-context row (8 requests x 16k prompt tokens, ``--long``), and the largest number of concurrent 4k-token
   sequences whose KV fits in 60 GiB per kv_dtype (from ``cache_block_bytes``: arithmetic, not a run).
 
@@ -95,6 +97,7 @@ def _engine_row(model: Any, prompts: list[list[int]], new: int, kv_dtype: str, k
            "preemptions": st.preemptions, "blocks_used": st.blocks_used}
     if any(len(o.token_ids) != new for o in outs):
         row["error"] = "a request generated fewer tokens than asked"
+    row["_tokens"] = [o.token_ids for o in outs]
     del llm, outs
     return row
 
@@ -118,7 +121,24 @@ def _hf_row(model: Any, prompts: list[list[int]], new: int, static: bool) -> dic
     n = (out.shape[1] - ids.shape[1]) * out.shape[0]
     return {"kind": "transformers generate", "cache": "StaticCache" if static else "DynamicCache",
             "generated_tokens": n, "elapsed_s": dt, "generated_tok_s": n / dt,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "_tokens": out[:, ids.shape[1]:].tolist()}
+
+
+def _public(row: dict) -> dict:
+    """The row without its private fields (the generated token ids kept for :func:`_agreement`)."""
+    return {k: v for k, v in row.items() if not k.startswith("_")}
+
+
+def _agreement(rows: list[dict]) -> None:
+    """Each engine row's greedy tokens against transformers' DynamicCache run (bf16: reported, not required):
+    requests whose tokens are identical, and requests whose first token agrees (it comes from the prefill)."""
+    ref = next((r["_tokens"] for r in rows if r.get("cache") == "DynamicCache" and "_tokens" in r), None)
+    for r in rows:
+        toks = r.pop("_tokens", None)
+        if ref is None or toks is None or r.get("kind") != "kvcache.engine" or len(toks) != len(ref):
+            continue
+        r["identical_to_hf_dynamic"] = f"{sum(a == b for a, b in zip(toks, ref))}/{len(ref)}"
+        r["first_token_agrees_with_hf_dynamic"] = f"{sum(a[:1] == b[:1] for a, b in zip(toks, ref))}/{len(ref)}"
 
 
 def _fits_60gib(block_size: int = 16, seq_len: int = 4096) -> list[dict]:
@@ -185,9 +205,12 @@ def main(argv: list[str] | None = None) -> int:
             code = 1
         row["wall_s"] = time.perf_counter() - t0
         result["rows"].append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps(_public(row)), flush=True)
+        dump()
+
+    def dump() -> None:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({**result, "rows": [_public(r) for r in result["rows"]]}, f, indent=2)
 
     for kv in [k for k in args.kv_dtypes.split(",") if k]:
         run(f"engine {kv}", lambda kv=kv: _engine_row(model, prompts, new, kv, kv_bytes, n_req))
@@ -199,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         for kv in [k for k in args.kv_dtypes.split(",") if k]:
             run(f"engine long {kv}", lambda kv=kv: {**_engine_row(model, long_prompts, new, kv, 16 * 2**30, 8),
                                                      "long_context": "8 x 16384"})
+    _agreement(result["rows"])
+    dump()
     print(f"wrote {args.out}")
     return code
 
