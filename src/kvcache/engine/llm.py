@@ -199,7 +199,10 @@ class LLM:
         if kv_cache_memory is None and on_cuda:
             free, total = torch.cuda.mem_get_info(m.device)
             used = total - free
-            reserve = 2 * 2**30 + budget * (m.vocab_size * 4 + 64 * m.config.hidden_size * 4)  # activations
+            # working memory of the largest step: ~16 hidden-sized float32 rows and the MLP's intermediate rows per
+            # token, the sampled rows' float32 logits, plus 1 GiB for graphs, workspaces and the allocator's slack
+            inter = getattr(m.config, "intermediate_size", 4 * m.config.hidden_size)
+            reserve = 2**30 + budget * (16 * m.config.hidden_size + 2 * inter) * 4 + 2 * max_num_seqs * m.vocab_size * 4
             kv_cache_memory = max(int(total * gpu_memory_utilization) - used - reserve, 64 * 2**20)
         elif kv_cache_memory is None:
             kv_cache_memory = _CPU_CACHE_BYTES
