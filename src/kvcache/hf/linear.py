@@ -88,8 +88,10 @@ class LinearCache(Cache):
         if len(specs) != shape.num_layers:
             raise ValueError(f"layers: expected {shape.num_layers} (num_kv_heads, head_dim) pairs, got {len(specs)}")
         super().__init__(layers=[LayerView(self, i) for i in range(shape.num_layers)])
-        self.max_batch_size = max_batch_size
-        self.max_cache_len = max_cache_len
+        # stored privately: transformers 5.x's Cache defines max_batch_size / max_cache_len as read-only
+        # properties in some versions (5.17)
+        self._max_batch = max_batch_size
+        self._max_len = max_cache_len
         self.kv_dtype = kv_dtype
         self._store_dtype = store_dtype
         self._device = torch.device(device) if device is not None else None
@@ -98,6 +100,16 @@ class LinearCache(Cache):
         self._allocated = False
         self._model_dtype: torch.dtype | None = None
         self._layer_len = [0] * shape.num_layers
+
+    @property
+    def max_batch_size(self) -> int:  # type: ignore[override]
+        """Rows the cache holds at most."""
+        return self._max_batch
+
+    @property
+    def max_cache_len(self) -> int:  # type: ignore[override]
+        """Tokens per row the cache holds at most."""
+        return self._max_len
 
     # ------------------------------------------------------------------------------------------ storage
 

@@ -100,6 +100,17 @@ class PagedCache(Cache):
     (6, [[0, 1]])
     """
 
+
+    @property
+    def max_batch_size(self) -> int:  # type: ignore[override]
+        """Rows the cache holds at most."""
+        return self._max_batch
+
+    @property
+    def max_cache_len(self) -> int:  # type: ignore[override]
+        """Tokens per row the cache holds at most."""
+        return self._max_len
+
     def __init__(
         self,
         config: Any,
@@ -130,8 +141,10 @@ class PagedCache(Cache):
         super().__init__(layers=[LayerView(self, i) for i in range(shape.num_layers)])
         self.model_config = config
         self.shape = shape
-        self.max_batch_size = max_batch_size
-        self.max_cache_len = max_cache_len
+        # stored privately: transformers 5.x's Cache defines max_batch_size / max_cache_len as read-only
+        # properties in some versions (5.17)
+        self._max_batch = max_batch_size
+        self._max_len = max_cache_len
         self.kv_dtype = kv_dtype
         self.block_size = block_size
         self.num_blocks = num_blocks if num_blocks is not None else max_batch_size * cdiv(max_cache_len, block_size)
