@@ -55,7 +55,6 @@ class _Console:
 
     def __init__(self) -> None:
         try:
-            import rich.console  # noqa: F401
             from rich.console import Console
 
             self.rich = Console()
