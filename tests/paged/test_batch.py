@@ -59,9 +59,10 @@ def test_slot_batch_is_the_slot_mapping(device):
     pos = torch.tensor([5, 0, 9], dtype=torch.int64, device=device)
     batch = PagedBatch.slots(slots, pos)
     assert not batch.is_ragged and batch.num_seqs == 0
-    ops.append_paged_kv(k, k, cache.pool(0), cache.params(0), kv_dtype="int8", batch=batch,
-                        rope=RopeConfig(head_dim=8).kernel_params(device=device))
-    ref.append(0, k, k, slot_mapping=slots, positions=pos)
+    rope = RopeConfig(head_dim=8).kernel_params(device=device)
+    ops.append_paged_kv(k, k, cache.pool(0), cache.params(0), kv_dtype="int8", batch=batch, rope=rope)
+    ops.append_paged_kv(k, k, ref.pool(0), ref.params(0), kv_dtype="int8", slot_mapping=slots, positions=pos,
+                        rope=rope)
     assert torch.equal(cache.buffer[0], ref.buffer[0]) and torch.equal(cache.params_buffer[0], ref.params_buffer[0])
     with pytest.raises(ValueError, match="^seq_lens"):
         batch.seq_lens

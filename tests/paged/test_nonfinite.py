@@ -43,8 +43,11 @@ def test_nonfinite_values_stay_visible(device, kv_dtype, layout, bad):
     heads = torch.zeros(6, H, dtype=torch.bool)
     heads[1, 0] = heads[4, 2] = True
     elems = ~torch.isfinite(x)
-    if kv_dtype == "auto":
-        assert torch.equal(v.to(torch.float16).view(torch.int16), x.to(torch.float16).view(torch.int16))
+    if kv_dtype == "auto":  # a copy: the same values, NaN where NaN (its payload is not compared: converting
+        # the gathered rows to float32 on a GPU makes every NaN the canonical one)
+        want = x.to(torch.float16).float()
+        assert torch.equal(torch.isnan(v), torch.isnan(want))
+        assert torch.equal(v[~torch.isnan(want)], want[~torch.isnan(want)])
     elif kv_dtype == "fp8":
         assert torch.isnan(v[elems]).all()
         assert torch.isfinite(v[~elems]).all()
