@@ -24,14 +24,19 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
     zero = scale
     if QUANT == Q_FP8:
         # finite values saturate at +-448; NaN and +-inf are stored as NaN (e4m3fn has no infinity): visible,
-        # never a finite value (y * 0 is 0 exactly when y is finite)
+        # never a finite value
         y1 = x1 * inv_fp8
         y2 = x2 * inv_fp8
-        c1 = tl.where(y1 * 0.0 == 0.0, tl.minimum(tl.maximum(y1, -448.0), 448.0), float("nan"))
-        c2 = tl.where(y2 * 0.0 == 0.0, tl.minimum(tl.maximum(y2, -448.0), 448.0), float("nan"))
-        if not LIBDEVICE:
-            c1 = _fp8_grid(c1, LIBDEVICE)
-            c2 = _fp8_grid(c2, LIBDEVICE)
+        if LIBDEVICE:
+            # y - y is 0 for finite y and NaN for +-inf and NaN: added to the clamp (which drops NaN), it makes
+            # every non-finite value NaN and leaves the others as they are
+            c1 = tl.minimum(tl.maximum(y1, -448.0), 448.0) + (y1 - y1)
+            c2 = tl.minimum(tl.maximum(y2, -448.0), 448.0) + (y2 - y2)
+        else:  # the interpreter's conversion neither saturates nor rounds into the next binade (see _fp8_grid)
+            c1 = _fp8_grid(tl.where(y1 * 0.0 == 0.0, tl.minimum(tl.maximum(y1, -448.0), 448.0), float("nan")),
+                           LIBDEVICE)
+            c2 = _fp8_grid(tl.where(y2 * 0.0 == 0.0, tl.minimum(tl.maximum(y2, -448.0), 448.0), float("nan")),
+                           LIBDEVICE)
     elif QUANT >= Q_INT8:
         # per (token, head) asymmetric: masked lanes never take part in min / max
         if QUANT == Q_INT4:
