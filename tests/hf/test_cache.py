@@ -4,6 +4,9 @@ bound, crop, beam search, reset, per-layer lengths and the errors."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterator
+
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -19,6 +22,16 @@ def tiny() -> LlamaForCausalLM:
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, initializer_range=0.2)
     return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(autouse=True)
+def sdpa_between_tests(tiny) -> Iterator[None]:
+    """Each test starts and ends with sdpa attention: a PagedCache decides per step from the model's config
+    whether the attention function writes (``kvcache_paged``), so a test failing with another implementation
+    set must not change what the next test's direct ``update`` calls do."""
+    tiny.set_attn_implementation("sdpa")
+    yield
+    tiny.set_attn_implementation("sdpa")
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,8 +194,11 @@ def test_reset_reuses_cache_and_both_kwarg_names(tiny, kind):
     assert cache.get_seq_length() == 0
     if kind == "paged":
         assert cache.allocator.num_used_blocks == 0
-    again = tiny.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=4, do_sample=False,
-                          pad_token_id=0)
+    # the model's own name for the cache argument: ``cache`` where transformers has it (5.24), else
+    # ``past_key_values`` again (5.17's generate refuses ``cache=``)
+    name = "cache" if "cache" in inspect.signature(tiny.forward).parameters else "past_key_values"
+    again = tiny.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                          **{name: cache})
     tiny.set_attn_implementation("sdpa")
     assert torch.equal(first, again)
 
@@ -200,6 +216,23 @@ def test_lengths_are_per_layer(tiny):
         assert [cache.get_seq_length(i) for i in range(3)] == [4, 4, 4]
         kk, vv = cache.update(k, k, 0)
         assert kk.shape == (B, 2, 8, 16) and torch.equal(kk[:, :, 4:], k)
+
+
+def test_in_place_update_without_the_attention_function_is_an_error(tiny):
+    """With ``kvcache_paged`` set, ``update`` only records the step and the attention function writes; a next
+    layer's update after a layer nobody wrote raises instead of silently losing its keys."""
+    cache = _make("paged", tiny)
+    tiny.set_attn_implementation("kvcache_paged")
+    k = torch.randn(B, 2, 4, 16)
+    kk, _ = cache.update(k, k, 0)
+    assert kk is k and cache.seq_lens == [0] * B  # handed to the attention function, nothing written yet
+    with pytest.raises(ValueError, match="attn_implementation"):
+        cache.update(k, k, 1)
+    cache.reset()
+    tiny.set_attn_implementation("sdpa")
+    for i in range(3):
+        cache.update(k, k, i)
+    assert cache.seq_lens == [4] * B and cache.get_seq_length() == 4
 
 
 def test_errors(tiny):

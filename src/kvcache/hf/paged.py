@@ -190,6 +190,11 @@ class PagedCache(Cache):
         if self._layer_len[i] != self._hf_len:
             raise ValueError(f"layer_idx: layer {i} was already updated in this step; every layer is updated once "
                              "per forward")
+        written = self._step.done if self._step is not None else 0
+        if sum(n != self._hf_len for n in self._layer_len) != written:
+            raise ValueError(
+                f"attn_implementation: a layer updated before layer {i} in this step was never written: with "
+                f"'{ATTN_IMPLEMENTATION}' the attention function writes each layer after its update; call reset()")
 
     def _update(self, i: int, key_states: torch.Tensor, value_states: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
