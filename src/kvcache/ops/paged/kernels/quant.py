@@ -28,10 +28,10 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
         y1 = x1 * inv_fp8
         y2 = x2 * inv_fp8
         if LIBDEVICE:
-            # y - y is 0 for finite y and NaN for +-inf and NaN: added to the clamp (which drops NaN), it makes
-            # every non-finite value NaN and leaves the others as they are
-            c1 = tl.minimum(tl.maximum(y1, -448.0), 448.0) + (y1 - y1)
-            c2 = tl.minimum(tl.maximum(y2, -448.0), 448.0) + (y2 - y2)
+            # y * 0 is a zero of y's sign for finite y and NaN for +-inf and NaN: added to the clamp (which drops
+            # NaN), it makes every non-finite value NaN and leaves the others as they are, -0.0 included
+            c1 = tl.minimum(tl.maximum(y1, -448.0), 448.0) + y1 * 0.0
+            c2 = tl.minimum(tl.maximum(y2, -448.0), 448.0) + y2 * 0.0
         else:  # the interpreter's conversion neither saturates nor rounds into the next binade (see _fp8_grid)
             c1 = _fp8_grid(tl.where(y1 * 0.0 == 0.0, tl.minimum(tl.maximum(y1, -448.0), 448.0), float("nan")),
                            LIBDEVICE)
