@@ -437,7 +437,7 @@ def test_hash_is_stable_across_processes_and_needs_no_torch():
 
 
 def test_allocator_module_imports_no_torch():
-    for path in (ALLOCATOR_PY, ALLOCATOR_PY.parent / "block_hash.py"):
+    for path in (ALLOCATOR_PY, ALLOCATOR_PY.parent / "block_hash.py", ALLOCATOR_PY.parent / "prefix_cache.py"):
         source = path.read_text()
         assert "import torch" not in source and "from torch" not in source
 

@@ -56,47 +56,17 @@ import functools
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from .block_hash import HASH_BITS, _as_hash, _as_int, _as_list, hash_block_tokens, hash_blocks
+from .block_hash import HASH_BITS, _as_int, _as_list, hash_block_tokens, hash_blocks
+from .prefix_cache import PrefixCacheMixin, PrefixCacheStats
 
 __all__ = ["BlockAllocator", "PrefixCacheStats", "hash_block_tokens", "hash_blocks", "HASH_BITS"]
-
-# -------------------------------------------------------------------------------------------- stats
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters of a :class:`BlockAllocator` (counted only with prefix caching enabled).
-
-    Attributes
-    ----------
-    queries : int
-        Calls of :meth:`BlockAllocator.match_prefix`.
-    hits : int
-        Blocks matched (over all queries).
-    misses : int
-        Blocks queried but not matched: ``len(block_hashes) - len(matched)`` per query.
-    evictions : int
-        Cached blocks whose hash :meth:`BlockAllocator.allocate` dropped to reuse the block.
-    """
-
-    queries: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """``hits / (hits + misses)``; 0.0 before any block was queried."""
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
 
 # -------------------------------------------------------------------------------------------- allocator
 
 
-class BlockAllocator:
+class BlockAllocator(PrefixCacheMixin):
     """Ref-counted manager of the blocks of a paged KV cache, with prefix caching and LRU eviction.
 
     Parameters
@@ -447,117 +417,6 @@ class BlockAllocator:
             self._hash[b] = None
             return b
         return None
-
-    # -------------------------------------------------------------------------------- prefix cache
-
-    def match_prefix(self, block_hashes: Sequence[int]) -> list[int]:
-        """Blocks of the longest cached prefix of a hash chain; each matched block gains a reference.
-
-        A matched cached-unreferenced block leaves the LRU queue (O(1)). Counts one query, ``len(matched)``
-        hits and ``len(block_hashes) - len(matched)`` misses in :attr:`stats`.
-
-        Parameters
-        ----------
-        block_hashes : sequence of int
-            The request's chain from :meth:`hash_blocks`. To have the prefill compute the last prompt token
-            (its logits are needed), hash ``prompt[:-1]``: the last token then never lies in a matched block.
-
-        Returns
-        -------
-        list of int
-            Block ids for ``block_hashes[:k]`` with ``k`` maximal; ``[]`` with prefix caching disabled (then
-            nothing is counted). The caller owns one reference to each and frees them like allocated blocks.
-
-        Raises
-        ------
-        TypeError, ValueError
-            A hash is not an int in ``[0, 2**64)``; nothing is changed.
-        """
-        hashes = [_as_hash("block_hashes", h) for h in _as_list("block_hashes", block_hashes, "block hashes")]
-        if not self._enable_prefix_caching:
-            return []
-        out: list[int] = []
-        for h in hashes:
-            b = self._hash_to_block.get(h)
-            if b is None:
-                break
-            out.append(b)
-        for b in out:
-            if self._ref[b] == 0:
-                del self._evictable[b]
-                self._num_used += 1
-            self._ref[b] += 1
-        self._stats.queries += 1
-        self._stats.hits += len(out)
-        self._stats.misses += len(hashes) - len(out)
-        return out
-
-    def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[int]) -> None:
-        """Register full blocks under their hashes, once their content has been written.
-
-        Parameters
-        ----------
-        block_ids : sequence of int
-            Held blocks (ref count >= 1), in chain order.
-        block_hashes : sequence of int
-            Their hashes (from :meth:`hash_blocks`), as many as ``block_ids``.
-
-        Notes
-        -----
-        * A block already cached under the same hash is left as is (re-registering a prefix is harmless).
-        * When a hash is already registered to *another* block (two requests computed the same prefix at the
-          same time), the existing entry is kept and the new block stays uncached: it is freed to the free list
-          rather than the LRU, and the cache never holds two copies of one prefix.
-        * With prefix caching disabled the arguments are validated and nothing is registered.
-
-        Raises
-        ------
-        TypeError
-            Non-int ids or hashes.
-        ValueError
-            Lengths differ; an id out of range or not allocated; a hash outside ``[0, 2**64)``; a block already
-            cached under a different hash, or given two different hashes. Nothing is changed.
-        """
-        ids = self._held_block_ids("block_ids", block_ids, "cached")
-        hashes = [_as_hash("block_hashes", h) for h in _as_list("block_hashes", block_hashes, "block hashes")]
-        if len(ids) != len(hashes):
-            raise ValueError(
-                f"block_hashes: expected one hash per block ({len(ids)} block ids), got {len(hashes)} hashes"
-            )
-        given: dict[int, int] = {}
-        for b, h in zip(ids, hashes):
-            cur = self._hash[b]
-            if cur is not None and cur != h:
-                raise ValueError(f"block_hashes: block {b} is already cached under hash {cur}, got {h}")
-            if given.setdefault(b, h) != h:
-                raise ValueError(f"block_hashes: block {b} is given two hashes, {given[b]} and {h}")
-        if not self._enable_prefix_caching:
-            return
-        for b, h in zip(ids, hashes):
-            if self._hash[b] is None and h not in self._hash_to_block:
-                self._hash[b] = h
-                self._hash_to_block[h] = b
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (after a weight update, or to drop a salt's entries).
-
-        Every hash is dropped, referenced blocks' included: cached unreferenced blocks move to the free list;
-        referenced blocks keep their content for their holders but can no longer be matched, and go to the free
-        list when released. The stats are kept (see :meth:`reset_stats`).
-
-        Returns
-        -------
-        bool
-            True if any hash was dropped, False if nothing was cached.
-        """
-        if not self._hash_to_block:
-            return False
-        for b in self._hash_to_block.values():
-            self._hash[b] = None
-        self._hash_to_block.clear()
-        self._free.extend(self._evictable)  # oldest first
-        self._evictable.clear()
-        return True
 
     # ---------------------------------------------------------------------------------- invariants
 
