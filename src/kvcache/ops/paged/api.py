@@ -11,8 +11,13 @@ Which tokens go where:
 * slot mapping: row ``n`` goes to slot ``slot_mapping[n]`` (``block * block_size + offset``), ``-1`` = skip;
   RoPE positions come from ``positions``.
 
-Rows whose block index falls outside the block table, whose block id is out of range, and padding rows past
-``cu_q_lens[-1]`` are skipped on the device (``check=True`` syncs and raises instead). The byte format
+Bad input, fast by default: rows whose block index falls outside the block table, whose block id or slot is
+out of range, and padding rows past ``cu_q_lens[-1]`` are skipped on the device, never written out of bounds.
+``check=True`` (or ``PagedKVCache(..., debug=True)`` for every append) syncs and raises ValueError before
+writing anything, also for a slot written twice in one append and for fp8 scales that are not finite and > 0;
+``PagedBatch.unwritable_rows`` / ``PagedKVCache.unwritable_rows`` count the rows that would be skipped, on the
+device, without a sync. NaN / inf in K / V stay visible (fp8 stores NaN; int8 / int4 store the (token, head)
+with scale and zero NaN). The byte format
 (layouts, fp8 / int8 / int4) is documented in :mod:`kvcache.paged.config`.
 """
 
