@@ -255,6 +255,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .bench.paged import main as paged_main
 
         rc = paged_main(quick=args.quick, json_path=args.json)
+    elif args.suite == "attention":
+        from .bench.attention import main as attention_main
+
+        rc = attention_main((["--quick"] if args.quick else []) + (["--json", args.json] if args.json else []))
+    elif args.suite == "engine":
+        from .bench.engine import main as engine_main
+
+        rc = engine_main((["--quick"] if args.quick else []) + (["--out", args.json] if args.json else []))
     else:
         raise SystemExit(f"unknown bench suite {args.suite!r}")
     if args.json and rc == 0:
@@ -343,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     p_info = sub.add_parser("info", help="backends, devices and a smoke run of every op")
     p_info.set_defaults(fn=cmd_info)
     p_bench = sub.add_parser("bench", help="GPU benchmarks against copy bandwidth and plain PyTorch")
-    p_bench.add_argument("suite", choices=["linear", "paged"])
+    p_bench.add_argument("suite", choices=["linear", "paged", "attention", "engine"])
     p_bench.add_argument("--quick", action="store_true", help="smaller shapes (a smoke test of the bench)")
     p_bench.add_argument("--json", default=None, help="also write the results to this JSON file, and a PNG plot "
                          "beside it")

@@ -7,8 +7,9 @@ Reads the JSON the bench suites write (``kvcache bench linear|paged --json FILE`
   bandwidth, the copy bandwidth of the same run as a vertical line.
 * paged: ``{"rows": [{"op", "shape", "impl", "role", "gbs"}]}``: one bar per row, coloured by role
   (``kvcache``, ``baseline`` = plain PyTorch, ``ceiling`` = a plain copy of the same bytes).
-* throughput, in either file or its own: rows with ``"tok_s"`` (generated tokens per second) and a
-  ``"impl"`` / ``"name"`` label: a second panel.
+* throughput, in either file or its own (``python -m kvcache.bench.engine``): rows with ``"tok_s"`` or
+  ``"generated_tok_s"`` (generated tokens per second) and an ``"impl"`` / ``"name"`` label (or ``"kind"`` plus
+  ``"kv_dtype"`` / ``"cache"``): a second panel.
 
 matplotlib runs with the Agg backend (no display needed).
 """
@@ -71,12 +72,20 @@ def throughput_bars(result: dict[str, Any]) -> list[tuple[str, float]]:
     --------
     >>> throughput_bars({"rows": [{"impl": "kvcache engine", "tok_s": 21000.0}, {"impl": "x", "us": 3.0}]})
     [('kvcache engine', 21000.0)]
+    >>> throughput_bars({"rows": [{"kind": "kvcache.engine", "kv_dtype": "int8", "generated_tok_s": 1e4}]})
+    [('kvcache.engine int8', 10000.0)]
     """
     rows = list(result.get("rows", [])) + list(result.get("throughput", []))
     out = []
     for r in rows:
-        if isinstance(r, dict) and isinstance(r.get("tok_s"), (int, float)):
-            out.append((str(r.get("impl", r.get("name", "?"))), float(r["tok_s"])))
+        if not isinstance(r, dict):
+            continue
+        tok_s = r.get("tok_s", r.get("generated_tok_s"))  # the engine bench writes generated_tok_s
+        if isinstance(tok_s, (int, float)):
+            label = r.get("impl", r.get("name"))
+            if label is None:  # engine bench rows: kind + kv_dtype (kvcache) or + cache (transformers)
+                label = " ".join(str(r[k]) for k in ("kind", "kv_dtype", "cache") if k in r) or "?"
+            out.append((str(label), float(tok_s)))
     return out
 
 
