@@ -15,6 +15,7 @@ from .linear_runner import LinearEngineCore
 from .loader import load_model
 from .model import LlamaForward
 from .paged_runner import PagedRunner, has_paged_attention
+from .tp import TPLlamaForward
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus
@@ -123,6 +124,11 @@ class LLM:
         Run pure decode steps as CUDA graphs, captured per batch-size bucket (default: on with CUDA; needs
         ``kvcache.ops.paged_attention``). ``True`` on the CPU runs them through the same static, padded
         buffers without capture (checks the graph path's batch layout without a GPU).
+    tp_group : torch.distributed.ProcessGroup, optional
+        Tensor parallel over this group (``torch.distributed.group.WORLD`` for every rank): every rank builds
+        the same ``LLM`` from the same weights and calls ``generate`` with the same arguments; each holds its
+        shards of q / k / v / gate / up (columns) and o / down (rows, all-reduced), a paged cache of its KV heads
+        only, and runs the same scheduler (see :mod:`kvcache.engine.tp`). Paged cache only, no CUDA graphs.
 
     Example
     -------
@@ -151,6 +157,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         layout: str = "NHD",
         cuda_graphs: bool | None = None,
+        tp_group: Any = None,
     ) -> None:
         if cache not in ("paged", "linear"):
             raise ValueError(f"cache: expected 'paged' or 'linear', got {cache!r}")
@@ -171,6 +178,10 @@ class LLM:
             raise TypeError(f"enable_prefix_caching: expected a bool, got {type(enable_prefix_caching).__name__}")
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs: expected a bool or None, got {type(cuda_graphs).__name__}")
+        if tp_group is not None and cache != "paged":
+            raise ValueError(f"cache: tensor parallel (tp_group) needs the paged cache, got {cache!r}")
+        if tp_group is not None and cuda_graphs:
+            raise ValueError("cuda_graphs: not supported with tp_group (expected None or False)")
 
         if model is None or isinstance(model, (str, os.PathLike)):
             dev = device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -182,7 +193,7 @@ class LLM:
                 raise ValueError("tokenizer: expected the tokenizer of the given model, got None")
         self.hf_model = hf_model
         self.tokenizer = tokenizer
-        self.model = LlamaForward(hf_model)
+        self.model = LlamaForward(hf_model) if tp_group is None else TPLlamaForward(hf_model, tp_group)
         m = self.model
         on_cuda = m.device.type == "cuda"
         self.cache_mode = cache
@@ -221,6 +232,10 @@ class LLM:
         block_bytes = cache_block_bytes(m.num_layers, m.num_kv_heads, m.head_dim, block_size, m.dtype, kv_dtype)
         if num_blocks is None:
             num_blocks = max(2, kv_cache_memory // block_bytes)
+            if tp_group is not None:  # the same pool on every rank: the schedulers must decide alike
+                n = torch.tensor([num_blocks], dtype=torch.int64, device=m.device)
+                torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN, group=tp_group)
+                num_blocks = int(n.item())
         width = -(-self.max_model_len // block_size)
         self.cache = PagedKVCache(
             PagedConfig(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
@@ -231,7 +246,7 @@ class LLM:
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                    max_blocks_per_seq=width)
-        use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        use_graphs = (on_cuda and tp_group is None) if cuda_graphs is None else cuda_graphs
         self.runner = PagedRunner(m, self.cache, max_blocks_per_seq=width, max_model_len=self.max_model_len,
                                   scratch_block=num_blocks, cuda_graphs=use_graphs,
                                   max_graph_batch=min(max_num_seqs, 512))
