@@ -49,9 +49,9 @@ def _params() -> list[SamplingParams]:
     return [greedy, greedy, seeded, greedy]
 
 
-def _tp_run(ctx: RankContext, heads: int, kv_heads: int) -> dict:
+def _tp_run(ctx: RankContext, heads: int, kv_heads: int, kv_dtype: str) -> dict:
     model = _tiny_llama(heads, kv_heads, ctx.device)
-    kw = dict(tokenizer=_IdsTokenizer(), block_size=4, max_num_batched_tokens=16, max_num_seqs=3)
+    kw = dict(tokenizer=_IdsTokenizer(), block_size=4, max_num_batched_tokens=16, max_num_seqs=3, kv_dtype=kv_dtype)
     tp = LLM(model, kv_cache_memory=2**18, tp_group=dist.group.WORLD, **kw)
     got = [o.token_ids for o in tp.generate(_prompts(), _params())]
     again = [o.token_ids for o in tp.generate(_prompts()[:2], _params()[:2])]  # prefix-cache hits this time
@@ -61,11 +61,15 @@ def _tp_run(ctx: RankContext, heads: int, kv_heads: int) -> dict:
             "cached": tp.stats.cached_prompt_tokens}
 
 
-@pytest.mark.parametrize("world,heads,kv_heads", [
-    pytest.param(p.values[0], 4, 2, id=f"{p.id}-4q2kv", marks=p.marks) for p in world_params(2)] + [
-    pytest.param(p.values[0], 6, 1, id=f"{p.id}-6q1kv-replicated", marks=p.marks) for p in world_params(3)], indirect=["world"])
-def test_tensor_parallel_engine_gives_single_process_tokens(world, heads: int, kv_heads: int) -> None:
-    res = world.run(_tp_run, heads, kv_heads, timeout=120)
+_TP_CASES = [pytest.param(p.values[0], 4, 2, kv, id=f"{p.id}-4q2kv-{kv}", marks=p.marks) for p in world_params(2)
+             for kv in ("auto", "int8")]
+_TP_CASES += [pytest.param(p.values[0], 6, 1, "auto", id=f"{p.id}-6q1kv-replicated", marks=p.marks)
+              for p in world_params(3)]
+
+
+@pytest.mark.parametrize("world,heads,kv_heads,kv_dtype", _TP_CASES, indirect=["world"])
+def test_tensor_parallel_engine_gives_single_process_tokens(world, heads: int, kv_heads: int, kv_dtype: str) -> None:
+    res = world.run(_tp_run, heads, kv_heads, kv_dtype, timeout=120)
     size = world.size
     for r, out in enumerate(res):
         assert out["ref"] and all(len(t) == 6 for t in out["ref"])

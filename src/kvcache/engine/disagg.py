@@ -13,7 +13,8 @@ the number of blocks may differ) and be built with the model's ``RopeConfig`` (k
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 
 import torch
 import torch.distributed as dist

@@ -15,10 +15,10 @@ from .linear_runner import LinearEngineCore
 from .loader import load_model
 from .model import LlamaForward
 from .paged_runner import PagedRunner, has_paged_attention
-from .tp import TPLlamaForward
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus
+from .tp import TPLlamaForward
 
 __all__ = ["LLM", "EngineStats"]
 
