@@ -19,9 +19,9 @@ import triton
 
 from kvcache._backend import pdl_enabled
 from kvcache.ops.paged import AppendLaunch, append_paged_kv_launch, plan_append
+from kvcache.ops.paged.format import KV_FORMAT_TABLE
 from kvcache.ops.paged.launch import pdl_supported, ptx, rope_kind
 from kvcache.ops.paged.policy import SPLIT_BELOW
-from kvcache.paged.format import KV_FORMAT_TABLE
 from kvcache.rope import RopeConfig, RopeKernelParams
 
 SHAPES = ("per-row", "split-kv", "split-kv-heads")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import doctest
 import hashlib
-import importlib.util
 import os
 import struct
 import subprocess

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvcache.ops.paged import AppendLaunch, GatherLaunch, append_paged_kv_launch, plan_append, plan_gather
+from kvcache.ops.paged.format import KV_FORMAT_TABLE
 from kvcache.ops.paged.launch import default_append_launch, pdl_supported, ptx, rope_kind
 from kvcache.ops.paged.policy import GATHER_WIDE_FROM, SPLIT_BELOW, check_launch
-from kvcache.paged.format import KV_FORMAT_TABLE
 from kvcache.rope import RopeConfig
 
 from . import paged_reference as pr

@@ -11,10 +11,10 @@ from .._validate import check_int
 from ..config import check_memory
 from ..ops import attention as attention_ops
 from ..ops import paged as paged_ops
+from ..ops.paged.batch import PagedBatch, unpack_append_batch, unpack_gather_batch
 from ..ops.paged.launch import default_append_launch
 from ..ops.paged.policy import SPLIT_BELOW
 from ..rope import RopeConfig, RopeKernelParams
-from .batch import PagedBatch, unpack_append_batch, unpack_gather_batch
 from .config import PagedConfig, cache_block_bytes
 from .swap import SwappedBlocks, swap_in, swap_out
 

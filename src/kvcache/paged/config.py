@@ -44,7 +44,7 @@ import torch
 
 from .._validate import MODEL_DTYPES, check_choice, check_dtype_in, check_int
 from ..config import resolve_device
-from .format import KV_FORMATS, LAYOUTS, kv_format
+from ..ops.paged.format import KV_FORMATS, LAYOUTS, kv_format
 
 __all__ = ["PagedConfig", "cache_block_bytes", "KV_FORMATS", "LAYOUTS"]
 

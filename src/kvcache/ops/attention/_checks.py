@@ -9,7 +9,7 @@ import math
 import torch
 
 from ..._validate import check_choice, check_int, check_tensor_arg, fmt_shape
-from ...paged.format import LAYOUTS, kv_format
+from ..paged.format import LAYOUTS, kv_format
 
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..._validate import cdiv, next_pow2
-from ...paged.format import KV_FORMAT_TABLE
+from ..paged.format import KV_FORMAT_TABLE
 from ._kernel import _attention_kernel, _combine_kernel, _merge_kernel
 from .policy import AttentionPlan
 

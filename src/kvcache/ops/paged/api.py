@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..._validate import MODEL_DTYPES, check_dtype_in, fmt_shape
-from ...paged.batch import PagedBatch, unpack_append_batch, unpack_gather_batch
 from ...rope import RopeKernelParams
+from .batch import PagedBatch, unpack_append_batch, unpack_gather_batch
 from .checks import (
     check_arg_tensor,
     check_cp,

@@ -8,8 +8,8 @@ import math
 import torch
 
 from ..._validate import MODEL_DTYPES, check_choice, check_tensor_arg, fmt_shape
-from ...paged.format import LAYOUTS, kv_format
 from ...rope import RopeKernelParams
+from .format import LAYOUTS, kv_format
 
 
 def check_arg_tensor(name: str, t: object, *, dtypes: tuple[torch.dtype, ...], ndim: int,

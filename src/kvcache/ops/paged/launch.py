@@ -10,8 +10,8 @@ import torch
 
 from ..._backend import PreparedLaunch, pdl_enabled, use_triton
 from ..._validate import cdiv, next_pow2, vec_elems
-from ...paged.format import KV_FORMAT_TABLE
 from ...rope import RopeKernelParams
+from .format import KV_FORMAT_TABLE
 from .kernels.append import _append_kernel, gdc_wait
 from .kernels.codes import BY_CU_K_LENS, BY_KV_LENS, BY_SLOTS
 from .kernels.copy_blocks import _copy_blocks_kernel

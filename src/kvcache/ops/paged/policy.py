@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from ..._validate import next_pow2
-from ...paged.format import KV_FORMAT_TABLE
+from .format import KV_FORMAT_TABLE
 
 __all__ = ["AppendLaunch", "GatherLaunch", "RopeKind", "plan_append", "plan_gather", "check_launch", "SPLIT_BELOW"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ...paged.format import KV_FORMAT_TABLE
 from ...rope import RopeKernelParams
+from .format import KV_FORMAT_TABLE
 
 __all__ = ["append_paged_kv_reference", "gather_paged_kv_reference", "quantize_rows_reference",
            "dequantize_rows_reference"]

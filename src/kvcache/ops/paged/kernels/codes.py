@@ -1,4 +1,4 @@
-"""Named values of the kernels' ``QUANT`` (the pool's format, :class:`kvcache.paged.format.KVFormat` ``.code``) and
+"""Named values of the kernels' ``QUANT`` (the pool's format, :class:`kvcache.ops.paged.format.KVFormat` ``.code``) and
 ``MODE`` (how a batch says where its rows go) constexprs."""
 
 import triton.language as tl

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from .._validate import check_int, fmt_shape
+from ..._validate import check_int, fmt_shape
 
 __all__ = ["PagedBatch"]
 

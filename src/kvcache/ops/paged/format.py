@@ -1,6 +1,7 @@
 """The KV formats of a paged pool (``kv_dtype``), in one table used by the config, the ops and validation.
 
-The byte format of each is documented in :mod:`kvcache.paged.config`.
+The byte format of each is documented in :mod:`kvcache.paged.config`. Used by the config, the ops and validation
+(it imports nothing of kvcache: the ops read it without loading the cache classes).
 """
 
 from __future__ import annotations
