@@ -199,8 +199,7 @@ class LinearEngineCore:
         decode = [b for b, n in enumerate(counts) if n == 1]
         batched = len(decode) > 1 and decode == list(range(len(decode)))  # a leading run of decodes: one SDPA
         dev = model.device
-        all_decode = len(decode) == len(counts) and hasattr(ops, "linear_attention")
-        has_append = hasattr(cache, "append")
+        all_decode = len(decode) == len(counts)
         if all_decode:
             lengths = torch.tensor(before, dtype=torch.int32, device=dev)
         if batched:
@@ -213,7 +212,7 @@ class LinearEngineCore:
             k = model.rotate(k, cos, sin)
             kc, vc = cache.kv(i)  # [B, H, S, D] views of the slots
             out = torch.empty_like(q)
-            if all_decode and has_append:  # one token per slot, at each slot's length
+            if all_decode:  # one token per slot, at each slot's length
                 cache.append(i, k[:, :, None, :], v[:, :, None, :])
             else:  # ragged chunks: each slot's rows at its own length
                 for b, n in enumerate(counts):

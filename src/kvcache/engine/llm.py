@@ -14,7 +14,7 @@ from ..paged import BlockAllocator, PagedConfig, PagedKVCache, cache_block_bytes
 from .linear_runner import LinearEngineCore
 from .loader import load_model
 from .model import LlamaForward
-from .paged_runner import PagedRunner, has_paged_attention
+from .paged_runner import PagedRunner
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceStatus
@@ -50,7 +50,7 @@ class EngineStats:
     preemptions, steps, graph_steps : int
         Requests preempted (recomputed), engine steps, decode steps run as CUDA graphs.
     attention : str
-        ``"paged_attention"`` (in place) or ``"gather+sdpa"`` (the fallback), ``"slot-sdpa"`` (linear).
+        ``"paged_attention"`` (in place), ``"slot-sdpa"`` (linear).
     """
 
     requests: int = 0
@@ -252,7 +252,7 @@ class LLM:
                                   max_graph_batch=min(max_num_seqs, 512))
         self.stats.num_blocks = num_blocks
         self.stats.cache_bytes = self.cache.nbytes
-        self.stats.attention = "paged_attention" if has_paged_attention() else "gather+sdpa"
+        self.stats.attention = "paged_attention"
 
     # ---------------------------------------------------------------------------------- prompts
 

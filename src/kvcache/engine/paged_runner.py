@@ -17,24 +17,18 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from .. import ops
 from ..paged import PagedKVCache
 from .model import LlamaForward
 from .scheduler import ScheduledBatch
 
-__all__ = ["PagedRunner", "StepMeta", "has_paged_attention"]
-
-
-def has_paged_attention() -> bool:
-    """Whether ``kvcache.ops.paged_attention`` (attention over the blocks in place) is available."""
-    return hasattr(ops, "paged_attention")
+__all__ = ["PagedRunner", "StepMeta"]
 
 
 @dataclasses.dataclass(slots=True)
 class StepMeta:
-    """One step's batch, read by every layer (device tensors, plus host copies for the SDPA fallback)."""
+    """One step's batch, read by every layer (device tensors, and the host lists they were built from)."""
 
     block_tables: torch.Tensor  # int32 [B, W]
     cu_q_lens: torch.Tensor  # int32 [B + 1]
@@ -42,45 +36,6 @@ class StepMeta:
     kv_lens_after: torch.Tensor  # int32 [B]: tokens held after the step (this chunk included)
     q_lens: list[int]
     kv_after: list[int]
-
-
-def _sdpa_fallback(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta, scale: float) -> torch.Tensor:
-    """Causal attention of ragged queries ``q`` ``[N, Hq, D]`` over gathered ``k`` / ``v`` ``[B, H, S, D]``."""
-    out = torch.empty_like(q)
-    decode = [b for b, n in enumerate(meta.q_lens) if n == 1]
-    starts = [0] * len(meta.q_lens)
-    acc = 0
-    for b, n in enumerate(meta.q_lens):
-        starts[b] = acc
-        acc += n
-    if len(decode) > 1:
-        rows = torch.tensor([starts[b] for b in decode], device=q.device)
-        idx = torch.tensor(decode, device=q.device)
-        lens = torch.tensor([meta.kv_after[b] for b in decode], device=q.device)
-        S = max(meta.kv_after[b] for b in decode)
-        mask = (torch.arange(S, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-        qd = q.index_select(0, rows)[:, :, None, :]  # [b, Hq, 1, D]
-        o = F.scaled_dot_product_attention(qd, k.index_select(0, idx)[:, :, :S], v.index_select(0, idx)[:, :, :S],
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
-        out.index_copy_(0, rows, o[:, :, 0, :])
-        decode_set = set(decode)
-    else:
-        decode_set = set()
-    for b, n in enumerate(meta.q_lens):
-        if n == 0 or b in decode_set:
-            continue
-        L = meta.kv_after[b]
-        qs = q[starts[b]:starts[b] + n].transpose(0, 1)[None]
-        ks, vs = k[b:b + 1, :, :L], v[b:b + 1, :, :L]
-        if n == 1:
-            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True)
-        elif n == L:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(L - n, L, device=q.device)[:, None]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[starts[b]:starts[b] + n] = o[0].transpose(0, 1)
-    return out
 
 
 class PagedRunner:
@@ -98,7 +53,7 @@ class PagedRunner:
     scratch_block : int
         A block id no request ever holds: padded rows of CUDA graphs write and read it.
     cuda_graphs : bool
-        Run decode steps as CUDA graphs (``kvcache.ops.paged_attention`` required; else ignored). On the CPU:
+        Run decode steps as CUDA graphs. On the CPU:
         the same static, padded buffers without capture (a check of the graph path's batch layout).
     max_graph_batch : int
         Largest decode batch run as a graph.
@@ -111,10 +66,9 @@ class PagedRunner:
         self.width = max_blocks_per_seq
         self.device = cache.device
         self.scratch_block = scratch_block
-        self.in_place = has_paged_attention()
         # on the CPU, cuda_graphs=True runs decode steps through the same static, padded buffers uncaptured: the
         # graph path's batch layout (buckets, scratch-block padding) is then checked without a GPU
-        self.use_graphs = bool(cuda_graphs) and self.in_place
+        self.use_graphs = bool(cuda_graphs)
         model.rope_tables(max_model_len + 1)
         self.max_graph_batch = max_graph_batch
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -128,20 +82,14 @@ class PagedRunner:
         cache = self.cache
         cfg = cache.config
         scale = self.model.scale
-        fp8 = cfg.kv_dtype == "fp8"
         # a host bound of the lengths for the launch plan (never read from the device); graphs: the table's
         max_kv = max(meta.kv_after) if meta.kv_after else self.width * cfg.block_size
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.append(i, k, v, block_tables=meta.block_tables, cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens)
-            if self.in_place:
-                return ops.paged_attention(q, cache.pool(i), cache.params(i), cache.kv_scales[i] if fp8 else None,
-                                           kv_dtype=cfg.kv_dtype, layout=cfg.layout, block_tables=meta.block_tables,
-                                           cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens_after, scale=scale,
-                                           max_kv_len=max_kv)
-            # FALLBACK until kvcache.ops.paged_attention lands: gather the batch's blocks, then SDPA
-            kk, vv = cache.gather(i, meta.block_tables, kv_lens=meta.kv_lens_after, max_len=max(meta.kv_after))
-            return _sdpa_fallback(q, kk, vv, meta, scale)
+            return ops.paged_attention(q, cache.pool(i), cache.params(i), cache.kv_scales[i], kv_dtype=cfg.kv_dtype,
+                                       layout=cfg.layout, block_tables=meta.block_tables, cu_q_lens=meta.cu_q_lens,
+                                       kv_lens=meta.kv_lens_after, scale=scale, max_kv_len=max_kv)
 
         return attend
 

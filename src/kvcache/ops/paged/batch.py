@@ -192,12 +192,6 @@ class PagedBatch:
         ok = in_table & (blk >= 0) & (blk < num_blocks)
         return (want & ~ok).sum()
 
-    def append_args(self) -> dict:
-        """The keyword arguments :func:`kvcache.ops.append_paged_kv` takes for this batch."""
-        return dict(block_tables=self.block_tables, cu_q_lens=self.cu_q_lens, kv_lens=self.kv_lens,
-                    cu_k_lens=self.cu_k_lens, slot_mapping=self.slot_mapping, positions=self.positions,
-                    cp_rank=self.cp_rank, cp_size=self.cp_size)
-
 
 def unpack_append_batch(batch: object, block_tables: object, cu_q_lens: object, kv_lens: object, cu_k_lens: object,
                         slot_mapping: object, positions: object, cp_rank: object, cp_size: object) -> tuple:

@@ -95,11 +95,8 @@ def _row_codes(
             if SELECT:
                 # is_v per program (split launches): V programs rotate too and keep x. Branching on is_v instead,
                 # ptxas moves a slot mapping's position load into the branch, after the wait for K / V: two
-                # memory latencies in a row. V programs are not the critical path. Measured on an H100
-                # (append_ab.py versions, 22:00 UTC): slot-mapping decode with RoPE, us per layer, fp8
-                # 1.79-1.87 -> 1.47-1.52, int8 2.03-2.08 -> 1.91-1.96, int4 1.99-2.04 -> 1.83-1.89; fp16 and
-                # ragged batches (their position loads are not in the branch) no faster, so the launch selects
-                # it for quantized slot-mapping launches only
+                # memory latencies in a row (V programs are not the critical path). The policy selects it for
+                # quantized slot-mapping launches, the ones it makes faster (docs/tuning-history.md)
                 y1, y2 = _rope_k(x1, x2, pos, freqs, FMAX, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT,
                                  INTERLEAVED, ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC, cs_c, cs_s, CS_GIVEN)
                 x1 = tl.where(is_v == 0, y1, x1)

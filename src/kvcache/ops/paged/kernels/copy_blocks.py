@@ -27,10 +27,3 @@ def _copy_blocks_kernel(
     m = tl.where(ok, offs < elems, False)  # (tl.where: a scalar & tile mask is rejected by triton 3.9's interpreter)
     x = tl.load(buf + layer * layer_stride + src * elems + offs, mask=m)
     tl.store(buf + layer * layer_stride + dst * elems + offs, x, mask=m)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# launchers (validated by the callers: kvcache.paged.PagedKVCache)
-
-
-# Appends of fewer rows than this give K and V programs of their own (the kernel's SPLIT): measured on an H100

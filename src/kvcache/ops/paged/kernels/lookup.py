@@ -57,11 +57,8 @@ def _find_seq(n, cu_q, k_lens, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr,
 def _find_seq_call(n, cu_q, k_lens, n_seqs, MODE: tl.constexpr, SEARCH: tl.constexpr, LOG_B: tl.constexpr,
                    CM: tl.constexpr):
     # _find_seq as a call (see _row_target's CALL). It is taken only where the guess misses, and keeps the search's
-    # code and registers out of the hot path. Measured on an H100 against the inlined search (append_ab.py
-    # versions, 23:48 and 23:58 UTC): per-row (prefill) launches 0.5-2.5 points of copy bandwidth faster for
-    # int4, the other formats within noise; split (decode) launches of unquantized rows without RoPE 0.1 us per
-    # layer faster (1.57-1.63 against 1.66-1.73), while the other split launches were as fast or up to 0.1 us
-    # faster inlined (fp8, int4), although ptxas then issues their K / V loads after the guess's check.
+    # code and registers out of the hot path: faster for per-row launches and for split launches of raw rows,
+    # which are the ones that call it (numbers in docs/tuning-history.md).
     return _find_seq(n, cu_q, k_lens, n_seqs, MODE, SEARCH, LOG_B, CM)
 
 
