@@ -153,3 +153,28 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
     return value
+
+
+def check_index_vector(name: str, t: object, n: int | None, device: torch.device, *,
+                       dtypes: tuple[torch.dtype, ...] = (torch.int32,), ref: str = "pool") -> torch.Tensor:
+    """``t`` as a contiguous 1-d tensor of one of ``dtypes`` (``n`` entries unless None) on ``device`` (the device
+    of the argument ``ref``): the index vectors of a batch (lengths, cumulative lengths, slots, positions)."""
+    check_tensor_arg(name, t, dtypes=dtypes, ndim=1, device=device, ref=ref)
+    if n is not None and t.shape[0] != n:  # type: ignore[union-attr]
+        raise ValueError(f"{name}: expected shape [{n}], got {fmt_shape(t.shape)}")  # type: ignore[union-attr]
+    if t.shape[0] > 1 and t.stride(0) != 1:  # type: ignore[union-attr]
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")  # type: ignore[union-attr]
+    return t  # type: ignore[return-value]
+
+
+def check_cp(cp_rank: object, cp_size: object) -> tuple[int, int]:
+    """Context-parallel rank and size: ints with ``cp_size >= 1`` and ``0 <= cp_rank < cp_size``."""
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int):
+        raise TypeError(f"cp_size: expected an int, got {type(cp_size).__name__}")
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int):
+        raise TypeError(f"cp_rank: expected an int, got {type(cp_rank).__name__}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_size={cp_size}, got {cp_rank}")
+    return cp_rank, cp_size

@@ -42,7 +42,7 @@ def _setup(device, kv_dtype="auto"):  # type: ignore[no-untyped-def]
         (dict(lse=torch.zeros(2, 4, dtype=torch.float16)), ValueError, "lse: expected dtype torch.float32"),
         (dict(lse=torch.zeros(2, 5)), ValueError, r"lse: expected shape \[2, 4\]"),
         (dict(out=torch.zeros(2, 4, 64)), ValueError, "out: expected dtype torch.float16"),
-        (dict(cp_rank=2, cp_size=2), ValueError, "cp_rank: expected an int <= 1"),
+        (dict(cp_rank=2, cp_size=2), ValueError, "cp_rank: expected 0 <= cp_rank < cp_size=2, got 2"),
         (dict(num_splits=0), ValueError, "num_splits: expected an int >= 1"),
         (dict(params=torch.zeros(1)), ValueError, "params: expected None"),
     ],

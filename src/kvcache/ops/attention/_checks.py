@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..._validate import check_choice, check_int, check_tensor_arg, fmt_shape
+from ..._validate import check_choice, check_index_vector, check_int, check_tensor_arg, fmt_shape
 from ..paged.format import LAYOUTS, kv_format
 
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -121,18 +121,8 @@ def check_kv_scales(kv_scales: object, device: torch.device, required: bool) -> 
 
 
 def check_int_vec(name: str, t: object, n: int, device: torch.device) -> torch.Tensor:
-    check_tensor_arg(name, t, dtypes=(torch.int32,), ndim=1, device=device, ref="q")
-    if t.shape[0] != n:
-        raise ValueError(f"{name}: expected shape [{n}], got {fmt_shape(t.shape)}")
-    if t.stride(0) != 1 and n > 1:
-        raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")
-    return t
-
-
-def check_cp(cp_rank: object, cp_size: object) -> tuple[int, int]:
-    check_int("cp_size", cp_size, 1)
-    check_int("cp_rank", cp_rank, 0, cp_size - 1)  # type: ignore[operator]
-    return cp_rank, cp_size  # type: ignore[return-value]
+    """An int32 index vector of ``n`` entries on q's device."""
+    return check_index_vector(name, t, n, device, ref="q")
 
 
 def check_workspace(workspace: object, size: int, device: torch.device) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..._backend import use_triton
-from ..._validate import check_int
+from ..._validate import check_cp, check_int
 from . import _checks as c
 from ._launch import launch_attention, num_sms
 from .policy import attention_plan, attention_workspace_size
@@ -131,7 +131,7 @@ def paged_attention(
     nb, bs, h = c.check_pool(pool, params, kv_scales, kv_dtype, layout, q)
     c.check_gqa(hq, h)
     scale, window, softcap = c.check_options(scale, window, softcap, sinks, hq, d, dev)
-    cp_rank, cp_size = c.check_cp(cp_rank, cp_size)
+    cp_rank, cp_size = check_cp(cp_rank, cp_size)
     c.check_tensor_arg("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev, ref="q")
     if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
         raise ValueError(f"block_tables: expected contiguous rows, got strides {tuple(block_tables.stride())}")

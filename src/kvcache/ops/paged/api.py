@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from ..._validate import MODEL_DTYPES, check_dtype_in, fmt_shape
+from ..._validate import MODEL_DTYPES, check_cp, check_dtype_in, fmt_shape
 from ...rope import RopeKernelParams
 from .batch import PagedBatch, unpack_append_batch, unpack_gather_batch
 from .checks import (
     check_arg_tensor,
-    check_cp,
     check_fp8_scales,
     check_index_vector,
     check_kv_rows,

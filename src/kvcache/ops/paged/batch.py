@@ -6,25 +6,9 @@ import dataclasses
 
 import torch
 
-from ..._validate import check_int, fmt_shape
+from ..._validate import check_index_vector, check_int, fmt_shape
 
 __all__ = ["PagedBatch"]
-
-
-def _index_vector(name: str, t: object, n: int | None, device: torch.device | None,
-                  dtypes: tuple[torch.dtype, ...] = (torch.int32,)) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    if t.dim() != 1 or (n is not None and t.shape[0] != n):
-        want = "[n]" if n is None else f"[{n}]"
-        raise ValueError(f"{name}: expected a 1-d tensor {want}, got {fmt_shape(t.shape)}")
-    if t.shape[0] > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name}: expected a contiguous tensor, got stride {t.stride(0)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device} (the batch's), got {t.device}")
-    return t
 
 
 @dataclasses.dataclass(slots=True)
@@ -89,7 +73,7 @@ class PagedBatch:
         if not isinstance(block_tables, torch.Tensor):
             raise TypeError(f"block_tables: expected a torch.Tensor, got {type(block_tables).__name__}")
         dev = block_tables.device
-        cu = _index_vector("cu_q_lens", cu_q_lens, None, dev)
+        cu = check_index_vector("cu_q_lens", cu_q_lens, None, dev, ref="block_tables")
         b = cu.shape[0] - 1
         if b < 0:
             raise ValueError("cu_q_lens: expected B + 1 >= 1 entries, got 0")
@@ -100,9 +84,9 @@ class PagedBatch:
         if (kv_lens is None) == (cu_k_lens is None):
             raise ValueError("kv_lens: expected exactly one of kv_lens / cu_k_lens")
         if kv_lens is not None:
-            _index_vector("kv_lens", kv_lens, b, dev)
+            check_index_vector("kv_lens", kv_lens, b, dev, ref="block_tables")
         else:
-            _index_vector("cu_k_lens", cu_k_lens, b + 1, dev)
+            check_index_vector("cu_k_lens", cu_k_lens, b + 1, dev, ref="block_tables")
         cp_size = check_int("cp_size", cp_size, 1)
         cp_rank = check_int("cp_rank", cp_rank, 0, cp_size - 1)
         return cls(block_tables=block_tables, cu_q_lens=cu, kv_lens=kv_lens, cu_k_lens=cu_k_lens, cp_rank=cp_rank,
@@ -115,9 +99,10 @@ class PagedBatch:
         if not isinstance(slot_mapping, torch.Tensor):
             raise TypeError(f"slot_mapping: expected a torch.Tensor, got {type(slot_mapping).__name__}")
         ints = (torch.int64, torch.int32)
-        sm = _index_vector("slot_mapping", slot_mapping, None, slot_mapping.device, ints)
+        sm = check_index_vector("slot_mapping", slot_mapping, None, slot_mapping.device, dtypes=ints,
+                                ref="slot_mapping")
         if positions is not None:
-            _index_vector("positions", positions, sm.shape[0], sm.device, ints)
+            check_index_vector("positions", positions, sm.shape[0], sm.device, dtypes=ints, ref="slot_mapping")
         return cls(slot_mapping=sm, positions=positions)
 
     @property

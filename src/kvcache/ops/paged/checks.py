@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..._validate import MODEL_DTYPES, check_choice, check_tensor_arg, fmt_shape
+from ..._validate import check_index_vector as _check_index_vector
 from ...rope import RopeKernelParams
 from .format import LAYOUTS, kv_format
 
@@ -105,25 +106,10 @@ def host_check_rope_bound(rope) -> None:  # type: ignore[no-untyped-def]
                          f"{float(rope.inv_freq.abs().max())}")
 
 
-def check_index_vector(name: str, t: object, n: int | None, device: torch.device, dtypes=(torch.int32,)) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    check_arg_tensor(name, t, dtypes=dtypes, ndim=1, device=device)
-    if n is not None and t.shape[0] != n:  # type: ignore[union-attr]
-        raise ValueError(f"{name}: expected shape [{n}], got {fmt_shape(t.shape)}")  # type: ignore[union-attr]
-    if t.stride(0) != 1 and t.shape[0] > 1:  # type: ignore[union-attr]
-        raise ValueError(f"{name}: expected a contiguous tensor")
-    return t  # type: ignore[return-value]
-
-
-def check_cp(cp_rank: object, cp_size: object) -> tuple[int, int]:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int):
-        raise TypeError(f"cp_size: expected an int, got {type(cp_size).__name__}")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int):
-        raise TypeError(f"cp_rank: expected an int, got {type(cp_rank).__name__}")
-    if cp_size < 1:
-        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_size={cp_size}, got {cp_rank}")
-    return cp_rank, cp_size
+def check_index_vector(name: str, t: object, n: int | None, device: torch.device,
+                       dtypes: tuple[torch.dtype, ...] = (torch.int32,)) -> torch.Tensor:
+    """:func:`kvcache._validate.check_index_vector` for an index vector that must live on the pool's device."""
+    return _check_index_vector(name, t, n, device, dtypes=dtypes, ref="pool")
 
 
 def check_fp8_scales(fp8_scales: object, kv_dtype: str, device: torch.device) -> torch.Tensor | None:
