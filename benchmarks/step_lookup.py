@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kvcache import PagedConfig, PagedKVCache, RopeConfig
+from kvcache.bench.timing import graph_replay_us
 
 H, D, LAYERS = 8, 128, 32
 
@@ -123,18 +124,7 @@ def case(kind: str, n_seqs: int, q_len: int, ctx: int, bs: int, kv_dtype: str, n
     del ref
     for name, fn in (("ragged", ragged), ("slots", by_slots), ("slots_ready", by_slots_ready),
                      ("resolve_only", resolve_only)):
-        fn()
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        ms = triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median")
-        out[name + "_us"] = ms * 1e3
+        out[name + "_us"] = graph_replay_us(fn, rep=300, warmup=50)[0]
     out["slots_vs_ragged_pct"] = 100.0 * (out["slots_us"] / out["ragged_us"] - 1.0)
     out["slots_ready_vs_ragged_pct"] = 100.0 * (out["slots_ready_us"] / out["ragged_us"] - 1.0)
     del cache

@@ -31,6 +31,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .timing import graph_replay_us
+
 HQ, H, D = 32, 8, 128
 FORMATS = ("auto", "fp8", "int8", "int4")
 COMMAND = "kvcache bench attention"
@@ -63,25 +65,7 @@ class Result:
 def bench_us(fn: Callable[[], object], rep: int) -> tuple[float, bool]:
     """Median microseconds of ``fn`` replayed from a CUDA graph with L2 flushed before every call; ``(us, True)``.
     Falls back to eager calls (``(us, False)``) where ``fn`` cannot be captured."""
-    import triton
-
-    fn()
-    torch.cuda.synchronize()
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run, graphed = g.replay, True
-    except Exception:  # noqa: BLE001 - a baseline that cannot be captured is timed eagerly
-        torch.cuda.synchronize()
-        run, graphed = fn, False
-    ms = triton.testing.do_bench(run, warmup=10, rep=rep, return_mode="median")
-    return ms * 1e3, graphed
+    return graph_replay_us(fn, rep=rep, warmup=10, eager_fallback=True)
 
 
 def kv_bytes(n_tokens: int, kv_dtype: str) -> int:

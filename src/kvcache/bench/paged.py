@@ -25,6 +25,7 @@ import triton.language as tl
 
 from ..paged import PagedConfig, PagedKVCache, cache_block_bytes
 from ..rope import RopeConfig
+from .timing import graph_replay_us
 
 H, D = 8, 128
 LAYERS = 32
@@ -63,18 +64,7 @@ class Result:
 def bench_graph(fn: Callable[[], object], per: int = 1) -> float:
     """Microseconds per call of ``fn`` captured in a CUDA graph and replayed with L2 flushed before every replay
     (median), divided by ``per`` (calls inside ``fn``)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    ms = triton.testing.do_bench(g.replay, warmup=25, rep=150, return_mode="median")
-    return ms * 1e3 / per
+    return graph_replay_us(fn)[0] / per
 
 
 def store_bytes(n_tokens: int, kv_dtype: str) -> int:
