@@ -127,8 +127,6 @@ def case(kind: str, n_seqs: int, q_len: int, ctx: int, bs: int, kv_dtype: str, n
         out[name + "_us"] = graph_replay_us(fn, rep=300, warmup=50)[0]
     out["slots_vs_ragged_pct"] = 100.0 * (out["slots_us"] / out["ragged_us"] - 1.0)
     out["slots_ready_vs_ragged_pct"] = 100.0 * (out["slots_ready_us"] / out["ragged_us"] - 1.0)
-    del cache
-    torch.cuda.empty_cache()
     return out
 
 
@@ -146,6 +144,7 @@ def main() -> int:
                     r = case(kind, n_seqs, q_len, ctx, bs, kv_dtype, nb, rope=True)
                     r["round"] = rnd
                     rows.append(r)
+                    torch.cuda.empty_cache()  # the case's cache is gone: give its pool back before the next one
                     print(f"{kind:8s} {kv_dtype:5s} b{bs:<3d} ragged {r['ragged_us']:8.1f} us  slots "
                           f"{r['slots_us']:8.1f} ({r['slots_vs_ragged_pct']:+5.1f}%)  slots+ready "
                           f"{r['slots_ready_us']:8.1f} ({r['slots_ready_vs_ragged_pct']:+5.1f}%)  resolve "
