@@ -404,7 +404,8 @@ class PagedKVCache:
         torch.Size([6, 4, 8])
         """
         if not isinstance(batch, PagedBatch) or not batch.is_ragged:
-            raise TypeError(f"batch: expected a ragged PagedBatch, got {type(batch).__name__}")
+            got = "a slot-mapping PagedBatch" if isinstance(batch, PagedBatch) else type(batch).__name__
+            raise TypeError(f"batch: expected a ragged PagedBatch (block tables + lengths), got {got}")
         i = self._layer(layer)
         return attention_ops.paged_attention(
             q, self._pools[i], self._params[i], self._scales[i], kv_dtype=self._config.kv_dtype,

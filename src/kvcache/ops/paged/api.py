@@ -255,9 +255,10 @@ def gather_paged_kv(
     check_arg_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev)
     b = block_tables.shape[0]
     if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:
-        raise ValueError("block_tables: expected contiguous rows")
+        raise ValueError(f"block_tables: expected contiguous rows, got strides {tuple(block_tables.stride())}")
     if (kv_lens is None) == (cu_k_lens is None):
-        raise ValueError("kv_lens: expected exactly one of kv_lens / cu_k_lens")
+        raise ValueError(f"kv_lens: expected exactly one of kv_lens / cu_k_lens, got "
+                         f"{'both' if kv_lens is not None else 'neither'}")
     if kv_lens is not None:
         check_index_vector("kv_lens", kv_lens, b, dev)
     else:
@@ -265,11 +266,12 @@ def gather_paged_kv(
     d = dp * 2 if kv_dtype == "int4" else dp
     rope = check_rope(rope, d, dev)
     if (k_out is None) != (v_out is None):
-        raise ValueError("k_out: expected both k_out and v_out, or neither")
+        raise ValueError(f"k_out: expected both k_out and v_out, or neither, got only "
+                         f"{'k_out' if k_out is not None else 'v_out'}")
     if k_out is None:
         if dtype is None:
             if kv_dtype != "auto":
-                raise ValueError(f"dtype: expected the model dtype for a {kv_dtype!r} pool")
+                raise ValueError(f"dtype: expected the model dtype for a {kv_dtype!r} pool, got None")
             dtype = pool.dtype
         check_dtype_in("dtype", dtype, MODEL_DTYPES)
         if max_len is None:
@@ -329,7 +331,9 @@ def copy_blocks(buffers: list[torch.Tensor], pairs: torch.Tensor, *, check: bool
         raise TypeError(f"buffers: expected a non-empty list of tensors, got {type(buffers).__name__}")
     for i, buf in enumerate(buffers):
         if not isinstance(buf, torch.Tensor) or buf.dim() < 3 or not buf.is_contiguous():
-            raise ValueError(f"buffers[{i}]: expected a contiguous tensor [L, num_blocks, ...]")
+            got = (f"{fmt_shape(buf.shape)} strides {tuple(buf.stride())}" if isinstance(buf, torch.Tensor)
+                   else type(buf).__name__)
+            raise ValueError(f"buffers[{i}]: expected a contiguous tensor [L, num_blocks, ...], got {got}")
         if pairs.device != buf.device:
             raise ValueError(f"pairs: expected device {buf.device} (of buffers[{i}]), got {pairs.device}")
         if buf.shape[1] != buffers[0].shape[1]:
@@ -345,6 +349,6 @@ def copy_blocks(buffers: list[torch.Tensor], pairs: torch.Tensor, *, check: bool
             raise ValueError(f"pairs: expected block ids in [0, {nb}), got {bad[:8]}")
         dst = [d for _, d in vals]
         if len(set(dst)) != len(dst) or set(dst) & {s for s, _ in vals}:
-            raise ValueError("pairs: expected distinct destinations that are not also sources")
+            raise ValueError(f"pairs: expected distinct destinations that are not also sources, got {vals[:8]}")
     for buf in buffers:
         copy_blocks_launch(buf, pairs)

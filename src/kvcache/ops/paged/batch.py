@@ -199,7 +199,8 @@ def unpack_gather_batch(batch: object, block_tables: object, kv_lens: object, cu
     is given (then it must come alone), else those given; ``block_tables`` is required either way."""
     if batch is not None:
         if not isinstance(batch, PagedBatch) or not batch.is_ragged:
-            raise TypeError(f"batch: expected a ragged PagedBatch, got {type(batch).__name__}")
+            got = "a slot-mapping PagedBatch" if isinstance(batch, PagedBatch) else type(batch).__name__
+            raise TypeError(f"batch: expected a ragged PagedBatch (block tables + lengths), got {got}")
         if any(x is not None for x in (block_tables, kv_lens, cu_k_lens)) or cp_rank != 0 or cp_size != 1:
             raise ValueError("batch: expected alone, without block_tables / kv_lens / cu_k_lens / cp_rank / cp_size")
         return batch.block_tables, batch.seq_lens, None, batch.cp_rank, batch.cp_size
