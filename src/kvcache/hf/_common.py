@@ -139,3 +139,21 @@ class LayerView(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError(f"{type(self._owner).__name__}: batch_select_indices is not supported")
+
+
+class CacheCapacity:
+    """``max_batch_size`` / ``max_cache_len`` of kvcache's transformers caches, from ``_max_batch`` / ``_max_len``
+    (read-only properties: transformers 5.17's ``Cache`` defines them so, 5.24's not at all)."""
+
+    _max_batch: int
+    _max_len: int
+
+    @property
+    def max_batch_size(self) -> int:
+        """Rows the cache holds at most."""
+        return self._max_batch
+
+    @property
+    def max_cache_len(self) -> int:
+        """Tokens per row the cache holds at most."""
+        return self._max_len

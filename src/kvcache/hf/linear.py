@@ -17,12 +17,12 @@ from .._validate import bits
 from ..config import CacheConfig, KVLayerConfig, ManagerConfig
 from ..linear import LinearKVCache
 from ..manager import KVCacheManager
-from ._common import LINEAR_KV_DTYPES, LayerView, ModelShape, to_storage, tokens_to_keep
+from ._common import LINEAR_KV_DTYPES, CacheCapacity, LayerView, ModelShape, to_storage, tokens_to_keep
 
 __all__ = ["LinearCache"]
 
 
-class LinearCache(Cache):
+class LinearCache(CacheCapacity, Cache):
     """A transformers cache whose keys and values live in a kvcache linear cache.
 
     Parameters
@@ -88,8 +88,7 @@ class LinearCache(Cache):
         if len(specs) != shape.num_layers:
             raise ValueError(f"layers: expected {shape.num_layers} (num_kv_heads, head_dim) pairs, got {len(specs)}")
         super().__init__(layers=[LayerView(self, i) for i in range(shape.num_layers)])
-        # stored privately: transformers 5.x's Cache defines max_batch_size / max_cache_len as read-only
-        # properties in some versions (5.17)
+        # behind CacheCapacity's read-only properties (transformers 5.17's Cache defines them read-only)
         self._max_batch = max_batch_size
         self._max_len = max_cache_len
         self.kv_dtype = kv_dtype
@@ -100,16 +99,6 @@ class LinearCache(Cache):
         self._allocated = False
         self._model_dtype: torch.dtype | None = None
         self._layer_len = [0] * shape.num_layers
-
-    @property
-    def max_batch_size(self) -> int:  # type: ignore[override]
-        """Rows the cache holds at most."""
-        return self._max_batch
-
-    @property
-    def max_cache_len(self) -> int:  # type: ignore[override]
-        """Tokens per row the cache holds at most."""
-        return self._max_len
 
     # ------------------------------------------------------------------------------------------ storage
 

@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache
 from .._validate import cdiv
 from ..paged import BlockAllocator, PagedConfig, PagedKVCache
 from ..paged.config import KV_FORMATS, LAYOUTS
-from ._common import LayerView, ModelShape, tokens_to_keep
+from ._common import CacheCapacity, LayerView, ModelShape, tokens_to_keep
 
 __all__ = ["PagedCache"]
 
@@ -58,7 +58,7 @@ class Pending:
         self.layer = layer
 
 
-class PagedCache(Cache):
+class PagedCache(CacheCapacity, Cache):
     """A transformers cache whose keys and values live in the blocks of a kvcache paged cache.
 
     Parameters
@@ -100,17 +100,6 @@ class PagedCache(Cache):
     (6, [[0, 1]])
     """
 
-
-    @property
-    def max_batch_size(self) -> int:  # type: ignore[override]
-        """Rows the cache holds at most."""
-        return self._max_batch
-
-    @property
-    def max_cache_len(self) -> int:  # type: ignore[override]
-        """Tokens per row the cache holds at most."""
-        return self._max_len
-
     def __init__(
         self,
         config: Any,
@@ -141,8 +130,7 @@ class PagedCache(Cache):
         super().__init__(layers=[LayerView(self, i) for i in range(shape.num_layers)])
         self.model_config = config
         self.shape = shape
-        # stored privately: transformers 5.x's Cache defines max_batch_size / max_cache_len as read-only
-        # properties in some versions (5.17)
+        # behind CacheCapacity's read-only properties (transformers 5.17's Cache defines them read-only)
         self._max_batch = max_batch_size
         self._max_len = max_cache_len
         self.kv_dtype = kv_dtype
