@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import torch
@@ -25,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kvcache import PagedConfig, PagedKVCache, RopeConfig
+from kvcache.bench.paged import random_slots
 from kvcache.bench.timing import graph_replay_us
 
 H, D, LAYERS = 8, 128, 32
@@ -70,20 +70,11 @@ def case(kind: str, n_seqs: int, q_len: int, ctx: int, bs: int, kv_dtype: str, n
                       dtype=torch.float16, kv_dtype=kv_dtype, device=dev)
     cache = PagedKVCache(cfg, rope=RopeConfig(head_dim=D, base=500000.0) if rope else None)
     n = n_seqs * q_len
-    per_seq = math.ceil((ctx + q_len) / bs)
     kv_lens = torch.full((n_seqs,), ctx, dtype=torch.int32)
     if q_len == 1:
         kv_lens = torch.randint(1, ctx, (n_seqs,), generator=gen, dtype=torch.int32)
-    # every block a step writes is distinct and drawn at random from the whole pool; the table entries that are
-    # only read by attention (not here) are random blocks too
-    tables = torch.randint(0, nb, (n_seqs, per_seq), generator=gen, dtype=torch.int32)
-    first, last = kv_lens // bs, (kv_lens + q_len - 1) // bs
-    fresh = torch.randperm(nb, generator=gen).to(torch.int32)
-    used = 0
-    for b in range(n_seqs):
-        w = int(last[b] - first[b]) + 1
-        tables[b, int(first[b]): int(last[b]) + 1] = fresh[used: used + w]
-        used += w
+    # every block a step writes is distinct and drawn at random from the whole pool (as kvcache bench paged)
+    tables, _ = random_slots(n, kv_lens, q_len, bs, nb, gen)
     tables, kv_lens = tables.to(dev), kv_lens.to(dev)
     cu_q = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
     ks = [torch.randn(n, H, D, dtype=torch.float16, device=dev) for _ in range(LAYERS)]

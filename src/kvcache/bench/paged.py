@@ -72,7 +72,7 @@ def store_bytes(n_tokens: int, kv_dtype: str) -> int:
     return cache_block_bytes(1, H, D, 1, torch.float16, kv_dtype) * n_tokens
 
 
-def _random_slots(n_rows: int, start: torch.Tensor, q_len: int, bs: int, nb: int, gen: torch.Generator
+def random_slots(n_rows: int, start: torch.Tensor, q_len: int, bs: int, nb: int, gen: torch.Generator
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block tables whose written blocks are distinct and drawn at random from the whole pool (entries only
     read by attention are random blocks too), and the slot of every row."""
@@ -113,7 +113,7 @@ def _prefill(dev: torch.device, gen: torch.Generator, quick: bool) -> list[Resul
     for bs in (16, 64):
         nb = (1 << 20) // bs if not quick else 8192  # 4 GiB of fp16 pool
         shape = f"{n_seqs} x {seq} tok, block {bs}, {nb} blocks"
-        tables, slots = _random_slots(n, torch.zeros(n_seqs, dtype=torch.long), seq, bs, nb, gen)
+        tables, slots = random_slots(n, torch.zeros(n_seqs, dtype=torch.long), seq, bs, nb, gen)
         tables, slots = tables.to(dev), slots.to(dev)
         for kv_dtype in FORMATS:
             cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
@@ -163,7 +163,7 @@ def _decode(dev: torch.device, gen: torch.Generator, quick: bool) -> list[Result
     for bs in (16, 64):
         nb = 8192 if bs == 16 else 4096  # 16 / 32 GiB of fp16 pool over the 32 layers
         shape = f"{n_seqs} x 1 tok, block {bs}, {nb} blocks x {layers} layers"
-        tables, slots = _random_slots(n_seqs, start, 1, bs, nb, gen)
+        tables, slots = random_slots(n_seqs, start, 1, bs, nb, gen)
         tables, slots = tables.to(dev), slots.to(dev)
         for kv_dtype in FORMATS:
             cache = PagedKVCache(PagedConfig(num_layers=layers, num_kv_heads=H, head_dim=D, block_size=bs,
