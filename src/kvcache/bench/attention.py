@@ -117,7 +117,8 @@ def _attention_fn(p: Pool, q: torch.Tensor, bt: torch.Tensor, cu: torch.Tensor, 
     from ..ops.attention import attention_plan, attention_workspace_size, paged_attention
 
     plan = attention_plan(num_q_heads=HQ, num_kv_heads=H, head_dim=D, n_tokens=q.shape[0], num_seqs=bt.shape[0],
-                          max_kv_len=max_kv, num_sms=torch.cuda.get_device_properties(q.device).multi_processor_count)
+                          max_kv_len=max_kv, num_sms=torch.cuda.get_device_properties(q.device).multi_processor_count,
+                          kv_dtype=p.kv_dtype)
     ws = torch.empty(max(1, attention_workspace_size(q.shape[0], HQ, D, plan.num_splits)), dtype=torch.float32,
                      device=q.device)
 

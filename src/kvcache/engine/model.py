@@ -9,6 +9,11 @@ attention reads the cache. The attention itself is a callable the runner passes 
 Supported: decoder-only models whose layers have ``self_attn.{q,k,v,o}_proj`` (biases allowed),
 ``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, SmolLM2, Mistral without sliding window,
 Qwen2, Qwen3 with its q / k norms), rotate-half RoPE as transformers computes it.
+
+Where kvcache's kernels run (CUDA, or the CPU under ``KVCACHE_TRITON_INTERPRET=1``) the decoder runs *fused*: q / k / v are one GEMM and gate / up another (the modules' weights become views
+of the concatenated matrices, so memory is unchanged), the residual add and RMSNorm are one kernel, SiLU-and-
+multiply one, the query rotation one (:mod:`kvcache.engine.fused`). Elsewhere (the CPU's torch backend) the
+modules themselves run, so the engine's tokens are transformers' own numerics there.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from typing import Any
 
 import torch
 
+from .._backend import use_triton
 from ..rope import RopeConfig
+from . import fused
 
 __all__ = ["LlamaForward", "AttentionFn"]
 
@@ -80,6 +87,34 @@ class LlamaForward:
         self.dtype = p.dtype
         self.device = p.device
         self._cos = self._sin = None
+        self._fused: list[dict[str, Any]] | None = None
+        if use_triton(self.device) and type(self).forward is LlamaForward.forward:
+            self._fused = self._fuse()
+
+    def _fuse(self) -> list[dict[str, Any]] | None:
+        """Concatenate each layer's q / k / v and gate / up weights (the modules keep views of them); None where
+        a layer is not the plain Llama layout (then the modules run)."""
+        norms = [self.norm] + [m for layer in self.layers for m in (layer.input_layernorm,
+                                                                        layer.post_attention_layernorm)]
+        if not all(_plain_rms_norm(m) for m in norms):
+            return None
+        out = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not (_plain_linear(mlp, "gate_proj") and _plain_linear(mlp, "up_proj") and _plain_linear(mlp, "down_proj")
+                    and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")):
+                return None
+            projs = [attn.q_proj, attn.k_proj, attn.v_proj]
+            if any(not isinstance(m, torch.nn.Linear) for m in projs + [attn.o_proj]):
+                return None
+            f: dict[str, Any] = {"qkv_w": _concat_weights(projs), "qkv_b": None,
+                                 "gu_w": _concat_weights([mlp.gate_proj, mlp.up_proj])}
+            if any(m.bias is not None for m in projs):
+                if not all(m.bias is not None for m in projs):
+                    return None
+                f["qkv_b"] = _concat_biases(projs)
+            out.append(f)
+        return out
 
     def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin ``[max_len, rotary_dim]`` in the model dtype (transformers casts them so), on the device."""
@@ -119,9 +154,11 @@ class LlamaForward:
         """
         n = input_ids.shape[0]
         cos_t, sin_t = self._cos, self._sin
-        cos, sin = cos_t[positions], sin_t[positions]
         h = self.embed(input_ids)
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self._fused is not None:
+            return self._forward_fused(h, positions, attention)
+        cos, sin = cos_t[positions], sin_t[positions]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -136,7 +173,63 @@ class LlamaForward:
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
+    def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+        n = h.shape[0]
+        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        layers = self.layers
+        x, h = fused.rms_norm(h, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
+        for i, (layer, f) in enumerate(zip(layers, self._fused)):
+            attn = layer.self_attn
+            qkv = torch.nn.functional.linear(x, f["qkv_w"], f["qkv_b"])
+            q = qkv[:, :H * D].view(n, H, D)
+            k = qkv[:, H * D:(H + Hk) * D].view(n, Hk, D)
+            v = qkv[:, (H + Hk) * D:].view(n, Hk, D)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = fused.rope_rotate(q, self._cos, self._sin, positions)
+            o = attention(i, q, k, v)
+            a = attn.o_proj(o.reshape(n, H * D))
+            post = layer.post_attention_layernorm
+            x, h = fused.rms_norm(a, post.weight, post.variance_epsilon, residual=h)
+            m = layer.mlp.down_proj(fused.silu_mul(torch.nn.functional.linear(x, f["gu_w"])))
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            x, h = fused.rms_norm(m, nxt.weight, nxt.variance_epsilon, residual=h)
+        return x
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head`` of ``hidden`` ``[M, hidden]`` -> float32 ``[M, vocab]``."""
         return self.lm_head(hidden).float()
+
+
+def _plain_rms_norm(m: Any) -> bool:
+    """A transformers RMSNorm computing ``weight * normalized`` (Llama / Qwen / Mistral; not Gemma's ``1 + w``)."""
+    name = type(m).__name__
+    return (name.endswith("RMSNorm") and not name.startswith("Gemma") and hasattr(m, "variance_epsilon")
+            and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.ndim == 1)
+
+
+def _plain_linear(m: Any, name: str) -> bool:
+    lin = getattr(m, name, None)
+    return isinstance(lin, torch.nn.Linear) and lin.bias is None
+
+
+def _concat_weights(mods: list[torch.nn.Linear]) -> torch.Tensor:
+    """One ``[sum(out), in]`` matrix of the modules' weights; each module's weight becomes a view of its rows."""
+    w = torch.cat([m.weight.detach() for m in mods])
+    row = 0
+    for m in mods:
+        k = m.weight.shape[0]
+        m.weight.data = w[row:row + k]
+        row += k
+    return w
+
+
+def _concat_biases(mods: list[torch.nn.Linear]) -> torch.Tensor:
+    b = torch.cat([m.bias.detach() for m in mods])
+    row = 0
+    for m in mods:
+        k = m.bias.shape[0]
+        m.bias.data = b[row:row + k]
+        row += k
+    return b

@@ -147,6 +147,7 @@ class PagedRunner:
     def _static_buffers(self) -> dict[str, torch.Tensor]:
         if self._static is None:
             m, dev = self._bucket(self.max_graph_batch), self.device
+            pin = dev.type == "cuda"
             self._static = {
                 "ids": torch.zeros(m, dtype=torch.int64, device=dev),
                 "pos": torch.zeros(m, dtype=torch.int64, device=dev),
@@ -154,28 +155,37 @@ class PagedRunner:
                 "cu": torch.arange(m + 1, dtype=torch.int32, device=dev),
                 "before": torch.zeros(m, dtype=torch.int32, device=dev),
                 "after": torch.zeros(m, dtype=torch.int32, device=dev),
+                # host staging (pinned on CUDA): ids / pos as int64 rows, before / after as int32 rows, the tables
+                "h_tok": torch.zeros((2, m), dtype=torch.int64, pin_memory=pin),
+                "h_len": torch.zeros((2, m), dtype=torch.int32, pin_memory=pin),
+                "h_bt": torch.full((m, self.width), self.scratch_block, dtype=torch.int32, pin_memory=pin),
             }
         return self._static
 
     def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
         n = len(batch.seqs)
         bs = self._bucket(n)
-        ids, pos, tables, _, before, after = self._host_inputs(batch)
-        pad = bs - n
-        # padded rows: a one-token sequence at position 0 of the scratch block
-        ids += [0] * pad
-        pos += [0] * pad
-        before += [0] * pad
-        after += [1] * pad
-        bt = torch.full((bs, self.width), self.scratch_block, dtype=torch.int32)
-        for b, t in enumerate(tables):
-            bt[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
         st = self._static_buffers()
-        st["ids"][:bs].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
-        st["pos"][:bs].copy_(torch.tensor(pos, dtype=torch.int64), non_blocking=True)
-        st["bt"][:bs].copy_(bt, non_blocking=True)
-        st["before"][:bs].copy_(torch.tensor(before, dtype=torch.int32), non_blocking=True)
-        st["after"][:bs].copy_(torch.tensor(after, dtype=torch.int32), non_blocking=True)
+        tok, lens, bt = st["h_tok"].numpy(), st["h_len"].numpy(), st["h_bt"].numpy()
+        for b, seq in enumerate(batch.seqs):
+            c = seq.num_computed
+            tok[0, b] = seq.token_ids[c]
+            tok[1, b] = c
+            lens[0, b] = c
+            lens[1, b] = c + 1
+            t = seq.block_table
+            bt[b, :len(t)] = t
+        # padded rows: a one-token sequence at position 0 of the scratch block (columns past a row's length are
+        # never read, so rows only need their first entry reset)
+        tok[:, n:bs] = 0
+        lens[0, n:bs] = 0
+        lens[1, n:bs] = 1
+        bt[n:bs, 0] = self.scratch_block
+        st["ids"][:bs].copy_(st["h_tok"][0, :bs], non_blocking=True)
+        st["pos"][:bs].copy_(st["h_tok"][1, :bs], non_blocking=True)
+        st["before"][:bs].copy_(st["h_len"][0, :bs], non_blocking=True)
+        st["after"][:bs].copy_(st["h_len"][1, :bs], non_blocking=True)
+        st["bt"][:bs].copy_(st["h_bt"][:bs], non_blocking=True)
         graph = self._graphs.get(bs)
         if self.device.type != "cuda":
             logits = self._forward_static(bs)

@@ -135,6 +135,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
                          f"got {list(logits.shape)} with {len(generators)} generators")
     out: list[int] = [0] * len(params)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if len(greedy_rows) == len(params):
+        return logits.argmax(-1).tolist()
     if greedy_rows:
         picked = logits[greedy_rows].argmax(-1).tolist()
         for i, t in zip(greedy_rows, picked):

@@ -106,8 +106,9 @@ def linear_attention(
         c.check_lse(lse, (bsz, hq, q_len), dev)
     if num_splits is not None:
         check_int("num_splits", num_splits, 1, 1024)
+    kv_dtype = "fp8" if layer.dtype == torch.float8_e4m3fn else "auto"
     plan = attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=bsz * q_len, num_seqs=bsz,
-                          max_kv_len=layer.shape[3], num_sms=num_sms(dev), num_splits=num_splits)
+                          max_kv_len=layer.shape[3], num_sms=num_sms(dev), num_splits=num_splits, kv_dtype=kv_dtype)
     need = attention_workspace_size(bsz * q_len, hq, d, plan.num_splits)
     if workspace is not None:
         c.check_workspace(workspace, need, dev)
@@ -117,7 +118,6 @@ def linear_attention(
         return out
     if need and workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=dev)
-    kv_dtype = "fp8" if layer.dtype == torch.float8_e4m3fn else "auto"
     launch_attention(q, out, lse, layer, None, kv_scales, sinks, kv_dtype=kv_dtype, layout="HND", block_tables=None,
                      cu_q_lens=None, kv_lens=lengths, scale=scale, window=window, softcap=softcap, cp_rank=0,
                      cp_size=1, plan=plan, workspace=workspace)

@@ -17,8 +17,13 @@ __all__ = ["AttentionPlan", "attention_plan", "attention_workspace_size"]
 # more than the extra parallelism gains.
 MIN_SPLIT_TOKENS = 512
 MAX_SPLITS = 64
-# Programs per SM aimed at by the split heuristic (two resident programs hide one another's latency).
-PROGRAMS_PER_SM = 2
+# Programs per SM aimed at by the split heuristic when the batch alone leaves SMs idle. Batches with at least one
+# program per SM are not split: the merge pass then costs more than the balance gains (H100, 64 x 1k: +7%).
+PROGRAMS_PER_SM = 4
+# Elements of one decode K tile (BLOCK_N x head_dim) per stored format, measured on the H100 (sweep in
+# BENCHMARKS.md): 16-bit caches want short tiles and deep pipelines (32 x 128, 4 stages), 8- and 4-bit caches
+# long tiles (128 x 128) that amortise the per-tile dequantization and softmax.
+DECODE_TILE = {"auto": (32 * 128, 4), "fp8": (128 * 128, 3), "int8": (128 * 128, 2), "int4": (128 * 128, 3)}
 # Average query rows per sequence at or below which a batch is launched with decode tiles.
 DECODE_ROWS = 4
 
@@ -62,6 +67,7 @@ def attention_plan(
     max_kv_len: int,
     num_sms: int = 132,
     num_splits: int | None = None,
+    kv_dtype: str = "auto",
 ) -> AttentionPlan:
     """Choose tiles and the KV split for one attention launch.
 
@@ -79,6 +85,8 @@ def attention_plan(
         Streaming multiprocessors of the device (132 on an H100 SXM).
     num_splits : int, optional
         Force the KV split (1 = none); default: the heuristic below.
+    kv_dtype : {"auto", "fp8", "int8", "int4"}
+        Stored format of the cache (decode tiles depend on it).
 
     Returns
     -------
@@ -88,7 +96,7 @@ def attention_plan(
     -------
     >>> attention_plan(num_q_heads=32, num_kv_heads=8, head_dim=128, n_tokens=1, num_seqs=1,
     ...                max_kv_len=131072).num_splits
-    33
+    64
     """
     check_int("num_q_heads", num_q_heads, 1)
     check_int("num_kv_heads", num_kv_heads, 1)
@@ -97,22 +105,26 @@ def attention_plan(
     check_int("num_seqs", num_seqs, 0)
     check_int("max_kv_len", max_kv_len, 0)
     check_int("num_sms", num_sms, 1)
+    if kv_dtype not in DECODE_TILE:
+        raise ValueError(f"kv_dtype: expected one of {tuple(DECODE_TILE)}, got {kv_dtype!r}")
     g = next_pow2(max(1, num_q_heads // num_kv_heads))
     decode = n_tokens <= DECODE_ROWS * max(num_seqs, 1)
     if decode:
         # M = 16 rows at least (tensor-core minimum): a decode row's whole GQA group, padded with spare tokens
         block_q = max(1, 16 // g)
-        block_n = 64 if head_dim <= 128 else 32
-        warps, stages = 4, 3
+        elems, stages = DECODE_TILE[kv_dtype]
+        block_n = min(128, max(16, next_pow2(elems // next_pow2(head_dim))))
+        warps = 4
     else:
+        # 128 rows x 128 keys, 8 warps, 2 stages: the H100 sweep's best for 0 and 4096 cached tokens (head_dim 128)
         rows = 128 if head_dim <= 128 else 64
         block_q = max(1, rows // g)
-        block_n = 64 if head_dim <= 128 else 32
+        block_n = 128 if head_dim <= 128 else 32
         warps, stages = (8 if rows * head_dim >= 128 * 128 else 4), 2
     if num_splits is None:
         num_splits = 1
-        if decode:
-            programs = max(1, num_seqs) * num_kv_heads
+        programs = max(1, num_seqs) * num_kv_heads
+        if decode and programs < num_sms:
             target = cdiv(PROGRAMS_PER_SM * num_sms, programs)
             num_splits = max(1, min(target, max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
     check_int("num_splits", num_splits, 1, 1024)

@@ -1,0 +1,168 @@
+"""Sweep the attention kernel's launch parameters (tiles, warps, stages, splits) per kv_dtype and shape.
+
+An experiment, not the library: it calls the private launcher with explicit :class:`AttentionPlan` values.
+Conditions are the bench's (``kvcache.bench.attention``): 32 / 8 heads x 128, a pool of >= 8192 blocks, random
+blocks from all of it, CUDA-graph replays with L2 flushed (``graph_replay_us``). Kernels are compiled first in
+parallel worker processes (``--jobs``) on small pools of the same block shape, so the timed process only loads
+them from Triton's cache.
+
+    python benchmarks/attention_sweep.py --mode decode --formats auto,fp8,int8,int4 --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import itertools
+import json
+import multiprocessing as mp
+import sys
+import time
+
+import torch
+
+HQ, H, D = 32, 8, 128
+DECODE = [(64, 1024), (64, 4096), (64, 16384), (1, 131072)]
+PREFILL = [(8, 2048, 0), (8, 2048, 4096)]
+
+
+def plans(mode: str) -> list[tuple[int, int, int, int]]:
+    """(block_q, block_n, num_warps, num_stages) candidates; block_q counts tokens (G_P = 4 here)."""
+    if mode == "decode":
+        return list(itertools.product([4], [32, 64, 128], [2, 4, 8], [2, 3, 4]))
+    return list(itertools.product([16, 32, 64], [32, 64, 128], [4, 8], [2, 3, 4]))
+
+
+def splits_for(batch: int, seq: int) -> list[int]:
+    if batch == 1:
+        return [16, 33, 64]
+    return [1, 2, 4] if seq >= 4096 else [1, 2]
+
+
+def _pool(kv_dtype: str, bs: int, num_blocks: int, dev: torch.device, gen: torch.Generator):
+    sys.path.insert(0, "src")
+    from kvcache.bench.attention import Pool
+
+    return Pool(kv_dtype, bs, num_blocks, dev, gen)
+
+
+def _launch_fn(p, q, bt, cu, kl, out, plan, ws):
+    from kvcache.ops.attention._launch import launch_attention
+
+    def fn() -> None:
+        launch_attention(q, out, None, p.pool, p.params, p.kv_scales, None, kv_dtype=p.kv_dtype, layout="NHD",
+                         block_tables=bt, cu_q_lens=cu, kv_lens=kl, scale=D ** -0.5, window=None, softcap=None,
+                         cp_rank=0, cp_size=1, plan=plan, workspace=ws)
+
+    return fn
+
+
+def _case(batch: int, q_len: int, seq: int, p, gen, dev):
+    n = batch * q_len
+    q = torch.randn((n, HQ, D), dtype=torch.float16, device=dev, generator=gen)
+    cu = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
+    kl = torch.full((batch,), seq, dtype=torch.int32, device=dev)
+    nblk = -(-seq // p.bs)
+    bt = torch.randint(0, p.num_blocks, (batch, nblk), dtype=torch.int32, device=dev, generator=gen) \
+        if p.num_blocks < batch * nblk else \
+        torch.randperm(p.num_blocks, device=dev, generator=gen)[: batch * nblk].view(batch, nblk).to(torch.int32)
+    return q, bt, cu, kl
+
+
+def _compile(args: tuple) -> str:
+    """Worker: compile one (format, plan) on a small pool with the timed shapes' constexprs."""
+    fmt, bs, mode, cfg = args
+    from kvcache.ops.attention.policy import AttentionPlan
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    p = _pool(fmt, bs, 512, dev, gen)
+    t0 = time.time()
+    shapes = [(b, 1, s) for b, s in DECODE] if mode == "decode" else [(b, ql, ql + c) for b, ql, c in PREFILL]
+    for batch, q_len, seq in shapes[:1] + shapes[-1:]:
+        q, bt, cu, kl = _case(batch, q_len, seq, p, gen, dev)
+        for sp in (1, 2):
+            plan = AttentionPlan(block_q=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3], num_splits=sp)
+            ws = torch.empty(sp * q.shape[0] * HQ * (D + 1) + 1, dtype=torch.float32, device=dev)
+            try:
+                _launch_fn(p, q, bt, cu, kl, torch.empty_like(q), plan, ws)()
+            except Exception as e:  # noqa: BLE001
+                return f"{fmt} {cfg}: {type(e).__name__}: {str(e)[:120]}"
+    torch.cuda.synchronize()
+    return f"{fmt} {cfg}: {time.time() - t0:.1f}s"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("decode", "prefill"), default="decode")
+    ap.add_argument("--formats", default="auto,fp8,int8,int4")
+    ap.add_argument("--bs", type=int, default=16)
+    ap.add_argument("--jobs", type=int, default=14)
+    ap.add_argument("--rep", type=int, default=30)
+    ap.add_argument("--out", default="sweep.json")
+    args = ap.parse_args()
+    sys.path.insert(0, "src")
+    from kvcache.bench.timing import graph_replay_us
+    from kvcache.bench.attention import kv_bytes, causal_flops
+    from kvcache.ops.attention.policy import AttentionPlan, attention_plan
+
+    formats = args.formats.split(",")
+    cfgs = plans(args.mode)
+    t0 = time.time()
+    work = [(f, args.bs, args.mode, c) for f in formats for c in cfgs]
+    with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as ex:
+        for msg in ex.map(_compile, work):
+            if "Error" in msg:
+                print("compile:", msg, flush=True)
+    print(f"# compiled {len(work)} variants in {time.time() - t0:.0f} s", flush=True)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    if args.mode == "decode":
+        shapes = [(b, 1, s - 1, f"{b} x {s // 1024}k") for b, s in DECODE]
+    else:
+        shapes = [(b, ql, c, f"{b} x {ql} new, {c} cached") for b, ql, c in PREFILL]
+    most = max(b * (q + c) for b, q, c, _ in shapes)
+    nb = max(8192, int(1.1 * most / args.bs) + 1)
+    nb = -(-nb // 16) * 16
+    for fmt in formats:
+        p = _pool(fmt, args.bs, nb, dev, gen)
+        for batch, q_len, cached, name in shapes:
+            seq = cached + q_len
+            q, bt, cu, kl = _case(batch, q_len, seq, p, gen, dev)
+            out = torch.empty_like(q)
+            default = attention_plan(num_q_heads=HQ, num_kv_heads=H, head_dim=D, n_tokens=q.shape[0], num_seqs=batch,
+                                     max_kv_len=seq, kv_dtype=fmt)
+            best = None
+            cand = [(c, s) for c in cfgs for s in (splits_for(batch, seq) if args.mode == "decode" else [1])]
+            cand.append(((default.block_q, default.block_n, default.num_warps, default.num_stages),
+                         default.num_splits))
+            for cfg, sp in cand:
+                plan = AttentionPlan(block_q=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
+                                     num_splits=sp)
+                ws = torch.empty(sp * q.shape[0] * HQ * (D + 1) + 1, dtype=torch.float32, device=dev)
+                try:
+                    us, _ = graph_replay_us(_launch_fn(p, q, bt, cu, kl, out, plan, ws), rep=args.rep, warmup=5)
+                except Exception as e:  # noqa: BLE001
+                    print(f"{fmt} {name} {cfg} s{sp}: {type(e).__name__}", flush=True)
+                    continue
+                row = dict(fmt=fmt, shape=name, bs=args.bs, block_q=cfg[0], block_n=cfg[1], warps=cfg[2],
+                           stages=cfg[3], splits=sp, us=us, default=(cfg, sp) == cand[-1])
+                if args.mode == "decode":
+                    row["gbs"] = kv_bytes(batch * seq, fmt) / us / 1e3
+                else:
+                    row["tflops"] = causal_flops(batch, q_len, cached) / us / 1e6
+                rows.append(row)
+                if best is None or us < best["us"]:
+                    best = row
+            dflt = next(r for r in rows[::-1] if r["default"] and r["fmt"] == fmt and r["shape"] == name)
+            print(f"{fmt:5s} {name:24s} default {dflt['us']:8.1f} us | best {best['us']:8.1f} us "
+                  f"{(best['block_q'], best['block_n'], best['warps'], best['stages'], best['splits'])}", flush=True)
+        del p
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
