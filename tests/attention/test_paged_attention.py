@@ -85,6 +85,22 @@ def test_query_dtypes(device, dtype):
     assert_attn_close(out, lse, eo, el, dtype)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_bf16_queries(device, kv_dtype):
+    """bf16 queries over int8 / int4 codes: int8 codes reach 255, past the 128 + c bf16 rule of the int4 codes
+    (compiled: bf16 K operands; interpreter: float32 ones)."""
+    H, hq, D, bs = 2, 4, 80, 16
+    kv_lens, q_lens = [37, 9], [5, 1]
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=kv_lens,
+                              dtype=torch.bfloat16)
+    if kv_dtype == "int8":
+        assert (cache.pool(0) >= 128).any()
+    q = _q(sum(q_lens), hq, D, torch.bfloat16, device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device)
+    eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D))
+    assert_attn_close(out, lse, eo, el, torch.bfloat16, what=kv_dtype)
+
+
 @pytest.mark.parametrize("window", [1, 5, 16, 1000], ids=lambda w: f"w{w}")
 def test_sliding_window(device, window):
     """A row at position p sees exactly p - window + 1 .. p (window 1: itself; 1000: larger than the context)."""

@@ -17,6 +17,12 @@ Dequantization happens in registers right after the load:
   the final normalisation.
 * int8 / int4: QK^T runs on the codes (exact in fp16 / bf16): ``q . k = scale_k * (q . codes) + zero_k *
   sum(q)``, one multiply-add per score; V tiles are dequantized as ``codes * scale + zero`` in float32.
+  Codes become floats with no integer -> float conversion instruction, by the magic-number rule: ORed into the
+  low mantissa bits of a power of two ``M`` whose ulp is 1, a code ``c`` gives exactly ``M + c``, and
+  subtracting ``M`` is exact. fp16: bits ``0x6400 | c`` = 1024 + c; fp32: ``0x4B000000 | c`` = 2^23 + c; bf16:
+  ``0x4300 | c`` = 128 + c for int4 codes, and for int8 codes (up to 255, past that rule) the top 16 bits of
+  the fp32 value (exact: 8 significant bits at most). K codes go straight to the dot's operand dtype this way,
+  V codes to float32 for the multiply-add.
 
 Shape contract (strides in elements, head_dim contiguous):
 
@@ -90,6 +96,38 @@ def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.con
 
 
 @triton.jit
+def _codes_f32(c):
+    """Exact float32 value of unsigned integer codes ``c`` (``c < 2^23``) with no integer -> float conversion:
+    the int32 bits ``0x4B000000 | c`` are the float32 ``2^23 + c`` (ulp 1), and subtracting ``2^23`` is exact."""
+    return (c.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _codes_to(c, DT: tl.constexpr, NBITS: tl.constexpr):
+    """Exactly ``c.to(DT)`` for ``NBITS``-bit unsigned codes ``c`` (uint8 tensor; 8: int8, 4: int4), by the
+    magic-number rule, with logic ops and one float subtraction and no integer -> float conversion:
+
+    * float16: the bits ``0x6400 | c`` are ``1024 + c`` (``c < 1024``); minus 1024.
+    * bfloat16, 4-bit codes: the bits ``0x4300 | c`` are ``128 + c`` (``c < 128``); minus 128.
+    * bfloat16, 8-bit codes (up to 255: past the rule above): the float32 value (:func:`_codes_f32`), whose top
+      16 bits are its bfloat16 value exactly (at most 8 significant bits), taken by a shift.
+    * float32: :func:`_codes_f32`.
+    """
+    if DT == tl.float16:
+        out = (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    elif DT == tl.bfloat16:
+        if NBITS <= 7:
+            out = (c.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+        else:
+            f = _codes_f32(c).to(tl.uint32, bitcast=True)
+            out = (f >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        tl.static_assert(DT == tl.float32, "_codes_to: float16, bfloat16 or float32 targets only")
+        out = _codes_f32(c)
+    return out
+
+
+@triton.jit
 def _load_params(qparams, pbase, ok_n):
     """(scale, zero) of each token of a tile: one 8-byte load per token, split in registers."""
     par = tl.load(qparams + pbase[:, None] + tl.arange(0, 2)[None, :], mask=ok_n[:, None], other=0.0)
@@ -128,6 +166,9 @@ def _tile(
         tok = j % BS
     base = blk * S_BLK + tok * S_TOK + kvh * S_HEAD
     k_lo, k_hi = _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1, QUANT, True)
+    if QUANT >= 2:
+        k_lo = _codes_to(k_lo, qdt, 4 if QUANT == 3 else 8)
+        k_hi = _codes_to(k_hi, qdt, 4 if QUANT == 3 else 8)
     s = tl.dot(q_lo, k_lo.to(qdt), input_precision=PRECISION)
     s = tl.dot(q_hi, k_hi.to(qdt), acc=s, input_precision=PRECISION)
     if QUANT >= 2:
@@ -156,8 +197,8 @@ def _tile(
     if QUANT >= 2:
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
         vs, vz = _load_params(qparams, vp, ok_n)
-        v_lo = v_lo.to(tl.float32) * vs[:, None] + vz[:, None]
-        v_hi = v_hi.to(tl.float32) * vs[:, None] + vz[:, None]
+        v_lo = _codes_f32(v_lo) * vs[:, None] + vz[:, None]
+        v_hi = _codes_f32(v_hi) * vs[:, None] + vz[:, None]
     pc = p.to(qdt)
     acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
     acc_hi = tl.dot(pc, v_hi.to(qdt), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
