@@ -20,7 +20,7 @@ __all__ = ["rms_norm", "silu_mul", "rope_rotate"]
 
 
 @kernel(ints=("n_cols", "s_x", "s_r", "s_o"))
-def _rms_norm_kernel(x, res, w, out, res_out, n_cols, s_x, s_r, s_o, eps, HAS_RES: tl.constexpr,
+def _rms_norm_kernel(x, res, w, out, res_out, n_cols, s_x, s_r, s_o, EPS: tl.constexpr, HAS_RES: tl.constexpr,
                      BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -31,7 +31,7 @@ def _rms_norm_kernel(x, res, w, out, res_out, n_cols, s_x, s_r, s_o, eps, HAS_RE
         h = h.to(out.dtype.element_ty)
         tl.store(res_out + row * s_o + cols, h, mask=ok)
     hf = h.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n_cols + eps)
+    inv = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n_cols + EPS)
     y = (hf * inv).to(out.dtype.element_ty).to(tl.float32)
     wv = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + row * s_o + cols, (wv * y).to(out.dtype.element_ty), mask=ok)
@@ -84,8 +84,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if n:
         block = next_pow2(d)
         _rms_norm_kernel.launch(x.device, (n,), x, residual if residual is not None else x, weight, out, res_out, d,
-                                x.stride(0), residual.stride(0) if residual is not None else 0, d, float(eps),
-                                HAS_RES=residual is not None, BLOCK=block,
+                                x.stride(0), residual.stride(0) if residual is not None else 0, d,
+                                EPS=float(eps), HAS_RES=residual is not None, BLOCK=block,
                                 num_warps=min(16, max(1, block // 256)))
     return out, res_out
 
