@@ -23,6 +23,16 @@ import torch
 
 HQ, H, D = 32, 8, 128
 DECODE = [(64, 1024), (64, 4096), (64, 16384), (1, 131072)]
+
+
+def _set_shape(head_dim: int, decode: str | None) -> None:
+    """Head dim and decode shapes ("64x640,16x2048") of this process (and of the bench module's Pool)."""
+    global D, DECODE
+    import kvcache.bench.attention as ba
+
+    D = ba.D = head_dim
+    if decode:
+        DECODE = [tuple(int(v) for v in item.split("x")) for item in decode.split(",")]
 PREFILL = [(8, 2048, 0), (8, 2048, 4096)]
 
 
@@ -71,7 +81,9 @@ def _case(batch: int, q_len: int, seq: int, p, gen, dev):
 
 def _compile(args: tuple) -> str:
     """Worker: compile one (format, plan) on a small pool with the timed shapes' constexprs."""
-    fmt, bs, mode, cfg = args
+    fmt, bs, mode, cfg, head_dim, decode = args
+    sys.path.insert(0, "src")
+    _set_shape(head_dim, decode)
     from kvcache.ops.attention.policy import AttentionPlan
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -99,8 +111,11 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=14)
     ap.add_argument("--rep", type=int, default=30)
     ap.add_argument("--out", default="sweep.json")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--decode", default=None, help="decode shapes, e.g. 64x640,16x2048 (batch x tokens)")
     args = ap.parse_args()
     sys.path.insert(0, "src")
+    _set_shape(args.head_dim, args.decode)
     from kvcache.bench.timing import graph_replay_us
     from kvcache.bench.attention import kv_bytes, causal_flops
     from kvcache.ops.attention.policy import AttentionPlan, attention_plan
@@ -108,7 +123,7 @@ def main() -> int:
     formats = args.formats.split(",")
     cfgs = plans(args.mode)
     t0 = time.time()
-    work = [(f, args.bs, args.mode, c) for f in formats for c in cfgs]
+    work = [(f, args.bs, args.mode, c, args.head_dim, args.decode) for f in formats for c in cfgs]
     with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as ex:
         for msg in ex.map(_compile, work):
             if "Error" in msg:
@@ -118,7 +133,7 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     if args.mode == "decode":
-        shapes = [(b, 1, s - 1, f"{b} x {s // 1024}k") for b, s in DECODE]
+        shapes = [(b, 1, s - 1, f"{b} x {s}") for b, s in DECODE]
     else:
         shapes = [(b, ql, c, f"{b} x {ql} new, {c} cached") for b, ql, c in PREFILL]
     most = max(b * (q + c) for b, q, c, _ in shapes)

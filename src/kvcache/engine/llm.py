@@ -380,43 +380,81 @@ class LLM:
 
     def _run(self, core: Any, seqs: list[Sequence], st: EngineStats,
              progress: Callable[[int, int, int], None] | None) -> None:
+        if self.cache_mode == "paged":
+            self._run_paged(seqs, st, progress)
+            return
         finished = 0
         generated = 0
         while core.has_unfinished():
-            if self.cache_mode == "linear":
-                sampled, logits = self.core.step()
-                st.blocks_used = max(st.blocks_used, len(self.core.slots))
-            else:
-                batch = self.scheduler.schedule()
-                st.blocks_used = max(st.blocks_used, self.allocator.num_used_blocks)
-                if not batch.seqs:
-                    raise RuntimeError("scheduler: no request could be scheduled (pool too small for one request)")
-                logits = self.runner.run(batch)
-                sampled = [s for s, f in zip(batch.seqs, batch.sample) if f]
+            sampled, logits = self.core.step()
+            st.blocks_used = max(st.blocks_used, len(self.core.slots))
             st.steps += 1
             toks = sample(logits, [s.params for s in sampled], [s.generator for s in sampled]) if sampled else []
-            if self.cache_mode == "paged":
-                by_seq = dict(zip(map(id, sampled), toks))
-                self.scheduler.postprocess(batch, [by_seq.get(id(s)) for s in batch.seqs])
-            else:
-                for s, t in zip(sampled, toks):
-                    s.token_ids.append(t)
-            done = []
-            for s in sampled:
-                generated += 1
-                reason = self._finish_reason(s)
-                if reason is not None:
-                    done.append((s, reason))
+            for s, t in zip(sampled, toks):
+                s.token_ids.append(t)
+            done = [(s, r) for s in sampled if (r := self._finish_reason(s)) is not None]
+            generated += len(sampled)
             for s, reason in done:
-                if self.cache_mode == "paged":
-                    self.scheduler.finish(s, reason)
-                else:
-                    s.status, s.finish_reason = SequenceStatus.FINISHED, reason
-            if self.cache_mode == "linear":
-                self.core.finish([s for s, _ in done])
+                s.status, s.finish_reason = SequenceStatus.FINISHED, reason
+            self.core.finish([s for s, _ in done])
             finished += len(done)
             if progress is not None:
                 progress(finished, len(seqs), generated)
+
+    def _run_paged(self, seqs: list[Sequence], st: EngineStats,
+                   progress: Callable[[int, int, int], None] | None) -> None:
+        """The paged engine's loop. Greedy decode steps run as graphs, and while one runs on the device the host
+        prepares and launches the next (:meth:`Scheduler.schedule_next_decode`), then processes the first's
+        tokens: the host's per-step work overlaps the device's instead of adding to it."""
+        sched, runner = self.scheduler, self.runner
+        counts = [0, 0]  # finished, generated
+        inflight = None
+        while inflight is not None or sched.has_unfinished():
+            if inflight is None:
+                batch = sched.schedule()
+                st.blocks_used = max(st.blocks_used, self.allocator.num_used_blocks)
+                if not batch.seqs:
+                    raise RuntimeError("scheduler: no request could be scheduled (pool too small for one request)")
+                if runner.can_launch_decode(batch) and all(s.params.greedy for s in batch.seqs):
+                    inflight = runner.launch_decode(batch)
+                    continue
+                logits = runner.run(batch)
+                sampled = [s for s, f in zip(batch.seqs, batch.sample) if f]
+                toks = sample(logits, [s.params for s in sampled], [s.generator for s in sampled]) if sampled else []
+                by_seq = dict(zip(map(id, sampled), toks))
+                self._process(batch, [by_seq.get(id(s)) for s in batch.seqs], st, counts, len(seqs), progress)
+                continue
+            # the step in flight: launch the one after it before waiting for its tokens
+            nxt = sched.schedule_next_decode(inflight.batch)
+            ahead = runner.launch_decode(nxt, ahead=True) if nxt is not None else None
+            st.blocks_used = max(st.blocks_used, self.allocator.num_used_blocks)
+            self._process(inflight.batch, inflight.greedy_tokens(), st, counts, len(seqs), progress)
+            if ahead is not None and any(s.status is SequenceStatus.FINISHED for s in ahead.batch.seqs):
+                # a request finished by its last token (EOS, stop): the step ahead ran it once too often. Keep the
+                # other rows' tokens, drop its row; the next step is scheduled afresh
+                toks = ahead.greedy_tokens()
+                keep = [i for i, s in enumerate(ahead.batch.seqs) if s.status is not SequenceStatus.FINISHED]
+                b = ahead.batch
+                part = type(b)([b.seqs[i] for i in keep], [1] * len(keep), [True] * len(keep), [])
+                if keep:
+                    self._process(part, [toks[i] for i in keep], st, counts, len(seqs), progress)
+                else:
+                    st.steps += 1  # it ran, for nothing
+                ahead = None
+            inflight = ahead
+
+    def _process(self, batch: Any, new_tokens: list[int | None], st: EngineStats, counts: list[int], total: int,
+                 progress: Callable[[int, int, int], None] | None) -> None:
+        """Advance a finished step: append its tokens, publish full blocks, finish requests, report progress."""
+        st.steps += 1
+        sampled = self.scheduler.postprocess(batch, new_tokens)
+        done = [(s, r) for s in sampled if (r := self._finish_reason(s)) is not None]
+        for s, reason in done:
+            self.scheduler.finish(s, reason)
+        counts[0] += len(done)
+        counts[1] += len(sampled)
+        if progress is not None:
+            progress(counts[0], total, counts[1])
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         p = seq.params

@@ -23,7 +23,26 @@ from ..paged import PagedKVCache
 from .model import LlamaForward
 from .scheduler import ScheduledBatch
 
-__all__ = ["PagedRunner", "StepMeta"]
+__all__ = ["PagedRunner", "StepMeta", "DecodeStep"]
+
+
+class DecodeStep:
+    """A launched decode step: its batch, its logits (valid once it completes) and its greedy tokens."""
+
+    __slots__ = ("batch", "logits", "_host", "_event")
+
+    def __init__(self, batch: ScheduledBatch, logits: torch.Tensor, host: torch.Tensor,
+                 event: torch.cuda.Event | None) -> None:
+        self.batch = batch
+        self.logits = logits
+        self._host = host
+        self._event = event
+
+    def greedy_tokens(self) -> list[int]:
+        """The argmax token of every row (waits for the step)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
 
 
 @dataclasses.dataclass(slots=True)
@@ -75,6 +94,7 @@ class PagedRunner:
         self._graph_pool = None
         self._static: dict[str, torch.Tensor] | None = None
         self.graph_steps = 0
+        self._flip = 0
 
     # ---------------------------------------------------------------------------------- attention
 
@@ -159,17 +179,33 @@ class PagedRunner:
                 "h_tok": torch.zeros((2, m), dtype=torch.int64, pin_memory=pin),
                 "h_len": torch.zeros((2, m), dtype=torch.int32, pin_memory=pin),
                 "h_bt": torch.full((m, self.width), self.scratch_block, dtype=torch.int32, pin_memory=pin),
+                # the graph's greedy token per row, and two host copies (a step in flight, the one before it)
+                "next": torch.zeros(m, dtype=torch.int64, device=dev),
+                "h_next": torch.zeros((2, m), dtype=torch.int64, pin_memory=pin),
             }
         return self._static
 
     def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+        return self.launch_decode(batch).logits
+
+    def can_launch_decode(self, batch: ScheduledBatch) -> bool:
+        """True when ``batch`` runs as a graph step (:meth:`launch_decode`)."""
+        return self.use_graphs and batch.is_decode and len(batch.seqs) <= self.max_graph_batch
+
+    def launch_decode(self, batch: ScheduledBatch, *, ahead: bool = False) -> "DecodeStep":
+        """Launch a decode step as a graph (asynchronously on CUDA); returns its :class:`DecodeStep`.
+
+        ``ahead=True``: ``batch`` is the step after the one in flight (same requests, same rows: from
+        :meth:`Scheduler.schedule_next_decode`); its input tokens are the in-flight step's greedy tokens, taken
+        on the device, and every request is one token further on than its host state says.
+        """
         n = len(batch.seqs)
         bs = self._bucket(n)
         st = self._static_buffers()
         tok, lens, bt = st["h_tok"].numpy(), st["h_len"].numpy(), st["h_bt"].numpy()
         for b, seq in enumerate(batch.seqs):
-            c = seq.num_computed
-            tok[0, b] = seq.token_ids[c]
+            c = seq.num_computed + ahead
+            tok[0, b] = 0 if ahead else seq.token_ids[c]
             tok[1, b] = c
             lens[0, b] = c
             lens[1, b] = c + 1
@@ -181,7 +217,10 @@ class PagedRunner:
         lens[0, n:bs] = 0
         lens[1, n:bs] = 1
         bt[n:bs, 0] = self.scratch_block
-        st["ids"][:bs].copy_(st["h_tok"][0, :bs], non_blocking=True)
+        if ahead:
+            st["ids"][:bs].copy_(st["next"][:bs])
+        else:
+            st["ids"][:bs].copy_(st["h_tok"][0, :bs], non_blocking=True)
         st["pos"][:bs].copy_(st["h_tok"][1, :bs], non_blocking=True)
         st["before"][:bs].copy_(st["h_len"][0, :bs], non_blocking=True)
         st["after"][:bs].copy_(st["h_len"][1, :bs], non_blocking=True)
@@ -195,14 +234,23 @@ class PagedRunner:
             graph[0].replay()
             logits = graph[1]
         self.graph_steps += 1
-        return logits[:n]
+        host = st["h_next"][self._flip, :n]
+        self._flip ^= 1
+        host.copy_(st["next"][:n], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return DecodeStep(batch, logits[:n], host, event)
 
     def _forward_static(self, bs: int) -> torch.Tensor:
         st = self._static_buffers()
         meta = StepMeta(block_tables=st["bt"][:bs], cu_q_lens=st["cu"][:bs + 1], kv_lens=st["before"][:bs],
                         kv_lens_after=st["after"][:bs], q_lens=[1] * bs, kv_after=[])
         hidden = self.model.forward(st["ids"][:bs], st["pos"][:bs], self._attention(meta))
-        return self.model.logits(hidden)
+        logits = self.model.logits(hidden)
+        torch.argmax(logits, dim=-1, out=st["next"][:bs])
+        return logits
 
     def _capture(self, bs: int) -> torch.Tensor:
         """Run bucket ``bs`` once eagerly on a side stream (its result is this step's), then capture it."""

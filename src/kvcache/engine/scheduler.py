@@ -127,7 +127,10 @@ class Scheduler:
     # ----------------------------------------------------------------------------------- blocks
 
     def _hashes(self, seq: Sequence, n_tokens: int) -> list[int]:
-        """The hash chain of the full blocks among the first ``n_tokens`` tokens (extended on demand)."""
+        """The hash chain of the full blocks among the first ``n_tokens`` tokens (extended on demand); empty
+        without prefix caching (nothing is published or matched, so nothing is hashed)."""
+        if not self.allocator.enable_prefix_caching:
+            return []
         n_full = n_tokens // self.block_size
         h = seq.block_hashes
         if len(h) < n_full:
@@ -198,6 +201,22 @@ class Scheduler:
             self._admit(seqs, counts, budget)
         return ScheduledBatch(seqs, counts, [s.num_computed + n == len(s.token_ids) for s, n in zip(seqs, counts)],
                               preempted)
+
+    def schedule_next_decode(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after ``batch`` (in flight, its tokens not yet known), for overlapping the host's work
+        with the device: the same requests in the same order, each one token further on.
+
+        Only when nothing else could change the step: ``batch`` is a decode step of every running request, no
+        request waits, and each has room for one more token (blocks for ``num_computed + 2`` tokens are
+        allocated now). Returns None otherwise (then :meth:`schedule` decides, after ``batch`` is processed).
+        A request that ``batch``'s token finishes has run one step too many: the caller drops that row.
+        """
+        if self.waiting or not batch.is_decode or len(batch.seqs) != len(self.running) or not all(batch.sample):
+            return None
+        for seq in batch.seqs:
+            if seq.num_generated + 1 >= seq.params.max_tokens or not self._grow(seq, 2):
+                return None
+        return ScheduledBatch(list(batch.seqs), [1] * len(batch.seqs), [True] * len(batch.seqs), [])
 
     def _admit(self, seqs: list[Sequence], counts: list[int], budget: int) -> None:
         deferred: list[Sequence] = []
