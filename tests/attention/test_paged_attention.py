@@ -245,3 +245,32 @@ def test_nan_in_cache_stays_visible(device):
     q = _q(1, hq, D, torch.float16, device)
     out, _ = _run(cache, bt, q, [1], [5], device)
     assert torch.isnan(out[0, 0, 3])
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_v_scales_spanning_1000x(device, kv_dtype):
+    """V scales differing 1000x inside every tile (5e-4 .. 0.5) under a peaked softmax over 8192 keys: all but one
+    weight are p = 5e-5 of the peak's, so p * scale ~ 2.6e-8 would round to 0 in fp16 (below half its smallest
+    subnormal), and the int8 output would lose the codes of ~30 % of its softmax mass (an error ~1.1e-2, about
+    twice the tolerance); the kernel's P operand is normalised by each tile's largest scale (and scaled by
+    2^15) instead."""
+    H, hq, D, bs, n = 2, 2, 64, 16, 8192
+    gen = torch.Generator().manual_seed(7)
+    q = _q(1, hq, D, torch.float16, device)
+    qf = q.float().cpu()[0]  # [H, D]: one q head per KV head
+    gap = qf * (math.log(1 / 5e-5) * math.sqrt(D) / qf.square().sum(-1, keepdim=True))
+    k = torch.randn((n, H, D), generator=gen) * 0.01
+    k[3000] = gap  # one key scoring ln(2e4) above the rest; every 16th key as far below them
+    k[5::16] = -gap
+    # values in [-amp / 2, amp / 2], amp = scale * levels: scales 4.8e-4 .. 5.4e-4, every 16th 0.5
+    levels = 255 if kv_dtype == "int8" else 15
+    scale = torch.empty(n).uniform_(4.8e-4, 5.4e-4, generator=gen)
+    scale[5::16] = 0.5
+    v = (torch.rand((n, H, D), generator=gen) - 0.5) * (scale * levels)[:, None, None]
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=[n],
+                              kv=([k.half()], [v.half()]))
+    vs = cache.params(0)[:, 1, ..., 0]  # [blocks, BS, H]: every stored V scale
+    assert vs.max() > 900 * vs[vs > 0].min()
+    out, lse = _run(cache, bt, q, [1], [n], device, num_splits=1)
+    eo, el = paged_expected(q.cpu(), cache, bt, [1], [n], scale=1 / math.sqrt(D))
+    assert_attn_close(out, lse, eo, el, torch.float16, what=kv_dtype)

@@ -15,14 +15,22 @@ Dequantization happens in registers right after the load:
 
 * fp8: the tile converts to the query dtype; ``k_scale`` is folded into the score scale and ``v_scale`` into
   the final normalisation.
-* int8 / int4: QK^T runs on the codes (exact in fp16 / bf16): ``q . k = scale_k * (q . codes) + zero_k *
-  sum(q)``, one multiply-add per score; V tiles are dequantized as ``codes * scale + zero`` in float32.
+* int8 / int4: both dots run on the codes (exact in fp16 / bf16), and the (scale, zero) pairs act per token,
+  never per element. QK^T: ``q . k = scale_k * (q . codes) + zero_k * sum(q)``, one multiply-add per score.
+  PV: ``sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j`` per tile,
+  with ``s_max`` the tile's largest V scale (1 where it is not a positive finite number: masked or all-zero
+  tiles) and ``R = PV_RANGE = 2^15``. The dot's P operand ``R p s / s_max`` is at most ``R`` (``p <= 1``,
+  ``s <= s_max``: no fp16 overflow) and leaves fp16's normal range only below ``p s / s_max = 2^-29``, so no
+  weight of a token whose scale is small (absolutely, or next to the tile's largest) sinks into fp16's
+  subnormals, as ``p * s`` in fp16 would (scales ~1e-4). The dot's result is scaled by ``s_max / R`` into the
+  float32 accumulator, and the zero terms ``sum_j p_j z_j`` go to a per-row float32 accumulator, rescaled
+  with it and added before the normalisation. A NaN scale or zero (a non-finite (token, head) of the cache)
+  makes every output row that loads it NaN.
   Codes become floats with no integer -> float conversion instruction, by the magic-number rule: ORed into the
   low mantissa bits of a power of two ``M`` whose ulp is 1, a code ``c`` gives exactly ``M + c``, and
   subtracting ``M`` is exact. fp16: bits ``0x6400 | c`` = 1024 + c; fp32: ``0x4B000000 | c`` = 2^23 + c; bf16:
   ``0x4300 | c`` = 128 + c for int4 codes, and for int8 codes (up to 255, past that rule) the top 16 bits of
-  the fp32 value (exact: 8 significant bits at most). K codes go straight to the dot's operand dtype this way,
-  V codes to float32 for the multiply-add.
+  the fp32 value (exact: 8 significant bits at most). K and V codes go straight to the dots' operand dtype.
 
 Shape contract (strides in elements, head_dim contiguous):
 
@@ -44,25 +52,26 @@ from ..._backend import kernel
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+PV_RANGE = tl.constexpr(32768.0)  # int8 / int4: the largest P operand of PV (module docstring)
 
 
 @triton.jit
-def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
+def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, CHUNK: tl.constexpr):
     """Sequence ``b`` of query tile ``pid``: the last ``b`` with ``cu_q[b] // BLOCK_Q + b <= pid``.
 
     Sequence ``b`` owns tiles ``cu_q[b] // BLOCK_Q + b`` .. ``cu_q[b + 1] // BLOCK_Q + b`` (one more than it
     needs at most), so the grid ``n_rows // BLOCK_Q + B`` covers every batch of ``n_rows`` rows, whatever
-    their split into sequences (fixed at CUDA-graph capture).
+    their split into sequences (fixed at CUDA-graph capture). The starts increase strictly, so ``b`` is the
+    number of starts ``<= pid`` minus one: counted ``CHUNK`` sequences per vector load (one load for the usual
+    batch, where a binary search would chain one dependent load per step before the first KV load).
     """
-    lo = pid * 0
-    hi = lo + n_seqs
-    for _ in tl.static_range(LOG_B):
-        mid = (lo + hi) // 2
-        start = tl.load(cu_q + mid) // BLOCK_Q + mid
-        take = start <= pid
-        lo = tl.where(take, mid, lo)
-        hi = tl.where(take, hi, mid)
-    return lo
+    cnt = pid * 0
+    for c0 in range(0, n_seqs, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        ok = idx < n_seqs
+        start = tl.load(cu_q + idx, mask=ok, other=0) // BLOCK_Q + idx
+        cnt += tl.sum((ok & (start <= pid)).to(tl.int32), 0)
+    return cnt - 1
 
 
 @triton.jit
@@ -141,14 +150,15 @@ def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
 
 @triton.jit
 def _tile(
-    t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh, j_hi,
+    t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh, j_hi,
     n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr, SOFTCAP: tl.constexpr,
     H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, MASK: tl.constexpr,
 ):
-    """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi).
+    """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi, zacc); ``zacc``
+    (int8 / int4: the rows' sums of ``p * zero_v``) is returned unchanged for the other formats.
 
     ``MASK=False`` for tiles whose every key every row may see (inside the causal bound of the tile's first row
     and the window of its last): no score mask. Loads stay masked by the length and the block ids' range, so no
@@ -195,14 +205,24 @@ def _tile(
     vbase = base + S_KV
     v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False)
     if QUANT >= 2:
+        # sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j (module
+        # docstring); tokens past the length or the table load scale and zero 0, masked scores have p = 0
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
         vs, vz = _load_params(qparams, vp, ok_n)
-        v_lo = _codes_f32(v_lo) * vs[:, None] + vz[:, None]
-        v_hi = _codes_f32(v_hi) * vs[:, None] + vz[:, None]
-    pc = p.to(qdt)
-    acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
-    acc_hi = tl.dot(pc, v_hi.to(qdt), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
-    return m_i, l_i, acc_lo, acc_hi
+        v_lo = _codes_to(v_lo, qdt, 4 if QUANT == 3 else 8)
+        v_hi = _codes_to(v_hi, qdt, 4 if QUANT == 3 else 8)
+        vs_max = tl.max(vs, 0)
+        vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, 1.0)
+        pv = (p * (vs * (PV_RANGE / vs_max))[None, :]).to(qdt)  # at most R; a NaN scale stays NaN
+        dot_scale = vs_max * (1.0 / PV_RANGE)
+        acc_lo = acc_lo * alpha[:, None] + dot_scale * tl.dot(pv, v_lo, input_precision=PRECISION)
+        acc_hi = acc_hi * alpha[:, None] + dot_scale * tl.dot(pv, v_hi, input_precision=PRECISION)
+        zacc = zacc * alpha + tl.sum(p * vz[None, :], 1)
+    else:
+        pc = p.to(qdt)
+        acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
+        acc_hi = tl.dot(pc, v_hi.to(qdt), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
+    return m_i, l_i, acc_lo, acc_hi, zacc
 
 
 @kernel(ints=("s_qt", "s_qh", "s_qb", "s_ot", "s_oh", "s_ob", "s_lt", "s_lh", "s_lb", "bt_stride", "table_width",
@@ -216,7 +236,7 @@ def _attention_kernel(
     HQ: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
     P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr,
-    FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr,
+    FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -234,7 +254,7 @@ def _attention_kernel(
         kv_len = tl.load(kv_lens + b) + q_len_u
         bt_row = block_tables  # unused
     else:
-        b = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
+        b = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, SEQ_CHUNK)
         row0 = tl.load(cu_q + b)
         lt = pid - (row0 // BLOCK_Q + b)
         q_len = tl.load(cu_q + b + 1) - row0
@@ -318,22 +338,23 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_Q * G_P], tl.float32)
     acc_lo = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
     acc_hi = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
+    zacc = tl.zeros([BLOCK_Q * G_P], tl.float32)  # int8 / int4: sum of p * zero_v per row (else unused)
     offs_n = tl.arange(0, BLOCK_N)
     if HAS_WINDOW:  # without a window, tf_lo == t_lo: nothing before the unmasked tiles
         for t in range(t_begin, tl.minimum(t_end, tf_lo)):
-            m_i, l_i, acc_lo, acc_hi = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh,
-                j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
+            m_i, l_i, acc_lo, acc_hi, zacc = _tile(
+                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
+                kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
                 S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True)
     for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
-        m_i, l_i, acc_lo, acc_hi = _tile(
-            t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh,
-            j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
+        m_i, l_i, acc_lo, acc_hi, zacc = _tile(
+            t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
+            kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
             S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False)
     for t in range(tl.maximum(t_begin, tf_hi), t_end):
-        m_i, l_i, acc_lo, acc_hi = _tile(
-            t, m_i, l_i, acc_lo, acc_hi, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh,
-            j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
+        m_i, l_i, acc_lo, acc_hi, zacc = _tile(
+            t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
+            kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
             S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True)
 
     if HAS_SINKS:
@@ -346,10 +367,15 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.exp2(sk - m_safe)
         acc_lo = acc_lo * alpha[:, None]
         acc_hi = acc_hi * alpha[:, None]
+        if QUANT >= 2:
+            zacc = zacc * alpha
         m_i = m_new
 
     has = l_i > 0
     inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+    if QUANT >= 2:
+        acc_lo = acc_lo + zacc[:, None]
+        acc_hi = acc_hi + zacc[:, None]
     o_lo = acc_lo * inv[:, None]
     o_hi = acc_hi * inv[:, None]
     row_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
