@@ -44,13 +44,16 @@ def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", line
                   S_BLK=2 * bs * h * r, S_KV=bs * h * r, S_TOK=s_tok, S_HEAD=s_head, P_BLK=2 * bs * h * 2,
                   P_KV=bs * h * 2, P_TOK=h * 2 if layout == "NHD" else 2, P_HEAD=2 if layout == "NHD" else bs * 2,
                   QUANT=quant, FP8_SCALED=quant == 1, LINEAR=linear, SEQ_CHUNK=64, HAS_WINDOW=window,
-                  HAS_SINKS=True, HAS_LSE=True, PRECISION="ieee" if qdt == "*fp32" else None, DOT_F32=False)
+                  HAS_SINKS=True, HAS_LSE=True, PRECISION="ieee" if qdt == "*fp32" else None, DOT_F32=False,
+                  V_FOLD=quant >= 2 and block_q * triton.next_power_of_2(g) <= 16)
     return compile_kernel(_attention_kernel, ptr, consts, dict(num_warps=warps, num_stages=stages))
 
 
 CASES = [dict(qdt=qdt, quant=quant, d=128, g=4, block_q=4, block_n=64, bs=16, splits=1)
          for qdt in ("*fp16", "*bf16") for quant in (0, 1, 2, 3)] + [
-    dict(qdt="*fp16", quant=0, d=128, g=4, block_q=32, block_n=64, bs=64, splits=1, warps=8, stages=2),
+    dict(qdt="*fp16", quant=0, d=128, g=4, block_q=32, block_n=128, bs=64, splits=1, warps=8, stages=2),
+    dict(qdt="*bf16", quant=2, d=128, g=4, block_q=32, block_n=128, bs=16, splits=1, warps=8, stages=2),
+    dict(qdt="*fp16", quant=3, d=128, g=4, block_q=32, block_n=128, bs=16, splits=1, warps=8, stages=2),
     dict(qdt="*fp16", quant=3, d=128, g=4, block_q=4, block_n=64, bs=64, splits=1, window=False),
     dict(qdt="*fp16", quant=2, d=80, g=3, block_q=4, block_n=64, bs=32, splits=4, layout="HND", softcap=30.0),
     dict(qdt="*fp32", quant=0, d=64, g=1, block_q=16, block_n=64, bs=16, splits=1),

@@ -17,14 +17,16 @@ Dequantization happens in registers right after the load:
   the final normalisation.
 * int8 / int4: both dots run on the codes (exact in fp16 / bf16), and the (scale, zero) pairs act per token,
   never per element. QK^T: ``q . k = scale_k * (q . codes) + zero_k * sum(q)``, one multiply-add per score.
-  PV: ``sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j`` per tile,
+  PV in decode tiles (``V_FOLD``: 16 rows, each V element used by few rows, so per-element work would dominate):
+  ``sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j`` per tile,
   with ``s_max`` the tile's largest V scale (1 where it is not a positive finite number: masked or all-zero
   tiles) and ``R = PV_RANGE = 2^15``. The dot's P operand ``R p s / s_max`` is at most ``R`` (``p <= 1``,
   ``s <= s_max``: no fp16 overflow) and leaves fp16's normal range only below ``p s / s_max = 2^-29``, so no
   weight of a token whose scale is small (absolutely, or next to the tile's largest) sinks into fp16's
   subnormals, as ``p * s`` in fp16 would (scales ~1e-4). The dot's result is scaled by ``s_max / R`` into the
   float32 accumulator, and the zero terms ``sum_j p_j z_j`` go to a per-row float32 accumulator, rescaled
-  with it and added before the normalisation. A NaN scale or zero (a non-finite (token, head) of the cache)
+  with it and added before the normalisation. Prefill tiles (many rows share each V element) dequantize V
+  per element in float32 (``codes * scale + zero``), then round to the dot's dtype. A NaN scale or zero (a non-finite (token, head) of the cache)
   makes every output row that loads it NaN.
   Codes become floats with no integer -> float conversion instruction, by the magic-number rule: ORed into the
   low mantissa bits of a power of two ``M`` whose ulp is 1, a code ``c`` gives exactly ``M + c``, and
@@ -155,7 +157,7 @@ def _tile(
     H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, MASK: tl.constexpr,
+    PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr,
 ):
     """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi, zacc); ``zacc``
     (int8 / int4: the rows' sums of ``p * zero_v``) is returned unchanged for the other formats.
@@ -205,19 +207,27 @@ def _tile(
     vbase = base + S_KV
     v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False)
     if QUANT >= 2:
-        # sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j (module
-        # docstring); tokens past the length or the table load scale and zero 0, masked scores have p = 0
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
         vs, vz = _load_params(qparams, vp, ok_n)
-        v_lo = _codes_to(v_lo, qdt, 4 if QUANT == 3 else 8)
-        v_hi = _codes_to(v_hi, qdt, 4 if QUANT == 3 else 8)
-        vs_max = tl.max(vs, 0)
-        vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, 1.0)
-        pv = (p * (vs * (PV_RANGE / vs_max))[None, :]).to(qdt)  # at most R; a NaN scale stays NaN
-        dot_scale = vs_max * (1.0 / PV_RANGE)
-        acc_lo = acc_lo * alpha[:, None] + dot_scale * tl.dot(pv, v_lo, input_precision=PRECISION)
-        acc_hi = acc_hi * alpha[:, None] + dot_scale * tl.dot(pv, v_hi, input_precision=PRECISION)
-        zacc = zacc * alpha + tl.sum(p * vz[None, :], 1)
+        if V_FOLD:
+            # sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j (module
+            # docstring); tokens past the length or the table load scale and zero 0, masked scores have p = 0
+            v_lo = _codes_to(v_lo, qdt, 4 if QUANT == 3 else 8)
+            v_hi = _codes_to(v_hi, qdt, 4 if QUANT == 3 else 8)
+            vs_max = tl.max(vs, 0)
+            vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, 1.0)
+            pv = (p * (vs * (PV_RANGE / vs_max))[None, :]).to(qdt)  # at most R; a NaN scale stays NaN
+            dot_scale = vs_max * (1.0 / PV_RANGE)
+            acc_lo = acc_lo * alpha[:, None] + dot_scale * tl.dot(pv, v_lo, input_precision=PRECISION)
+            acc_hi = acc_hi * alpha[:, None] + dot_scale * tl.dot(pv, v_hi, input_precision=PRECISION)
+            zacc = zacc * alpha + tl.sum(p * vz[None, :], 1)
+        else:
+            # prefill tiles (many rows per key): dequantize V per element, the rows share it
+            v_lo = (_codes_f32(v_lo) * vs[:, None] + vz[:, None]).to(qdt)
+            v_hi = (_codes_f32(v_hi) * vs[:, None] + vz[:, None]).to(qdt)
+            pc = p.to(qdt)
+            acc_lo = tl.dot(pc, v_lo, acc=acc_lo * alpha[:, None], input_precision=PRECISION)
+            acc_hi = tl.dot(pc, v_hi, acc=acc_hi * alpha[:, None], input_precision=PRECISION)
     else:
         pc = p.to(qdt)
         acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
@@ -238,7 +248,7 @@ def _attention_kernel(
     P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr,
     FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, V_FOLD: tl.constexpr,
 ):
     # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
     pid = tl.program_id(0)
@@ -345,17 +355,17 @@ def _attention_kernel(
             m_i, l_i, acc_lo, acc_hi, zacc = _tile(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
                 kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
-                S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True)
+                S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD)
     for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
         m_i, l_i, acc_lo, acc_hi, zacc = _tile(
             t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
             kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
-            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False)
+            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD)
     for t in range(tl.maximum(t_begin, tf_hi), t_end):
         m_i, l_i, acc_lo, acc_hi, zacc = _tile(
             t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
             kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
-            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True)
+            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD)
 
     if HAS_SINKS:
         # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only
