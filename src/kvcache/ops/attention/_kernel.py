@@ -26,8 +26,8 @@ Dequantization happens in registers right after the load:
   subnormals, as ``p * s`` in fp16 would (scales ~1e-4). The dot's result is scaled by ``s_max / R`` into the
   float32 accumulator, and the zero terms ``sum_j p_j z_j`` go to a per-row float32 accumulator, rescaled
   with it and added before the normalisation. Prefill tiles (many rows share each V element) dequantize V
-  per element in float32 (``codes * scale + zero``), then round to the dot's dtype. A NaN scale or zero (a non-finite (token, head) of the cache)
-  makes every output row that loads it NaN.
+  per element in float32 (``codes * scale + zero``), then round to the dot's dtype. A NaN scale or zero (a
+  non-finite (token, head) of the cache) makes every output row that loads it NaN.
   Codes become floats with no integer -> float conversion instruction, by the magic-number rule: ORed into the
   low mantissa bits of a power of two ``M`` whose ulp is 1, a code ``c`` gives exactly ``M + c``, and
   subtracting ``M`` is exact. fp16: bits ``0x6400 | c`` = 1024 + c; fp32: ``0x4B000000 | c`` = 2^23 + c; bf16:
@@ -58,22 +58,22 @@ PV_RANGE = tl.constexpr(32768.0)  # int8 / int4: the largest P operand of PV (mo
 
 
 @triton.jit
-def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, CHUNK: tl.constexpr):
+def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
     """Sequence ``b`` of query tile ``pid``: the last ``b`` with ``cu_q[b] // BLOCK_Q + b <= pid``.
 
     Sequence ``b`` owns tiles ``cu_q[b] // BLOCK_Q + b`` .. ``cu_q[b + 1] // BLOCK_Q + b`` (one more than it
     needs at most), so the grid ``n_rows // BLOCK_Q + B`` covers every batch of ``n_rows`` rows, whatever
-    their split into sequences (fixed at CUDA-graph capture). The starts increase strictly, so ``b`` is the
-    number of starts ``<= pid`` minus one: counted ``CHUNK`` sequences per vector load (one load for the usual
-    batch, where a binary search would chain one dependent load per step before the first KV load).
+    their split into sequences (fixed at CUDA-graph capture).
     """
-    cnt = pid * 0
-    for c0 in range(0, n_seqs, CHUNK):
-        idx = c0 + tl.arange(0, CHUNK)
-        ok = idx < n_seqs
-        start = tl.load(cu_q + idx, mask=ok, other=0) // BLOCK_Q + idx
-        cnt += tl.sum((ok & (start <= pid)).to(tl.int32), 0)
-    return cnt - 1
+    lo = pid * 0
+    hi = lo + n_seqs
+    for _ in tl.static_range(LOG_B):
+        mid = (lo + hi) // 2
+        start = tl.load(cu_q + mid) // BLOCK_Q + mid
+        take = start <= pid
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid)
+    return lo
 
 
 @triton.jit
@@ -246,7 +246,7 @@ def _attention_kernel(
     HQ: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
     P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr,
-    FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, SEQ_CHUNK: tl.constexpr,
+    FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, V_FOLD: tl.constexpr,
 ):
@@ -264,7 +264,7 @@ def _attention_kernel(
         kv_len = tl.load(kv_lens + b) + q_len_u
         bt_row = block_tables  # unused
     else:
-        b = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, SEQ_CHUNK)
+        b = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
         row0 = tl.load(cu_q + b)
         lt = pid - (row0 // BLOCK_Q + b)
         q_len = tl.load(cu_q + b + 1) - row0
@@ -348,14 +348,15 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_Q * G_P], tl.float32)
     acc_lo = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
     acc_hi = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
-    zacc = tl.zeros([BLOCK_Q * G_P], tl.float32)  # int8 / int4: sum of p * zero_v per row (else unused)
+    zacc = tl.zeros([BLOCK_Q * G_P], tl.float32)  # V_FOLD: sum of p * zero_v per row (else unused)
     offs_n = tl.arange(0, BLOCK_N)
     if HAS_WINDOW:  # without a window, tf_lo == t_lo: nothing before the unmasked tiles
         for t in range(t_begin, tl.minimum(t_end, tf_lo)):
             m_i, l_i, acc_lo, acc_hi, zacc = _tile(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
                 kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
-                S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD)
+                S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True,
+                V_FOLD)
     for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
         m_i, l_i, acc_lo, acc_hi, zacc = _tile(
             t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
@@ -377,13 +378,13 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.exp2(sk - m_safe)
         acc_lo = acc_lo * alpha[:, None]
         acc_hi = acc_hi * alpha[:, None]
-        if QUANT >= 2:
+        if V_FOLD:
             zacc = zacc * alpha
         m_i = m_new
 
     has = l_i > 0
     inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
-    if QUANT >= 2:
+    if V_FOLD:
         acc_lo = acc_lo + zacc[:, None]
         acc_hi = acc_hi + zacc[:, None]
     o_lo = acc_lo * inv[:, None]

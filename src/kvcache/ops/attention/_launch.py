@@ -6,6 +6,7 @@ no host sync: capturable in a CUDA graph.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -23,10 +24,11 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _seq_chunk(n_seqs: int) -> int:
-    """Sequences the tile search reads per vector load: the batch rounded up to a power of two, 16 .. 128 (one
-    compiled kernel per bucket; larger batches loop over chunks of 128)."""
-    return min(128, max(16, 1 << max(0, n_seqs - 1).bit_length()))
+def _search_steps(n_seqs: int) -> int:
+    """Binary-search steps that find any of ``n_seqs`` sequences, rounded up to a multiple of 8: one compiled
+    kernel for every batch of up to 128 sequences (a step past the answer re-reads one cached int)."""
+    need = math.ceil(math.log2(max(n_seqs, 1))) + 1
+    return 8 * -(-need // 8)
 
 
 def _strides3(t: torch.Tensor | None, linear: bool) -> tuple[int, int, int]:
@@ -123,7 +125,7 @@ def launch_attention(
         HQ=hq, G=g, G_P=next_pow2(g), BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BS=bs, S_BLK=s_blk, S_KV=s_kv,
         S_TOK=s_tok, S_HEAD=s_head, P_BLK=p_strides[0], P_KV=p_strides[1], P_TOK=p_strides[2],
         P_HEAD=p_strides[3], QUANT=quant, FP8_SCALED=kv_scales is not None and quant == 1, LINEAR=linear,
-        SEQ_CHUNK=_seq_chunk(n_seqs), HAS_WINDOW=window is not None,
+        LOG_B=_search_steps(n_seqs), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,
         V_FOLD=quant >= 2 and plan.block_q * next_pow2(g) <= 16,
