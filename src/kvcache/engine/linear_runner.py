@@ -153,7 +153,7 @@ class LinearEngineCore:
     # ---------------------------------------------------------------------------------- the step
 
     def step(self) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step; returns the requests that sample a token and their float32 logits ``[n, vocab]``."""
+        """Run one step; returns the requests that sample a token and their logits ``[n, vocab]`` (model dtype)."""
         self._admit()
         budget = self.budget
         counts = []

@@ -132,7 +132,7 @@ class PagedRunner:
         return ids, pos, tables, cu, before, after
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run the step; returns float32 logits ``[num sampled rows, vocab]`` (rows in batch order of
+        """Run the step; returns logits ``[num sampled rows, vocab]`` (model dtype) (rows in batch order of
         ``batch.sample``)."""
         if self.use_graphs and batch.is_decode and len(batch.seqs) <= self.max_graph_batch:
             return self._run_graph(batch)
