@@ -5,7 +5,8 @@ vocab 128256, bf16, llama3 RoPE; built with transformers' ``LlamaConfig`` + ``Ll
 download), 64 requests x 512 random prompt tokens + 128 new tokens, greedy, EOS ignored. In one run:
 
 * ``kvcache.engine.LLM`` per kv_dtype (auto = bf16, fp8, int8, int4): continuous batching, paged cache, decode
-  steps in CUDA graphs; generated tokens / wall time of ``generate`` (after a warm-up that captures the graphs);
+  steps in CUDA graphs; generated tokens / wall time of ``generate`` (after a warm-up that captures the graphs;
+  the median of three timed runs, all three reported);
 * transformers ``generate`` on the same 64 x 512 batch with its DynamicCache, and with ``cache_implementation=
   "static"`` (StaticCache);
 * peak GPU memory of each (``torch.cuda.max_memory_allocated``, weights included);
