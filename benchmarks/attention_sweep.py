@@ -116,8 +116,8 @@ def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, "src")
     _set_shape(args.head_dim, args.decode)
+    from kvcache.bench.attention import causal_flops, kv_bytes
     from kvcache.bench.timing import graph_replay_us
-    from kvcache.bench.attention import kv_bytes, causal_flops
     from kvcache.ops.attention.policy import AttentionPlan, attention_plan
 
     formats = args.formats.split(",")

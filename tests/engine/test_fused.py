@@ -1,4 +1,4 @@
-"""The engine's fused decoder ops (kvcache.engine.fused) against their torch formulas, and the fused decoder
+"""The engine's fused decoder ops (kvcache.ops.decoder) against their torch formulas, and the fused decoder
 against transformers: Triton's interpreter on the CPU (compiled on a GPU)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcache.engine import LLM, SamplingParams
-from kvcache.engine.fused import rms_norm, rope_rotate, silu_mul
+from kvcache.ops.decoder import rms_norm, rope_rotate, silu_mul
 
 
 def _hf_rms(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,3 +104,29 @@ def test_fused_decoder_tokens_equal_transformers(backend):
     # fusing left the model's weights as they were (its modules now view the concatenated matrices)
     for k, v in model.state_dict().items():
         assert torch.equal(v, weights[k]), k
+
+
+def test_fused_decoder_refuses_replaced_weights(backend):
+    # the fused decoder's q / k / v and gate / up matrices are what the modules' weights view: a parameter
+    # replaced (not written in place) after the engine was built is refused, not silently ignored
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, vocab_size=64, max_position_embeddings=64,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    llm = LLM(model, tokenizer=_NoText(), max_num_seqs=1, block_size=4, max_model_len=32, cuda_graphs=False)
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    first = llm.generate([[5, 6, 7]], sp)[0].token_ids
+    up = model.model.layers[0].mlp.up_proj
+    with torch.no_grad():
+        up.weight.copy_(up.weight * 1.0)  # in place: fine
+    assert llm.generate([[5, 6, 7]], sp)[0].token_ids == first
+    up.weight = torch.nn.Parameter(up.weight.detach().clone())
+    if backend == "interpreter":
+        with pytest.raises(RuntimeError, match="replaced"):
+            llm.generate([[5, 6, 7]], sp)
+        assert llm.allocator.num_used_blocks == 0
+    else:  # the torch backend runs the modules themselves: the new parameter is simply used
+        assert llm.generate([[5, 6, 7]], sp)[0].token_ids == first

@@ -285,6 +285,7 @@ def test_overlapped_decode_equals_step_by_step():
     got = fast.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
-    assert fast.stats.graph_steps > 0
+    assert fast.stats.graph_steps > 0 and fast.stats.overlapped_steps > 0
+    assert plain.stats.overlapped_steps == 0
     assert fast.allocator.num_used_blocks == 0
     fast.allocator.check_invariants()

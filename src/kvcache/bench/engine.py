@@ -90,7 +90,7 @@ def _engine_row(model: Any, prompts: list[list[int]], new: int, kv_dtype: str, k
     llm.generate(prompts, sp)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    # REPEATS timed runs (a run is ~0.4 s: run-to-run noise is ~1-2%); the row reports the median
+    # REPEATS timed runs (a run takes well under a second, so single runs are noisy); the row reports the median
     runs = []
     for _ in range(REPEATS):
         outs = llm.generate(prompts, sp)

@@ -47,8 +47,9 @@ class EngineStats:
     cache_bytes : int
         Bytes of the KV cache allocation (quantization parameters included).
     kv_dtype, cache : str
-    preemptions, steps, graph_steps : int
-        Requests preempted (recomputed), engine steps, decode steps run as CUDA graphs.
+    preemptions, steps, graph_steps, overlapped_steps : int
+        Requests preempted (recomputed), engine steps, decode steps run as CUDA graphs, graph steps launched while
+        the step before them was still running (the host's work hidden behind the device's).
     attention : str
         ``"paged_attention"`` (in place), ``"slot-sdpa"`` (linear).
     """
@@ -68,6 +69,7 @@ class EngineStats:
     preemptions: int = 0
     steps: int = 0
     graph_steps: int = 0
+    overlapped_steps: int = 0
     attention: str = ""
 
 
@@ -427,6 +429,7 @@ class LLM:
             # the step in flight: launch the one after it before waiting for its tokens
             nxt = sched.schedule_next_decode(inflight.batch)
             ahead = runner.launch_decode(nxt, ahead=True) if nxt is not None else None
+            st.overlapped_steps += ahead is not None
             st.blocks_used = max(st.blocks_used, self.allocator.num_used_blocks)
             self._process(inflight.batch, inflight.greedy_tokens(), st, counts, len(seqs), progress)
             if ahead is not None and any(s.status is SequenceStatus.FINISHED for s in ahead.batch.seqs):

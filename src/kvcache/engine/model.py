@@ -10,10 +10,13 @@ Supported: decoder-only models whose layers have ``self_attn.{q,k,v,o}_proj`` (b
 ``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, SmolLM2, Mistral without sliding window,
 Qwen2, Qwen3 with its q / k norms), rotate-half RoPE as transformers computes it.
 
-Where kvcache's kernels run (CUDA, or the CPU under ``KVCACHE_TRITON_INTERPRET=1``) the decoder runs *fused*: q / k / v are one GEMM and gate / up another (the modules' weights become views
-of the concatenated matrices, so memory is unchanged), the residual add and RMSNorm are one kernel, SiLU-and-
-multiply one, the query rotation one (:mod:`kvcache.engine.fused`). Elsewhere (the CPU's torch backend) the
-modules themselves run, so the engine's tokens are transformers' own numerics there.
+Where kvcache's kernels run (CUDA, or the CPU under ``KVCACHE_TRITON_INTERPRET=1``) the decoder runs *fused*:
+q / k / v are one GEMM and gate / up another (the modules' weights become views of the concatenated matrices,
+so memory is unchanged; update weights in place afterwards, a replaced parameter is refused at the next step),
+the residual add and RMSNorm are one kernel, SiLU-and-multiply one, the query rotation one
+(:mod:`kvcache.ops.decoder`). Models whose layers are not plain (quantized linear subclasses, Gemma norms, other
+activations) keep the module path. Elsewhere (the CPU's torch backend) the modules themselves run, so the
+engine's tokens are transformers' own numerics there.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from typing import Any
 import torch
 
 from .._backend import use_triton
+from ..ops import decoder as fused
 from ..rope import RopeConfig
-from . import fused
 
 __all__ = ["LlamaForward", "AttentionFn"]
 
@@ -96,25 +99,39 @@ class LlamaForward:
         a layer is not the plain Llama layout (then the modules run)."""
         norms = [self.norm] + [m for layer in self.layers for m in (layer.input_layernorm,
                                                                         layer.post_attention_layernorm)]
-        if not all(_plain_rms_norm(m) for m in norms):
+        if not all(_plain_rms_norm(m, self.dtype) for m in norms):
             return None
+        for layer in self.layers:  # every layer qualifies before any weight is touched
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+            linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+            if not all(_plain_linear(m, self.dtype) for m in linears) or any(m.bias is not None for m in linears[4:]):
+                return None
+            if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+                return None
+            if len({m.bias is None for m in linears[:3]}) != 1:
+                return None
         out = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not (_plain_linear(mlp, "gate_proj") and _plain_linear(mlp, "up_proj") and _plain_linear(mlp, "down_proj")
-                    and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")):
-                return None
             projs = [attn.q_proj, attn.k_proj, attn.v_proj]
-            if any(not isinstance(m, torch.nn.Linear) for m in projs + [attn.o_proj]):
-                return None
-            f: dict[str, Any] = {"qkv_w": _concat_weights(projs), "qkv_b": None,
-                                 "gu_w": _concat_weights([mlp.gate_proj, mlp.up_proj])}
-            if any(m.bias is not None for m in projs):
-                if not all(m.bias is not None for m in projs):
-                    return None
-                f["qkv_b"] = _concat_biases(projs)
-            out.append(f)
+            out.append({"qkv_w": _concat_weights(projs),
+                        "qkv_b": _concat_biases(projs) if projs[0].bias is not None else None,
+                        "gu_w": _concat_weights([mlp.gate_proj, mlp.up_proj])})
         return out
+
+    def _check_fused(self) -> None:
+        """The modules still view the concatenated weights (a parameter replaced rather than written in place
+        would leave the fused matrices, and any captured CUDA graph, on the old values)."""
+        for i, (layer, f) in enumerate(zip(self.layers, self._fused)):
+            attn, mlp = layer.self_attn, layer.mlp
+            w, gu = f["qkv_w"], f["gu_w"]
+            views = ((attn.q_proj, w, 0), (attn.v_proj, w, w.shape[0] - attn.v_proj.weight.shape[0]),
+                     (mlp.gate_proj, gu, 0), (mlp.up_proj, gu, gu.shape[0] - mlp.up_proj.weight.shape[0]))
+            if any(m.weight.data_ptr() != big[row:].data_ptr() for m, big, row in views):
+                raise RuntimeError(f"model: layer {i}'s projection weights were replaced after the engine fused them; "
+                                   "update weights in place (copy_, load_state_dict without assign=True) or build a "
+                                   "new engine")
 
     def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin ``[max_len, rotary_dim]`` in the model dtype (transformers casts them so), on the device."""
@@ -157,6 +174,7 @@ class LlamaForward:
         h = self.embed(input_ids)
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self._fused is not None:
+            self._check_fused()
             return self._forward_fused(h, positions, attention)
         cos, sin = cos_t[positions], sin_t[positions]
         for i, layer in enumerate(self.layers):
@@ -199,21 +217,25 @@ class LlamaForward:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head`` of ``hidden`` ``[M, hidden]`` -> ``[M, vocab]`` in the model dtype (transformers' values:
-        its ``generate`` converts them to float32, which is exact, before picking; a float32 copy per step would
-        cost the engine ~1% of a decode step)."""
+        its ``generate`` converts them to float32, which is exact, before picking: the same argmax without a
+        float32 copy of every step's logits)."""
         return self.lm_head(hidden)
 
 
-def _plain_rms_norm(m: Any) -> bool:
+def _plain_rms_norm(m: Any, dtype: torch.dtype) -> bool:
     """A transformers RMSNorm computing ``weight * normalized`` (Llama / Qwen / Mistral; not Gemma's ``1 + w``)."""
     name = type(m).__name__
+    w = getattr(m, "weight", None)
     return (name.endswith("RMSNorm") and not name.startswith("Gemma") and hasattr(m, "variance_epsilon")
-            and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.ndim == 1)
+            and type(w) in (torch.Tensor, torch.nn.Parameter) and w.ndim == 1 and w.dtype == dtype
+            and w.is_contiguous())
 
 
-def _plain_linear(m: Any, name: str) -> bool:
-    lin = getattr(m, name, None)
-    return isinstance(lin, torch.nn.Linear) and lin.bias is None
+def _plain_linear(m: Any, dtype: torch.dtype) -> bool:
+    """Exactly ``torch.nn.Linear`` with plain weights of the model dtype (not a quantized subclass: bitsandbytes,
+    FP8 or tensor-subclass weights keep the module path)."""
+    return (type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter and m.weight.dtype == dtype
+            and (m.bias is None or (type(m.bias) is torch.nn.Parameter and m.bias.dtype == dtype)))
 
 
 def _concat_weights(mods: list[torch.nn.Linear]) -> torch.Tensor:

@@ -27,7 +27,16 @@ __all__ = ["PagedRunner", "StepMeta", "DecodeStep"]
 
 
 class DecodeStep:
-    """A launched decode step: its batch, its logits (valid once it completes) and its greedy tokens."""
+    """A launched decode step (:meth:`PagedRunner.launch_decode`).
+
+    Attributes
+    ----------
+    batch : ScheduledBatch
+        The step's requests, one row each.
+    logits : torch.Tensor
+        ``[len(batch.seqs), vocab]`` in the model dtype: on CUDA a view of the graph's static output, valid once
+        the step completes and until the next launch (read it before launching another step).
+    """
 
     __slots__ = ("batch", "logits", "_host", "_event")
 
@@ -39,7 +48,8 @@ class DecodeStep:
         self._event = event
 
     def greedy_tokens(self) -> list[int]:
-        """The argmax token of every row (waits for the step)."""
+        """The argmax token of every row, in batch order (waits for the step; the host copy stays valid until
+        the step after next is launched)."""
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
@@ -175,11 +185,13 @@ class PagedRunner:
                 "cu": torch.arange(m + 1, dtype=torch.int32, device=dev),
                 "before": torch.zeros(m, dtype=torch.int32, device=dev),
                 "after": torch.zeros(m, dtype=torch.int32, device=dev),
-                # host staging (pinned on CUDA): ids / pos as int64 rows, before / after as int32 rows, the tables
-                "h_tok": torch.zeros((2, m), dtype=torch.int64, pin_memory=pin),
-                "h_len": torch.zeros((2, m), dtype=torch.int32, pin_memory=pin),
-                "h_bt": torch.full((m, self.width), self.scratch_block, dtype=torch.int32, pin_memory=pin),
-                # the graph's greedy token per row, and two host copies (a step in flight, the one before it)
+                # host staging (pinned on CUDA), two of each, alternating by step: the copies of a step read their
+                # buffer when the device reaches them, and the host writes the step after next only once that
+                # step's event has fired. ids / pos as int64 rows, before / after as int32 rows, the tables
+                "h_tok": torch.zeros((2, 2, m), dtype=torch.int64, pin_memory=pin),
+                "h_len": torch.zeros((2, 2, m), dtype=torch.int32, pin_memory=pin),
+                "h_bt": torch.full((2, m, self.width), self.scratch_block, dtype=torch.int32, pin_memory=pin),
+                # the graph's greedy token per row, and its host copies (same alternation)
                 "next": torch.zeros(m, dtype=torch.int64, device=dev),
                 "h_next": torch.zeros((2, m), dtype=torch.int64, pin_memory=pin),
             }
@@ -192,17 +204,27 @@ class PagedRunner:
         """True when ``batch`` runs as a graph step (:meth:`launch_decode`)."""
         return self.use_graphs and batch.is_decode and len(batch.seqs) <= self.max_graph_batch
 
-    def launch_decode(self, batch: ScheduledBatch, *, ahead: bool = False) -> "DecodeStep":
+    def launch_decode(self, batch: ScheduledBatch, *, ahead: bool = False) -> DecodeStep:
         """Launch a decode step as a graph (asynchronously on CUDA); returns its :class:`DecodeStep`.
 
         ``ahead=True``: ``batch`` is the step after the one in flight (same requests, same rows: from
         :meth:`Scheduler.schedule_next_decode`); its input tokens are the in-flight step's greedy tokens, taken
-        on the device, and every request is one token further on than its host state says.
+        on the device, and every request is one token further on than its host state says. At most two steps
+        may be in flight: wait for the older one (:meth:`DecodeStep.greedy_tokens`) before the next launch.
+
+        Example
+        -------
+        >>> step = runner.launch_decode(batch)                 # doctest: +SKIP
+        >>> nxt = runner.launch_decode(sched.schedule_next_decode(batch), ahead=True)   # doctest: +SKIP
+        >>> tokens = step.greedy_tokens()                      # doctest: +SKIP
         """
         n = len(batch.seqs)
         bs = self._bucket(n)
         st = self._static_buffers()
-        tok, lens, bt = st["h_tok"].numpy(), st["h_len"].numpy(), st["h_bt"].numpy()
+        slot = self._flip
+        self._flip ^= 1
+        h_tok, h_len, h_bt = st["h_tok"][slot], st["h_len"][slot], st["h_bt"][slot]
+        tok, lens, bt = h_tok.numpy(), h_len.numpy(), h_bt.numpy()
         for b, seq in enumerate(batch.seqs):
             c = seq.num_computed + ahead
             tok[0, b] = 0 if ahead else seq.token_ids[c]
@@ -220,11 +242,11 @@ class PagedRunner:
         if ahead:
             st["ids"][:bs].copy_(st["next"][:bs])
         else:
-            st["ids"][:bs].copy_(st["h_tok"][0, :bs], non_blocking=True)
-        st["pos"][:bs].copy_(st["h_tok"][1, :bs], non_blocking=True)
-        st["before"][:bs].copy_(st["h_len"][0, :bs], non_blocking=True)
-        st["after"][:bs].copy_(st["h_len"][1, :bs], non_blocking=True)
-        st["bt"][:bs].copy_(st["h_bt"][:bs], non_blocking=True)
+            st["ids"][:bs].copy_(h_tok[0, :bs], non_blocking=True)
+        st["pos"][:bs].copy_(h_tok[1, :bs], non_blocking=True)
+        st["before"][:bs].copy_(h_len[0, :bs], non_blocking=True)
+        st["after"][:bs].copy_(h_len[1, :bs], non_blocking=True)
+        st["bt"][:bs].copy_(h_bt[:bs], non_blocking=True)
         graph = self._graphs.get(bs)
         if self.device.type != "cuda":
             logits = self._forward_static(bs)
@@ -234,13 +256,12 @@ class PagedRunner:
             graph[0].replay()
             logits = graph[1]
         self.graph_steps += 1
-        host = st["h_next"][self._flip, :n]
-        self._flip ^= 1
+        host = st["h_next"][slot, :n]
         host.copy_(st["next"][:n], non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
         return DecodeStep(batch, logits[:n], host, event)
 
     def _forward_static(self, bs: int) -> torch.Tensor:

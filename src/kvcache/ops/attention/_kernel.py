@@ -216,7 +216,7 @@ def _tile(
             v_hi = _codes_to(v_hi, qdt, 4 if QUANT == 3 else 8)
             vs_max = tl.max(vs, 0)
             vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, 1.0)
-            pv = (p * (vs * (PV_RANGE / vs_max))[None, :]).to(qdt)  # at most R; a NaN scale stays NaN
+            pv = (p * ((vs / vs_max) * PV_RANGE)[None, :]).to(qdt)  # at most R; a NaN scale stays NaN
             dot_scale = vs_max * (1.0 / PV_RANGE)
             acc_lo = acc_lo * alpha[:, None] + dot_scale * tl.dot(pv, v_lo, input_precision=PRECISION)
             acc_hi = acc_hi * alpha[:, None] + dot_scale * tl.dot(pv, v_hi, input_precision=PRECISION)

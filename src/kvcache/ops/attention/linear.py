@@ -108,7 +108,8 @@ def linear_attention(
         check_int("num_splits", num_splits, 1, 1024)
     kv_dtype = "fp8" if layer.dtype == torch.float8_e4m3fn else "auto"
     plan = attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=bsz * q_len, num_seqs=bsz,
-                          max_kv_len=layer.shape[3], num_sms=num_sms(dev), num_splits=num_splits, kv_dtype=kv_dtype)
+                          max_kv_len=layer.shape[3], num_sms=num_sms(dev), num_splits=num_splits, kv_dtype=kv_dtype,
+                          q_bytes=q.element_size())
     need = attention_workspace_size(bsz * q_len, hq, d, plan.num_splits)
     if workspace is not None:
         c.check_workspace(workspace, need, dev)

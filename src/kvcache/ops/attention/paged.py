@@ -152,7 +152,7 @@ def paged_attention(
         check_int("num_splits", num_splits, 1, 1024)
     plan = attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=n, num_seqs=b,
                           max_kv_len=min(max_kv_len, cap) // cp_size, num_sms=num_sms(dev), num_splits=num_splits,
-                          kv_dtype=kv_dtype)
+                          kv_dtype=kv_dtype, q_bytes=q.element_size())
     need = attention_workspace_size(n, hq, d, plan.num_splits)
     if workspace is not None:
         c.check_workspace(workspace, need, dev)

@@ -18,7 +18,7 @@ __all__ = ["AttentionPlan", "attention_plan", "attention_workspace_size"]
 MIN_SPLIT_TOKENS = 512
 MAX_SPLITS = 64
 # Programs per SM aimed at by the split heuristic when the batch alone leaves SMs idle. Batches with at least one
-# program per SM are not split: the merge pass then costs more than the balance gains (H100, 64 x 1k: +7%).
+# program per SM are not split: the merge pass then costs more than the balance gains (BENCHMARKS.md, the sweep).
 PROGRAMS_PER_SM = 4
 # Elements of one decode K tile (BLOCK_N x head_dim) per stored format, measured on the H100 (sweep in
 # BENCHMARKS.md): 16-bit caches want short tiles and deep pipelines (32 x 128, 4 stages), 8- and 4-bit caches
@@ -68,6 +68,7 @@ def attention_plan(
     num_sms: int = 132,
     num_splits: int | None = None,
     kv_dtype: str = "auto",
+    q_bytes: int = 2,
 ) -> AttentionPlan:
     """Choose tiles and the KV split for one attention launch.
 
@@ -87,6 +88,9 @@ def attention_plan(
         Force the KV split (1 = none); default: the heuristic below.
     kv_dtype : {"auto", "fp8", "int8", "int4"}
         Stored format of the cache (decode tiles depend on it).
+    q_bytes : int
+        Bytes per query element (2 for fp16 / bf16, 4 for fp32: prefill tiles of fp32 queries are halved to fit
+        in shared memory).
 
     Returns
     -------
@@ -105,6 +109,7 @@ def attention_plan(
     check_int("num_seqs", num_seqs, 0)
     check_int("max_kv_len", max_kv_len, 0)
     check_int("num_sms", num_sms, 1)
+    check_int("q_bytes", q_bytes, 1, 8)
     if kv_dtype not in DECODE_TILE:
         raise ValueError(f"kv_dtype: expected one of {tuple(DECODE_TILE)}, got {kv_dtype!r}")
     g = next_pow2(max(1, num_q_heads // num_kv_heads))
@@ -115,13 +120,14 @@ def attention_plan(
         elems, stages = DECODE_TILE[kv_dtype]
         block_n = min(128, max(16, next_pow2(elems // next_pow2(head_dim))))
         if kv_dtype == "fp8" and head_dim <= 64:
-            block_n = 64  # the sweep at head_dim 64 (64 x 640 tokens): 64 keys 39 us, 128 keys 47 us
+            block_n = 64  # fp8 at head_dim 64 wants the 16-bit caches' tile (BENCHMARKS.md, the head_dim-64 sweep)
         warps = 4
     else:
-        # 128 rows x 128 keys, 8 warps, 2 stages: the H100 sweep's best for 0 and 4096 cached tokens (head_dim 128)
+        # 128 rows x 128 keys, 8 warps, 2 stages for 16-bit queries (the sweep's choice); fp32 queries take 64
+        # keys (128 do not fit in an H100's shared memory)
         rows = 128 if head_dim <= 128 else 64
         block_q = max(1, rows // g)
-        block_n = 128 if head_dim <= 128 else 32
+        block_n = (128 if q_bytes <= 2 else 64) if head_dim <= 128 else 32
         warps, stages = (8 if rows * head_dim >= 128 * 128 else 4), 2
     if num_splits is None:
         num_splits = 1

@@ -1,4 +1,5 @@
-"""Fused elementwise ops of the engine's decoder: RMSNorm with its residual add, SiLU-and-multiply, query RoPE.
+"""Fused elementwise ops of a Llama-family decoder, what :mod:`kvcache.engine` runs around the cache: RMSNorm
+with its residual add, SiLU-and-multiply, query RoPE (``kvcache.ops.decoder.rms_norm`` etc.).
 
 Each is one Triton kernel on CUDA (or under the interpreter, ``KVCACHE_TRITON_INTERPRET=1``) and the same
 formula in torch elsewhere. The kernels keep transformers' roundings where they are observable: the residual
@@ -17,6 +18,12 @@ from .._backend import kernel, use_triton
 from .._validate import next_pow2
 
 __all__ = ["rms_norm", "silu_mul", "rope_rotate"]
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a float16 / bfloat16 / float32 tensor, got {got}")
 
 
 @kernel(ints=("n_cols", "s_x", "s_r", "s_o"))
@@ -49,8 +56,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x : torch.Tensor
         ``[N, hidden]``, float16 / bfloat16 / float32, rows contiguous.
     weight : torch.Tensor
-        ``[hidden]``, the norm's weight.
+        ``[hidden]``, x's dtype and device, contiguous: the norm's weight.
     eps : float
+        Added to the mean of squares.
     residual : torch.Tensor, optional
         ``[N, hidden]``, same dtype: added to ``x`` first.
 
@@ -65,14 +73,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     >>> y.shape, h.shape
     (torch.Size([4, 8]), torch.Size([4, 8]))
     """
+    _check_float("x", x)
     if x.ndim != 2 or x.stride(1) != 1:
         raise ValueError(f"x: expected [N, hidden] with contiguous rows, got shape {tuple(x.shape)} strides "
                          f"{tuple(x.stride())}")
-    if weight.shape != (x.shape[1],):
-        raise ValueError(f"weight: expected shape ({x.shape[1]},), got {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError(f"residual: expected {tuple(x.shape)} {x.dtype} with contiguous rows, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
+    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device \
+            or not weight.is_contiguous():
+        raise ValueError(f"weight: expected a contiguous {x.dtype} tensor of shape ({x.shape[1]},) on {x.device}, "
+                         f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1
+                                 or residual.device != x.device):
+        raise ValueError(f"residual: expected {tuple(x.shape)} {x.dtype} on {x.device} with contiguous rows, got "
+                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
     if not use_triton(x.device):
         h = x if residual is None else x + residual
         hf = h.float()
@@ -120,6 +132,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     >>> silu_mul(torch.randn(3, 8)).shape
     torch.Size([3, 4])
     """
+    _check_float("gate_up", gate_up)
     if gate_up.ndim != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up: expected [N, 2 * I] with contiguous rows, got shape {tuple(gate_up.shape)}")
     n, i2 = gate_up.shape
@@ -135,16 +148,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@kernel(ints=("n_heads", "s_t", "s_h", "rot_dim"))
-def _rope_kernel(x, out, pos, cos, sin, n_heads, s_t, s_h, rot_dim, D: tl.constexpr, HALF_P: tl.constexpr,
+@kernel(ints=("n_heads", "s_t", "s_h", "rot_dim", "max_pos"))
+def _rope_kernel(x, out, pos, cos, sin, n_heads, s_t, s_h, rot_dim, max_pos, D: tl.constexpr, HALF_P: tl.constexpr,
                  TAIL_P: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok_h = hh < n_heads
     half = rot_dim // 2
     cc = tl.arange(0, HALF_P)
-    ok_c = cc < half
-    p = tl.load(pos + t)
+    p = tl.load(pos + t + cc * 0)  # the token's position, on every lane
+    ok_c = (cc < half) & (p >= 0) & (p < max_pos)
     c = tl.load(cos + p * rot_dim + cc, mask=ok_c, other=0.0).to(tl.float32)
     s = tl.load(sin + p * rot_dim + cc, mask=ok_c, other=0.0).to(tl.float32)
     src = x + t * s_t + hh[:, None] * s_h
@@ -171,7 +184,8 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions
     cos, sin : torch.Tensor
         ``[max_pos, rot_dim]`` tables (rot_dim even, <= D), contiguous; each row holds its frequencies twice.
     positions : torch.Tensor
-        int64 ``[N]``, each < ``max_pos``.
+        int64 ``[N]``, each in ``[0, max_pos)`` (device data, not checked: the kernel reads no table row outside
+        it and leaves such a token's rotated part zero; the torch path raises or wraps).
 
     Returns
     -------
@@ -184,16 +198,19 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions
     >>> bool((rope_rotate(torch.randn(2, 3, 4), cos, sin, torch.tensor([0, 5])) != 0).any())
     True
     """
+    _check_float("x", x)
     if x.ndim != 3 or x.stride(2) != 1:
         raise ValueError(f"x: expected [N, heads, D] with head_dim contiguous, got shape {tuple(x.shape)}")
     n, heads, d = x.shape
     rd = cos.shape[-1]
     if cos.ndim != 2 or sin.shape != cos.shape or rd % 2 or rd > d or not cos.is_contiguous() \
-            or not sin.is_contiguous():
-        raise ValueError(f"cos / sin: expected contiguous [max_pos, rot_dim] tables with an even rot_dim <= {d}, "
-                         f"got {tuple(cos.shape)} / {tuple(sin.shape)}")
-    if positions.shape != (n,) or positions.dtype != torch.int64:
-        raise ValueError(f"positions: expected int64 [{n}], got {positions.dtype} {tuple(positions.shape)}")
+            or not sin.is_contiguous() or not cos.is_floating_point() or sin.dtype != cos.dtype \
+            or cos.device != x.device or sin.device != x.device:
+        raise ValueError(f"cos / sin: expected contiguous float [max_pos, rot_dim] tables on {x.device} with an even "
+                         f"rot_dim <= {d}, got {cos.dtype} {tuple(cos.shape)} / {sin.dtype} {tuple(sin.shape)}")
+    if positions.shape != (n,) or positions.dtype != torch.int64 or positions.device != x.device:
+        raise ValueError(f"positions: expected int64 [{n}] on {x.device}, got {positions.dtype} "
+                         f"{tuple(positions.shape)} on {positions.device}")
     if not use_triton(x.device):
         c, s = cos[positions][:, None, :].to(x.dtype), sin[positions][:, None, :].to(x.dtype)
         xr = x[..., :rd]
@@ -206,6 +223,6 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions
         block_h = min(16, next_pow2(heads))
         tail = d - rd
         _rope_kernel.launch(x.device, (n, triton.cdiv(heads, block_h)), x, out, positions, cos, sin, heads,
-                            x.stride(0), x.stride(1), rd, D=d, HALF_P=max(2, next_pow2(rd // 2)),
+                            x.stride(0), x.stride(1), rd, cos.shape[0], D=d, HALF_P=max(2, next_pow2(rd // 2)),
                             TAIL_P=next_pow2(tail) if tail else 0, BLOCK_H=block_h, num_warps=4)
     return out
