@@ -201,7 +201,14 @@ class PagedRunner:
         return self.launch_decode(batch).logits
 
     def can_launch_decode(self, batch: ScheduledBatch) -> bool:
-        """True when ``batch`` runs as a graph step (:meth:`launch_decode`)."""
+        """True when ``batch`` runs as a graph step (:meth:`launch_decode`): a pure decode step of at most
+        ``max_graph_batch`` requests, with graphs on.
+
+        Example
+        -------
+        >>> runner.can_launch_decode(batch)                    # doctest: +SKIP
+        True
+        """
         return self.use_graphs and batch.is_decode and len(batch.seqs) <= self.max_graph_batch
 
     def launch_decode(self, batch: ScheduledBatch, *, ahead: bool = False) -> DecodeStep:

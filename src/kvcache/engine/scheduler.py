@@ -209,7 +209,20 @@ class Scheduler:
         Only when nothing else could change the step: ``batch`` is a decode step of every running request, no
         request waits, and each has room for one more token (blocks for ``num_computed + 2`` tokens are
         allocated now). Returns None otherwise (then :meth:`schedule` decides, after ``batch`` is processed).
-        A request that ``batch``'s token finishes has run one step too many: the caller drops that row.
+        A request that ``batch``'s token finishes has run one step too many: the caller drops that row. When it
+        returns None, requests checked before the one that stopped it may hold one block more than they need yet
+        (they will use it next step, or free it when they finish).
+
+        Example
+        -------
+        >>> from kvcache.engine.sampling import SamplingParams
+        >>> s = Scheduler(BlockAllocator(8, 4), max_num_seqs=2, max_num_batched_tokens=16, max_blocks_per_seq=8)
+        >>> s.add(Sequence(0, [1, 2, 3], SamplingParams(max_tokens=8)))
+        >>> first = s.schedule(); s.postprocess(first, [7]) and None
+        >>> step = s.schedule(); step.num_tokens
+        [1]
+        >>> s.schedule_next_decode(step).num_tokens    # the step after it, launched before its token is known
+        [1]
         """
         if self.waiting or not batch.is_decode or len(batch.seqs) != len(self.running) or not all(batch.sample):
             return None
