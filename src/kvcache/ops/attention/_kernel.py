@@ -77,7 +77,8 @@ def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.constexpr, KT: tl.constexpr):
+def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.constexpr, KT: tl.constexpr,
+             INTERP: tl.constexpr):
     """The two halves of K or V rows at ``base`` (one per token): ``[HALF_P, BLOCK_N]`` tiles when ``KT`` (K,
     the B operand of QK^T), else ``[BLOCK_N, HALF_P]`` (V). Codes for int8 / int4, stored values otherwise.
 
@@ -98,8 +99,13 @@ def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.con
         lo = raw & 15
         hi = raw >> 4
     elif QUANT == 1:
-        lo = tl.load(pool + off, mask=m_lo, other=0).to(tl.float8e4nv, bitcast=True)
-        hi = tl.load(pool + off + H1, mask=m_hi, other=0).to(tl.float8e4nv, bitcast=True)
+        b_lo = tl.load(pool + off, mask=m_lo, other=0)
+        b_hi = tl.load(pool + off + H1, mask=m_hi, other=0)
+        lo = b_lo.to(tl.float8e4nv, bitcast=True)
+        hi = b_hi.to(tl.float8e4nv, bitcast=True)
+        if INTERP:  # the interpreter reads the NaN bytes 0x7F / 0xFF as +-480: decode them by hand
+            lo = tl.where((b_lo & 0x7F) == 0x7F, float("nan"), lo.to(tl.float32))
+            hi = tl.where((b_hi & 0x7F) == 0x7F, float("nan"), hi.to(tl.float32))
     else:
         lo = tl.load(pool + off, mask=m_lo, other=0)
         hi = tl.load(pool + off + H1, mask=m_hi, other=0)
@@ -157,7 +163,7 @@ def _tile(
     H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr,
+    PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr, INTERP: tl.constexpr,
 ):
     """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi, zacc); ``zacc``
     (int8 / int4: the rows' sums of ``p * zero_v``) is returned unchanged for the other formats.
@@ -177,7 +183,7 @@ def _tile(
         blk = blk.to(tl.int64)
         tok = j % BS
     base = blk * S_BLK + tok * S_TOK + kvh * S_HEAD
-    k_lo, k_hi = _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1, QUANT, True)
+    k_lo, k_hi = _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1, QUANT, True, INTERP)
     if QUANT >= 2:
         k_lo = _codes_to(k_lo, qdt, 4 if QUANT == 3 else 8)
         k_hi = _codes_to(k_hi, qdt, 4 if QUANT == 3 else 8)
@@ -205,7 +211,7 @@ def _tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     m_i = m_new
     vbase = base + S_KV
-    v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False)
+    v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False, INTERP)
     if QUANT >= 2:
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
         vs, vz = _load_params(qparams, vp, ok_n)
@@ -248,7 +254,7 @@ def _attention_kernel(
     P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr,
     FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr, V_FOLD: tl.constexpr,
+    DOT_F32: tl.constexpr, V_FOLD: tl.constexpr, INTERP: tl.constexpr,
 ):
     # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
     pid = tl.program_id(0)
@@ -356,17 +362,19 @@ def _attention_kernel(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
                 kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
                 S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True,
-                V_FOLD)
+                V_FOLD, INTERP)
     for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
         m_i, l_i, acc_lo, acc_hi, zacc = _tile(
             t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
             kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
-            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD)
+            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD,
+            INTERP)
     for t in range(tl.maximum(t_begin, tf_hi), t_end):
         m_i, l_i, acc_lo, acc_hi, zacc = _tile(
             t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
             kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
-            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD)
+            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD,
+            INTERP)
 
     if HAS_SINKS:
         # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only

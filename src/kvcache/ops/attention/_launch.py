@@ -128,7 +128,7 @@ def launch_attention(
         LOG_B=_search_steps(n_seqs), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,
-        V_FOLD=quant >= 2 and plan.block_q * next_pow2(g) <= 16,
+        V_FOLD=quant >= 2 and plan.block_q * next_pow2(g) <= 16, INTERP=dev.type != "cuda",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if splits > 1:
