@@ -115,9 +115,8 @@ class LlamaForward:
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projs = [attn.q_proj, attn.k_proj, attn.v_proj]
-            out.append({"qkv_w": _concat_weights(projs),
-                        "qkv_b": _concat_biases(projs) if projs[0].bias is not None else None,
-                        "gu_w": _concat_weights([mlp.gate_proj, mlp.up_proj])})
+            out.append({"qkv_w": _concat(projs), "qkv_b": _concat(projs, "bias") if projs[0].bias is not None else None,
+                        "gu_w": _concat([mlp.gate_proj, mlp.up_proj])})
         return out
 
     def _check_fused(self) -> None:
@@ -238,22 +237,13 @@ def _plain_linear(m: Any, dtype: torch.dtype) -> bool:
             and (m.bias is None or (type(m.bias) is torch.nn.Parameter and m.bias.dtype == dtype)))
 
 
-def _concat_weights(mods: list[torch.nn.Linear]) -> torch.Tensor:
-    """One ``[sum(out), in]`` matrix of the modules' weights; each module's weight becomes a view of its rows."""
-    w = torch.cat([m.weight.detach() for m in mods])
+def _concat(mods: list[torch.nn.Linear], name: str = "weight") -> torch.Tensor:
+    """The modules' ``name`` parameters (``weight`` or ``bias``) concatenated along dim 0; each module's parameter
+    becomes a view of its rows, so memory is unchanged."""
+    big = torch.cat([getattr(m, name).detach() for m in mods])
     row = 0
     for m in mods:
-        k = m.weight.shape[0]
-        m.weight.data = w[row:row + k]
-        row += k
-    return w
-
-
-def _concat_biases(mods: list[torch.nn.Linear]) -> torch.Tensor:
-    b = torch.cat([m.bias.detach() for m in mods])
-    row = 0
-    for m in mods:
-        k = m.bias.shape[0]
-        m.bias.data = b[row:row + k]
-        row += k
-    return b
+        p = getattr(m, name)
+        p.data = big[row:row + p.shape[0]]
+        row += p.shape[0]
+    return big
