@@ -22,22 +22,30 @@ import time
 import torch
 
 HQ, H, D = 32, 8, 128
+QDT = torch.float16  # query dtype (--qdtype); an "auto" pool is stored in it
 DECODE = [(64, 1024), (64, 4096), (64, 16384), (1, 131072)]
 
 
-def _set_shape(head_dim: int, decode: str | None) -> None:
-    """Head dim and decode shapes ("64x640,16x2048") of this process (and of the bench module's Pool)."""
-    global D, DECODE
+def _set_shape(head_dim: int, decode: str | None, prefill: str | None = None, qdtype: str = "fp16") -> None:
+    """Head dim, decode shapes ("64x640,16x2048"), prefill shapes ("64x512x0") and query dtype of this process
+    (and of the bench module's Pool)."""
+    global D, DECODE, PREFILL, QDT
+    QDT = torch.bfloat16 if qdtype == "bf16" else torch.float16
     import kvcache.bench.attention as ba
 
     D = ba.D = head_dim
     if decode:
         DECODE = [tuple(int(v) for v in item.split("x")) for item in decode.split(",")]
+    if prefill:
+        PREFILL = [tuple(int(v) for v in item.split("x")) for item in prefill.split(",")]
 PREFILL = [(8, 2048, 0), (8, 2048, 4096)]
 
 
-def plans(mode: str) -> list[tuple[int, int, int, int]]:
-    """(block_q, block_n, num_warps, num_stages) candidates; block_q counts tokens (G_P = 4 here)."""
+def plans(mode: str, only: str | None = None) -> list[tuple[int, int, int, int]]:
+    """(block_q, block_n, num_warps, num_stages) candidates; block_q counts tokens (G_P = 4 here). ``only``:
+    an explicit list instead, "bq,bn,w,s;bq,bn,w,s"."""
+    if only:
+        return [tuple(int(v) for v in item.split(",")) for item in only.split(";") if item]  # type: ignore[misc]
     if mode == "decode":
         return list(itertools.product([4], [32, 64, 128], [2, 4, 8], [2, 3, 4]))
     return list(itertools.product([16, 32, 64], [32, 64, 128], [4, 8], [2, 3, 4]))
@@ -53,7 +61,10 @@ def _pool(kv_dtype: str, bs: int, num_blocks: int, dev: torch.device, gen: torch
     sys.path.insert(0, "src")
     from kvcache.bench.attention import Pool
 
-    return Pool(kv_dtype, bs, num_blocks, dev, gen)
+    p = Pool(kv_dtype, bs, num_blocks, dev, gen)
+    if kv_dtype == "auto":
+        p.pool = p.pool.to(QDT)
+    return p
 
 
 def _launch_fn(p, q, bt, cu, kl, out, plan, ws):
@@ -69,7 +80,7 @@ def _launch_fn(p, q, bt, cu, kl, out, plan, ws):
 
 def _case(batch: int, q_len: int, seq: int, p, gen, dev):
     n = batch * q_len
-    q = torch.randn((n, HQ, D), dtype=torch.float16, device=dev, generator=gen)
+    q = torch.randn((n, HQ, D), dtype=QDT, device=dev, generator=gen)
     cu = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
     kl = torch.full((batch,), seq, dtype=torch.int32, device=dev)
     nblk = -(-seq // p.bs)
@@ -81,9 +92,9 @@ def _case(batch: int, q_len: int, seq: int, p, gen, dev):
 
 def _compile(args: tuple) -> str:
     """Worker: compile one (format, plan) on a small pool with the timed shapes' constexprs."""
-    fmt, bs, mode, cfg, head_dim, decode = args
+    fmt, bs, mode, cfg, head_dim, decode, prefill, qdtype = args
     sys.path.insert(0, "src")
-    _set_shape(head_dim, decode)
+    _set_shape(head_dim, decode, prefill, qdtype)
     from kvcache.ops.attention.policy import AttentionPlan
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -113,17 +124,22 @@ def main() -> int:
     ap.add_argument("--out", default="sweep.json")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--decode", default=None, help="decode shapes, e.g. 64x640,16x2048 (batch x tokens)")
+    ap.add_argument("--qdtype", choices=("fp16", "bf16"), default="fp16")
+    ap.add_argument("--prefill", default=None, help="prefill shapes, e.g. 64x512x0 (batch x new x cached)")
+    ap.add_argument("--plans", default=None, help="explicit plans 'bq,bn,w,s;...' instead of the grid")
+    ap.add_argument("--splits", default=None, help="explicit KV splits '1,2' instead of the per-shape list")
     args = ap.parse_args()
     sys.path.insert(0, "src")
-    _set_shape(args.head_dim, args.decode)
+    _set_shape(args.head_dim, args.decode, args.prefill, args.qdtype)
     from kvcache.bench.attention import causal_flops, kv_bytes
     from kvcache.bench.timing import graph_replay_us
     from kvcache.ops.attention.policy import AttentionPlan, attention_plan
 
     formats = args.formats.split(",")
-    cfgs = plans(args.mode)
+    cfgs = plans(args.mode, args.plans)
     t0 = time.time()
-    work = [(f, args.bs, args.mode, c, args.head_dim, args.decode) for f in formats for c in cfgs]
+    work = [(f, args.bs, args.mode, c, args.head_dim, args.decode, args.prefill, args.qdtype) for f in formats
+            for c in cfgs]
     with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as ex:
         for msg in ex.map(_compile, work):
             if "Error" in msg:
@@ -148,7 +164,9 @@ def main() -> int:
             default = attention_plan(num_q_heads=HQ, num_kv_heads=H, head_dim=D, n_tokens=q.shape[0], num_seqs=batch,
                                      max_kv_len=seq, kv_dtype=fmt)
             best = None
-            cand = [(c, s) for c in cfgs for s in (splits_for(batch, seq) if args.mode == "decode" else [1])]
+            sps = [int(v) for v in args.splits.split(",")] if args.splits else \
+                (splits_for(batch, seq) if args.mode == "decode" else [1])
+            cand = [(c, s) for c in cfgs for s in sps]
             cand.append(((default.block_q, default.block_n, default.num_warps, default.num_stages),
                          default.num_splits))
             for cfg, sp in cand:

@@ -45,7 +45,8 @@ def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", line
                   P_KV=bs * h * 2, P_TOK=h * 2 if layout == "NHD" else 2, P_HEAD=2 if layout == "NHD" else bs * 2,
                   QUANT=quant, FP8_SCALED=quant == 1, LINEAR=linear, LOG_B=7, HAS_WINDOW=window,
                   HAS_SINKS=True, HAS_LSE=True, PRECISION="ieee" if qdt == "*fp32" else None, DOT_F32=False,
-                  V_FOLD=quant >= 2 and block_q * triton.next_power_of_2(g) <= 16, INTERP=False)
+                  V_FOLD=quant >= 2 and block_q * triton.next_power_of_2(g) <= 16,
+                  Q_RESCALE=quant == 2 and qdt == "*bf16" and block_q * triton.next_power_of_2(g) <= 16, INTERP=False)
     return compile_kernel(_attention_kernel, ptr, consts, dict(num_warps=warps, num_stages=stages))
 
 

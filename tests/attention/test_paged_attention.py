@@ -101,6 +101,25 @@ def test_quantized_bf16_queries(device, kv_dtype):
     assert_attn_close(out, lse, eo, el, torch.bfloat16, what=kv_dtype)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_bf16_query_magnitudes(device, kv_dtype):
+    """bf16 query rows of very different magnitudes over int8 / int4 codes in decode: rows of |q| ~ 1e-20, 1,
+    3e5 (past float16's largest value) and an all-zero row each match the reference (compiled int8 decode runs
+    QK^T in float16 on per-row power-of-two rescaled queries)."""
+    H, hq, D, bs = 2, 4, 64, 16
+    kv_lens, q_lens = [29, 40, 17, 33], [1, 1, 1, 1]
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=kv_lens,
+                              dtype=torch.bfloat16)
+    q = _q(sum(q_lens), hq, D, torch.float32, "cpu")
+    q = q * torch.tensor([1e-20, 1.0, 3e5, 0.0])[:, None, None]
+    q = q.to(torch.bfloat16).to(device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device)
+    eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D))
+    assert_attn_close(out, None, eo, el, torch.bfloat16, what=kv_dtype)
+    # lse grows with |q| (~1e6 for the 3e5 row): relative tolerance
+    torch.testing.assert_close(lse.double().cpu(), el, rtol=1e-5, atol=2e-3)
+
+
 @pytest.mark.parametrize("window", [1, 5, 16, 1000], ids=lambda w: f"w{w}")
 def test_sliding_window(device, window):
     """A row at position p sees exactly p - window + 1 .. p (window 1: itself; 1000: larger than the context)."""

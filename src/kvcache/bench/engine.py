@@ -34,7 +34,7 @@ from ..paged import cache_block_bytes
 
 __all__ = ["main"]
 
-REPEATS = 3
+REPEATS = 5
 SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
              num_key_value_heads=8, head_dim=64, vocab_size=128256)
 

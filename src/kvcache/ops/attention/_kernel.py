@@ -20,7 +20,7 @@ Dequantization happens in registers right after the load:
   PV in decode tiles (``V_FOLD``: 16 rows, each V element used by few rows, so per-element work would dominate):
   ``sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j`` per tile,
   with ``s_max`` the tile's largest V scale (1 where it is not a positive finite number: masked or all-zero
-  tiles) and ``R = PV_RANGE = 2^15``. The dot's P operand ``R p s / s_max`` is at most ``R`` (``p <= 1``,
+  tiles) and ``R = PV_RANGE = 2^15``. The dot's P operand (float16) ``R p s / s_max`` is at most ``R`` (``p <= 1``,
   ``s <= s_max``: no fp16 overflow) and leaves fp16's normal range only below ``p s / s_max = 2^-29``, so no
   weight of a token whose scale is small (absolutely, or next to the tile's largest) sinks into fp16's
   subnormals, as ``p * s`` in fp16 would (scales ~1e-4). The dot's result is scaled by ``s_max / R`` into the
@@ -28,11 +28,9 @@ Dequantization happens in registers right after the load:
   with it and added before the normalisation. Prefill tiles (many rows share each V element) dequantize V
   per element in float32 (``codes * scale + zero``), then round to the dot's dtype. A NaN scale or zero (a
   non-finite (token, head) of the cache) makes every output row that loads it NaN.
-  Codes become floats with no integer -> float conversion instruction, by the magic-number rule: ORed into the
-  low mantissa bits of a power of two ``M`` whose ulp is 1, a code ``c`` gives exactly ``M + c``, and
-  subtracting ``M`` is exact. fp16: bits ``0x6400 | c`` = 1024 + c; fp32: ``0x4B000000 | c`` = 2^23 + c; bf16:
-  ``0x4300 | c`` = 128 + c for int4 codes, and for int8 codes (up to 255, past that rule) the top 16 bits of
-  the fp32 value (exact: 8 significant bits at most). K and V codes go straight to the dots' operand dtype.
+  Codes become floats with no integer -> float conversion instruction (magic numbers, :mod:`._convert`): K's
+  in the query dtype, V's of decode tiles in float16 (float32 for float32 queries), whatever the query dtype,
+  since P's operand is scaled into float16's normal range.
 
 Shape contract (strides in elements, head_dim contiguous):
 
@@ -51,6 +49,7 @@ import triton
 import triton.language as tl
 
 from ..._backend import kernel
+from ._convert import codes_f32, codes_to, u4_to, u8_to
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -78,13 +77,16 @@ def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
 
 @triton.jit
 def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.constexpr, KT: tl.constexpr,
-             INTERP: tl.constexpr):
+             DT: tl.constexpr, CODES: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr):
     """The two halves of K or V rows at ``base`` (one per token): ``[HALF_P, BLOCK_N]`` tiles when ``KT`` (K,
-    the B operand of QK^T), else ``[BLOCK_N, HALF_P]`` (V). Codes for int8 / int4, stored values otherwise.
+    the B operand of QK^T), else ``[BLOCK_N, HALF_P]`` (V), as ``DT`` values: stored 16-bit values cast, fp8
+    decoded, int8 / int4 codes as their exact values (their scale and zero act per token, in the caller). With
+    ``CODES`` (int8 / int4) the raw codes instead (uint8). ``ASM``: int8 / int4 codes convert by the inline-PTX
+    form of :mod:`._convert` (decode tiles; prefill tiles measured faster with Triton's own conversion).
 
     int4: one load of the byte row; the low nibbles are the first half, the high nibbles the second. fp8 pools
     arrive as their bytes (uint8), so masked lanes read as +0.0 (a masked load's ``other`` cannot be an fp8
-    constant), then bitcast.
+    constant).
     """
     if KT:
         off = base[None, :] + dd[:, None]
@@ -96,52 +98,39 @@ def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.con
         m_hi = ok_n[:, None] & ok_hi[None, :]
     if QUANT == 3:
         raw = tl.load(pool + off, mask=m_lo, other=0)
-        lo = raw & 15
-        hi = raw >> 4
-    elif QUANT == 1:
+        if CODES:
+            lo = raw & 15
+            hi = raw >> 4
+        elif ASM and not INTERP and DT != tl.float32:
+            lo, hi = u4_to(raw, DT)
+        else:
+            lo = codes_to(raw & 15, DT, 4)
+            hi = codes_to(raw >> 4, DT, 4)
+    else:
         b_lo = tl.load(pool + off, mask=m_lo, other=0)
         b_hi = tl.load(pool + off + H1, mask=m_hi, other=0)
-        lo = b_lo.to(tl.float8e4nv, bitcast=True)
-        hi = b_hi.to(tl.float8e4nv, bitcast=True)
-        if INTERP:  # the interpreter reads the NaN bytes 0x7F / 0xFF as +-480: decode them by hand
-            lo = tl.where((b_lo & 0x7F) == 0x7F, float("nan"), lo.to(tl.float32))
-            hi = tl.where((b_hi & 0x7F) == 0x7F, float("nan"), hi.to(tl.float32))
-    else:
-        lo = tl.load(pool + off, mask=m_lo, other=0)
-        hi = tl.load(pool + off + H1, mask=m_hi, other=0)
-    return lo, hi
-
-
-@triton.jit
-def _codes_f32(c):
-    """Exact float32 value of unsigned integer codes ``c`` (``c < 2^23``) with no integer -> float conversion:
-    the int32 bits ``0x4B000000 | c`` are the float32 ``2^23 + c`` (ulp 1), and subtracting ``2^23`` is exact."""
-    return (c.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _codes_to(c, DT: tl.constexpr, NBITS: tl.constexpr):
-    """Exactly ``c.to(DT)`` for ``NBITS``-bit unsigned codes ``c`` (uint8 tensor; 8: int8, 4: int4), by the
-    magic-number rule, with logic ops and one float subtraction and no integer -> float conversion:
-
-    * float16: the bits ``0x6400 | c`` are ``1024 + c`` (``c < 1024``); minus 1024.
-    * bfloat16, 4-bit codes: the bits ``0x4300 | c`` are ``128 + c`` (``c < 128``); minus 128.
-    * bfloat16, 8-bit codes (up to 255: past the rule above): the float32 value (:func:`_codes_f32`), whose top
-      16 bits are its bfloat16 value exactly (at most 8 significant bits), taken by a shift.
-    * float32: :func:`_codes_f32`.
-    """
-    if DT == tl.float16:
-        out = (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    elif DT == tl.bfloat16:
-        if NBITS <= 7:
-            out = (c.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+        if QUANT == 0:
+            lo = b_lo.to(DT)
+            hi = b_hi.to(DT)
+        elif QUANT == 2:
+            if CODES:
+                lo = b_lo
+                hi = b_hi
+            elif ASM and not INTERP and DT != tl.float32:
+                lo = u8_to(b_lo, DT)
+                hi = u8_to(b_hi, DT)
+            else:
+                lo = codes_to(b_lo, DT, 8)
+                hi = codes_to(b_hi, DT, 8)
         else:
-            f = _codes_f32(c).to(tl.uint32, bitcast=True)
-            out = (f >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        tl.static_assert(DT == tl.float32, "_codes_to: float16, bfloat16 or float32 targets only")
-        out = _codes_f32(c)
-    return out
+            lo = b_lo.to(tl.float8e4nv, bitcast=True)
+            hi = b_hi.to(tl.float8e4nv, bitcast=True)
+            if INTERP:  # the interpreter reads the NaN bytes 0x7F / 0xFF as +-480: decode them by hand
+                lo = tl.where((b_lo & 0x7F) == 0x7F, float("nan"), lo.to(tl.float32))
+                hi = tl.where((b_hi & 0x7F) == 0x7F, float("nan"), hi.to(tl.float32))
+            lo = lo.to(DT)
+            hi = hi.to(DT)
+    return lo, hi
 
 
 @triton.jit
@@ -183,12 +172,9 @@ def _tile(
         blk = blk.to(tl.int64)
         tok = j % BS
     base = blk * S_BLK + tok * S_TOK + kvh * S_HEAD
-    k_lo, k_hi = _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1, QUANT, True, INTERP)
-    if QUANT >= 2:
-        k_lo = _codes_to(k_lo, qdt, 4 if QUANT == 3 else 8)
-        k_hi = _codes_to(k_hi, qdt, 4 if QUANT == 3 else 8)
-    s = tl.dot(q_lo, k_lo.to(qdt), input_precision=PRECISION)
-    s = tl.dot(q_hi, k_hi.to(qdt), acc=s, input_precision=PRECISION)
+    k_lo, k_hi = _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1, QUANT, True, q_lo.dtype, False, V_FOLD, INTERP)
+    s = tl.dot(q_lo, k_lo, input_precision=PRECISION)
+    s = tl.dot(q_hi, k_hi, acc=s, input_precision=PRECISION)
     if QUANT >= 2:
         pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
         ks, kz = _load_params(qparams, pbase, ok_n)
@@ -211,33 +197,38 @@ def _tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     m_i = m_new
     vbase = base + S_KV
-    v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False, INTERP)
     if QUANT >= 2:
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
         vs, vz = _load_params(qparams, vp, ok_n)
         if V_FOLD:
             # sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j (module
-            # docstring); tokens past the length or the table load scale and zero 0, masked scores have p = 0
-            v_lo = _codes_to(v_lo, qdt, 4 if QUANT == 3 else 8)
-            v_hi = _codes_to(v_hi, qdt, 4 if QUANT == 3 else 8)
+            # docstring); tokens past the length or the table load scale and zero 0, masked scores have p = 0. The
+            # dot runs in float16 for 16-bit queries (codes exact; P's operand sits in float16's normal range)
+            if qdt == tl.float32:
+                vdt: tl.constexpr = tl.float32
+            else:
+                vdt: tl.constexpr = tl.float16
+            v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False, vdt, False, True, INTERP)
             vs_max = tl.max(vs, 0)
             vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, 1.0)
-            pv = (p * ((vs / vs_max) * PV_RANGE)[None, :]).to(qdt)  # at most R; a NaN scale stays NaN
+            pv = (p * ((vs / vs_max) * PV_RANGE)[None, :]).to(vdt)  # at most R; a NaN scale stays NaN
             dot_scale = vs_max * (1.0 / PV_RANGE)
             acc_lo = acc_lo * alpha[:, None] + dot_scale * tl.dot(pv, v_lo, input_precision=PRECISION)
             acc_hi = acc_hi * alpha[:, None] + dot_scale * tl.dot(pv, v_hi, input_precision=PRECISION)
             zacc = zacc * alpha + tl.sum(p * vz[None, :], 1)
         else:
             # prefill tiles (many rows per key): dequantize V per element, the rows share it
-            v_lo = (_codes_f32(v_lo) * vs[:, None] + vz[:, None]).to(qdt)
-            v_hi = (_codes_f32(v_hi) * vs[:, None] + vz[:, None]).to(qdt)
+            v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False, qdt, True, False, INTERP)
+            v_lo = (codes_f32(v_lo) * vs[:, None] + vz[:, None]).to(qdt)
+            v_hi = (codes_f32(v_hi) * vs[:, None] + vz[:, None]).to(qdt)
             pc = p.to(qdt)
             acc_lo = tl.dot(pc, v_lo, acc=acc_lo * alpha[:, None], input_precision=PRECISION)
             acc_hi = tl.dot(pc, v_hi, acc=acc_hi * alpha[:, None], input_precision=PRECISION)
     else:
+        v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False, qdt, False, False, INTERP)
         pc = p.to(qdt)
-        acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
-        acc_hi = tl.dot(pc, v_hi.to(qdt), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
+        acc_lo = tl.dot(pc, v_lo, acc=acc_lo * alpha[:, None], input_precision=PRECISION)
+        acc_hi = tl.dot(pc, v_hi, acc=acc_hi * alpha[:, None], input_precision=PRECISION)
     return m_i, l_i, acc_lo, acc_hi, zacc
 
 
@@ -254,7 +245,7 @@ def _attention_kernel(
     P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr,
     FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr, V_FOLD: tl.constexpr, INTERP: tl.constexpr,
+    DOT_F32: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr, INTERP: tl.constexpr,
 ):
     # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
     pid = tl.program_id(0)
@@ -306,12 +297,32 @@ def _attention_kernel(
     q_rows = b.to(tl.int64) * s_qb + (row0 + qi).to(tl.int64) * s_qt + hq * s_qh
     q_lo = tl.load(q + q_rows[:, None] + dd[None, :], mask=ok_m[:, None] & ok_lo[None, :], other=0.0)
     q_hi = tl.load(q + q_rows[:, None] + H1 + dd[None, :], mask=ok_m[:, None] & ok_hi[None, :], other=0.0)
-    q_lo = q_lo.to(qdt)
-    q_hi = q_hi.to(qdt)
     if QUANT >= 2:
         q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
     else:
         q_sum = tl.zeros([BLOCK_Q * G_P], tl.float32)  # unused
+    q_inv = tl.full([BLOCK_Q * G_P], 1.0, tl.float32)
+    if Q_RESCALE:
+        # bfloat16 queries over int8 codes (decode tiles): QK^T runs in float16, whose code conversion is 2.5x
+        # cheaper than bfloat16's. Each row is scaled by a power of two r that brings its largest |q| into
+        # [2^14, 2^15), exact (bfloat16's 8 significant bits fit float16's 11) for every element above 2^-28 of
+        # the row's largest; 1 / r goes into the row's score scale and r into its sum(q) for the zero term
+        amax = tl.maximum(tl.max(tl.abs(q_lo.to(tl.float32)), 1), tl.max(tl.abs(q_hi.to(tl.float32)), 1))
+        e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        k = tl.minimum(tl.maximum(268 - e, 1), 253)
+        r = (k << 23).to(tl.float32, bitcast=True)
+        q_inv = ((254 - k) << 23).to(tl.float32, bitcast=True)
+        q_lo = (q_lo.to(tl.float32) * r[:, None]).to(tl.float16)
+        q_hi = (q_hi.to(tl.float32) * r[:, None]).to(tl.float16)
+        q_sum = q_sum * r
+        if not DOT_F32:
+            qdt_k: tl.constexpr = tl.float16
+        else:
+            qdt_k: tl.constexpr = qdt
+    else:
+        qdt_k: tl.constexpr = qdt
+    q_lo = q_lo.to(qdt_k)
+    q_hi = q_hi.to(qdt_k)
 
     k_scale = 1.0
     v_scale = 1.0
@@ -322,6 +333,7 @@ def _attention_kernel(
         qk_scale = k_scale * (SM_SCALE / SOFTCAP)
     else:
         qk_scale = k_scale * (SM_SCALE * LOG2E)
+    qk_scale = (q_inv * qk_scale)[:, None]  # per row: [BLOCK_Q * G_P, 1]
 
     # ---- local KV range of this tile and split ------------------------------------------------------------
     x = kv_len - cp_rank

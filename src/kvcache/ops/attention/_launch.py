@@ -112,7 +112,8 @@ def launch_attention(
     # triton's interpreter computes bf16 dots wrongly (it multiplies the raw bits): float32 operands there
     dot_f32 = dev.type != "cuda" and q.dtype == torch.bfloat16
     if quant == 1:
-        pool = pool.view(torch.uint8)  # bytes: see _load_half
+        pool = pool.view(torch.uint8)  # bytes: see _load_kv
+    v_fold = quant >= 2 and plan.block_q * next_pow2(g) <= 16
     _attention_kernel.launch(
         dev, (grid0, h, splits),
         q, out, lse if lse is not None else dummy, ws_out, ws_lse, pool,
@@ -128,7 +129,7 @@ def launch_attention(
         LOG_B=_search_steps(n_seqs), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,
-        V_FOLD=quant >= 2 and plan.block_q * next_pow2(g) <= 16, INTERP=dev.type != "cuda",
+        V_FOLD=v_fold, Q_RESCALE=v_fold and quant == 2 and q.dtype == torch.bfloat16, INTERP=dev.type != "cuda",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if splits > 1:

@@ -20,10 +20,11 @@ MAX_SPLITS = 64
 # Programs per SM aimed at by the split heuristic when the batch alone leaves SMs idle. Batches with at least one
 # program per SM are not split: the merge pass then costs more than the balance gains (BENCHMARKS.md, the sweep).
 PROGRAMS_PER_SM = 4
-# Elements of one decode K tile (BLOCK_N x head_dim) per stored format, measured on the H100 (sweep in
-# BENCHMARKS.md): 16-bit caches want short tiles and deep pipelines (32 x 128, 4 stages), 8- and 4-bit caches
-# long tiles (128 x 128) that amortise the per-tile dequantization and softmax.
-DECODE_TILE = {"auto": (32 * 128, 4), "fp8": (128 * 128, 3), "int8": (128 * 128, 2), "int4": (128 * 128, 3)}
+# Decode tiles (keys per tile, pipeline stages) per stored format, measured on the H100 (sweeps in BENCHMARKS.md).
+# head_dim > 64: 16-bit caches want short tiles and deep pipelines, 8- and 4-bit caches long tiles that amortise
+# the per-tile dequantization and softmax. head_dim <= 64: 64-key tiles; two stages keep four programs per SM.
+DECODE_TILE = {"auto": (32, 4), "fp8": (128, 3), "int8": (128, 3), "int4": (128, 3)}
+DECODE_TILE_SMALL = {"auto": (64, 2), "fp8": (64, 3), "int8": (64, 2), "int4": (64, 2)}
 # Average query rows per sequence at or below which a batch is launched with decode tiles.
 DECODE_ROWS = 4
 
@@ -117,17 +118,20 @@ def attention_plan(
     if decode:
         # M = 16 rows at least (tensor-core minimum): a decode row's whole GQA group, padded with spare tokens
         block_q = max(1, 16 // g)
-        elems, stages = DECODE_TILE[kv_dtype]
-        block_n = min(128, max(16, next_pow2(elems // next_pow2(head_dim))))
-        if kv_dtype == "fp8" and head_dim <= 64:
-            block_n = 64  # fp8 at head_dim 64 wants the 16-bit caches' tile (BENCHMARKS.md, the head_dim-64 sweep)
+        block_n, stages = (DECODE_TILE_SMALL if head_dim <= 64 else DECODE_TILE)[kv_dtype]
+        if head_dim > 128:
+            block_n = max(16, block_n // 2)  # the 128-dim tile's registers and shared memory
         warps = 4
     else:
-        # 128 rows x 128 keys, 8 warps, 2 stages for 16-bit queries (the sweep's choice); fp32 queries take 64
-        # keys (128 do not fit in an H100's shared memory)
+        # head_dim 65..128: 128 rows x 128 keys, 8 warps, 2 stages for 16-bit queries (the sweep's choice); fp32
+        # queries take 64 keys (128 do not fit in an H100's shared memory). head_dim <= 64: 128 rows x 64 keys,
+        # 4 warps (the head_dim-64 sweep: 1.2x faster for 16-bit caches, 1.4x for int8 / int4)
         rows = 128 if head_dim <= 128 else 64
         block_q = max(1, rows // g)
-        block_n = (128 if q_bytes <= 2 else 64) if head_dim <= 128 else 32
+        if head_dim <= 64:
+            block_n = 64
+        else:
+            block_n = (128 if q_bytes <= 2 else 64) if head_dim <= 128 else 32
         warps, stages = (8 if rows * head_dim >= 128 * 128 else 4), 2
     if num_splits is None:
         num_splits = 1
