@@ -77,16 +77,17 @@ def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
 
 @triton.jit
 def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.constexpr, KT: tl.constexpr,
-             DT: tl.constexpr, CODES: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr):
+             DT: tl.constexpr, RAW: tl.constexpr, INTERP: tl.constexpr):
     """The two halves of K or V rows at ``base`` (one per token): ``[HALF_P, BLOCK_N]`` tiles when ``KT`` (K,
-    the B operand of QK^T), else ``[BLOCK_N, HALF_P]`` (V), as ``DT`` values: stored 16-bit values cast, fp8
-    decoded, int8 / int4 codes as their exact values (their scale and zero act per token, in the caller). With
-    ``CODES`` (int8 / int4) the raw codes instead (uint8). ``ASM``: int8 / int4 codes convert by the inline-PTX
-    form of :mod:`._convert` (decode tiles; prefill tiles measured faster with Triton's own conversion).
+    the B operand of QK^T), else ``[BLOCK_N, HALF_P]`` (V).
+
+    ``RAW``: as stored (16-bit values, fp8 values, int8 / int4 codes as uint8); the caller converts at the dot.
+    Else (int8 / int4 decode tiles only) the codes as exact ``DT`` values, by the inline-PTX form of
+    :mod:`._convert` when compiled (prefill tiles measured faster with the raw form and Triton's conversion).
 
     int4: one load of the byte row; the low nibbles are the first half, the high nibbles the second. fp8 pools
     arrive as their bytes (uint8), so masked lanes read as +0.0 (a masked load's ``other`` cannot be an fp8
-    constant).
+    constant), then bitcast.
     """
     if KT:
         off = base[None, :] + dd[:, None]
@@ -98,38 +99,32 @@ def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.con
         m_hi = ok_n[:, None] & ok_hi[None, :]
     if QUANT == 3:
         raw = tl.load(pool + off, mask=m_lo, other=0)
-        if CODES:
+        if RAW:
             lo = raw & 15
             hi = raw >> 4
-        elif ASM and not INTERP and DT != tl.float32:
-            lo, hi = u4_to(raw, DT)
-        else:
+        elif INTERP or DT == tl.float32:
             lo = codes_to(raw & 15, DT, 4)
             hi = codes_to(raw >> 4, DT, 4)
-    else:
-        b_lo = tl.load(pool + off, mask=m_lo, other=0)
-        b_hi = tl.load(pool + off + H1, mask=m_hi, other=0)
-        if QUANT == 0:
-            lo = b_lo.to(DT)
-            hi = b_hi.to(DT)
-        elif QUANT == 2:
-            if CODES:
-                lo = b_lo
-                hi = b_hi
-            elif ASM and not INTERP and DT != tl.float32:
-                lo = u8_to(b_lo, DT)
-                hi = u8_to(b_hi, DT)
-            else:
-                lo = codes_to(b_lo, DT, 8)
-                hi = codes_to(b_hi, DT, 8)
         else:
+            lo, hi = u4_to(raw, DT)
+    else:
+        lo = tl.load(pool + off, mask=m_lo, other=0)
+        hi = tl.load(pool + off + H1, mask=m_hi, other=0)
+        if QUANT == 1:
+            b_lo = lo
+            b_hi = hi
             lo = b_lo.to(tl.float8e4nv, bitcast=True)
             hi = b_hi.to(tl.float8e4nv, bitcast=True)
             if INTERP:  # the interpreter reads the NaN bytes 0x7F / 0xFF as +-480: decode them by hand
                 lo = tl.where((b_lo & 0x7F) == 0x7F, float("nan"), lo.to(tl.float32))
                 hi = tl.where((b_hi & 0x7F) == 0x7F, float("nan"), hi.to(tl.float32))
-            lo = lo.to(DT)
-            hi = hi.to(DT)
+        elif QUANT == 2 and not RAW:
+            if INTERP or DT == tl.float32:
+                lo = codes_to(lo, DT, 8)
+                hi = codes_to(hi, DT, 8)
+            else:
+                lo = u8_to(lo, DT)
+                hi = u8_to(hi, DT)
     return lo, hi
 
 
@@ -147,12 +142,13 @@ def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
 
 @triton.jit
 def _tile(
-    t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh, j_hi,
-    n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr, SOFTCAP: tl.constexpr,
+    t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh,
+    j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr, SOFTCAP: tl.constexpr,
     H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr, INTERP: tl.constexpr,
+    PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi, zacc); ``zacc``
     (int8 / int4: the rows' sums of ``p * zero_v``) is returned unchanged for the other formats.
@@ -172,13 +168,18 @@ def _tile(
         blk = blk.to(tl.int64)
         tok = j % BS
     base = blk * S_BLK + tok * S_TOK + kvh * S_HEAD
-    k_lo, k_hi = _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1, QUANT, True, q_lo.dtype, False, V_FOLD, INTERP)
-    s = tl.dot(q_lo, k_lo, input_precision=PRECISION)
-    s = tl.dot(q_hi, k_hi, acc=s, input_precision=PRECISION)
+    k_lo, k_hi = _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1, QUANT, True, q_lo.dtype, not V_FOLD, INTERP)
+    if QUANT >= 2 and not V_FOLD:
+        k_lo = codes_to(k_lo, qdt, 4 if QUANT == 3 else 8)
+        k_hi = codes_to(k_hi, qdt, 4 if QUANT == 3 else 8)
+    s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
+    s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
     if QUANT >= 2:
         pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
         ks, kz = _load_params(qparams, pbase, ok_n)
         s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
+        if Q_RESCALE:
+            s = s * q_inv[:, None]  # the rows' 1 / r (rescaled bfloat16 queries)
     if SOFTCAP > 0:
         # softcap * tanh(x) in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
         s = (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
@@ -197,18 +198,19 @@ def _tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     m_i = m_new
     vbase = base + S_KV
+    # int8 / int4 decode tiles: V in float16 for 16-bit queries (codes exact; P's operand sits in float16's normal
+    # range), float32 for float32 queries
+    if qdt == tl.float32:
+        vdt: tl.constexpr = tl.float32
+    else:
+        vdt: tl.constexpr = tl.float16
+    v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False, vdt, not V_FOLD, INTERP)
     if QUANT >= 2:
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
         vs, vz = _load_params(qparams, vp, ok_n)
         if V_FOLD:
             # sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j (module
-            # docstring); tokens past the length or the table load scale and zero 0, masked scores have p = 0. The
-            # dot runs in float16 for 16-bit queries (codes exact; P's operand sits in float16's normal range)
-            if qdt == tl.float32:
-                vdt: tl.constexpr = tl.float32
-            else:
-                vdt: tl.constexpr = tl.float16
-            v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False, vdt, False, True, INTERP)
+            # docstring); tokens past the length or the table load scale and zero 0, masked scores have p = 0
             vs_max = tl.max(vs, 0)
             vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, 1.0)
             pv = (p * ((vs / vs_max) * PV_RANGE)[None, :]).to(vdt)  # at most R; a NaN scale stays NaN
@@ -218,17 +220,15 @@ def _tile(
             zacc = zacc * alpha + tl.sum(p * vz[None, :], 1)
         else:
             # prefill tiles (many rows per key): dequantize V per element, the rows share it
-            v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False, qdt, True, False, INTERP)
             v_lo = (codes_f32(v_lo) * vs[:, None] + vz[:, None]).to(qdt)
             v_hi = (codes_f32(v_hi) * vs[:, None] + vz[:, None]).to(qdt)
             pc = p.to(qdt)
             acc_lo = tl.dot(pc, v_lo, acc=acc_lo * alpha[:, None], input_precision=PRECISION)
             acc_hi = tl.dot(pc, v_hi, acc=acc_hi * alpha[:, None], input_precision=PRECISION)
     else:
-        v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False, qdt, False, False, INTERP)
         pc = p.to(qdt)
-        acc_lo = tl.dot(pc, v_lo, acc=acc_lo * alpha[:, None], input_precision=PRECISION)
-        acc_hi = tl.dot(pc, v_hi, acc=acc_hi * alpha[:, None], input_precision=PRECISION)
+        acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
+        acc_hi = tl.dot(pc, v_hi.to(qdt), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
     return m_i, l_i, acc_lo, acc_hi, zacc
 
 
@@ -306,7 +306,7 @@ def _attention_kernel(
         # bfloat16 queries over int8 codes (decode tiles): QK^T runs in float16, whose code conversion is 2.5x
         # cheaper than bfloat16's. Each row is scaled by a power of two r that brings its largest |q| into
         # [2^14, 2^15), exact (bfloat16's 8 significant bits fit float16's 11) for every element above 2^-28 of
-        # the row's largest; 1 / r goes into the row's score scale and r into its sum(q) for the zero term
+        # the row's largest; scores are multiplied by 1 / r and sum(q) by r (the zero term)
         amax = tl.maximum(tl.max(tl.abs(q_lo.to(tl.float32)), 1), tl.max(tl.abs(q_hi.to(tl.float32)), 1))
         e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
         k = tl.minimum(tl.maximum(268 - e, 1), 253)
@@ -333,7 +333,6 @@ def _attention_kernel(
         qk_scale = k_scale * (SM_SCALE / SOFTCAP)
     else:
         qk_scale = k_scale * (SM_SCALE * LOG2E)
-    qk_scale = (q_inv * qk_scale)[:, None]  # per row: [BLOCK_Q * G_P, 1]
 
     # ---- local KV range of this tile and split ------------------------------------------------------------
     x = kv_len - cp_rank
@@ -371,22 +370,22 @@ def _attention_kernel(
     if HAS_WINDOW:  # without a window, tf_lo == t_lo: nothing before the unmasked tiles
         for t in range(t_begin, tl.minimum(t_end, tf_lo)):
             m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
-                kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
-                S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True,
-                V_FOLD, INTERP)
+                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
+                bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1,
+                BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW,
+                PRECISION, True, V_FOLD, Q_RESCALE, INTERP)
     for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
         m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-            t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
-            kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
+            t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row,
+            b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
             S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD,
-            INTERP)
+            Q_RESCALE, INTERP)
     for t in range(tl.maximum(t_begin, tf_hi), t_end):
         m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-            t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b,
-            kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
+            t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row,
+            b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
             S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD,
-            INTERP)
+            Q_RESCALE, INTERP)
 
     if HAS_SINKS:
         # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only
