@@ -5,13 +5,13 @@ Two forms with the same results:
 * :func:`codes_to` / :func:`codes_f32`: Triton ops (every target dtype; the interpreter's form, and the form of
   prefill tiles).
 * :func:`u8_to` / :func:`u4_to`: inline PTX on whole 32-bit registers (four int8 or eight int4 codes at a
-  time), used by decode tiles: byte permutes (``prmt``) build two magic-number values at a time and one packed
-  subtraction removes the magic. The asm is declared impure, so Triton keeps the conversion in the register
-  layout of the load and the 16-bit operand reaches the tensor cores through shared memory with ``ldmatrix``;
-  a pure conversion is moved after the shared-memory read into the MMA operand layout, which reads the 8-bit V
-  operand one byte per instruction. On sm_90 this cuts a 128-key int4 decode tile from ~1,700 to ~1,000
-  instructions per warp and its registers from ~240 to ~170; int8 decode at head_dim 64 runs 12% faster
-  (BENCHMARKS.md).
+  time; int8 to float16, int4 to float16 or bfloat16), used by decode tiles: byte permutes (``prmt``) build
+  two magic-number values at a time and one packed subtraction removes the magic. The asm is declared impure,
+  so Triton keeps the conversion in the register layout of the load and the 16-bit operand reaches the tensor
+  cores through shared memory with ``ldmatrix``; a pure conversion is moved after the shared-memory read into
+  the MMA operand layout, which reads the 8-bit V operand one byte per instruction. On sm_90 this cuts a
+  128-key int4 decode tile from ~1,700 to ~1,000 instructions per warp and its registers from ~240 to ~170;
+  int8 decode at head_dim 64 runs 12% faster (BENCHMARKS.md).
 
 Magic-number rule: ORed into the low mantissa bits of a power of two ``M`` whose ulp is 1, a code ``c`` gives
 exactly ``M + c``, and subtracting ``M`` is exact. fp16: bits ``0x6400 | c`` = 1024 + c (any 8-bit code);
@@ -61,26 +61,6 @@ sub.f16x2 $0, $0, k;
 sub.f16x2 $1, $1, k;
 }""")
 
-_U8_BF16 = tl.constexpr("""{
-.reg .b32 m, f0, f1, f2, f3;
-.reg .f32 g0, g1, g2, g3;
-mov.b32 m, 0x4B000000;
-prmt.b32 f0, $2, m, 0x7440;
-prmt.b32 f1, $2, m, 0x7441;
-prmt.b32 f2, $2, m, 0x7442;
-prmt.b32 f3, $2, m, 0x7443;
-mov.b32 g0, f0;
-mov.b32 g1, f1;
-mov.b32 g2, f2;
-mov.b32 g3, f3;
-sub.f32 g0, g0, 0f4B000000;
-sub.f32 g1, g1, 0f4B000000;
-sub.f32 g2, g2, 0f4B000000;
-sub.f32 g3, g3, 0f4B000000;
-cvt.rn.bf16x2.f32 $0, g1, g0;
-cvt.rn.bf16x2.f32 $1, g3, g2;
-}""")
-
 # int4: byte i holds element i of the first half (low nibble) and of the second half (high nibble)
 _U4_16 = """{
 .reg .b32 t, u, m, k, one;
@@ -105,13 +85,10 @@ _U4_BF16 = tl.constexpr(
 
 @triton.jit
 def u8_to(raw, DT: tl.constexpr):
-    """int8 codes (uint8 tensor) -> exact ``DT`` values (float16 / bfloat16), compiled form."""
-    if DT == tl.float16:
-        out = tl.inline_asm_elementwise(_U8_F16, "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        tl.static_assert(DT == tl.bfloat16, "u8_to: float16 or bfloat16")
-        out = tl.inline_asm_elementwise(_U8_BF16, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=False, pack=4)
-    return out
+    """int8 codes (uint8 tensor) -> exact float16 values, compiled form (decode tiles run int8 dots in float16:
+    bfloat16 queries are rescaled to float16, see the attention kernel)."""
+    tl.static_assert(DT == tl.float16, "u8_to: float16 only")
+    return tl.inline_asm_elementwise(_U8_F16, "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit
