@@ -33,7 +33,7 @@ def compile_kernel(kern, ptr_types, consts, opts):  # type: ignore[no-untyped-de
 
 
 def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", linear=False, softcap=0.0, warps=4,
-              stages=3, window=True):  # type: ignore[no-untyped-def]
+              stages=3, window=True, warps_k=1):  # type: ignore[no-untyped-def]
     h = 8
     r = d // 2 if quant == 3 else d
     ptr = dict(q=qdt, out=qdt, pool=qdt if quant == 0 else "*u8", block_tables="*i32", cu_q="*i32", kv_lens="*i32")
@@ -46,7 +46,8 @@ def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", line
                   QUANT=quant, FP8_SCALED=quant == 1, LINEAR=linear, LOG_B=7, HAS_WINDOW=window,
                   HAS_SINKS=True, HAS_LSE=True, PRECISION="ieee" if qdt == "*fp32" else None, DOT_F32=False,
                   V_FOLD=quant >= 2 and block_q * triton.next_power_of_2(g) <= 16,
-                  Q_RESCALE=quant == 2 and qdt == "*bf16" and block_q * triton.next_power_of_2(g) <= 16, INTERP=False)
+                  Q_RESCALE=quant == 2 and qdt == "*bf16" and block_q * triton.next_power_of_2(g) <= 16, WARPS_K=warps_k,
+                  INTERP=False)
     return compile_kernel(_attention_kernel, ptr, consts, dict(num_warps=warps, num_stages=stages))
 
 

@@ -142,6 +142,25 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
 
 
+def _copy_blocks_row(op: str, shape: str, bs: int, fmt: str, p: Pool, bt: torch.Tensor, rep: int) -> Result:
+    """``index_select`` of the blocks of ``bt`` from ``p``'s pool (and its (scale, zero) pairs): the same bytes in
+    the same pattern as attention over that table reads. GB/s counts read + written bytes."""
+    ids = bt.reshape(-1).long()
+    srcs = [p.pool.view(torch.uint8).view(p.num_blocks, -1)]
+    if p.params is not None:
+        srcs.append(p.params.view(p.num_blocks, -1))
+    dsts = [torch.empty((ids.numel(), s.shape[1]), dtype=s.dtype, device=s.device) for s in srcs]
+
+    def copy() -> None:
+        for s, d in zip(srcs, dsts):
+            torch.index_select(s, 0, ids, out=d)
+
+    us, graphed = bench_us(copy, rep)
+    nbytes = sum(d.numel() * d.element_size() for d in dsts)
+    name = "copy same blocks" if fmt == "auto" else f"copy same blocks {fmt}"
+    return Result(op, shape, bs, name, "ceiling", us, 2 * nbytes, graph=graphed)
+
+
 def _shape_rows(op: str, shape: str, batch: int, q_len: int, cached: int, pools: dict[str, Pool], bs: int,
                 gen: torch.Generator, rep: int, dev: torch.device) -> list[Result]:
     """Every row of one (shape, block size): kvcache per kv_dtype, copies, gather + SDPA, contiguous SDPA."""
@@ -156,21 +175,23 @@ def _shape_rows(op: str, shape: str, batch: int, q_len: int, cached: int, pools:
     outs: dict[str, torch.Tensor] = {}
     fp16 = pools["auto"]
     bt16 = fp16.tables(batch, seq, gen)
+    tables: dict[str, torch.Tensor] = {}
     for fmt, p in pools.items():
         bt = bt16 if fmt == "auto" else p.tables(batch, seq, gen)
+        tables[fmt] = bt
         out = torch.empty_like(q)
         us, graphed = bench_us(_attention_fn(p, q, bt, cu, kl, seq, out), rep)
         outs[fmt] = out
         rows.append(Result(op, shape, bs, f"kvcache {fmt}", "kvcache", us, kv_bytes(batch * seq, fmt), flops,
                            graph=graphed))
+    # ceilings: a copy of the blocks each format's attention reads (its own table), stored bytes and (scale, zero)
+    for fmt, p in pools.items():
+        if op == "decode":
+            rows.append(_copy_blocks_row(op, shape, bs, fmt, p, tables[fmt], rep))
     # baselines on the fp16 pool's blocks of the same table
     nbytes = kv_bytes(batch * seq, "auto")
-    flat = fp16.pool.view(fp16.num_blocks, -1)
-    ids = bt16.reshape(-1).long()
-    staged = torch.empty((ids.numel(), flat.shape[1]), dtype=flat.dtype, device=dev)
-    us, graphed = bench_us(lambda st=staged: torch.index_select(flat, 0, ids, out=st), rep)
-    rows.append(Result(op, shape, bs, "copy same blocks", "ceiling", us, 2 * staged.numel() * 2, graph=graphed))
-    del staged
+    if op != "decode":
+        rows.append(_copy_blocks_row(op, shape, bs, "auto", fp16, bt16, rep))
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=dev)
     dst = torch.empty_like(src)
     us, graphed = bench_us(lambda a=src, b=dst: b.copy_(a), rep)
@@ -224,7 +245,7 @@ def run(quick: bool, formats: tuple[str, ...] = FORMATS, block_sizes: tuple[int,
         for batch, seq in decode:
             shape = f"{batch} x {seq // 1024}k"
             results += _shape_rows("decode", shape, batch, 1, seq - 1, pools, bs, gen, rep, dev)
-            print(table(results[-(len(pools) + 4):]), flush=True)
+            print(table(results[-(2 * len(pools) + 3):]), flush=True)
         for batch, q_len, cached in prefill:
             shape = f"{batch} x {q_len} new, {cached} cached"
             results += _shape_rows("prefill", shape, batch, q_len, cached, pools, bs, gen, rep, dev)
@@ -236,17 +257,21 @@ def run(quick: bool, formats: tuple[str, ...] = FORMATS, block_sizes: tuple[int,
 
 def table(results: list[Result]) -> str:
     copy = {(r.op, r.shape, r.block_size): r.gbs for r in results if r.impl == "copy contiguous"}
+    own = {(r.op, r.shape, r.block_size, r.impl.removeprefix("copy same blocks").strip() or "auto"): r.gbs
+           for r in results if r.impl.startswith("copy same blocks")}
     fp16 = {(r.op, r.shape, r.block_size): r.us for r in results if r.impl == "kvcache auto"}
-    lines = ["| op | shape | block | impl | us | GB/s | % copy | TFLOP/s | x fp16 | max err vs sdpa |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| op | shape | block | impl | us | GB/s | % copy | % own-block copy | TFLOP/s | x fp16 | max err vs sdpa |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         key = (r.op, r.shape, r.block_size)
         pct = f"{100 * r.gbs / copy[key]:.0f}%" if key in copy and r.role != "ceiling" and copy[key] else ""
+        okey = key + (r.impl.removeprefix("kvcache ").strip(),)
+        opct = f"{100 * r.gbs / own[okey]:.0f}%" if r.role == "kvcache" and own.get(okey) else ""
         speed = f"{fp16[key] / r.us:.2f}" if r.role == "kvcache" and key in fp16 else ""
         tf = f"{r.tflops:.0f}" if r.op == "prefill" and r.role != "ceiling" else ""
         err = f"{r.max_err:.2e}" if r.max_err is not None else ""
         us = f"{r.us:.1f}" + ("" if r.graph else " (eager)")
-        lines.append(f"| {r.op} | {r.shape} | {r.block_size} | {r.impl} | {us} | {r.gbs:.0f} | {pct} | {tf} | "
+        lines.append(f"| {r.op} | {r.shape} | {r.block_size} | {r.impl} | {us} | {r.gbs:.0f} | {pct} | {opct} | {tf} | "
                      f"{speed} | {err} |")
     return "\n".join(lines)
 

@@ -49,7 +49,9 @@ import triton
 import triton.language as tl
 
 from ..._backend import kernel
-from ._convert import codes_f32, codes_to, u4_to, u8_to
+from ._convert import codes_f32, codes_to
+from ._loads import _load_kv, _load_params
+from ._warp_tile import _merge_warps, _tile_w
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -73,66 +75,6 @@ def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
         lo = tl.where(take, mid, lo)
         hi = tl.where(take, hi, mid)
     return lo
-
-
-@triton.jit
-def _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1: tl.constexpr, QUANT: tl.constexpr, KT: tl.constexpr,
-             DT: tl.constexpr, RAW: tl.constexpr, INTERP: tl.constexpr):
-    """The two halves of K or V rows at ``base`` (one per token): ``[HALF_P, BLOCK_N]`` tiles when ``KT`` (K,
-    the B operand of QK^T), else ``[BLOCK_N, HALF_P]`` (V).
-
-    ``RAW``: as stored (16-bit values, fp8 values, int8 / int4 codes as uint8); the caller converts at the dot.
-    Else (int8 / int4 decode tiles only) the codes as exact ``DT`` values, by the inline-PTX form of
-    :mod:`._convert` when compiled (prefill tiles measured faster with the raw form and Triton's conversion).
-
-    int4: one load of the byte row; the low nibbles are the first half, the high nibbles the second. fp8 pools
-    arrive as their bytes (uint8), so masked lanes read as +0.0 (a masked load's ``other`` cannot be an fp8
-    constant), then bitcast.
-    """
-    if KT:
-        off = base[None, :] + dd[:, None]
-        m_lo = ok_n[None, :] & ok_lo[:, None]
-        m_hi = ok_n[None, :] & ok_hi[:, None]
-    else:
-        off = base[:, None] + dd[None, :]
-        m_lo = ok_n[:, None] & ok_lo[None, :]
-        m_hi = ok_n[:, None] & ok_hi[None, :]
-    if QUANT == 3:
-        raw = tl.load(pool + off, mask=m_lo, other=0)
-        if RAW:
-            lo = raw & 15
-            hi = raw >> 4
-        elif INTERP or DT == tl.float32:
-            lo = codes_to(raw & 15, DT, 4)
-            hi = codes_to(raw >> 4, DT, 4)
-        else:
-            lo, hi = u4_to(raw, DT)
-    else:
-        lo = tl.load(pool + off, mask=m_lo, other=0)
-        hi = tl.load(pool + off + H1, mask=m_hi, other=0)
-        if QUANT == 1:
-            b_lo = lo
-            b_hi = hi
-            lo = b_lo.to(tl.float8e4nv, bitcast=True)
-            hi = b_hi.to(tl.float8e4nv, bitcast=True)
-            if INTERP:  # the interpreter reads the NaN bytes 0x7F / 0xFF as +-480: decode them by hand
-                lo = tl.where((b_lo & 0x7F) == 0x7F, float("nan"), lo.to(tl.float32))
-                hi = tl.where((b_hi & 0x7F) == 0x7F, float("nan"), hi.to(tl.float32))
-        elif QUANT == 2 and not RAW:
-            if INTERP or DT == tl.float32:
-                lo = codes_to(lo, DT, 8)
-                hi = codes_to(hi, DT, 8)
-            else:
-                lo = u8_to(lo, DT)
-                hi = u8_to(hi, DT)
-    return lo, hi
-
-
-@triton.jit
-def _load_params(qparams, pbase, ok_n):
-    """(scale, zero) of each token of a tile: one 8-byte load per token, split in registers."""
-    par = tl.load(qparams + pbase[:, None] + tl.arange(0, 2)[None, :], mask=ok_n[:, None], other=0.0)
-    return tl.split(par)
 
 
 @triton.jit
@@ -168,7 +110,9 @@ def _tile(
         blk = blk.to(tl.int64)
         tok = j % BS
     base = blk * S_BLK + tok * S_TOK + kvh * S_HEAD
-    k_lo, k_hi = _load_kv(pool, base, dd, ok_n, ok_lo, ok_hi, H1, QUANT, True, q_lo.dtype, not V_FOLD, INTERP)
+    k_off = base[None, :] + dd[:, None]
+    k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], H1, QUANT,
+                          q_lo.dtype, not V_FOLD, INTERP)
     if QUANT >= 2 and not V_FOLD:
         k_lo = codes_to(k_lo, qdt, 4 if QUANT == 3 else 8)
         k_hi = codes_to(k_hi, qdt, 4 if QUANT == 3 else 8)
@@ -204,7 +148,9 @@ def _tile(
         vdt: tl.constexpr = tl.float32
     else:
         vdt: tl.constexpr = tl.float16
-    v_lo, v_hi = _load_kv(pool, vbase, dd, ok_n, ok_lo, ok_hi, H1, QUANT, False, vdt, not V_FOLD, INTERP)
+    v_off = vbase[:, None] + dd[None, :]
+    v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, None] & ok_lo[None, :], ok_n[:, None] & ok_hi[None, :], H1, QUANT, vdt,
+                          not V_FOLD, INTERP)
     if QUANT >= 2:
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
         vs, vz = _load_params(qparams, vp, ok_n)
@@ -245,7 +191,8 @@ def _attention_kernel(
     P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr,
     FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr, INTERP: tl.constexpr,
+    DOT_F32: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr, WARPS_K: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
     pid = tl.program_id(0)
@@ -361,31 +308,65 @@ def _attention_kernel(
         tf_lo = tl.cdiv(tl.where(zf > 0, (zf + cp_size - 1) // cp_size, 0), BLOCK_N)
     tf_hi = tl.maximum(jf_hi // BLOCK_N, tf_lo)
 
-    m_i = tl.full([BLOCK_Q * G_P], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * G_P], tl.float32)
-    acc_lo = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
-    acc_hi = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
-    zacc = tl.zeros([BLOCK_Q * G_P], tl.float32)  # V_FOLD: sum of p * zero_v per row (else unused)
-    offs_n = tl.arange(0, BLOCK_N)
-    if HAS_WINDOW:  # without a window, tf_lo == t_lo: nothing before the unmasked tiles
-        for t in range(t_begin, tl.minimum(t_end, tf_lo)):
+    if WARPS_K > 1:
+        # decode tiles split over the warps (``_warp_tile``): W states of [W, M], merged after the loop
+        W: tl.constexpr = WARPS_K
+        M: tl.constexpr = BLOCK_Q * G_P
+        offs_w = tl.arange(0, W)[:, None] * (BLOCK_N // W) + tl.arange(0, BLOCK_N // W)[None, :]
+        q_lo_w = tl.broadcast_to(q_lo[None, :, :], (W, M, HALF_P))
+        q_hi_w = tl.broadcast_to(q_hi[None, :, :], (W, M, HALF_P))
+        m_w = tl.full([W, M], float("-inf"), tl.float32)
+        l_w = tl.zeros([W, M], tl.float32)
+        acc_lo_w = tl.zeros([W, M, HALF_P], tl.float32)
+        acc_hi_w = tl.zeros([W, M, HALF_P], tl.float32)
+        zacc_w = tl.zeros([W, M], tl.float32)
+        if HAS_WINDOW:
+            for t in range(t_begin, tl.minimum(t_end, tf_lo)):
+                m_w, l_w, acc_lo_w, acc_hi_w, zacc_w = _tile_w(
+                    t, m_w, l_w, acc_lo_w, acc_hi_w, zacc_w, q_lo_w, q_hi_w, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
+                    qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_w, dd, ok_lo, ok_hi, qdt,
+                    SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
+                    HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
+        for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
+            m_w, l_w, acc_lo_w, acc_hi_w, zacc_w = _tile_w(
+                t, m_w, l_w, acc_lo_w, acc_hi_w, zacc_w, q_lo_w, q_hi_w, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
+                qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_w, dd, ok_lo, ok_hi, qdt,
+                SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
+                HAS_WINDOW, PRECISION, False, Q_RESCALE, INTERP)
+        for t in range(tl.maximum(t_begin, tf_hi), t_end):
+            m_w, l_w, acc_lo_w, acc_hi_w, zacc_w = _tile_w(
+                t, m_w, l_w, acc_lo_w, acc_hi_w, zacc_w, q_lo_w, q_hi_w, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
+                qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_w, dd, ok_lo, ok_hi, qdt,
+                SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
+                HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
+        m_i, l_i, acc_lo, acc_hi, zacc = _merge_warps(m_w, l_w, acc_lo_w, acc_hi_w, zacc_w)
+    else:
+        m_i = tl.full([BLOCK_Q * G_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * G_P], tl.float32)
+        acc_lo = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
+        acc_hi = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
+        zacc = tl.zeros([BLOCK_Q * G_P], tl.float32)  # V_FOLD: sum of p * zero_v per row (else unused)
+        offs_n = tl.arange(0, BLOCK_N)
+        if HAS_WINDOW:  # without a window, tf_lo == t_lo: nothing before the unmasked tiles
+            for t in range(t_begin, tl.minimum(t_end, tf_lo)):
+                m_i, l_i, acc_lo, acc_hi, zacc = _tile(
+                    t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
+                    bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1,
+                    BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW,
+                    PRECISION, True, V_FOLD, Q_RESCALE, INTERP)
+        for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
             m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
-                bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1,
-                BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW,
-                PRECISION, True, V_FOLD, Q_RESCALE, INTERP)
-    for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
-        m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-            t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row,
-            b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
-            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD,
-            Q_RESCALE, INTERP)
-    for t in range(tl.maximum(t_begin, tf_hi), t_end):
-        m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-            t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row,
-            b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
-            S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD,
-            Q_RESCALE, INTERP)
+                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row,
+                b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
+                S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD,
+                Q_RESCALE, INTERP)
+        for t in range(tl.maximum(t_begin, tf_hi), t_end):
+            m_i, l_i, acc_lo, acc_hi, zacc = _tile(
+                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row,
+                b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
+                S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD,
+                Q_RESCALE, INTERP)
+
 
     if HAS_SINKS:
         # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only

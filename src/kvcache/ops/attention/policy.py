@@ -20,11 +20,12 @@ MAX_SPLITS = 64
 # Programs per SM aimed at by the split heuristic when the batch alone leaves SMs idle. Batches with at least one
 # program per SM are not split: the merge pass then costs more than the balance gains (BENCHMARKS.md, the sweep).
 PROGRAMS_PER_SM = 4
-# Decode tiles (keys per tile, pipeline stages) per stored format, measured on the H100 (sweeps in BENCHMARKS.md).
-# head_dim > 64: 16-bit caches want short tiles and deep pipelines, 8- and 4-bit caches long tiles that amortise
-# the per-tile dequantization and softmax. head_dim <= 64: 64-key tiles; two stages keep four programs per SM.
-DECODE_TILE = {"auto": (32, 4), "fp8": (128, 3), "int8": (128, 3), "int4": (128, 3)}
-DECODE_TILE_SMALL = {"auto": (64, 2), "fp8": (64, 3), "int8": (64, 2), "int4": (64, 2)}
+# Decode tiles (keys per tile, pipeline stages, warp split) per stored format, measured on the H100 (sweeps in
+# BENCHMARKS.md). head_dim > 64: 16-bit caches want short tiles and deep pipelines, 8- and 4-bit caches long tiles
+# that amortise the per-tile dequantization and softmax. head_dim <= 64: 64-key tiles; two stages keep four
+# programs per SM.
+DECODE_TILE = {"auto": (32, 4, False), "fp8": (128, 3, False), "int8": (128, 3, False), "int4": (128, 3, False)}
+DECODE_TILE_SMALL = {"auto": (64, 2, False), "fp8": (64, 3, False), "int8": (64, 2, False), "int4": (64, 2, False)}
 # Average query rows per sequence at or below which a batch is launched with decode tiles.
 DECODE_ROWS = 4
 
@@ -45,6 +46,10 @@ class AttentionPlan:
     num_splits : int
         Programs sharing one (query tile, KV head)'s KV range (flash-decoding); > 1 needs a workspace and a
         second (merge) kernel.
+    warp_split : bool
+        Decode tiles only (``block_m <= 16``): each warp takes its own ``block_n / num_warps`` keys of a tile with
+        its own softmax state, merged once after the KV loop (no exchange between warps per tile); needs
+        ``block_n / num_warps >= 16``.
     """
 
     block_q: int
@@ -52,6 +57,7 @@ class AttentionPlan:
     num_warps: int
     num_stages: int
     num_splits: int
+    warp_split: bool = False
 
     def block_m(self, num_q_heads: int, num_kv_heads: int) -> int:
         """Rows of the program's tile: ``block_q`` tokens times the padded GQA group."""
@@ -118,10 +124,11 @@ def attention_plan(
     if decode:
         # M = 16 rows at least (tensor-core minimum): a decode row's whole GQA group, padded with spare tokens
         block_q = max(1, 16 // g)
-        block_n, stages = (DECODE_TILE_SMALL if head_dim <= 64 else DECODE_TILE)[kv_dtype]
+        block_n, stages, warp_split = (DECODE_TILE_SMALL if head_dim <= 64 else DECODE_TILE)[kv_dtype]
         if head_dim > 128:
             block_n = max(16, block_n // 2)  # the 128-dim tile's registers and shared memory
         warps = 4
+        warp_split = warp_split and block_n // warps >= 16
     else:
         # head_dim 65..128: 128 rows x 128 keys, 8 warps, 2 stages for 16-bit queries (the sweep's choice); fp32
         # queries take 64 keys (128 do not fit in an H100's shared memory). head_dim <= 64: 128 rows x 64 keys,
@@ -133,6 +140,7 @@ def attention_plan(
         else:
             block_n = (128 if q_bytes <= 2 else 64) if head_dim <= 128 else 32
         warps, stages = (8 if rows * head_dim >= 128 * 128 else 4), 2
+        warp_split = False
     if num_splits is None:
         num_splits = 1
         programs = max(1, num_seqs) * num_kv_heads
@@ -141,7 +149,7 @@ def attention_plan(
             num_splits = max(1, min(target, max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
     check_int("num_splits", num_splits, 1, 1024)
     return AttentionPlan(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages,
-                         num_splits=num_splits)
+                         num_splits=num_splits, warp_split=warp_split)
 
 
 def attention_workspace_size(n_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
