@@ -32,7 +32,7 @@ def compile_kernel(kern, ptr_types, consts, opts):  # type: ignore[no-untyped-de
                           target=TARGET, options=opts)
 
 
-def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", linear=False, softcap=0.0, warps=4,
+def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", linear=False, softcap=0.0, warps=4, maxnreg=None,
               stages=3, window=True, warps_k=1):  # type: ignore[no-untyped-def]
     h = 8
     r = d // 2 if quant == 3 else d
@@ -48,7 +48,10 @@ def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", line
                   V_FOLD=quant >= 2 and block_q * triton.next_power_of_2(g) <= 16,
                   Q_RESCALE=quant == 2 and qdt == "*bf16" and block_q * triton.next_power_of_2(g) <= 16, WARPS_K=warps_k,
                   INTERP=False)
-    return compile_kernel(_attention_kernel, ptr, consts, dict(num_warps=warps, num_stages=stages))
+    opts = dict(num_warps=warps, num_stages=stages)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return compile_kernel(_attention_kernel, ptr, consts, opts)
 
 
 CASES = [dict(qdt=qdt, quant=quant, d=128, g=4, block_q=4, block_n=64, bs=16, splits=1)

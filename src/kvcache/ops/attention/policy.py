@@ -20,12 +20,14 @@ MAX_SPLITS = 64
 # Programs per SM aimed at by the split heuristic when the batch alone leaves SMs idle. Batches with at least one
 # program per SM are not split: the merge pass then costs more than the balance gains (BENCHMARKS.md, the sweep).
 PROGRAMS_PER_SM = 4
-# Decode tiles (keys per tile, pipeline stages, warp split) per stored format, measured on the H100 (sweeps in
+# Decode tiles (keys per tile, pipeline stages, warp split, register cap or None) per stored format, measured on the H100 (sweeps in
 # BENCHMARKS.md). head_dim > 64: 16-bit caches want short tiles and deep pipelines, 8- and 4-bit caches long tiles
 # that amortise the per-tile dequantization and softmax. head_dim <= 64: 64-key tiles; two stages keep four
 # programs per SM.
-DECODE_TILE = {"auto": (32, 4, False), "fp8": (128, 3, False), "int8": (128, 3, False), "int4": (128, 3, False)}
-DECODE_TILE_SMALL = {"auto": (64, 2, False), "fp8": (64, 3, False), "int8": (64, 2, False), "int4": (64, 2, False)}
+DECODE_TILE = {"auto": (32, 4, False, None), "fp8": (128, 3, False, None), "int8": (128, 3, False, None),
+               "int4": (128, 3, False, None)}
+DECODE_TILE_SMALL = {"auto": (64, 2, False, None), "fp8": (64, 3, False, None), "int8": (64, 2, False, None),
+                     "int4": (64, 2, False, None)}
 # Average query rows per sequence at or below which a batch is launched with decode tiles.
 DECODE_ROWS = 4
 
@@ -50,6 +52,9 @@ class AttentionPlan:
         Decode tiles only (``block_m <= 16``): each warp takes its own ``block_n / num_warps`` keys of a tile with
         its own softmax state, merged once after the KV loop (no exchange between warps per tile); needs
         ``block_n / num_warps >= 16``.
+    max_regs : int, optional
+        Registers per thread the compiler may use (``maxnreg``; None: its own choice): a cap trades spills for
+        more programs per SM.
     """
 
     block_q: int
@@ -58,6 +63,7 @@ class AttentionPlan:
     num_stages: int
     num_splits: int
     warp_split: bool = False
+    max_regs: int | None = None
 
     def block_m(self, num_q_heads: int, num_kv_heads: int) -> int:
         """Rows of the program's tile: ``block_q`` tokens times the padded GQA group."""
@@ -124,7 +130,7 @@ def attention_plan(
     if decode:
         # M = 16 rows at least (tensor-core minimum): a decode row's whole GQA group, padded with spare tokens
         block_q = max(1, 16 // g)
-        block_n, stages, warp_split = (DECODE_TILE_SMALL if head_dim <= 64 else DECODE_TILE)[kv_dtype]
+        block_n, stages, warp_split, max_regs = (DECODE_TILE_SMALL if head_dim <= 64 else DECODE_TILE)[kv_dtype]
         if head_dim > 128:
             block_n = max(16, block_n // 2)  # the 128-dim tile's registers and shared memory
         warps = 4
@@ -140,7 +146,7 @@ def attention_plan(
         else:
             block_n = (128 if q_bytes <= 2 else 64) if head_dim <= 128 else 32
         warps, stages = (8 if rows * head_dim >= 128 * 128 else 4), 2
-        warp_split = False
+        warp_split, max_regs = False, None
     if num_splits is None:
         num_splits = 1
         programs = max(1, num_seqs) * num_kv_heads
@@ -149,7 +155,7 @@ def attention_plan(
             num_splits = max(1, min(target, max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
     check_int("num_splits", num_splits, 1, 1024)
     return AttentionPlan(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages,
-                         num_splits=num_splits, warp_split=warp_split)
+                         num_splits=num_splits, warp_split=warp_split, max_regs=max_regs)
 
 
 def attention_workspace_size(n_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
