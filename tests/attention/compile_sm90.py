@@ -55,6 +55,11 @@ CASES = [dict(qdt=qdt, quant=quant, d=128, g=4, block_q=4, block_n=64, bs=16, sp
     dict(qdt="*fp16", quant=0, d=128, g=4, block_q=32, block_n=128, bs=64, splits=1, warps=8, stages=2),
     dict(qdt="*bf16", quant=2, d=128, g=4, block_q=32, block_n=128, bs=16, splits=1, warps=8, stages=2),
     dict(qdt="*fp16", quant=3, d=128, g=4, block_q=32, block_n=128, bs=16, splits=1, warps=8, stages=2),
+    # quantized prefill tiles at head_dim 64 (packed 16-bit dequantization): bf16 int8, fp16 int4 with softcap,
+    # and float32 queries (float32 dequantization)
+    dict(qdt="*bf16", quant=2, d=64, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=4, stages=2),
+    dict(qdt="*fp16", quant=3, d=64, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=4, stages=2, softcap=30.0),
+    dict(qdt="*fp32", quant=2, d=64, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=4, stages=2),
     dict(qdt="*fp16", quant=3, d=128, g=4, block_q=4, block_n=64, bs=64, splits=1, window=False),
     dict(qdt="*fp16", quant=2, d=80, g=3, block_q=4, block_n=64, bs=32, splits=4, layout="HND", softcap=30.0),
     dict(qdt="*fp32", quant=0, d=64, g=1, block_q=16, block_n=64, bs=16, splits=1),
