@@ -301,20 +301,22 @@ def test_quantized_v_scales_spanning_1000x(device, kv_dtype):
     assert_attn_close(out, lse, eo, el, torch.float16, what=kv_dtype)
 
 
+@pytest.mark.parametrize("q_len", [1, 20], ids=["decode", "prefill"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("mag", [1e-30, 1e-36])
-def test_quantized_tiny_v_scales_stay_finite(device, kv_dtype, mag):
+def test_quantized_tiny_v_scales_stay_finite(device, kv_dtype, mag, q_len):
     """bf16 caches can hold V values near float32's smallest normals; the decode tiles' P scaling by the tile's
-    largest V scale must then neither overflow (R / s_max) nor turn masked lanes into NaN."""
+    largest V scale must then neither overflow (R / s_max) nor turn masked lanes into NaN, and the prefill tiles'
+    dequantization must keep them (bfloat16 range: in float16 they would flush to zero)."""
     H, hq, D, bs, n = 1, 2, 16, 16, 20
     gen = torch.Generator().manual_seed(0)
     k = torch.randn((n, H, D), generator=gen)
     v = torch.rand((n, H, D), generator=gen) * mag
     cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=[n],
                               dtype=torch.bfloat16, kv=([k.bfloat16()], [v.bfloat16()]))
-    q = _q(1, hq, D, torch.bfloat16, device)
-    out, lse = _run(cache, bt, q, [1], [n], device)
-    eo, el = paged_expected(q.cpu(), cache, bt, [1], [n], scale=1 / math.sqrt(D))
+    q = _q(q_len, hq, D, torch.bfloat16, device)
+    out, lse = _run(cache, bt, q, [q_len], [n], device)
+    eo, el = paged_expected(q.cpu(), cache, bt, [q_len], [n], scale=1 / math.sqrt(D))
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     err = (out.float().cpu() - eo).abs().max()
     assert err <= 2e-2 * eo.abs().max(), (err, eo.abs().max())

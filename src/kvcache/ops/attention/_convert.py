@@ -1,9 +1,8 @@
 """int8 / int4 codes -> the attention dots' operand dtype, inside the attention kernel.
 
-Two forms with the same results:
+Exact conversions, two forms with the same results:
 
-* :func:`codes_to` / :func:`codes_f32`: Triton ops (every target dtype; the interpreter's form, and the form of
-  prefill tiles).
+* :func:`codes_to` / :func:`codes_f32`: Triton ops (every target dtype; the interpreter's form).
 * :func:`u8_to` / :func:`u4_to`: inline PTX on whole 32-bit registers (four int8 or eight int4 codes at a
   time; int8 to float16, int4 to float16 or bfloat16), used by decode tiles: byte permutes (``prmt``) build
   two magic-number values at a time and one packed subtraction removes the magic. The asm is declared impure,
@@ -12,6 +11,12 @@ Two forms with the same results:
   the MMA operand layout, which reads the 8-bit V operand one byte per instruction. On sm_90 this cuts a
   128-key int4 decode tile from ~1,700 to ~1,000 instructions per warp and its registers from ~240 to ~170;
   int8 decode at head_dim 64 runs 12% faster (BENCHMARKS.md).
+
+Prefill tiles dequantize instead, :func:`dequant` (``codes * scale + zero`` of K and V): inline PTX on the same
+registers, the magic-number rule then packed 16-bit ``fma`` with the token's (scale, zero): 1.5 instructions per
+float16 int8 element against ~4.5 for float32 math and ~2.5 for Triton's own 16-bit ops (a byte extraction and a
+merge per pair). It is declared pure; the impure form compiles to the same SASS (the codes are read from shared
+memory either way).
 
 Magic-number rule: ORed into the low mantissa bits of a power of two ``M`` whose ulp is 1, a code ``c`` gives
 exactly ``M + c``, and subtracting ``M`` is exact. fp16: bits ``0x6400 | c`` = 1024 + c (any 8-bit code);
@@ -102,3 +107,245 @@ def u4_to(raw, DT: tl.constexpr):
         lo, hi = tl.inline_asm_elementwise(_U4_BF16, "=r,=r,=r,=r,r", [raw], dtype=(tl.bfloat16, tl.bfloat16),
                                            is_pure=False, pack=4)
     return lo, hi
+
+
+# ---- prefill K / V tiles: codes * scale + zero per token in packed 16-bit math ----
+# The codes are centred (c - 128, c - 8: exact) and the caller passes zero + 128 scale (+ 8 scale), so the zero's
+# rounding is that of the token's mid-range and the scale's weighs at most 128 (8) steps. (scale, zero) arrive as
+# 16-bit tensors broadcast over the token's elements: each packed pair holds those of its own two elements, whatever
+# the layout (a pair is one token's in practice).
+_UNPACK8_F16 = """mov.b32 m, 0x64646464;
+mov.b32 k, 0x64806480;
+prmt.b32 $0, $2, m, 0x5140;
+prmt.b32 $1, $2, m, 0x5342;
+sub.f16x2 $0, $0, k;
+sub.f16x2 $1, $1, k;
+"""
+# int8, bfloat16 (no bfloat16 magic number holds 8-bit codes): (1024 + c) - 1023 = c + 1 in float16, 1..256 with at
+# most 8 significant bits, so its low 3 mantissa bits are 0; its bits >> 3 are the bfloat16 bits of (c + 1) * 2^-112
+# (the high lane's zero low bits shift into the low lane's top), + 112 in both exponents gives c + 1, and
+# (c + 1) * 1 - 129 = c - 128
+_UNPACK8_BF16 = """mov.b32 m, 0x64646464;
+mov.b32 k, 0x63FE63FE;
+mov.b32 f, 0x38003800;
+mov.b32 one, 0x3F803F80;
+mov.b32 g, 0xC301C301;
+prmt.b32 $0, $2, m, 0x5140;
+prmt.b32 $1, $2, m, 0x5342;
+sub.f16x2 $0, $0, k;
+sub.f16x2 $1, $1, k;
+shr.b32 $0, $0, 3;
+shr.b32 $1, $1, 3;
+add.u32 $0, $0, f;
+add.u32 $1, $1, f;
+fma.rn.bf16x2 $0, $0, one, g;
+fma.rn.bf16x2 $1, $1, one, g;
+"""
+# int4, float16: prmt makes 0x64bb pairs (b: both nibbles of a byte); masking keeps 1024 + lo or 1024 + 16 hi, then
+# (1024 + lo) - 1032 = lo - 8 and (1024 + 16 hi) / 16 - 72 = hi - 8
+_UNPACK4_F16 = """mov.b32 m, 0x64646464;
+mov.b32 k, 0x64086408;
+mov.b32 f, 0x2C002C00;
+mov.b32 g, 0xD480D480;
+prmt.b32 a, $4, m, 0x5140;
+prmt.b32 b, $4, m, 0x5342;
+and.b32 $0, a, 0xFF0FFF0F;
+and.b32 $1, b, 0xFF0FFF0F;
+and.b32 $2, a, 0xFFF0FFF0;
+and.b32 $3, b, 0xFFF0FFF0;
+sub.f16x2 $0, $0, k;
+sub.f16x2 $1, $1, k;
+fma.rn.f16x2 $2, $2, f, g;
+fma.rn.f16x2 $3, $3, f, g;
+"""
+# int4, bfloat16: the u4 unpacking into 128 + c, then (128 + c) * 1 - 136 = c - 8
+_UNPACK4_BF16 = """mov.b32 m, 0x43434343;
+mov.b32 k, 0xC308C308;
+mov.b32 one, 0x3F803F80;
+and.b32 t, $4, 0x0F0F0F0F;
+shr.b32 u, $4, 4;
+and.b32 u, u, 0x0F0F0F0F;
+prmt.b32 $0, t, m, 0x5140;
+prmt.b32 $1, t, m, 0x5342;
+prmt.b32 $2, u, m, 0x5140;
+prmt.b32 $3, u, m, 0x5342;
+fma.rn.bf16x2 $0, $0, one, k;
+fma.rn.bf16x2 $1, $1, one, k;
+fma.rn.bf16x2 $2, $2, one, k;
+fma.rn.bf16x2 $3, $3, one, k;
+"""
+
+
+def _dequant_asm(unpack: str, n_out: int, ty: str, split: bool) -> tl.constexpr:
+    """``unpack`` (centred codes into $0 .. $n_out-1, from the codes in $n_out), then per output pair ``c * s + z``
+    (operands after the codes: scale pairs, with ``split`` the scale's low parts, then zero pairs), as
+    ``fma.rn.{ty}``. ``split``: ``c * s_hi + (c * s_lo + z)``, the scale's rounding error carried by its low part."""
+    sh, nxt = n_out + 1, n_out + 3
+    sl = nxt if split else -1
+    z = nxt + 2 if split else nxt
+    body = ""
+    for i in range(n_out):
+        p = i % 2
+        if split:
+            body += f"fma.rn.{ty} t{i}, ${i}, ${sl + p}, ${z + p};\nfma.rn.{ty} ${i}, ${i}, ${sh + p}, t{i};\n"
+        else:
+            body += f"fma.rn.{ty} ${i}, ${i}, ${sh + p}, ${z + p};\n"
+    regs = ".reg .b32 m, k, f, g, a, b, t, u, one, t0, t1, t2, t3;\n"
+    return tl.constexpr("{\n" + regs + unpack + body + "}")
+
+
+_DQ8_F16 = _dequant_asm(_UNPACK8_F16, 2, "f16x2", False)
+_DQ8_F16_SPLIT = _dequant_asm(_UNPACK8_F16, 2, "f16x2", True)
+_DQ8_BF16 = _dequant_asm(_UNPACK8_BF16, 2, "bf16x2", False)
+_DQ8_BF16_SPLIT = _dequant_asm(_UNPACK8_BF16, 2, "bf16x2", True)
+_DQ4_F16 = _dequant_asm(_UNPACK4_F16, 4, "f16x2", False)
+_DQ4_F16_SPLIT = _dequant_asm(_UNPACK4_F16, 4, "f16x2", True)
+_DQ4_BF16 = _dequant_asm(_UNPACK4_BF16, 4, "bf16x2", False)
+_DQ4_BF16_SPLIT = _dequant_asm(_UNPACK4_BF16, 4, "bf16x2", True)
+
+
+@triton.jit
+def _round_to(x, VDT: tl.constexpr):
+    """float32 ``x`` rounded to the nearest ``VDT`` value (ties to even), as float32: the interpreter's form of a
+    compiled rounding (its own float32 -> bfloat16 cast truncates and loses subnormals)."""
+    if VDT == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        out = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        out = x.to(VDT).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _asm8(asm: tl.constexpr, constraints: tl.constexpr, args, VDT: tl.constexpr):
+    """int8 codes -> ``VDT`` values by ``asm`` (four codes per call)."""
+    if VDT == tl.float16:
+        out = tl.inline_asm_elementwise(asm, constraints, args, dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        out = tl.inline_asm_elementwise(asm, constraints, args, dtype=tl.bfloat16, is_pure=True, pack=4)
+    return out
+
+
+@triton.jit
+def _asm4(asm: tl.constexpr, constraints: tl.constexpr, args, VDT: tl.constexpr):
+    """int4 byte rows -> (low, high) nibble halves as ``VDT`` by ``asm`` (four bytes per call)."""
+    if VDT == tl.float16:
+        lo, hi = tl.inline_asm_elementwise(asm, constraints, args, dtype=(tl.float16, tl.float16), is_pure=True,
+                                           pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(asm, constraints, args, dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                           pack=4)
+    return lo, hi
+
+
+@triton.jit
+def _dequant16(lo8, hi8, sc, ze, VDT: tl.constexpr, NBITS: tl.constexpr, KT: tl.constexpr):
+    """The compiled 16-bit forms of :func:`dequant`: (scale, centred zero) rounded to ``VDT``, K tiles with the
+    scale's low part."""
+    s_hi = sc.to(VDT)
+    z16 = ze.to(VDT)
+    s_lo = (sc - s_hi.to(tl.float32)).to(VDT)
+    if NBITS == 8:
+        if VDT == tl.float16:
+            if KT:
+                asm: tl.constexpr = _DQ8_F16_SPLIT
+            else:
+                asm: tl.constexpr = _DQ8_F16
+        else:
+            if KT:
+                asm: tl.constexpr = _DQ8_BF16_SPLIT
+            else:
+                asm: tl.constexpr = _DQ8_BF16
+        if KT:
+            lo = _asm8(asm, "=r,=r,r,r,r,r,r,r,r", [lo8, s_hi, s_lo, z16], VDT)
+            hi = _asm8(asm, "=r,=r,r,r,r,r,r,r,r", [hi8, s_hi, s_lo, z16], VDT)
+        else:
+            lo = _asm8(asm, "=r,=r,r,r,r,r,r", [lo8, s_hi, z16], VDT)
+            hi = _asm8(asm, "=r,=r,r,r,r,r,r", [hi8, s_hi, z16], VDT)
+    else:
+        if VDT == tl.float16:
+            if KT:
+                asm: tl.constexpr = _DQ4_F16_SPLIT
+            else:
+                asm: tl.constexpr = _DQ4_F16
+        else:
+            if KT:
+                asm: tl.constexpr = _DQ4_BF16_SPLIT
+            else:
+                asm: tl.constexpr = _DQ4_BF16
+        if KT:
+            lo, hi = _asm4(asm, "=r,=r,=r,=r,r,r,r,r,r,r,r", [lo8, s_hi, s_lo, z16], VDT)
+        else:
+            lo, hi = _asm4(asm, "=r,=r,=r,=r,r,r,r,r,r", [lo8, s_hi, z16], VDT)
+    return lo, hi
+
+
+@triton.jit
+def dequant(c_lo, c_hi, scale, zero, DT: tl.constexpr, VDT: tl.constexpr, NBITS: tl.constexpr, KT: tl.constexpr,
+            INTERP: tl.constexpr):
+    """K or V halves of a prefill tile, ``codes * scale + zero`` with per-token float32 ``scale`` / ``zero``
+    (``[BLOCK_N]``), as ``DT``, the dot's operand dtype. ``c_lo`` / ``c_hi``: the halves' int8 codes, or (int4) the
+    byte rows twice; ``KT``: K tiles (``[HALF_P, BLOCK_N]``), else V (``[BLOCK_N, HALF_P]``); ``VDT``: the query
+    dtype.
+
+    Compiled, one asm call per four codes: the codes, centred exactly (``c' = c - 128``, int4 ``c - 8``), times the
+    scale plus the centred zero ``z' = zero + 128 scale`` (int4 ``+ 8 scale``: the token's mid-range), both rounded
+    to ``VDT``, in packed ``fma.rn.f16x2`` / ``fma.rn.bf16x2``: 1.5 instructions per element (float16 int8) up to
+    2.5 (bfloat16 int8), against ~4.5 for float32 math. K tiles carry the scale's rounding error in a second
+    16-bit term, ``c' s_hi + (c' s_lo + z')`` (+0.5 per element): a token's scale error would scale its scores, an
+    error growing with the score, where V's only perturbs a weighted average.
+
+    Precision (``s`` the quantization step; ``u`` = 2^-11 float16, 2^-9 bfloat16): every form rounds the result
+    once to ``VDT``, as float32 math does; the packed forms add the rounding of ``z'`` (``u |mid|``) and, for V, of
+    the scale (``|c'| u s``: float16 int8 at most ``s / 16``, bfloat16 int8 ``s / 4``, int4 ``s / 256`` and
+    ``s / 64``). So bfloat16 int8 V is off by up to about one bfloat16 ulp of the token's values more than float32
+    math would be, below the int8 rounding itself (``s / 2``): rms 0.15 s against 0.10 s on Gaussian tokens.
+    bfloat16 runs in bfloat16, not in float16 then converted: float16 is the more accurate (11 significant bits
+    against 8) but holds only values within +-65504 and scales above 2^-14 (below: subnormal, below 2^-25: zero),
+    and bfloat16 caches hold values far outside both (bfloat16 has float32's range). float16 queries assume
+    float16-range values (scales below 2^-14 lose relative precision, at most 2^-18 absolute per value). The
+    interpreter computes the same roundings with Triton ops (products exact in float32, sums rounded there then to
+    ``VDT``); float32 queries: float32 math.
+    """
+    if NBITS == 4:
+        if INTERP or VDT == tl.float32:
+            lo8 = c_lo & 15
+            hi8 = c_lo >> 4
+        else:
+            lo8 = c_lo
+            hi8 = c_lo
+    else:
+        lo8 = c_lo
+        hi8 = c_hi
+    if KT:
+        sc = scale[None, :]
+        ze = zero[None, :]
+    else:
+        sc = scale[:, None]
+        ze = zero[:, None]
+    if VDT == tl.float32:
+        lo = codes_f32(lo8) * sc + ze
+        hi = codes_f32(hi8) * sc + ze
+    else:
+        if NBITS == 4:
+            MID: tl.constexpr = 8.0
+        else:
+            MID: tl.constexpr = 128.0
+        if INTERP:
+            # the compiled roundings: products exact in float32, the sums rounded there then to VDT
+            lo = codes_f32(lo8) - MID
+            hi = codes_f32(hi8) - MID
+            s32 = _round_to(sc, VDT)
+            z32 = _round_to(ze + MID * sc, VDT)
+            if KT:
+                sl32 = _round_to(sc - s32, VDT)
+                lo = lo * s32 + _round_to(lo * sl32 + z32, VDT)
+                hi = hi * s32 + _round_to(hi * sl32 + z32, VDT)
+            else:
+                lo = lo * s32 + z32
+                hi = hi * s32 + z32
+            lo = _round_to(lo, VDT)
+            hi = _round_to(hi, VDT)
+        else:
+            lo, hi = _dequant16(lo8, hi8, sc, ze + MID * sc, VDT, NBITS, KT)
+    return lo.to(DT), hi.to(DT)

@@ -15,9 +15,9 @@ Dequantization happens in registers right after the load:
 
 * fp8: the tile converts to the query dtype; ``k_scale`` is folded into the score scale and ``v_scale`` into
   the final normalisation.
-* int8 / int4: both dots run on the codes (exact in fp16 / bf16), and the (scale, zero) pairs act per token,
-  never per element. QK^T: ``q . k = scale_k * (q . codes) + zero_k * sum(q)``, one multiply-add per score.
-  PV in decode tiles (``V_FOLD``: 16 rows, each V element used by few rows, so per-element work would dominate):
+* int8 / int4 decode tiles (``V_FOLD``: 16 rows, each K / V element used by few rows, so per-element work would
+  dominate): both dots run on the codes (exact in fp16 / bf16), and the (scale, zero) pairs act per token.
+  QK^T: ``q . k = scale_k * (q . codes) + zero_k * sum(q)``, one multiply-add per score. PV:
   ``sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j`` per tile,
   with ``s_max`` the tile's largest V scale (1 where it is not a positive finite number: masked or all-zero
   tiles) and ``R = PV_RANGE = 2^15``. The dot's P operand (float16) ``R p s / s_max`` is at most ``R`` (``p <= 1``,
@@ -25,12 +25,14 @@ Dequantization happens in registers right after the load:
   weight of a token whose scale is small (absolutely, or next to the tile's largest) sinks into fp16's
   subnormals, as ``p * s`` in fp16 would (scales ~1e-4). The dot's result is scaled by ``s_max / R`` into the
   float32 accumulator, and the zero terms ``sum_j p_j z_j`` go to a per-row float32 accumulator, rescaled
-  with it and added before the normalisation. Prefill tiles (many rows share each V element) dequantize V
-  per element in float32 (``codes * scale + zero``), then round to the dot's dtype. A NaN scale or zero (a
-  non-finite (token, head) of the cache) makes every output row that loads it NaN.
-  Codes become floats with no integer -> float conversion instruction (magic numbers, :mod:`._convert`): K's
-  in the query dtype, V's of decode tiles in float16 (float32 for float32 queries), whatever the query dtype,
-  since P's operand is scaled into float16's normal range.
+  with it and added before the normalisation. Codes become floats with no integer -> float conversion
+  instruction (magic numbers, :mod:`._convert`): K's in the query dtype, V's in float16 (float32 for float32
+  queries), whatever the query dtype, since P's operand is scaled into float16's normal range.
+* int8 / int4 prefill tiles (many rows share each element): K and V are dequantized per element into the dot's
+  dtype, ``codes * scale + zero`` in packed 16-bit fma (:func:`._convert.dequant`: its docstring gives the
+  precision), so the scores need no per-score affine; the rows' maxima are taken on unscaled scores and the
+  score scale enters exp2's argument (one multiply-add per score; softcap keeps the scale per score).
+* A NaN scale or zero (a non-finite (token, head) of the cache) makes every output row that loads it NaN.
 
 Shape contract (strides in elements, head_dim contiguous):
 
@@ -49,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ..._backend import kernel
-from ._convert import codes_f32, codes_to
+from ._convert import dequant
 from ._loads import _load_kv, _load_params
 from ._warp_tile import _merge_warps, _tile_w
 
@@ -90,7 +92,7 @@ def _tile(
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, VDT: tl.constexpr,
 ):
     """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi, zacc); ``zacc``
     (int8 / int4: the rows' sums of ``p * zero_v``) is returned unchanged for the other formats.
@@ -113,21 +115,25 @@ def _tile(
     k_off = base[None, :] + dd[:, None]
     k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], H1, QUANT,
                           q_lo.dtype, not V_FOLD, INTERP)
+    pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
     if QUANT >= 2 and not V_FOLD:
-        k_lo = codes_to(k_lo, qdt, 4 if QUANT == 3 else 8)
-        k_hi = codes_to(k_hi, qdt, 4 if QUANT == 3 else 8)
+        # prefill tiles: dequantize K per element (many rows share it), no per-score affine
+        ks, kz = _load_params(qparams, pbase, ok_n)
+        k_lo, k_hi = dequant(k_lo, k_hi, ks, kz, qdt, VDT, 4 if QUANT == 3 else 8, True, INTERP)
     s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
     s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
-    if QUANT >= 2:
-        pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
+    if QUANT >= 2 and V_FOLD:
         ks, kz = _load_params(qparams, pbase, ok_n)
         s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
         if Q_RESCALE:
             s = s * q_inv[:, None]  # the rows' 1 / r (rescaled bfloat16 queries)
+    # quantized prefill tiles without softcap: the rows' maxima of unscaled scores times qk_scale (> 0) are the
+    # maxima of the scaled ones, and the scale enters exp2's argument, one multiply-add per score
+    LATE: tl.constexpr = QUANT >= 2 and not V_FOLD and SOFTCAP == 0
     if SOFTCAP > 0:
         # softcap * tanh(x) in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
         s = (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
-    else:
+    elif not LATE:
         s = s * qk_scale
     if MASK:
         k_pos = j * cp_size + cp_rank
@@ -135,10 +141,16 @@ def _tile(
         if HAS_WINDOW:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if LATE:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    if LATE:
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
+    else:
+        p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     m_i = m_new
     vbase = base + S_KV
@@ -166,8 +178,7 @@ def _tile(
             zacc = zacc * alpha + tl.sum(p * vz[None, :], 1)
         else:
             # prefill tiles (many rows per key): dequantize V per element, the rows share it
-            v_lo = (codes_f32(v_lo) * vs[:, None] + vz[:, None]).to(qdt)
-            v_hi = (codes_f32(v_hi) * vs[:, None] + vz[:, None]).to(qdt)
+            v_lo, v_hi = dequant(v_lo, v_hi, vs, vz, qdt, VDT, 4 if QUANT == 3 else 8, False, INTERP)
             pc = p.to(qdt)
             acc_lo = tl.dot(pc, v_lo, acc=acc_lo * alpha[:, None], input_precision=PRECISION)
             acc_hi = tl.dot(pc, v_hi, acc=acc_hi * alpha[:, None], input_precision=PRECISION)
@@ -353,19 +364,19 @@ def _attention_kernel(
                     t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
                     bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1,
                     BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW,
-                    PRECISION, True, V_FOLD, Q_RESCALE, INTERP)
+                    PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty)
         for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
             m_i, l_i, acc_lo, acc_hi, zacc = _tile(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row,
                 b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
                 S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD,
-                Q_RESCALE, INTERP)
+                Q_RESCALE, INTERP, q.dtype.element_ty)
         for t in range(tl.maximum(t_begin, tf_hi), t_end):
             m_i, l_i, acc_lo, acc_hi, zacc = _tile(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row,
                 b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
                 S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD,
-                Q_RESCALE, INTERP)
+                Q_RESCALE, INTERP, q.dtype.element_ty)
 
 
     if HAS_SINKS:

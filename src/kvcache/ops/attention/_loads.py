@@ -15,9 +15,9 @@ def _load_kv(pool, off, m_lo, m_hi, H1: tl.constexpr, QUANT: tl.constexpr, DT: t
     """The two halves of K or V rows: elements ``[0, H1)`` at ``pool + off`` (mask ``m_lo``) and ``[H1, D)`` at
     ``pool + off + H1`` (mask ``m_hi``; int4: the high nibbles of the same bytes).
 
-    ``RAW``: as stored (16-bit values, fp8 values, int8 / int4 codes as uint8); the caller converts at the dot.
-    Else (int8 / int4 decode tiles only) the codes as exact ``DT`` values, by the inline-PTX form of
-    :mod:`._convert` when compiled (prefill tiles measured faster with the raw form and Triton's conversion).
+    ``RAW``: as stored (16-bit values, fp8 values, int8 codes as uint8, int4 byte rows as uint8 twice); the caller
+    converts at the dot (prefill tiles dequantize int8 / int4 there). Else (int8 / int4 decode tiles only) the
+    codes as exact ``DT`` values, by the inline-PTX form of :mod:`._convert` when compiled.
 
     int4: one load of the byte row; the low nibbles are the first half, the high nibbles the second. fp8 pools
     arrive as their bytes (uint8), so masked lanes read as +0.0 (a masked load's ``other`` cannot be an fp8
@@ -26,8 +26,8 @@ def _load_kv(pool, off, m_lo, m_hi, H1: tl.constexpr, QUANT: tl.constexpr, DT: t
     if QUANT == 3:
         raw = tl.load(pool + off, mask=m_lo, other=0)
         if RAW:
-            lo = raw & 15
-            hi = raw >> 4
+            lo = raw
+            hi = raw
         elif INTERP or DT == tl.float32:
             lo = codes_to(raw & 15, DT, 4)
             hi = codes_to(raw >> 4, DT, 4)
