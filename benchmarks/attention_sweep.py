@@ -41,17 +41,17 @@ def _set_shape(head_dim: int, decode: str | None, prefill: str | None = None, qd
 PREFILL = [(8, 2048, 0), (8, 2048, 4096)]
 
 
-def plans(mode: str, only: str | None = None) -> list[tuple[int, int, int, int, int, int]]:
-    """(block_q, block_n, num_warps, num_stages, warp_split, max_regs) candidates; block_q counts tokens (G_P = 4
-    here), max_regs 0 = the compiler's choice. ``only``: an explicit list instead, "bq,bn,w,s[,ws[,regs]];...".
+def plans(mode: str, only: str | None = None) -> list[tuple[int, int, int, int, int]]:
+    """(block_q, block_n, num_warps, num_stages, warp_split) candidates; block_q counts tokens (G_P = 4 here).
+    ``only``: an explicit list instead, "bq,bn,w,s[,ws];bq,bn,w,s[,ws]".
     """
     if only:
         out = [tuple(int(v) for v in item.split(",")) for item in only.split(";") if item]
-        return [c + (0,) * (6 - len(c)) for c in out]  # type: ignore[misc]
+        return [c + (0,) * (5 - len(c)) for c in out]  # type: ignore[misc]
     if mode == "decode":
-        grid = itertools.product([4], [32, 64, 128, 256], [4], [2, 3, 4], [0, 1], [0])
+        grid = itertools.product([4], [32, 64, 128, 256], [4], [2, 3, 4], [0, 1])
         return [c for c in grid if not c[4] or c[1] // c[2] >= 16]
-    return [c + (0, 0) for c in itertools.product([16, 32, 64], [32, 64, 128], [4, 8], [2, 3, 4])]
+    return [c + (0,) for c in itertools.product([16, 32, 64], [32, 64, 128], [4, 8], [2, 3, 4])]
 
 
 def splits_for(batch: int, seq: int) -> list[int]:
@@ -108,7 +108,7 @@ def _compile(args: tuple) -> str:
         q, bt, cu, kl = _case(batch, q_len, seq, p, gen, dev)
         for sp in (1, 2):
             plan = AttentionPlan(block_q=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3], num_splits=sp,
-                                 warp_split=bool(cfg[4]), max_regs=cfg[5] or None)
+                                 warp_split=bool(cfg[4]))
             ws = torch.empty(sp * q.shape[0] * HQ * (D + 1) + 1, dtype=torch.float32, device=dev)
             try:
                 _launch_fn(p, q, bt, cu, kl, torch.empty_like(q), plan, ws)()
@@ -174,7 +174,7 @@ def main() -> int:
                 (splits_for(batch, seq) if args.mode == "decode" else [1])
             cand = [(c, s) for c in cfgs for s in sps]
             cand.append(((default.block_q, default.block_n, default.num_warps, default.num_stages,
-                          int(default.warp_split), default.max_regs or 0), default.num_splits))
+                          int(default.warp_split)), default.num_splits))
             if args.ceiling and args.mode == "decode":
                 c = _copy_blocks_row("decode", name, args.bs, fmt, p, bt, args.rep)
                 rows.append(dict(fmt=fmt, shape=name, bs=args.bs, impl="copy same blocks", us=c.us, gbs=c.gbs))
@@ -182,7 +182,7 @@ def main() -> int:
                       flush=True)
             for cfg, sp in cand:
                 plan = AttentionPlan(block_q=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
-                                     num_splits=sp, warp_split=bool(cfg[4]), max_regs=cfg[5] or None)
+                                     num_splits=sp, warp_split=bool(cfg[4]))
                 ws = torch.empty(sp * q.shape[0] * HQ * (D + 1) + 1, dtype=torch.float32, device=dev)
                 try:
                     us, _ = graph_replay_us(_launch_fn(p, q, bt, cu, kl, out, plan, ws), rep=args.rep, warmup=5)
@@ -190,7 +190,7 @@ def main() -> int:
                     print(f"{fmt} {name} {cfg} s{sp}: {type(e).__name__}", flush=True)
                     continue
                 row = dict(fmt=fmt, shape=name, bs=args.bs, block_q=cfg[0], block_n=cfg[1], warps=cfg[2],
-                           stages=cfg[3], warp_split=cfg[4], max_regs=cfg[5], splits=sp, us=us,
+                           stages=cfg[3], warp_split=cfg[4], splits=sp, us=us,
                            default=(cfg, sp) == cand[-1])
                 if args.mode == "decode":
                     row["gbs"] = kv_bytes(batch * seq, fmt) / us / 1e3
@@ -201,13 +201,13 @@ def main() -> int:
                     best = row
             dflt = next(r for r in rows[::-1] if r.get("default") and r["fmt"] == fmt and r["shape"] == name)
             print(f"{fmt:5s} {name:24s} default {dflt['us']:8.1f} us | best {best['us']:8.1f} us "
-                  f"{(best['block_q'], best['block_n'], best['warps'], best['stages'], best['warp_split'], best['max_regs'], best['splits'])}",
+                  f"{(best['block_q'], best['block_n'], best['warps'], best['stages'], best['warp_split'], best['splits'])}",
                   flush=True)
             if args.verbose:
                 for r in rows:
                     if r["fmt"] == fmt and r["shape"] == name and "block_n" in r:
                         print(f"    {r['block_n']:4d} keys w{r['warps']} s{r['stages']} ws{r['warp_split']} "
-                              f"regs {r['max_regs'] or '-'} splits {r['splits']:2d}: {r['us']:8.1f} us", flush=True)
+                              f"splits {r['splits']:2d}: {r['us']:8.1f} us", flush=True)
         del p
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

@@ -1,7 +1,7 @@
 """Run the engine bench with the decode tiles a sweep of the same run found fastest (an experiment, not the library).
 
 Reads a decode sweep's JSON (``attention_sweep.py --mode decode --head-dim 64 --out SWEEP``), takes per kv_dtype
-the fastest (block_n, stages, warp_split, max_regs) at ``--shape`` among one-split plans, writes them into
+the fastest (block_n, stages, warp_split) at ``--shape`` among one-split plans, writes them into
 ``policy.DECODE_TILE_SMALL`` of this process, prints the table it used, then runs ``kvcache.bench.engine`` with the
 remaining arguments. Run the bench on the unpatched tree beside it for the before / after.
 
@@ -15,15 +15,15 @@ import json
 import sys
 
 
-def best_tiles(rows: list[dict], shape: str) -> dict[str, tuple[int, int, bool, int | None]]:
-    """kv_dtype -> (block_n, stages, warp_split, max_regs) of the fastest one-split plan measured at ``shape``."""
+def best_tiles(rows: list[dict], shape: str) -> dict[str, tuple[int, int, bool]]:
+    """kv_dtype -> (block_n, stages, warp_split) of the fastest one-split plan measured at ``shape``."""
     best: dict[str, dict] = {}
     for r in rows:
         if r.get("shape") != shape or "block_n" not in r or r.get("splits") != 1 or r.get("warps") != 4:
             continue
         if r["fmt"] not in best or r["us"] < best[r["fmt"]]["us"]:
             best[r["fmt"]] = r
-    return {f: (r["block_n"], r["stages"], bool(r["warp_split"]), r.get("max_regs") or None) for f, r in best.items()}
+    return {f: (r["block_n"], r["stages"], bool(r["warp_split"])) for f, r in best.items()}
 
 
 def main() -> int:

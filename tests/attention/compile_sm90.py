@@ -33,7 +33,7 @@ def compile_kernel(kern, ptr_types, consts, opts):  # type: ignore[no-untyped-de
 
 
 def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", linear=False, softcap=0.0, warps=4,
-              stages=3, window=True, warps_k=1, maxnreg=None):  # type: ignore[no-untyped-def]
+              stages=3, window=True, warps_k=1):  # type: ignore[no-untyped-def]
     h = 8
     r = d // 2 if quant == 3 else d
     ptr = dict(q=qdt, out=qdt, pool=qdt if quant == 0 else "*u8", block_tables="*i32", cu_q="*i32", kv_lens="*i32")
@@ -48,10 +48,7 @@ def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", line
                   V_FOLD=quant >= 2 and block_q * triton.next_power_of_2(g) <= 16,
                   Q_RESCALE=quant == 2 and qdt == "*bf16" and block_q * triton.next_power_of_2(g) <= 16,
                   WARPS_K=warps_k, INTERP=False)
-    opts = dict(num_warps=warps, num_stages=stages)
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
-    return compile_kernel(_attention_kernel, ptr, consts, opts)
+    return compile_kernel(_attention_kernel, ptr, consts, dict(num_warps=warps, num_stages=stages))
 
 
 CASES = [dict(qdt=qdt, quant=quant, d=128, g=4, block_q=4, block_n=64, bs=16, splits=1)
@@ -65,8 +62,8 @@ CASES = [dict(qdt=qdt, quant=quant, d=128, g=4, block_q=4, block_n=64, bs=16, sp
     dict(qdt="*fp16", quant=3, d=64, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=4, stages=2, softcap=30.0),
     dict(qdt="*fp32", quant=2, d=64, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=4, stages=2),
     dict(qdt="*fp16", quant=3, d=128, g=4, block_q=4, block_n=64, bs=64, splits=1, window=False),
-    # warp-split decode tiles (every format; a window, softcap, splits; a register cap)
-    dict(qdt="*fp16", quant=3, d=128, g=4, block_q=4, block_n=128, bs=16, splits=1, warps_k=4, maxnreg=168),
+    # warp-split decode tiles (every format; a window, softcap, splits)
+    dict(qdt="*fp16", quant=3, d=128, g=4, block_q=4, block_n=128, bs=16, splits=1, warps_k=4),
     dict(qdt="*bf16", quant=2, d=64, g=4, block_q=4, block_n=64, bs=16, splits=2, warps_k=4, stages=2),
     dict(qdt="*fp16", quant=1, d=80, g=3, block_q=4, block_n=64, bs=32, splits=1, layout="HND", softcap=30.0,
          warps_k=4),

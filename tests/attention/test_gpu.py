@@ -52,6 +52,19 @@ def test_decode_realistic(kv_dtype, layout, bs):
     assert_attn_close(o, l_, ro, rl, torch.float16, what=f"decode {kv_dtype} {layout} bs {bs}")
 
 
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_int4_warp_split_realistic(layout, bs):
+    """int4 decode over contexts past WARP_SPLIT_MIN_KV runs the warp-split tiles (asserted on the plan)."""
+    kv_lens = [1, 17, 300, 5000, 4096, 129, 8191]
+    cache, bt, _ = make_paged(DEV, kv_dtype="int4", layout=layout, H=H, D=D, bs=bs, lens=kv_lens, seed=2)
+    assert attention_plan(num_q_heads=HQ, num_kv_heads=H, head_dim=D, n_tokens=len(kv_lens), num_seqs=len(kv_lens),
+                          max_kv_len=bt.shape[1] * bs, kv_dtype="int4").warp_split
+    q = torch.randn((len(kv_lens), HQ, D), device=DEV, dtype=torch.float16)
+    (o, l_), (ro, rl) = _both(cache, bt, q, [1] * len(kv_lens), kv_lens)
+    assert_attn_close(o, l_, ro, rl, torch.float16, what=f"int4 warp split {layout} bs {bs}")
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_extend_realistic(kv_dtype, dtype):

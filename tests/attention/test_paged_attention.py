@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvcache.ops import merge_attention_states, paged_attention
+from kvcache.ops.attention import attention_plan
 
 from .attn_reference import assert_attn_close, dequantized, i32, make_paged, paged_expected
 
@@ -163,6 +164,28 @@ def test_split_kv(device, num_splits):
     again, again_lse = _run(cache, bt, q, q_lens, kv_lens, device, num_splits=num_splits, sinks=sinks, window=100,
                             workspace=ws)
     assert torch.equal(out, again) and torch.equal(lse, again_lse)
+
+
+@pytest.mark.parametrize("opts", [{}, {"window": 70, "num_splits": 3}, {"softcap": 5.0}],
+                         ids=["plain", "window-splits", "softcap"])
+@pytest.mark.parametrize("qdt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_int4_warp_split_decode(device, opts, qdt):
+    """int4 decode at head_dim 128 over block tables of 4096+ tokens takes the warp-split tiles (each warp its own
+    keys of a tile, the warps' states merged after the KV loop): the reference's result for lengths ending inside
+    and at tile edges, past the first warp's keys, an empty sequence and a single token, with sinks."""
+    H, hq, D, bs = 2, 8, 128, 16
+    kv_lens, q_lens = [300, 128, 0, 1, 161], [1, 1, 0, 1, 1]
+    cache, bt, _ = make_paged(device, kv_dtype="int4", layout="NHD", H=H, D=D, bs=bs, lens=kv_lens, dtype=qdt,
+                              spare=240)
+    plan = attention_plan(num_q_heads=hq, num_kv_heads=H, head_dim=D, n_tokens=sum(q_lens), num_seqs=len(q_lens),
+                          max_kv_len=bt.shape[1] * bs, kv_dtype="int4")
+    assert plan.warp_split
+    q = _q(sum(q_lens), hq, D, qdt, device)
+    sinks = torch.linspace(-1, 1, hq, device=device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device, sinks=sinks, **opts)
+    eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D), sinks=sinks,
+                            window=opts.get("window"), softcap=opts.get("softcap"))
+    assert_attn_close(out, lse, eo, el, qdt, what=f"int4 warp split {opts}")
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])

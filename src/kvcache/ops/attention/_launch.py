@@ -131,7 +131,7 @@ def launch_attention(
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,
         V_FOLD=v_fold, Q_RESCALE=v_fold and quant == 2 and q.dtype == torch.bfloat16,
         WARPS_K=plan.num_warps if plan.warp_split else 1, INTERP=dev.type != "cuda",
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **({"maxnreg": plan.max_regs} if plan.max_regs else {}),
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if splits > 1:
         _combine_kernel.launch(

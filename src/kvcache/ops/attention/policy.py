@@ -19,15 +19,18 @@ MIN_SPLIT_TOKENS = 512
 MAX_SPLITS = 64
 # Programs per SM aimed at by the split heuristic when the batch alone leaves SMs idle. Batches with at least one
 # program per SM are not split: the merge pass then costs more than the balance gains (BENCHMARKS.md, the sweep).
+# fp8 / int8 / int4 decode tiles at head_dim > 64 (128 keys) fit two programs per SM, and two per SM is what their
+# split should aim at (1 x 128k: 33 splits 4-5% faster than 64).
 PROGRAMS_PER_SM = 4
-# Decode tiles (keys per tile, pipeline stages, warp split, register cap or None) per stored format, measured on the H100 (sweeps in
+PROGRAMS_PER_SM_QUANT = 2
+# Decode tiles (keys per tile, pipeline stages, warp split) per stored format, measured on the H100 (sweeps in
 # BENCHMARKS.md). head_dim > 64: 16-bit caches want short tiles and deep pipelines, 8- and 4-bit caches long tiles
-# that amortise the per-tile dequantization and softmax. head_dim <= 64: 64-key tiles; two stages keep four
-# programs per SM.
-DECODE_TILE = {"auto": (32, 4, False, None), "fp8": (128, 3, False, None), "int8": (128, 3, False, None),
-               "int4": (128, 3, False, None)}
-DECODE_TILE_SMALL = {"auto": (64, 2, False, None), "fp8": (64, 3, False, None), "int8": (64, 2, False, None),
-                     "int4": (64, 2, False, None)}
+# that amortise the per-tile dequantization and softmax; int4 splits the tile's keys over the warps (7% faster at
+# 64 x 16k, 3% at 4k) once contexts reach WARP_SPLIT_MIN_KV (8% slower at 1k). head_dim <= 64: 64-key tiles; two
+# stages keep four programs per SM (warp splits measured 15-60% slower there).
+DECODE_TILE = {"auto": (32, 4, False), "fp8": (128, 3, False), "int8": (128, 3, False), "int4": (128, 3, True)}
+DECODE_TILE_SMALL = {"auto": (64, 2, False), "fp8": (64, 3, False), "int8": (64, 2, False), "int4": (64, 2, False)}
+WARP_SPLIT_MIN_KV = 4096
 # Average query rows per sequence at or below which a batch is launched with decode tiles.
 DECODE_ROWS = 4
 
@@ -52,9 +55,6 @@ class AttentionPlan:
         Decode tiles only (``block_m <= 16``): each warp takes its own ``block_n / num_warps`` keys of a tile with
         its own softmax state, merged once after the KV loop (no exchange between warps per tile); needs
         ``block_n / num_warps >= 16``.
-    max_regs : int, optional
-        Registers per thread the compiler may use (``maxnreg``; None: its own choice): a cap trades spills for
-        more programs per SM.
     """
 
     block_q: int
@@ -63,7 +63,6 @@ class AttentionPlan:
     num_stages: int
     num_splits: int
     warp_split: bool = False
-    max_regs: int | None = None
 
     def block_m(self, num_q_heads: int, num_kv_heads: int) -> int:
         """Rows of the program's tile: ``block_q`` tokens times the padded GQA group."""
@@ -130,11 +129,11 @@ def attention_plan(
     if decode:
         # M = 16 rows at least (tensor-core minimum): a decode row's whole GQA group, padded with spare tokens
         block_q = max(1, 16 // g)
-        block_n, stages, warp_split, max_regs = (DECODE_TILE_SMALL if head_dim <= 64 else DECODE_TILE)[kv_dtype]
+        block_n, stages, warp_split = (DECODE_TILE_SMALL if head_dim <= 64 else DECODE_TILE)[kv_dtype]
         if head_dim > 128:
             block_n = max(16, block_n // 2)  # the 128-dim tile's registers and shared memory
         warps = 4
-        warp_split = warp_split and block_n // warps >= 16
+        warp_split = warp_split and block_n // warps >= 16 and max_kv_len >= WARP_SPLIT_MIN_KV
     else:
         # head_dim 65..128: 128 rows x 128 keys, 8 warps, 2 stages for 16-bit queries (the sweep's choice); fp32
         # queries take 64 keys (128 do not fit in an H100's shared memory). head_dim <= 64: 128 rows x 64 keys,
@@ -146,16 +145,17 @@ def attention_plan(
         else:
             block_n = (128 if q_bytes <= 2 else 64) if head_dim <= 128 else 32
         warps, stages = (8 if rows * head_dim >= 128 * 128 else 4), 2
-        warp_split, max_regs = False, None
+        warp_split = False
     if num_splits is None:
         num_splits = 1
         programs = max(1, num_seqs) * num_kv_heads
         if decode and programs < num_sms:
-            target = cdiv(PROGRAMS_PER_SM * num_sms, programs)
+            per_sm = PROGRAMS_PER_SM_QUANT if kv_dtype != "auto" and head_dim > 64 else PROGRAMS_PER_SM
+            target = cdiv(per_sm * num_sms, programs)
             num_splits = max(1, min(target, max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
     check_int("num_splits", num_splits, 1, 1024)
     return AttentionPlan(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages,
-                         num_splits=num_splits, warp_split=warp_split, max_regs=max_regs)
+                         num_splits=num_splits, warp_split=warp_split)
 
 
 def attention_workspace_size(n_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
