@@ -201,7 +201,7 @@ def main() -> int:
                     best = row
             dflt = next(r for r in rows[::-1] if r.get("default") and r["fmt"] == fmt and r["shape"] == name)
             print(f"{fmt:5s} {name:24s} default {dflt['us']:8.1f} us | best {best['us']:8.1f} us "
-                  f"{(best['block_q'], best['block_n'], best['warps'], best['stages'], best['warp_split'], best['splits'])}",
+                  f"{tuple(best[k] for k in ('block_q', 'block_n', 'warps', 'stages', 'warp_split', 'splits'))}",
                   flush=True)
             if args.verbose:
                 for r in rows:

@@ -260,7 +260,8 @@ def table(results: list[Result]) -> str:
     own = {(r.op, r.shape, r.block_size, r.impl.removeprefix("copy same blocks").strip() or "auto"): r.gbs
            for r in results if r.impl.startswith("copy same blocks")}
     fp16 = {(r.op, r.shape, r.block_size): r.us for r in results if r.impl == "kvcache auto"}
-    lines = ["| op | shape | block | impl | us | GB/s | % copy | % own-block copy | TFLOP/s | x fp16 | max err vs sdpa |",
+    lines = ["| op | shape | block | impl | us | GB/s | % copy | % own-block copy | TFLOP/s | x fp16 | max err vs sdpa "
+             "|",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         key = (r.op, r.shape, r.block_size)

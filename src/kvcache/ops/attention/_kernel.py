@@ -361,22 +361,22 @@ def _attention_kernel(
         if HAS_WINDOW:  # without a window, tf_lo == t_lo: nothing before the unmasked tiles
             for t in range(t_begin, tl.minimum(t_end, tf_lo)):
                 m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-                    t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
-                    bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1,
-                    BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW,
-                    PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty)
+                    t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
+                    qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
+                    SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
+                    HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty)
         for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
             m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row,
-                b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
-                S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD,
-                Q_RESCALE, INTERP, q.dtype.element_ty)
+                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
+                bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1,
+                BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW,
+                PRECISION, False, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty)
         for t in range(tl.maximum(t_begin, tf_hi), t_end):
             m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row,
-                b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS,
-                S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD,
-                Q_RESCALE, INTERP, q.dtype.element_ty)
+                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
+                bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1,
+                BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW,
+                PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty)
 
 
     if HAS_SINKS:
