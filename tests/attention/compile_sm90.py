@@ -45,7 +45,7 @@ def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", line
                   P_KV=bs * h * 2, P_TOK=h * 2 if layout == "NHD" else 2, P_HEAD=2 if layout == "NHD" else bs * 2,
                   QUANT=quant, FP8_SCALED=quant == 1, LINEAR=linear, LOG_B=7, HAS_WINDOW=window,
                   HAS_SINKS=True, HAS_LSE=True, PRECISION="ieee" if qdt == "*fp32" else None, DOT_F32=False,
-                  V_FOLD=quant >= 2 and block_q * triton.next_power_of_2(g) <= 16,
+                  V_FOLD=quant >= 2 and (block_q * triton.next_power_of_2(g) <= 16 or warps_k > 1),
                   Q_RESCALE=quant == 2 and qdt == "*bf16" and block_q * triton.next_power_of_2(g) <= 16,
                   WARPS_K=warps_k, INTERP=False)
     return compile_kernel(_attention_kernel, ptr, consts, dict(num_warps=warps, num_stages=stages))
@@ -62,12 +62,11 @@ CASES = [dict(qdt=qdt, quant=quant, d=128, g=4, block_q=4, block_n=64, bs=16, sp
     dict(qdt="*fp16", quant=3, d=64, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=4, stages=2, softcap=30.0),
     dict(qdt="*fp32", quant=2, d=64, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=4, stages=2),
     dict(qdt="*fp16", quant=3, d=128, g=4, block_q=4, block_n=64, bs=64, splits=1, window=False),
-    # warp-split decode tiles (every format; a window, softcap, splits)
+    # warp-split decode tiles (int8 / int4; a window, softcap, splits, bf16 queries)
     dict(qdt="*fp16", quant=3, d=128, g=4, block_q=4, block_n=128, bs=16, splits=1, warps_k=4),
     dict(qdt="*bf16", quant=2, d=64, g=4, block_q=4, block_n=64, bs=16, splits=2, warps_k=4, stages=2),
-    dict(qdt="*fp16", quant=1, d=80, g=3, block_q=4, block_n=64, bs=32, splits=1, layout="HND", softcap=30.0,
+    dict(qdt="*bf16", quant=3, d=80, g=3, block_q=4, block_n=64, bs=32, splits=1, layout="HND", softcap=30.0,
          warps_k=4),
-    dict(qdt="*bf16", quant=0, d=64, g=8, block_q=2, block_n=64, bs=16, splits=1, warps_k=4, stages=2),
     dict(qdt="*fp16", quant=2, d=80, g=3, block_q=4, block_n=64, bs=32, splits=4, layout="HND", softcap=30.0),
     dict(qdt="*fp32", quant=0, d=64, g=1, block_q=16, block_n=64, bs=16, splits=1),
     dict(qdt="*fp32", quant=0, d=128, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=8, stages=2),

@@ -166,13 +166,14 @@ def test_split_kv(device, num_splits):
     assert torch.equal(out, again) and torch.equal(lse, again_lse)
 
 
-@pytest.mark.parametrize("opts", [{}, {"window": 70, "num_splits": 3}, {"softcap": 5.0}],
-                         ids=["plain", "window-splits", "softcap"])
+@pytest.mark.parametrize("opts", [{}, {"num_splits": 1}, {"window": 70, "num_splits": 3}, {"softcap": 5.0}],
+                         ids=["plain", "one-split", "window-splits", "softcap"])
 @pytest.mark.parametrize("qdt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_int4_warp_split_decode(device, opts, qdt):
     """int4 decode at head_dim 128 over block tables of 4096+ tokens takes the warp-split tiles (each warp its own
     keys of a tile, the warps' states merged after the KV loop): the reference's result for lengths ending inside
-    and at tile edges, past the first warp's keys, an empty sequence and a single token, with sinks."""
+    and at tile edges, past the first warp's keys, an empty sequence and a single token, with sinks; one split
+    (several tiles per program: each warp's state rescaled from tile to tile) and several."""
     H, hq, D, bs = 2, 8, 128, 16
     kv_lens, q_lens = [300, 128, 0, 1, 161], [1, 1, 0, 1, 1]
     cache, bt, _ = make_paged(device, kv_dtype="int4", layout="NHD", H=H, D=D, bs=bs, lens=kv_lens, dtype=qdt,

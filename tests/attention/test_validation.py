@@ -103,6 +103,27 @@ def test_linear_errors(device):
         linear_attention(q, cache.layer(0), lengths, lse=torch.zeros(2, 4, 2, device=device))
 
 
+def test_plan_warp_split_and_quantized_splits():
+    """Warp-split decode tiles only where they were measured faster (int4, head_dim 65..128, block tables of
+    WARP_SPLIT_MIN_KV+ tokens, GQA groups of at most 16); fp8 / int8 / int4 at head_dim > 64 split few long
+    sequences for two programs per SM, 16-bit caches for four."""
+    kw = dict(num_q_heads=32, num_kv_heads=8, n_tokens=64, num_seqs=64)
+    assert attention_plan(**kw, head_dim=128, max_kv_len=4096, kv_dtype="int4").warp_split
+    assert not attention_plan(**kw, head_dim=128, max_kv_len=2048, kv_dtype="int4").warp_split
+    assert not attention_plan(**kw, head_dim=64, max_kv_len=16384, kv_dtype="int4").warp_split
+    assert not attention_plan(**kw, head_dim=256, max_kv_len=16384, kv_dtype="int4").warp_split
+    for fmt in ("auto", "fp8", "int8"):
+        assert not attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt).warp_split
+    assert not attention_plan(num_q_heads=64, num_kv_heads=2, n_tokens=2, num_seqs=2, head_dim=128,
+                              max_kv_len=16384, kv_dtype="int4").warp_split  # 32 q heads per KV head: 32 rows
+    assert not attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=8192, num_seqs=4, head_dim=128,
+                              max_kv_len=16384, kv_dtype="int4").warp_split  # prefill tiles
+    one = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, n_tokens=1, num_seqs=1, max_kv_len=131072, num_sms=132)
+    assert attention_plan(**one).num_splits == 64  # ceil(4 * 132 / 8) = 66, capped at 64
+    for fmt in ("fp8", "int8", "int4"):
+        assert attention_plan(**one, kv_dtype=fmt).num_splits == 33  # ceil(2 * 132 / 8)
+
+
 def test_plan_is_pure_and_splits_long_decode():
     kw = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
     long1 = attention_plan(**kw, n_tokens=1, num_seqs=1, max_kv_len=131072)

@@ -260,14 +260,14 @@ def table(results: list[Result]) -> str:
     own = {(r.op, r.shape, r.block_size, r.impl.removeprefix("copy same blocks").strip() or "auto"): r.gbs
            for r in results if r.impl.startswith("copy same blocks")}
     fp16 = {(r.op, r.shape, r.block_size): r.us for r in results if r.impl == "kvcache auto"}
-    lines = ["| op | shape | block | impl | us | GB/s | % copy | % own-block copy | TFLOP/s | x fp16 | max err vs sdpa "
-             "|",
+    head = "| op | shape | block | impl | us | GB/s | % copy | % own-block copy | TFLOP/s | x fp16 | max err vs sdpa |"
+    lines = [head,
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         key = (r.op, r.shape, r.block_size)
         pct = f"{100 * r.gbs / copy[key]:.0f}%" if key in copy and r.role != "ceiling" and copy[key] else ""
         okey = key + (r.impl.removeprefix("kvcache ").strip(),)
-        opct = f"{100 * r.gbs / own[okey]:.0f}%" if r.role == "kvcache" and own.get(okey) else ""
+        opct = f"{100 * r.gbs / own[okey]:.0f}%" if r.op == "decode" and r.role == "kvcache" and own.get(okey) else ""
         speed = f"{fp16[key] / r.us:.2f}" if r.role == "kvcache" and key in fp16 else ""
         tf = f"{r.tflops:.0f}" if r.op == "prefill" and r.role != "ceiling" else ""
         err = f"{r.max_err:.2e}" if r.max_err is not None else ""

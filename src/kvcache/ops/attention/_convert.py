@@ -247,15 +247,9 @@ def _dequant16(lo8, hi8, sc, ze, VDT: tl.constexpr, NBITS: tl.constexpr, KT: tl.
     s_lo = (sc - s_hi.to(tl.float32)).to(VDT)
     if NBITS == 8:
         if VDT == tl.float16:
-            if KT:
-                asm: tl.constexpr = _DQ8_F16_SPLIT
-            else:
-                asm: tl.constexpr = _DQ8_F16
+            asm: tl.constexpr = _DQ8_F16_SPLIT if KT else _DQ8_F16
         else:
-            if KT:
-                asm: tl.constexpr = _DQ8_BF16_SPLIT
-            else:
-                asm: tl.constexpr = _DQ8_BF16
+            asm: tl.constexpr = _DQ8_BF16_SPLIT if KT else _DQ8_BF16
         if KT:
             lo = _asm8(asm, "=r,=r,r,r,r,r,r,r,r", [lo8, s_hi, s_lo, z16], VDT)
             hi = _asm8(asm, "=r,=r,r,r,r,r,r,r,r", [hi8, s_hi, s_lo, z16], VDT)
@@ -264,15 +258,9 @@ def _dequant16(lo8, hi8, sc, ze, VDT: tl.constexpr, NBITS: tl.constexpr, KT: tl.
             hi = _asm8(asm, "=r,=r,r,r,r,r,r", [hi8, s_hi, z16], VDT)
     else:
         if VDT == tl.float16:
-            if KT:
-                asm: tl.constexpr = _DQ4_F16_SPLIT
-            else:
-                asm: tl.constexpr = _DQ4_F16
+            asm: tl.constexpr = _DQ4_F16_SPLIT if KT else _DQ4_F16
         else:
-            if KT:
-                asm: tl.constexpr = _DQ4_BF16_SPLIT
-            else:
-                asm: tl.constexpr = _DQ4_BF16
+            asm: tl.constexpr = _DQ4_BF16_SPLIT if KT else _DQ4_BF16
         if KT:
             lo, hi = _asm4(asm, "=r,=r,=r,=r,r,r,r,r,r,r,r", [lo8, s_hi, s_lo, z16], VDT)
         else:

@@ -34,6 +34,11 @@ Dequantization happens in registers right after the load:
   score scale enters exp2's argument (one multiply-add per score; softcap keeps the scale per score).
 * A NaN scale or zero (a non-finite (token, head) of the cache) makes every output row that loads it NaN.
 
+Decode tiles may split their keys over the warps (``WARPS_K > 1``, :mod:`._warp_tile`): each warp keeps its own
+softmax state over its quarter of every tile's keys, merged once after the KV loop. They exist for int8 / int4
+(the V fold above, ``V_FOLD`` set for them whatever the rows) and are chosen by the policy for int4 at
+head_dim 65..128 over long contexts.
+
 Shape contract (strides in elements, head_dim contiguous):
 
 * q / out: row of (sequence ``b``, token ``i``, q head ``h``) at ``b * s_qb + (row0_b + i) * s_qt + h * s_qh``
@@ -52,12 +57,10 @@ import triton.language as tl
 
 from ..._backend import kernel
 from ._convert import dequant
-from ._loads import _load_kv, _load_params
+from ._loads import LOG2E, PV_RANGE, _key_rows, _load_kv, _load_params
 from ._warp_tile import _merge_warps, _tile_w
 
-LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-PV_RANGE = tl.constexpr(32768.0)  # int8 / int4: the largest P operand of PV (module docstring)
 
 
 @triton.jit
@@ -92,26 +95,19 @@ def _tile(
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr,
     P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr,
-    INTERP: tl.constexpr, VDT: tl.constexpr,
+    INTERP: tl.constexpr, Q_DT: tl.constexpr,
 ):
     """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi, zacc); ``zacc``
     (int8 / int4: the rows' sums of ``p * zero_v``) is returned unchanged for the other formats.
 
     ``MASK=False`` for tiles whose every key every row may see (inside the causal bound of the tile's first row
     and the window of its last): no score mask. Loads stay masked by the length and the block ids' range, so no
-    input reads outside the pool.
+    input reads outside the pool. ``qdt``: the dots' operand dtype; ``Q_DT``: the query's own dtype (they differ
+    for bfloat16 queries under the interpreter, whose dots run in float32), the rounding target of the
+    prefill tiles' 16-bit dequantization.
     """
     j = t * BLOCK_N + offs_n
-    ok_n = j < j_hi
-    if LINEAR:
-        blk = b.to(tl.int64) + j * 0
-        tok = j
-    else:
-        blk = tl.load(bt_row + j // BS, mask=ok_n, other=0)
-        ok_n = ok_n & (blk >= 0) & (blk < n_blocks)
-        blk = blk.to(tl.int64)
-        tok = j % BS
-    base = blk * S_BLK + tok * S_TOK + kvh * S_HEAD
+    ok_n, blk, tok, base = _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS, S_BLK, S_TOK, S_HEAD, LINEAR)
     k_off = base[None, :] + dd[:, None]
     k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], H1, QUANT,
                           q_lo.dtype, not V_FOLD, INTERP)
@@ -119,7 +115,7 @@ def _tile(
     if QUANT >= 2 and not V_FOLD:
         # prefill tiles: dequantize K per element (many rows share it), no per-score affine
         ks, kz = _load_params(qparams, pbase, ok_n)
-        k_lo, k_hi = dequant(k_lo, k_hi, ks, kz, qdt, VDT, 4 if QUANT == 3 else 8, True, INTERP)
+        k_lo, k_hi = dequant(k_lo, k_hi, ks, kz, qdt, Q_DT, 4 if QUANT == 3 else 8, True, INTERP)
     s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
     s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
     if QUANT >= 2 and V_FOLD:
@@ -178,7 +174,7 @@ def _tile(
             zacc = zacc * alpha + tl.sum(p * vz[None, :], 1)
         else:
             # prefill tiles (many rows per key): dequantize V per element, the rows share it
-            v_lo, v_hi = dequant(v_lo, v_hi, vs, vz, qdt, VDT, 4 if QUANT == 3 else 8, False, INTERP)
+            v_lo, v_hi = dequant(v_lo, v_hi, vs, vz, qdt, Q_DT, 4 if QUANT == 3 else 8, False, INTERP)
             pc = p.to(qdt)
             acc_lo = tl.dot(pc, v_lo, acc=acc_lo * alpha[:, None], input_precision=PRECISION)
             acc_hi = tl.dot(pc, v_hi, acc=acc_hi * alpha[:, None], input_precision=PRECISION)
@@ -377,7 +373,6 @@ def _attention_kernel(
                 bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1,
                 BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW,
                 PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty)
-
 
     if HAS_SINKS:
         # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only

@@ -113,7 +113,10 @@ def launch_attention(
     dot_f32 = dev.type != "cuda" and q.dtype == torch.bfloat16
     if quant == 1:
         pool = pool.view(torch.uint8)  # bytes: see _load_kv
-    v_fold = quant >= 2 and plan.block_q * next_pow2(g) <= 16
+    if plan.warp_split and quant < 2:
+        raise ValueError(f"warp-split attention tiles need an int8 / int4 cache, got kv_dtype {kv_dtype!r}")
+    # int8 / int4 decode tiles (16 rows) and warp-split tiles fold V's (scale, zero) per token (_kernel docstring)
+    v_fold = quant >= 2 and (plan.block_q * next_pow2(g) <= 16 or plan.warp_split)
     _attention_kernel.launch(
         dev, (grid0, h, splits),
         q, out, lse if lse is not None else dummy, ws_out, ws_lse, pool,

@@ -1,5 +1,5 @@
-"""Loads of K / V tiles and of their (scale, zero) pairs, shared by the attention kernel's tiles (any rank: the
-caller builds the offsets and masks of its own tile shape)."""
+"""Loads of K / V tiles and of their (scale, zero) pairs, and the constants shared by the attention kernel's tiles
+(any rank: the caller builds the offsets and masks of its own tile shape)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,27 @@ import triton
 import triton.language as tl
 
 from ._convert import codes_to, u4_to, u8_to
+
+LOG2E = tl.constexpr(1.4426950408889634)
+PV_RANGE = tl.constexpr(32768.0)  # int8 / int4 decode tiles: the largest P operand of PV (_kernel's docstring)
+
+
+@triton.jit
+def _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS: tl.constexpr, S_BLK: tl.constexpr, S_TOK: tl.constexpr,
+              S_HEAD: tl.constexpr, LINEAR: tl.constexpr):
+    """Where the keys ``j`` (any shape) of a tile live: (ok_n, block id as int64, token in the block, element
+    offset of the key row of head ``kvh``). ``ok_n``: below the tile's bound ``j_hi`` and, paged, a block id inside
+    the pool (a key that fails it is never read). Linear caches: block ``b`` holds sequence ``b``."""
+    ok_n = j < j_hi
+    if LINEAR:
+        blk = b.to(tl.int64) + j * 0
+        tok = j
+    else:
+        blk = tl.load(bt_row + j // BS, mask=ok_n, other=0)
+        ok_n = ok_n & (blk >= 0) & (blk < n_blocks)
+        blk = blk.to(tl.int64)
+        tok = j % BS
+    return ok_n, blk, tok, blk * S_BLK + tok * S_TOK + kvh * S_HEAD
 
 
 @triton.jit
@@ -56,13 +77,7 @@ def _load_kv(pool, off, m_lo, m_hi, H1: tl.constexpr, QUANT: tl.constexpr, DT: t
 
 @triton.jit
 def _load_params(qparams, pbase, ok_n):
-    """(scale, zero) of each token of a tile (``pbase`` ``[N]``): one 8-byte load per token, split in registers."""
-    par = tl.load(qparams + pbase[:, None] + tl.arange(0, 2)[None, :], mask=ok_n[:, None], other=0.0)
-    return tl.split(par)
-
-
-@triton.jit
-def _load_params2(qparams, pbase, ok_n):
-    """:func:`_load_params` of a ``[W, N]`` tile of tokens (warp-split decode tiles)."""
-    par = tl.load(qparams + pbase[:, :, None] + tl.arange(0, 2)[None, None, :], mask=ok_n[:, :, None], other=0.0)
+    """(scale, zero) of each token of a tile (``pbase`` of any shape): one 8-byte load per token, split in
+    registers."""
+    par = tl.load(qparams + tl.expand_dims(pbase, -1) + tl.arange(0, 2), mask=tl.expand_dims(ok_n, -1), other=0.0)
     return tl.split(par)

@@ -5,7 +5,8 @@ states are merged once, after the KV loop, by log-sum-exp (:func:`_merge_warps`)
 
 Tensors carry a leading warp dimension: scores ``[W, M, BLOCK_N / W]``, accumulators ``[W, M, HALF_P]``, row
 state ``[W, M]``; the dots are batched over it (the batch dimension of a 3-D ``tl.dot`` is spread over the warps).
-Numerics are those of :func:`._kernel._tile` (same scores, masks, V fold per warp's keys).
+int8 / int4 caches only: numerics are those of the decode tiles of :func:`._kernel._tile` (codes in the dots,
+the same scores and masks, the V fold over each warp's keys).
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._loads import _load_kv, _load_params2
-
-LOG2E = tl.constexpr(1.4426950408889634)
-PV_RANGE = tl.constexpr(32768.0)  # int8 / int4: the largest P operand of PV (see _kernel's docstring)
+from ._loads import LOG2E, PV_RANGE, _key_rows, _load_kv, _load_params
 
 
 @triton.jit
@@ -31,28 +29,19 @@ def _tile_w(
     """KV tile ``t`` split over the warps: ``offs_w`` ``[W, BLOCK_N / W]`` are the tile's key offsets of each
     warp; q ``[W, M, HALF_P]`` (the query tile broadcast), state ``[W, M]`` / ``[W, M, HALF_P]``. Returns the
     updated (m_i, l_i, acc_lo, acc_hi, zacc)."""
+    tl.static_assert(QUANT >= 2, "warp-split tiles: int8 / int4 caches")
     j = t * BLOCK_N + offs_w
-    ok_n = j < j_hi
-    if LINEAR:
-        blk = b.to(tl.int64) + j * 0
-        tok = j
-    else:
-        blk = tl.load(bt_row + j // BS, mask=ok_n, other=0)
-        ok_n = ok_n & (blk >= 0) & (blk < n_blocks)
-        blk = blk.to(tl.int64)
-        tok = j % BS
-    base = blk * S_BLK + tok * S_TOK + kvh * S_HEAD
+    ok_n, blk, tok, base = _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS, S_BLK, S_TOK, S_HEAD, LINEAR)
     k_off = base[:, None, :] + dd[None, :, None]
     k_lo, k_hi = _load_kv(pool, k_off, ok_n[:, None, :] & ok_lo[None, :, None], ok_n[:, None, :] & ok_hi[None, :, None],
                           H1, QUANT, q_lo.dtype, False, INTERP)
     s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
     s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
-    if QUANT >= 2:
-        pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
-        ks, kz = _load_params2(qparams, pbase, ok_n)
-        s = s * ks[:, None, :] + q_sum[None, :, None] * kz[:, None, :]
-        if Q_RESCALE:
-            s = s * q_inv[None, :, None]  # the rows' 1 / r (rescaled bfloat16 queries)
+    pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
+    ks, kz = _load_params(qparams, pbase, ok_n)
+    s = s * ks[:, None, :] + q_sum[None, :, None] * kz[:, None, :]
+    if Q_RESCALE:
+        s = s * q_inv[None, :, None]  # the rows' 1 / r (rescaled bfloat16 queries)
     if SOFTCAP > 0:
         s = (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
     else:
@@ -74,25 +63,18 @@ def _tile_w(
     else:
         vdt: tl.constexpr = tl.float16
     v_off = (base + S_KV)[:, :, None] + dd[None, None, :]
-    if QUANT >= 2:
-        v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, :, None] & ok_lo[None, None, :],
-                              ok_n[:, :, None] & ok_hi[None, None, :], H1, QUANT, vdt, False, INTERP)
-        vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
-        vs, vz = _load_params2(qparams, vp, ok_n)
-        # the V fold of _kernel's docstring, over each warp's keys: (s_max / R) sum_j (R p_j s_j / s_max) c_j
-        vs_max = tl.max(vs, 1)
-        vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, 1.0)
-        pv = (p * ((vs / vs_max[:, None]) * PV_RANGE)[:, None, :]).to(vdt)
-        dot_scale = (vs_max * (1.0 / PV_RANGE))[:, None, None]
-        acc_lo = acc_lo * alpha[:, :, None] + dot_scale * tl.dot(pv, v_lo, input_precision=PRECISION)
-        acc_hi = acc_hi * alpha[:, :, None] + dot_scale * tl.dot(pv, v_hi, input_precision=PRECISION)
-        zacc = zacc * alpha + tl.sum(p * vz[:, None, :], 2)
-    else:
-        v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, :, None] & ok_lo[None, None, :],
-                              ok_n[:, :, None] & ok_hi[None, None, :], H1, QUANT, vdt, True, INTERP)
-        pc = p.to(qdt)
-        acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, :, None], input_precision=PRECISION)
-        acc_hi = tl.dot(pc, v_hi.to(qdt), acc=acc_hi * alpha[:, :, None], input_precision=PRECISION)
+    v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, :, None] & ok_lo[None, None, :], ok_n[:, :, None] & ok_hi[None, None, :],
+                          H1, QUANT, vdt, False, INTERP)
+    vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
+    vs, vz = _load_params(qparams, vp, ok_n)
+    # the V fold of _kernel's docstring, over each warp's keys: (s_max / R) sum_j (R p_j s_j / s_max) c_j
+    vs_max = tl.max(vs, 1)
+    vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, 1.0)
+    pv = (p * ((vs / vs_max[:, None]) * PV_RANGE)[:, None, :]).to(vdt)
+    dot_scale = (vs_max * (1.0 / PV_RANGE))[:, None, None]
+    acc_lo = acc_lo * alpha[:, :, None] + dot_scale * tl.dot(pv, v_lo, input_precision=PRECISION)
+    acc_hi = acc_hi * alpha[:, :, None] + dot_scale * tl.dot(pv, v_hi, input_precision=PRECISION)
+    zacc = zacc * alpha + tl.sum(p * vz[:, None, :], 2)
     return m_i, l_i, acc_lo, acc_hi, zacc
 
 

@@ -20,14 +20,15 @@ MAX_SPLITS = 64
 # Programs per SM aimed at by the split heuristic when the batch alone leaves SMs idle. Batches with at least one
 # program per SM are not split: the merge pass then costs more than the balance gains (BENCHMARKS.md, the sweep).
 # fp8 / int8 / int4 decode tiles at head_dim > 64 (128 keys) fit two programs per SM, and two per SM is what their
-# split should aim at (1 x 128k: 33 splits 4-5% faster than 64).
+# split should aim at (1 x 128k: 33 splits faster than 64 by 5% for fp8, 3-4% for int8, 2-4% for int4).
 PROGRAMS_PER_SM = 4
 PROGRAMS_PER_SM_QUANT = 2
 # Decode tiles (keys per tile, pipeline stages, warp split) per stored format, measured on the H100 (sweeps in
 # BENCHMARKS.md). head_dim > 64: 16-bit caches want short tiles and deep pipelines, 8- and 4-bit caches long tiles
 # that amortise the per-tile dequantization and softmax; int4 splits the tile's keys over the warps (7% faster at
-# 64 x 16k, 3% at 4k) once contexts reach WARP_SPLIT_MIN_KV (8% slower at 1k). head_dim <= 64: 64-key tiles; two
-# stages keep four programs per SM (warp splits measured 15-60% slower there).
+# 64 x 16k, 3% at 4k) once contexts reach WARP_SPLIT_MIN_KV (8% slower at 1k; max_kv_len is the block table's
+# capacity unless the caller passes a tighter bound). head_dim <= 64: 64-key tiles; two stages keep four programs
+# per SM (warp splits measured 11-68% slower there).
 DECODE_TILE = {"auto": (32, 4, False), "fp8": (128, 3, False), "int8": (128, 3, False), "int4": (128, 3, True)}
 DECODE_TILE_SMALL = {"auto": (64, 2, False), "fp8": (64, 3, False), "int8": (64, 2, False), "int4": (64, 2, False)}
 WARP_SPLIT_MIN_KV = 4096
@@ -133,7 +134,9 @@ def attention_plan(
         if head_dim > 128:
             block_n = max(16, block_n // 2)  # the 128-dim tile's registers and shared memory
         warps = 4
-        warp_split = warp_split and block_n // warps >= 16 and max_kv_len >= WARP_SPLIT_MIN_KV
+        # warp splits as measured: 16-row tiles (GQA groups up to 16), head_dim 65..128, long contexts
+        warp_split = (warp_split and block_n // warps >= 16 and max_kv_len >= WARP_SPLIT_MIN_KV and head_dim <= 128
+                      and block_q * g <= 16)
     else:
         # head_dim 65..128: 128 rows x 128 keys, 8 warps, 2 stages for 16-bit queries (the sweep's choice); fp32
         # queries take 64 keys (128 do not fit in an H100's shared memory). head_dim <= 64: 128 rows x 64 keys,
