@@ -1,0 +1,94 @@
+"""Engine throughput per kv_dtype, measured in interleaved rounds (an experiment beside ``kvcache.bench.engine``).
+
+One engine per kv_dtype is built and warmed up once; then every round times one ``generate`` of each, in an order
+that rotates from round to round, so slow drifts of the GPU (clocks, temperature) fall on every kv_dtype alike.
+Reported per kv_dtype: the median over rounds, and per round the ratio to the first kv_dtype's time of the same
+round (paired), with its median and range: "int8 no slower than bf16" is judged on those paired ratios.
+Optionally times transformers' ``generate`` with a StaticCache after a full-size warm-up call, so its compilation
+is not inside the timed call (the fair same-run baseline).
+
+    python benchmarks/engine_interleaved.py --kv-dtypes auto,int8,int4 --rounds 9 --static --out inter.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kv-dtypes", default="auto,int8,int4")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--static", action="store_true", help="also time HF generate + StaticCache (warmed up)")
+    ap.add_argument("--out", default="engine_interleaved.json")
+    args = ap.parse_args()
+    sys.path.insert(0, "src")
+    import torch
+
+    from kvcache.bench import engine as be
+    from kvcache.engine import LLM, SamplingParams
+
+    dev = torch.device("cuda")
+    n_req, plen, new = 64, 512, 128
+    model = be._model(dev)
+    prompts = be._prompts(n_req, plen, be.SHAPE["vocab_size"])
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    kvs = [k for k in args.kv_dtypes.split(",") if k]
+    llms = {}
+    for kv in kvs:
+        llms[kv] = LLM(model, tokenizer=be._IdsOnlyTokenizer(), kv_dtype=kv, max_num_seqs=n_req,
+                       kv_cache_memory=8 * 2**30, max_model_len=plen + new, enable_prefix_caching=False)
+        llms[kv].generate(prompts, sp)  # compile and capture every decode bucket
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {kv: [] for kv in kvs}
+    for r in range(args.rounds):
+        order = kvs[r % len(kvs):] + kvs[: r % len(kvs)]
+        for kv in order:
+            llms[kv].generate(prompts, sp)
+            times[kv].append(llms[kv].stats.elapsed_s)
+        print(f"round {r}: " + ", ".join(f"{kv} {n_req * new / times[kv][-1]:,.0f} tok/s" for kv in kvs), flush=True)
+    base = kvs[0]
+    rows = []
+    for kv in kvs:
+        tok_s = [n_req * new / t for t in times[kv]]
+        ratios = [times[base][i] / times[kv][i] for i in range(args.rounds)]  # > 1: faster than the base
+        rows.append(dict(kv_dtype=kv, median_tok_s=statistics.median(tok_s), runs_tok_s=[round(x) for x in tok_s],
+                         paired_speed_vs_base_median=statistics.median(ratios), paired_min=min(ratios),
+                         paired_max=max(ratios)))
+        print(f"{kv:5s} median {statistics.median(tok_s):8,.0f} tok/s; vs {base} per round: median "
+              f"{statistics.median(ratios):.4f} (min {min(ratios):.4f}, max {max(ratios):.4f})", flush=True)
+    result = {"rounds": args.rounds, "workload": f"{n_req} x ({plen} + {new})", "rows": rows,
+              "device": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    del llms
+    be._free()
+    if args.static:
+        ids = torch.tensor(prompts, device=dev)
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(ids),
+                  pad_token_id=model.config.pad_token_id, cache_implementation="static")
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            model.generate(ids, **kw)  # full-size warm-up: compilation happens here
+            torch.cuda.synchronize()
+            warm = time.perf_counter() - t0
+            st = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                out = model.generate(ids, **kw)
+                torch.cuda.synchronize()
+                st.append(time.perf_counter() - t0)
+        n = (out.shape[1] - ids.shape[1]) * out.shape[0]
+        tok_s = [n / t for t in st]
+        result["hf_static"] = dict(warmup_s=warm, runs_tok_s=[round(x) for x in tok_s],
+                                   median_tok_s=statistics.median(tok_s))
+        print(f"HF generate + StaticCache: warm-up {warm:.1f} s, then {[round(x) for x in tok_s]} tok/s", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
