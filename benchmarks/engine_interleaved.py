@@ -1,6 +1,6 @@
 """Engine throughput per kv_dtype, measured in interleaved rounds (an experiment beside ``kvcache.bench.engine``).
 
-One engine per kv_dtype is built and warmed up once; then every round times one ``generate`` of each, in an order
+One engine per kv_dtype (each on its own copy of the model: an engine fuses its model's weights) is built and warmed up once; then every round times one ``generate`` of each, in an order
 that rotates from round to round, so slow drifts of the GPU (clocks, temperature) fall on every kv_dtype alike.
 Reported per kv_dtype: the median over rounds, and per round the ratio to the first kv_dtype's time of the same
 round (paired), with its median and range: "int8 no slower than bf16" is judged on those paired ratios.
@@ -34,13 +34,13 @@ def main() -> int:
 
     dev = torch.device("cuda")
     n_req, plen, new = 64, 512, 128
-    model = be._model(dev)
+    model = be._model(dev)  # the StaticCache baseline's; each engine fuses the weights of its own copy
     prompts = be._prompts(n_req, plen, be.SHAPE["vocab_size"])
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     kvs = [k for k in args.kv_dtypes.split(",") if k]
     llms = {}
     for kv in kvs:
-        llms[kv] = LLM(model, tokenizer=be._IdsOnlyTokenizer(), kv_dtype=kv, max_num_seqs=n_req,
+        llms[kv] = LLM(be._model(dev), tokenizer=be._IdsOnlyTokenizer(), kv_dtype=kv, max_num_seqs=n_req,
                        kv_cache_memory=8 * 2**30, max_model_len=plen + new, enable_prefix_caching=False)
         llms[kv].generate(prompts, sp)  # compile and capture every decode bucket
         torch.cuda.synchronize()
