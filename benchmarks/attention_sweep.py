@@ -93,10 +93,27 @@ def _case(batch: int, q_len: int, seq: int, p, gen, dev):
     return q, bt, cu, kl
 
 
+def _cap_registers(n: int) -> None:
+    """Launch the attention kernel with ``maxnreg=n`` in this process (an experiment: the library sets no cap)."""
+    from kvcache.ops.attention import _launch
+
+    class _Capped:
+        def __init__(self, k):  # type: ignore[no-untyped-def]
+            self.k = k
+
+        def launch(self, *a, **kw):  # type: ignore[no-untyped-def]
+            return self.k.launch(*a, maxnreg=n, **kw)
+
+    if not isinstance(_launch._attention_kernel, _Capped):
+        _launch._attention_kernel = _Capped(_launch._attention_kernel)
+
+
 def _compile(args: tuple) -> str:
     """Worker: compile one (format, plan) on a small pool with the timed shapes' constexprs."""
-    fmt, bs, mode, cfg, head_dim, decode, prefill, qdtype = args
+    fmt, bs, mode, cfg, head_dim, decode, prefill, qdtype, maxnreg = args
     sys.path.insert(0, "src")
+    if maxnreg:
+        _cap_registers(maxnreg)
     _set_shape(head_dim, decode, prefill, qdtype)
     from kvcache.ops.attention.policy import AttentionPlan
     dev = torch.device("cuda")
@@ -134,8 +151,11 @@ def main() -> int:
     ap.add_argument("--splits", default=None, help="explicit KV splits '1,2' instead of the per-shape list")
     ap.add_argument("--ceiling", action="store_true", help="decode: also time a copy of the same blocks per format")
     ap.add_argument("--verbose", action="store_true", help="print every plan's time")
+    ap.add_argument("--maxnreg", type=int, default=0, help="cap the attention kernel's registers per thread (ptxas)")
     args = ap.parse_args()
     sys.path.insert(0, "src")
+    if args.maxnreg:
+        _cap_registers(args.maxnreg)
     _set_shape(args.head_dim, args.decode, args.prefill, args.qdtype)
     from kvcache.bench.attention import _copy_blocks_row, causal_flops, kv_bytes
     from kvcache.bench.timing import graph_replay_us
@@ -144,7 +164,8 @@ def main() -> int:
     formats = args.formats.split(",")
     cfgs = plans(args.mode, args.plans)
     t0 = time.time()
-    work = [(f, args.bs, args.mode, c, args.head_dim, args.decode, args.prefill, args.qdtype) for f in formats
+    work = [(f, args.bs, args.mode, c, args.head_dim, args.decode, args.prefill, args.qdtype, args.maxnreg)
+            for f in formats
             for c in cfgs]
     with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as ex:
         for msg in ex.map(_compile, work):
@@ -190,7 +211,7 @@ def main() -> int:
                     print(f"{fmt} {name} {cfg} s{sp}: {type(e).__name__}", flush=True)
                     continue
                 row = dict(fmt=fmt, shape=name, bs=args.bs, block_q=cfg[0], block_n=cfg[1], warps=cfg[2],
-                           stages=cfg[3], warp_split=cfg[4], splits=sp, us=us,
+                           stages=cfg[3], warp_split=cfg[4], splits=sp, us=us, maxnreg=args.maxnreg,
                            default=(cfg, sp) == cand[-1])
                 if args.mode == "decode":
                     row["gbs"] = kv_bytes(batch * seq, fmt) / us / 1e3
