@@ -25,12 +25,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--static", action="store_true", help="also time HF generate + StaticCache (warmed up)")
     ap.add_argument("--out", default="engine_interleaved.json")
+    ap.add_argument("--tile", action="append", default=[],
+                    help="an extra engine LABEL=KV:BLOCK_N,STAGES whose head_dim<=64 decode tiles differ from the "
+                         "policy's (e.g. int4-128=int4:128,2); repeatable")
     args = ap.parse_args()
     sys.path.insert(0, "src")
     import torch
 
     from kvcache.bench import engine as be
     from kvcache.engine import LLM, SamplingParams
+    from kvcache.ops.attention import policy
 
     dev = torch.device("cuda")
     n_req, plen, new = 64, 512, 128
@@ -38,17 +42,37 @@ def main() -> int:
     prompts = be._prompts(n_req, plen, be.SHAPE["vocab_size"])
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     kvs = [k for k in args.kv_dtypes.split(",") if k]
+    fmt = {kv: kv for kv in kvs}
+    tiles: dict[str, tuple[int, int, bool]] = {}
+    for t in args.tile:
+        label, spec = t.split("=")
+        kv, cfg = spec.split(":")
+        bn, st = (int(x) for x in cfg.split(","))
+        kvs.append(label)
+        fmt[label] = kv
+        tiles[label] = (bn, st, False)
     llms = {}
-    for kv in kvs:
-        llms[kv] = LLM(be._model(dev), tokenizer=be._IdsOnlyTokenizer(), kv_dtype=kv, max_num_seqs=n_req,
-                       kv_cache_memory=8 * 2**30, max_model_len=plen + new, enable_prefix_caching=False)
-        llms[kv].generate(prompts, sp)  # compile and capture every decode bucket
+
+    def gen(label: str) -> None:
+        """generate on the engine ``label``, with its decode tiles in the policy while it runs (and captures)."""
+        kv = fmt[label]
+        old = policy.DECODE_TILE_SMALL[kv]
+        policy.DECODE_TILE_SMALL[kv] = tiles.get(label, old)
+        try:
+            llms[label].generate(prompts, sp)
+        finally:
+            policy.DECODE_TILE_SMALL[kv] = old
+
+    for label in kvs:
+        llms[label] = LLM(be._model(dev), tokenizer=be._IdsOnlyTokenizer(), kv_dtype=fmt[label], max_num_seqs=n_req,
+                          kv_cache_memory=8 * 2**30, max_model_len=plen + new, enable_prefix_caching=False)
+        gen(label)  # compile and capture every decode bucket
         torch.cuda.synchronize()
     times: dict[str, list[float]] = {kv: [] for kv in kvs}
     for r in range(args.rounds):
         order = kvs[r % len(kvs):] + kvs[: r % len(kvs)]
         for kv in order:
-            llms[kv].generate(prompts, sp)
+            gen(kv)
             times[kv].append(llms[kv].stats.elapsed_s)
         print(f"round {r}: " + ", ".join(f"{kv} {n_req * new / times[kv][-1]:,.0f} tok/s" for kv in kvs), flush=True)
     base = kvs[0]
@@ -56,7 +80,7 @@ def main() -> int:
     for kv in kvs:
         tok_s = [n_req * new / t for t in times[kv]]
         ratios = [times[base][i] / times[kv][i] for i in range(args.rounds)]  # > 1: faster than the base
-        rows.append(dict(kv_dtype=kv, median_tok_s=statistics.median(tok_s), runs_tok_s=[round(x) for x in tok_s],
+        rows.append(dict(kv_dtype=fmt[kv], label=kv, tiles=tiles.get(kv), median_tok_s=statistics.median(tok_s), runs_tok_s=[round(x) for x in tok_s],
                          paired_speed_vs_base_median=statistics.median(ratios), paired_min=min(ratios),
                          paired_max=max(ratios)))
         print(f"{kv:5s} median {statistics.median(tok_s):8,.0f} tok/s; vs {base} per round: median "

@@ -202,9 +202,7 @@ def _attention_kernel(
     INTERP: tl.constexpr,
 ):
     # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
-    # Query tiles in reverse launch order: a sequence's last tiles (causal: the most keys) start first, so the light
-    # tiles fill the last wave instead of the heavy ones (the GPU launches programs in increasing id)
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     if LINEAR:
