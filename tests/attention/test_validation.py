@@ -126,7 +126,8 @@ def test_plan_warp_split_and_quantized_splits():
 
 def test_plan_quantized_prefill_and_small_decode_tiles():
     """Prefill of fp8 / int8 / int4 caches at head_dim 65..128 with 16-bit queries: 64-row tiles of 4 warps (16-bit
-    caches and fp32 queries keep 128 rows of 8 warps); int4 decode at head_dim <= 64: 128-key tiles."""
+    caches and fp32 queries keep 128 rows of 8 warps); at head_dim 64, int8 / int4 prefill takes 3 stages; int4 decode
+    at head_dim <= 64: 128-key tiles."""
     pf = dict(num_q_heads=32, num_kv_heads=8, n_tokens=16384, num_seqs=8, max_kv_len=2048)
     for fmt, stages in (("fp8", 2), ("int8", 2), ("int4", 3)):
         plan = attention_plan(**pf, head_dim=128, kv_dtype=fmt)
@@ -135,7 +136,10 @@ def test_plan_quantized_prefill_and_small_decode_tiles():
         assert (plan.block_m(32, 8), plan.block_n) == (128, 64)
     auto = attention_plan(**pf, head_dim=128)
     assert (auto.block_m(32, 8), auto.block_n, auto.num_warps) == (128, 128, 8)
-    assert attention_plan(**pf, head_dim=64, kv_dtype="int4").block_m(32, 8) == 128  # head_dim 64: unchanged
+    for fmt, stages in (("auto", 2), ("fp8", 2), ("int8", 3), ("int4", 3)):  # head_dim 64: 128 rows, stages per format
+        plan = attention_plan(**pf, head_dim=64, kv_dtype=fmt)
+        assert (plan.block_m(32, 8), plan.block_n, plan.num_stages) == (128, 64, stages)
+    assert attention_plan(**pf, head_dim=64, kv_dtype="int8", q_bytes=4).num_stages == 2
     dec = dict(num_q_heads=32, num_kv_heads=8, head_dim=64, n_tokens=64, num_seqs=64, max_kv_len=640)
     assert attention_plan(**dec, kv_dtype="int4").block_n == 128
     assert attention_plan(**dec, kv_dtype="int8").block_n == 64

@@ -36,6 +36,9 @@ DECODE_TILE_SMALL = {"auto": (64, 2, False), "fp8": (64, 3, False), "int8": (64,
 # the 16-bit caches' 128 rows of 8 warps. The 4-warp tile holds half the rows' dequantization per program and keeps two
 # programs per SM (8 x 2048 new, H100: int4 -14% / -10% with 0 / 4096 cached, fp8 -7% / -2%, int8 -5% / +0.6%).
 PREFILL_TILE_QUANT = {"fp8": (128, 2), "int8": (128, 2), "int4": (128, 3)}
+# Prefill stages at head_dim <= 64 (128 rows x 64 keys, 4 warps): int8 / int4 take 3 (bf16 queries, H100: -2% with
+# nothing cached, -6% with 512, -8% with 8192; 16-bit and fp8 caches keep 2: +5-7% slower with 3).
+PREFILL_STAGES_SMALL = {"auto": 2, "fp8": 2, "int8": 3, "int4": 3}
 WARP_SPLIT_MIN_KV = 4096
 # Average query rows per sequence at or below which a batch is launched with decode tiles.
 DECODE_ROWS = 4
@@ -146,14 +149,16 @@ def attention_plan(
         # head_dim 65..128: 128 rows x 128 keys, 8 warps, 2 stages for 16-bit queries (the sweep's choice), 64 rows of
         # 4 warps for fp8 / int8 / int4 caches (PREFILL_TILE_QUANT); fp32 queries take 64 keys (128 do not fit in an
         # H100's shared memory). head_dim <= 64: 128 rows x 64 keys, 4 warps (the head_dim-64 sweep: 1.2x faster for
-        # 16-bit caches, 1.4x for int8 / int4)
+        # 16-bit caches, 1.4x for int8 / int4), stages per format (PREFILL_STAGES_SMALL)
         rows = 128 if head_dim <= 128 else 64
         if head_dim <= 64:
             block_n = 64
         else:
             block_n = (128 if q_bytes <= 2 else 64) if head_dim <= 128 else 32
         warps, stages = (8 if rows * head_dim >= 128 * 128 else 4), 2
-        if kv_dtype != "auto" and 64 < head_dim <= 128 and q_bytes <= 2:
+        if head_dim <= 64:
+            stages = PREFILL_STAGES_SMALL[kv_dtype] if q_bytes <= 2 else 2
+        elif kv_dtype != "auto" and head_dim <= 128 and q_bytes <= 2:
             rows, warps = 64, 4
             block_n, stages = PREFILL_TILE_QUANT[kv_dtype]
         block_q = max(1, rows // g)
