@@ -1,7 +1,9 @@
 """Engine throughput per kv_dtype, measured in interleaved rounds (an experiment beside ``kvcache.bench.engine``).
 
-One engine per kv_dtype (each on its own copy of the model: an engine fuses its model's weights) is built and warmed up once; then every round times one ``generate`` of each, in an order
-that rotates from round to round, so slow drifts of the GPU (clocks, temperature) fall on every kv_dtype alike.
+One engine per kv_dtype (each on its own copy of the model: an engine fuses its model's weights) is built and warmed
+up once; then every round times one ``generate`` of each, in an order that rotates from round to round, so slow
+drifts of the GPU (clocks, temperature) fall on every kv_dtype alike (a number of rounds that is a multiple of the
+engines' count gives each engine every position equally often).
 Reported per kv_dtype: the median over rounds, and per round the ratio to the first kv_dtype's time of the same
 round (paired), with its median and range: "int8 no slower than bf16" is judged on those paired ratios.
 Optionally times transformers' ``generate`` with a StaticCache after a full-size warm-up call, so its compilation
@@ -80,14 +82,15 @@ def main() -> int:
     for kv in kvs:
         tok_s = [n_req * new / t for t in times[kv]]
         ratios = [times[base][i] / times[kv][i] for i in range(args.rounds)]  # > 1: faster than the base
-        rows.append(dict(kv_dtype=fmt[kv], label=kv, tiles=tiles.get(kv), median_tok_s=statistics.median(tok_s), runs_tok_s=[round(x) for x in tok_s],
+        rows.append(dict(kv_dtype=fmt[kv], label=kv, tiles=tiles.get(kv), median_tok_s=statistics.median(tok_s),
+                         runs_tok_s=[round(x) for x in tok_s],
                          paired_speed_vs_base_median=statistics.median(ratios), paired_min=min(ratios),
                          paired_max=max(ratios)))
         print(f"{kv:5s} median {statistics.median(tok_s):8,.0f} tok/s; vs {base} per round: median "
               f"{statistics.median(ratios):.4f} (min {min(ratios):.4f}, max {max(ratios):.4f})", flush=True)
     result = {"rounds": args.rounds, "workload": f"{n_req} x ({plen} + {new})", "rows": rows,
               "device": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    del llms
+    llms.clear()
     be._free()
     if args.static:
         ids = torch.tensor(prompts, device=dev)

@@ -231,6 +231,28 @@ def test_edge_cases(device):
     assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
 
 
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_num_decode_split_launch(device, kv_dtype):
+    """A mixed batch (decode rows first, then chunks) launched as decode tiles + prefill tiles (num_decode): the
+    reference's answer for a true hint, a hint short of the decode rows, one that covers a 30-row chunk, forced
+    splits (the decode launch's merge must not touch the other launch's rows) and a window; padding rows stay
+    untouched; a hint outside 0..B is an error."""
+    H, hq, D, bs = 2, 8, 64, 16
+    kv_lens, q_lens = [40, 17, 33, 1, 70, 50], [1, 1, 1, 1, 30, 12]  # 46 rows > 4 per sequence: prefill tiles
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=kv_lens)
+    n_real = sum(q_lens)
+    q = _q(n_real + 2, hq, D, torch.float16, device)  # 2 padding rows
+    for nd, kw in [(4, {}), (2, {}), (5, {}), (4, {"num_splits": 3}), (4, {"window": 9})]:
+        out, lse = _run(cache, bt, q, q_lens, kv_lens, device, num_decode=nd, **kw)
+        eo, el = paged_expected(q[:n_real].cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D),
+                                window=kw.get("window"))
+        assert_attn_close(out[:n_real], lse[:n_real], eo, el, torch.float16, what=f"{kv_dtype} num_decode {nd} {kw}")
+        assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
+    for bad in (-1, len(q_lens) + 1):
+        with pytest.raises(ValueError, match="num_decode"):
+            _run(cache, bt, q, q_lens, kv_lens, device, num_decode=bad)
+
+
 def test_nothing_to_attend(device):
     """A query row whose position precedes every key this rank holds: zeros and lse = -inf, no NaN elsewhere;
     with sinks (rank 0) the row is still zeros and lse is the sink logit."""

@@ -125,9 +125,9 @@ def test_plan_warp_split_and_quantized_splits():
 
 
 def test_plan_quantized_prefill_and_small_decode_tiles():
-    """Prefill of fp8 / int8 / int4 caches at head_dim 65..128 with 16-bit queries: 64-row tiles of 4 warps (16-bit
-    caches and fp32 queries keep 128 rows of 8 warps); at head_dim 64, int8 / int4 prefill takes 3 stages; int4 decode
-    at head_dim <= 64: 128-key tiles."""
+    """Prefill of fp8 / int8 / int4 caches at head_dim 65..128 with 16-bit queries and GQA groups up to 64: 64-row
+    tiles of 4 warps (16-bit caches and fp32 queries keep 128 rows); at head_dim 64, int8 / int4 prefill takes 3
+    stages; int4 decode at head_dim <= 64: 128-key tiles. Every plan: at least one token and 16 rows per tile."""
     pf = dict(num_q_heads=32, num_kv_heads=8, n_tokens=16384, num_seqs=8, max_kv_len=2048)
     for fmt, stages in (("fp8", 2), ("int8", 2), ("int4", 3)):
         plan = attention_plan(**pf, head_dim=128, kv_dtype=fmt)
@@ -140,6 +140,17 @@ def test_plan_quantized_prefill_and_small_decode_tiles():
         plan = attention_plan(**pf, head_dim=64, kv_dtype=fmt)
         assert (plan.block_m(32, 8), plan.block_n, plan.num_stages) == (128, 64, stages)
     assert attention_plan(**pf, head_dim=64, kv_dtype="int8", q_bytes=4).num_stages == 2
+    big = attention_plan(num_q_heads=128, num_kv_heads=1, head_dim=128, n_tokens=4096, num_seqs=2, max_kv_len=4096,
+                         kv_dtype="int8")  # a 128-head group: the 128-row, 8-warp tile (64 rows cannot hold it)
+    assert (big.block_m(128, 1), big.num_warps) == (128, 8)
+    for g in (1, 2, 3, 4, 8, 16, 32, 128):
+        for d in (64, 80, 96, 128, 256):
+            for fmt in ("auto", "fp8", "int8", "int4"):
+                for qb in (2, 4):
+                    for n_tok, seqs in ((8, 8), (4096, 2)):
+                        plan = attention_plan(num_q_heads=8 * g, num_kv_heads=8, head_dim=d, n_tokens=n_tok,
+                                              num_seqs=seqs, max_kv_len=4096, kv_dtype=fmt, q_bytes=qb)
+                        assert plan.block_q >= 1 and plan.block_m(8 * g, 8) >= 16 and plan.block_n >= 16
     dec = dict(num_q_heads=32, num_kv_heads=8, head_dim=64, n_tokens=64, num_seqs=64, max_kv_len=640)
     assert attention_plan(**dec, kv_dtype="int4").block_n == 128
     assert attention_plan(**dec, kv_dtype="int8").block_n == 64

@@ -114,12 +114,19 @@ class PagedRunner:
         scale = self.model.scale
         # a host bound of the lengths for the launch plan (never read from the device); graphs: the table's
         max_kv = max(meta.kv_after) if meta.kv_after else self.width * cfg.block_size
+        # mixed steps: the leading one-token sequences (the scheduler puts running requests first) take decode tiles
+        num_decode = 0
+        for n in meta.q_lens:
+            if n != 1:
+                break
+            num_decode += 1
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.append(i, k, v, block_tables=meta.block_tables, cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens)
             return ops.paged_attention(q, cache.pool(i), cache.params(i), cache.kv_scales[i], kv_dtype=cfg.kv_dtype,
                                        layout=cfg.layout, block_tables=meta.block_tables, cu_q_lens=meta.cu_q_lens,
-                                       kv_lens=meta.kv_lens_after, scale=scale, max_kv_len=max_kv)
+                                       kv_lens=meta.kv_lens_after, scale=scale, max_kv_len=max_kv,
+                                       num_decode=num_decode)
 
         return attend
 

@@ -383,9 +383,11 @@ class PagedKVCache:
         max_kv_len: int | None = None,
         num_splits: int | None = None,
         workspace: torch.Tensor | None = None,
+        num_decode: int = 0,
     ) -> torch.Tensor:
         """Causal attention of the step's query rows over ``layer``'s blocks, read and dequantized in place (no
-        gather): see :func:`kvcache.ops.paged_attention`.
+        gather): see :func:`kvcache.ops.paged_attention` (``num_decode``: the batch's leading decode sequences, a
+        tile hint for mixed steps).
 
         ``q`` ``[n_tokens, Hq, D]``: rows ordered as the step's ragged ``batch`` (the
         :class:`~kvcache.paged.PagedBatch` its K / V were appended with, first: the sequences are read as they
@@ -412,7 +414,7 @@ class PagedKVCache:
             layout=self._config.layout, block_tables=batch.block_tables, cu_q_lens=batch.cu_q_lens,
             kv_lens=batch.seq_lens, scale=scale, window=window, softcap=softcap, sinks=sinks, out=out, lse=lse,
             cp_rank=batch.cp_rank, cp_size=batch.cp_size, max_kv_len=max_kv_len, num_splits=num_splits,
-            workspace=workspace,
+            workspace=workspace, num_decode=num_decode,
         )
 
     # ------------------------------------------------------------------------------------------ blocks

@@ -222,7 +222,9 @@ def _attention_kernel(
         ws_row0 = row0
         kv_len = tl.load(kv_lens + b)
         bt_row = block_tables + b.to(tl.int64) * bt_stride
-    if lt * BLOCK_Q >= q_len:
+    if (lt < 0) | (lt * BLOCK_Q >= q_len):
+        # lt < 0: a launch over sequences whose rows start past row 0 (a batch split into decode and prefill
+        # launches) has no sequence for its first tiles
         return
     # operand dtype of the tensor-core dots: the query's (float32 where the interpreter cannot dot bf16)
     if DOT_F32:
@@ -423,8 +425,8 @@ def _combine_kernel(
         b = row // q_len_u
         i = row - b * q_len_u
     else:
-        if row >= tl.load(cu_q + n_seqs):
-            return  # padding rows past the batch's last token: left untouched
+        if (row < tl.load(cu_q)) | (row >= tl.load(cu_q + n_seqs)):
+            return  # rows of other launches' sequences, and padding rows past the batch's last token: untouched
         b = row * 0
         i = row
     ss = tl.arange(0, SPLITS_P)

@@ -8,7 +8,7 @@ from ..._backend import use_triton
 from ..._validate import check_cp, check_int
 from . import _checks as c
 from ._launch import launch_attention, num_sms
-from .policy import attention_plan, attention_workspace_size
+from .policy import DECODE_ROWS, attention_plan, attention_workspace_size
 from .reference import paged_attention_reference
 
 __all__ = ["paged_attention"]
@@ -36,6 +36,7 @@ def paged_attention(
     max_kv_len: int | None = None,
     num_splits: int | None = None,
     workspace: torch.Tensor | None = None,
+    num_decode: int = 0,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch's new query rows over one layer of a paged KV cache.
 
@@ -97,6 +98,16 @@ def paged_attention(
     workspace : torch.Tensor, optional
         float32, at least :func:`~kvcache.ops.attention.attention_workspace_size` ``(n_tokens, Hq, D,
         num_splits)`` elements: scratch of split launches. Allocated here when needed and not given.
+    num_decode : int
+        Host hint for mixed batches: sequences ``0 .. num_decode - 1`` are decode rows (one query token each).
+        With ``0 < num_decode < B`` the batch runs as two launches, those sequences with decode tiles (16 rows:
+        one token's GQA group) and the rest with prefill tiles, instead of one launch whose tiles suit the whole
+        batch (a mixed batch of many decode rows and a prefill chunk would give every decode row a 64-128-row
+        prefill tile). Results do not depend on it: any value is correct for any batch (the tiles handle any
+        number of rows per sequence), it only chooses tiles. Default 0: one launch.
+
+    Example of a mixed step, decode sequences first: ``paged_attention(q, ..., num_decode=63)`` for 63 decode
+    rows followed by one 512-token chunk.
 
     Returns
     -------
@@ -150,10 +161,21 @@ def paged_attention(
     check_int("max_kv_len", max_kv_len, 0)
     if num_splits is not None:
         check_int("num_splits", num_splits, 1, 1024)
-    plan = attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=n, num_seqs=b,
-                          max_kv_len=min(max_kv_len, cap) // cp_size, num_sms=num_sms(dev), num_splits=num_splits,
-                          kv_dtype=kv_dtype, q_bytes=q.element_size())
-    need = attention_workspace_size(n, hq, d, plan.num_splits)
+    check_int("num_decode", num_decode, 0, b)
+
+    def plan_for(n_rows: int, n_seqs: int):  # type: ignore[no-untyped-def]
+        return attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=n_rows, num_seqs=n_seqs,
+                              max_kv_len=min(max_kv_len, cap) // cp_size, num_sms=num_sms(dev),
+                              num_splits=num_splits, kv_dtype=kv_dtype, q_bytes=q.element_size())
+
+    # (sequences, plan) per launch: a mixed batch splits into its leading decode sequences and the rest when the
+    # whole batch would take prefill tiles
+    plan = plan_for(n, b)
+    launches = [(slice(0, b), plan)]
+    if 0 < num_decode < b and n > DECODE_ROWS * b:
+        launches = [(slice(0, num_decode), plan_for(num_decode, num_decode)),
+                    (slice(num_decode, b), plan_for(max(n - num_decode, 0), b - num_decode))]
+    need = max(attention_workspace_size(n, hq, d, p.num_splits) for _, p in launches)
     if workspace is not None:
         c.check_workspace(workspace, need, dev)
     if not use_triton(dev):
@@ -164,8 +186,12 @@ def paged_attention(
         return out
     if need and workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=dev)
-    launch_attention(q, out, lse, pool, params, kv_scales if kv_dtype == "fp8" else None, sinks, kv_dtype=kv_dtype,
-                     layout=layout, block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, scale=scale,
-                     window=window, softcap=softcap, cp_rank=cp_rank, cp_size=cp_size, plan=plan,
-                     workspace=workspace)
+    for seqs, p in launches:
+        # rows are addressed by cu_q_lens' absolute offsets: each launch reads the whole q and writes only the rows
+        # of its own sequences
+        launch_attention(q, out, lse, pool, params, kv_scales if kv_dtype == "fp8" else None, sinks,
+                         kv_dtype=kv_dtype, layout=layout, block_tables=block_tables[seqs],
+                         cu_q_lens=cu_q_lens[seqs.start: seqs.stop + 1], kv_lens=kv_lens[seqs], scale=scale,
+                         window=window, softcap=softcap, cp_rank=cp_rank, cp_size=cp_size, plan=p,
+                         workspace=workspace)
     return out

@@ -28,16 +28,16 @@ PROGRAMS_PER_SM_QUANT = 2
 # that amortise the per-tile dequantization and softmax; int4 splits the tile's keys over the warps (7% faster at
 # 64 x 16k, 3% at 4k) once contexts reach WARP_SPLIT_MIN_KV (8% slower at 1k; max_kv_len is the block table's
 # capacity unless the caller passes a tighter bound). head_dim <= 64: 64-key tiles, two stages: four programs per SM
-# (warp splits measured 11-68% slower there); int4 128-key tiles (64 x 576 / 640: 35.7 / 36.2 us against 39.1 / 42.2;
-# the engine 2-3% faster in interleaved rounds).
+# (warp splits measured 11-68% slower there); int4 takes 128-key tiles (faster at the engine's shapes, BENCHMARKS.md,
+# session 12).
 DECODE_TILE = {"auto": (32, 4, False), "fp8": (128, 3, False), "int8": (128, 3, False), "int4": (128, 3, True)}
 DECODE_TILE_SMALL = {"auto": (64, 2, False), "fp8": (64, 3, False), "int8": (64, 2, False), "int4": (128, 2, False)}
-# Prefill tiles of fp8 / int8 / int4 caches at head_dim 65..128: 64 rows of 4 warps (keys per tile, stages), against
-# the 16-bit caches' 128 rows of 8 warps. The 4-warp tile holds half the rows' dequantization per program and keeps two
-# programs per SM (8 x 2048 new, H100: int4 -14% / -10% with 0 / 4096 cached, fp8 -7% / -2%, int8 -5% / +0.6%).
+# Prefill tiles of fp8 / int8 / int4 caches at head_dim 65..128 (GQA groups up to 64): 64 rows of 4 warps (keys per
+# tile, stages) instead of the 16-bit caches' 128 rows of 8 warps, measured faster for every quantized format
+# (BENCHMARKS.md, session 12).
 PREFILL_TILE_QUANT = {"fp8": (128, 2), "int8": (128, 2), "int4": (128, 3)}
-# Prefill stages at head_dim <= 64 (128 rows x 64 keys, 4 warps): int8 / int4 take 3 (bf16 queries, H100: -2% with
-# nothing cached, -6% with 512, -8% with 8192; 16-bit and fp8 caches keep 2: +5-7% slower with 3).
+# Prefill stages at head_dim <= 64 (128 rows x 64 keys, 4 warps): int8 / int4 are faster with 3, 16-bit and fp8 caches
+# with 2 (BENCHMARKS.md, session 12).
 PREFILL_STAGES_SMALL = {"auto": 2, "fp8": 2, "int8": 3, "int4": 3}
 WARP_SPLIT_MIN_KV = 4096
 # Average query rows per sequence at or below which a batch is launched with decode tiles.
@@ -158,7 +158,7 @@ def attention_plan(
         warps, stages = (8 if rows * head_dim >= 128 * 128 else 4), 2
         if head_dim <= 64:
             stages = PREFILL_STAGES_SMALL[kv_dtype] if q_bytes <= 2 else 2
-        elif kv_dtype != "auto" and head_dim <= 128 and q_bytes <= 2:
+        elif kv_dtype != "auto" and head_dim <= 128 and q_bytes <= 2 and g <= 64:
             rows, warps = 64, 4
             block_n, stages = PREFILL_TILE_QUANT[kv_dtype]
         block_q = max(1, rows // g)
