@@ -8,7 +8,7 @@ from ..._backend import use_triton
 from ..._validate import check_cp, check_int
 from . import _checks as c
 from ._launch import launch_attention, num_sms
-from .policy import DECODE_ROWS, attention_plan, attention_workspace_size
+from .policy import DECODE_ROWS, AttentionPlan, attention_plan, attention_workspace_size
 from .reference import paged_attention_reference
 
 __all__ = ["paged_attention"]
@@ -104,10 +104,8 @@ def paged_attention(
         one token's GQA group) and the rest with prefill tiles, instead of one launch whose tiles suit the whole
         batch (a mixed batch of many decode rows and a prefill chunk would give every decode row a 64-128-row
         prefill tile). Results do not depend on it: any value is correct for any batch (the tiles handle any
-        number of rows per sequence), it only chooses tiles. Default 0: one launch.
-
-    Example of a mixed step, decode sequences first: ``paged_attention(q, ..., num_decode=63)`` for 63 decode
-    rows followed by one 512-token chunk.
+        number of rows per sequence), it only chooses tiles. Default 0: one launch. A mixed step of 63 decode
+        rows followed by one 512-token chunk: ``num_decode=63``.
 
     Returns
     -------
@@ -163,7 +161,7 @@ def paged_attention(
         check_int("num_splits", num_splits, 1, 1024)
     check_int("num_decode", num_decode, 0, b)
 
-    def plan_for(n_rows: int, n_seqs: int):  # type: ignore[no-untyped-def]
+    def plan_for(n_rows: int, n_seqs: int) -> AttentionPlan:
         return attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=n_rows, num_seqs=n_seqs,
                               max_kv_len=min(max_kv_len, cap) // cp_size, num_sms=num_sms(dev),
                               num_splits=num_splits, kv_dtype=kv_dtype, q_bytes=q.element_size())
