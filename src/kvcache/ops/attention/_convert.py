@@ -56,37 +56,31 @@ def codes_to(c, DT: tl.constexpr, NBITS: tl.constexpr):
 
 # ---- compiled forms: one 32-bit input register = four bytes b0..b3; outputs are packed pairs (low half first) ----
 
-_U8_F16 = tl.constexpr("""{
-.reg .b32 m, k;
-mov.b32 m, 0x64646464;
-mov.b32 k, 0x64006400;
-prmt.b32 $0, $2, m, 0x5140;
-prmt.b32 $1, $2, m, 0x5342;
-sub.f16x2 $0, $0, k;
-sub.f16x2 $1, $1, k;
-}""")
+def _u8_f16(k: str) -> str:
+    """int8: the four codes in ``$2`` -> float16 pairs ``$0`` (b0, b1) and ``$1`` (b2, b3) of ``1024 + c - k``:
+    ``prmt`` builds the magic-number halves, one packed subtraction removes ``k``."""
+    return (f"mov.b32 m, 0x64646464;\nmov.b32 k, {k};\nprmt.b32 $0, $2, m, 0x5140;\nprmt.b32 $1, $2, m, 0x5342;\n"
+            "sub.f16x2 $0, $0, k;\nsub.f16x2 $1, $1, k;\n")
 
-# int4: byte i holds element i of the first half (low nibble) and of the second half (high nibble)
-_U4_16 = """{
-.reg .b32 t, u, m, k, one;
-mov.b32 m, MAGIC4;
-mov.b32 k, MAGIC2;
-and.b32 t, $4, 0x0F0F0F0F;
-shr.b32 u, $4, 4;
-and.b32 u, u, 0x0F0F0F0F;
-prmt.b32 $0, t, m, 0x5140;
-prmt.b32 $1, t, m, 0x5342;
-prmt.b32 $2, u, m, 0x5140;
-prmt.b32 $3, u, m, 0x5342;
-SUB2
-}"""
-_SUB_F16 = "sub.f16x2 $0, $0, k;\nsub.f16x2 $1, $1, k;\nsub.f16x2 $2, $2, k;\nsub.f16x2 $3, $3, k;"
+
+def _u4_pairs(magic4: str, magic2: str, sub: str) -> str:
+    """int4: the byte rows in ``$4`` (byte i: element i of the first half in its low nibble, of the second half in
+    its high nibble) -> low-nibble pairs ``$0``, ``$1`` and high-nibble pairs ``$2``, ``$3``: the nibbles ORed into
+    the magic ``magic4`` by ``prmt``, then ``sub`` (which removes ``k = magic2``)."""
+    return (f"mov.b32 m, {magic4};\nmov.b32 k, {magic2};\nand.b32 t, $4, 0x0F0F0F0F;\nshr.b32 u, $4, 4;\n"
+            "and.b32 u, u, 0x0F0F0F0F;\nprmt.b32 $0, t, m, 0x5140;\nprmt.b32 $1, t, m, 0x5342;\n"
+            "prmt.b32 $2, u, m, 0x5140;\nprmt.b32 $3, u, m, 0x5342;\n" + sub)
+
+
+_SUB_F16 = "sub.f16x2 $0, $0, k;\nsub.f16x2 $1, $1, k;\nsub.f16x2 $2, $2, k;\nsub.f16x2 $3, $3, k;\n"
+# bfloat16: x * 1 + k
 _SUB_BF16 = ("mov.b32 one, 0x3F803F80;\nfma.rn.bf16x2 $0, $0, one, k;\nfma.rn.bf16x2 $1, $1, one, k;\n"
-             "fma.rn.bf16x2 $2, $2, one, k;\nfma.rn.bf16x2 $3, $3, one, k;")
-_U4_F16 = tl.constexpr(_U4_16.replace("MAGIC4", "0x64646464").replace("MAGIC2", "0x64006400").replace("SUB2", _SUB_F16))
+             "fma.rn.bf16x2 $2, $2, one, k;\nfma.rn.bf16x2 $3, $3, one, k;\n")
+_U8_F16 = tl.constexpr("{\n.reg .b32 m, k;\n" + _u8_f16("0x64006400") + "}")
+_U4_F16 = tl.constexpr("{\n.reg .b32 t, u, m, k, one;\n" + _u4_pairs("0x64646464", "0x64006400", _SUB_F16) + "}")
 # bf16: 0x43cc = 128 + c; then x * 1 + (-128) (0xC300), exact
-_U4_BF16 = tl.constexpr(
-    _U4_16.replace("MAGIC4", "0x43434343").replace("MAGIC2", "0xC300C300").replace("SUB2", _SUB_BF16))
+_U4_BF16 = tl.constexpr("{\n.reg .b32 t, u, m, k, one;\n" + _u4_pairs("0x43434343", "0xC300C300", _SUB_BF16) + "}")
+
 
 @triton.jit
 def u8_to(raw, DT: tl.constexpr):
@@ -114,13 +108,7 @@ def u4_to(raw, DT: tl.constexpr):
 # rounding is that of the token's mid-range and the scale's weighs at most 128 (8) steps. (scale, zero) arrive as
 # 16-bit tensors broadcast over the token's elements: each packed pair holds those of its own two elements, whatever
 # the layout (a pair is one token's in practice).
-_UNPACK8_F16 = """mov.b32 m, 0x64646464;
-mov.b32 k, 0x64806480;
-prmt.b32 $0, $2, m, 0x5140;
-prmt.b32 $1, $2, m, 0x5342;
-sub.f16x2 $0, $0, k;
-sub.f16x2 $1, $1, k;
-"""
+_UNPACK8_F16 = _u8_f16("0x64806480")  # centred: c - 128
 # int8, bfloat16 (no bfloat16 magic number holds 8-bit codes): (1024 + c) - 1023 = c + 1 in float16, 1..256 with at
 # most 8 significant bits, so its low 3 mantissa bits are 0; its bits >> 3 are the bfloat16 bits of (c + 1) * 2^-112
 # (the high lane's zero low bits shift into the low lane's top), + 112 in both exponents gives c + 1, and
@@ -159,21 +147,7 @@ fma.rn.f16x2 $2, $2, f, g;
 fma.rn.f16x2 $3, $3, f, g;
 """
 # int4, bfloat16: the u4 unpacking into 128 + c, then (128 + c) * 1 - 136 = c - 8
-_UNPACK4_BF16 = """mov.b32 m, 0x43434343;
-mov.b32 k, 0xC308C308;
-mov.b32 one, 0x3F803F80;
-and.b32 t, $4, 0x0F0F0F0F;
-shr.b32 u, $4, 4;
-and.b32 u, u, 0x0F0F0F0F;
-prmt.b32 $0, t, m, 0x5140;
-prmt.b32 $1, t, m, 0x5342;
-prmt.b32 $2, u, m, 0x5140;
-prmt.b32 $3, u, m, 0x5342;
-fma.rn.bf16x2 $0, $0, one, k;
-fma.rn.bf16x2 $1, $1, one, k;
-fma.rn.bf16x2 $2, $2, one, k;
-fma.rn.bf16x2 $3, $3, one, k;
-"""
+_UNPACK4_BF16 = _u4_pairs("0x43434343", "0xC308C308", _SUB_BF16)
 
 
 def _dequant_asm(unpack: str, n_out: int, ty: str, split: bool) -> tl.constexpr:
