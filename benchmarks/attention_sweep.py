@@ -23,6 +23,7 @@ import torch
 
 HQ, H, D = 32, 8, 128
 QDT = torch.float16  # query dtype (--qdtype); an "auto" pool is stored in it
+LAYOUT = "NHD"  # pool layout (--layout)
 DECODE = [(64, 1024), (64, 4096), (64, 16384), (1, 131072)]
 
 
@@ -64,7 +65,7 @@ def _pool(kv_dtype: str, bs: int, num_blocks: int, dev: torch.device, gen: torch
     sys.path.insert(0, "src")
     from kvcache.bench.attention import Pool
 
-    p = Pool(kv_dtype, bs, num_blocks, dev, gen)
+    p = Pool(kv_dtype, bs, num_blocks, dev, gen, layout=LAYOUT)
     if kv_dtype == "auto":
         p.pool = p.pool.to(QDT)
     return p
@@ -74,7 +75,7 @@ def _launch_fn(p, q, bt, cu, kl, out, plan, ws):
     from kvcache.ops.attention._launch import launch_attention
 
     def fn() -> None:
-        launch_attention(q, out, None, p.pool, p.params, p.kv_scales, None, kv_dtype=p.kv_dtype, layout="NHD",
+        launch_attention(q, out, None, p.pool, p.params, p.kv_scales, None, kv_dtype=p.kv_dtype, layout=p.layout,
                          block_tables=bt, cu_q_lens=cu, kv_lens=kl, scale=D ** -0.5, window=None, softcap=None,
                          cp_rank=0, cp_size=1, plan=plan, workspace=ws)
 
@@ -110,7 +111,8 @@ def _cap_registers(n: int) -> None:
 
 def _compile(args: tuple) -> str:
     """Worker: compile one (format, plan) on a small pool with the timed shapes' constexprs."""
-    fmt, bs, mode, cfg, head_dim, decode, prefill, qdtype, maxnreg = args
+    global LAYOUT
+    fmt, bs, mode, cfg, head_dim, decode, prefill, qdtype, maxnreg, LAYOUT = args
     sys.path.insert(0, "src")
     if maxnreg:
         _cap_registers(maxnreg)
@@ -152,7 +154,10 @@ def main() -> int:
     ap.add_argument("--ceiling", action="store_true", help="decode: also time a copy of the same blocks per format")
     ap.add_argument("--verbose", action="store_true", help="print every plan's time")
     ap.add_argument("--maxnreg", type=int, default=0, help="cap the attention kernel's registers per thread (ptxas)")
+    ap.add_argument("--layout", choices=("NHD", "HND"), default="NHD", help="pool layout")
     args = ap.parse_args()
+    global LAYOUT
+    LAYOUT = args.layout
     sys.path.insert(0, "src")
     if args.maxnreg:
         _cap_registers(args.maxnreg)
@@ -164,7 +169,7 @@ def main() -> int:
     formats = args.formats.split(",")
     cfgs = plans(args.mode, args.plans)
     t0 = time.time()
-    work = [(f, args.bs, args.mode, c, args.head_dim, args.decode, args.prefill, args.qdtype, args.maxnreg)
+    work = [(f, args.bs, args.mode, c, args.head_dim, args.decode, args.prefill, args.qdtype, args.maxnreg, args.layout)
             for f in formats
             for c in cfgs]
     with cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as ex:
@@ -210,8 +215,8 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001
                     print(f"{fmt} {name} {cfg} s{sp}: {type(e).__name__}", flush=True)
                     continue
-                row = dict(fmt=fmt, shape=name, bs=args.bs, block_q=cfg[0], block_n=cfg[1], warps=cfg[2],
-                           stages=cfg[3], warp_split=cfg[4], splits=sp, us=us, maxnreg=args.maxnreg,
+                row = dict(fmt=fmt, shape=name, bs=args.bs, layout=args.layout, block_q=cfg[0], block_n=cfg[1],
+                           warps=cfg[2], stages=cfg[3], warp_split=cfg[4], splits=sp, us=us, maxnreg=args.maxnreg,
                            default=(cfg, sp) == cand[-1])
                 if args.mode == "decode":
                     row["gbs"] = kv_bytes(batch * seq, fmt) / us / 1e3

@@ -28,7 +28,7 @@ def main() -> int:
     ap.add_argument("--static", action="store_true", help="also time HF generate + StaticCache (warmed up)")
     ap.add_argument("--out", default="engine_interleaved.json")
     ap.add_argument("--tile", action="append", default=[],
-                    help="an extra engine LABEL=KV:BLOCK_N,STAGES whose head_dim<=64 decode tiles differ from the "
+                    help="an extra engine LABEL=KV:BLOCK_N,STAGES[,WARPS] whose head_dim<=64 decode tiles differ from the "
                          "policy's (e.g. int4-128=int4:128,2); repeatable")
     args = ap.parse_args()
     sys.path.insert(0, "src")
@@ -45,14 +45,14 @@ def main() -> int:
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     kvs = [k for k in args.kv_dtypes.split(",") if k]
     fmt = {kv: kv for kv in kvs}
-    tiles: dict[str, tuple[int, int, bool]] = {}
+    tiles: dict[str, tuple[int, int, int, bool]] = {}
     for t in args.tile:
         label, spec = t.split("=")
         kv, cfg = spec.split(":")
-        bn, st = (int(x) for x in cfg.split(","))
+        bn, st, *w = (int(x) for x in cfg.split(","))
         kvs.append(label)
         fmt[label] = kv
-        tiles[label] = (bn, st, False)
+        tiles[label] = (bn, st, w[0] if w else 4, False)
     llms = {}
 
     def gen(label: str) -> None:

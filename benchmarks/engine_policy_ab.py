@@ -23,7 +23,7 @@ def best_tiles(rows: list[dict], shape: str) -> dict[str, tuple[int, int, bool]]
             continue
         if r["fmt"] not in best or r["us"] < best[r["fmt"]]["us"]:
             best[r["fmt"]] = r
-    return {f: (r["block_n"], r["stages"], bool(r["warp_split"])) for f, r in best.items()}
+    return {f: (r["block_n"], r["stages"], r["warps"], bool(r["warp_split"])) for f, r in best.items()}
 
 
 def main() -> int:

@@ -125,17 +125,19 @@ def test_plan_warp_split_and_quantized_splits():
 
 
 def test_plan_quantized_prefill_and_small_decode_tiles():
-    """Prefill of fp8 / int8 / int4 caches at head_dim 65..128 with 16-bit queries and GQA groups up to 64: 64-row
-    tiles of 4 warps (16-bit caches and fp32 queries keep 128 rows); at head_dim 64, int8 / int4 prefill takes 3
-    stages; int4 decode at head_dim <= 64: 128-key tiles. Every plan: at least one token and 16 rows per tile."""
+    """Prefill of fp8 / int4 caches at head_dim 65..128 with 16-bit queries and GQA groups up to 64: 64-row tiles
+    of 4 warps (16-bit and int8 caches, and fp32 queries, keep 128 rows of 8 warps); at head_dim 64, int8 / int4
+    prefill takes 3 stages; decode at head_dim <= 64: int4 128-key tiles, int8 one-warp 64-key tiles. Every plan: at
+    least one token and 16 rows per tile."""
     pf = dict(num_q_heads=32, num_kv_heads=8, n_tokens=16384, num_seqs=8, max_kv_len=2048)
-    for fmt, stages in (("fp8", 2), ("int8", 2), ("int4", 3)):
+    for fmt, stages in (("fp8", 2), ("int4", 3)):
         plan = attention_plan(**pf, head_dim=128, kv_dtype=fmt)
         assert (plan.block_m(32, 8), plan.block_n, plan.num_warps, plan.num_stages) == (64, 128, 4, stages)
         plan = attention_plan(**pf, head_dim=80, kv_dtype=fmt, q_bytes=4)  # fp32 queries: not this tile
         assert (plan.block_m(32, 8), plan.block_n) == (128, 64)
-    auto = attention_plan(**pf, head_dim=128)
-    assert (auto.block_m(32, 8), auto.block_n, auto.num_warps) == (128, 128, 8)
+    for fmt in ("auto", "int8"):
+        plan = attention_plan(**pf, head_dim=128, kv_dtype=fmt)
+        assert (plan.block_m(32, 8), plan.block_n, plan.num_warps) == (128, 128, 8)
     for fmt, stages in (("auto", 2), ("fp8", 2), ("int8", 3), ("int4", 3)):  # head_dim 64: 128 rows, stages per format
         plan = attention_plan(**pf, head_dim=64, kv_dtype=fmt)
         assert (plan.block_m(32, 8), plan.block_n, plan.num_stages) == (128, 64, stages)
@@ -153,7 +155,30 @@ def test_plan_quantized_prefill_and_small_decode_tiles():
                         assert plan.block_q >= 1 and plan.block_m(8 * g, 8) >= 16 and plan.block_n >= 16
     dec = dict(num_q_heads=32, num_kv_heads=8, head_dim=64, n_tokens=64, num_seqs=64, max_kv_len=640)
     assert attention_plan(**dec, kv_dtype="int4").block_n == 128
-    assert attention_plan(**dec, kv_dtype="int8").block_n == 64
+    plan = attention_plan(**dec, kv_dtype="int8")
+    assert (plan.block_n, plan.num_warps, plan.num_stages, plan.num_splits) == (64, 1, 3, 1)
+
+
+def test_plan_long_context_one_warp_tiles():
+    """int8 / int4 decode at head_dim 65..128 over long contexts of batches with two programs per SM or more: one-warp
+    tiles, every KV range split LONG_SPLITS ways; shorter contexts, fewer sequences, fp8 / 16-bit caches, head_dim 64
+    or 256 and prefill keep their tiles."""
+    kw = dict(num_q_heads=32, num_kv_heads=8, n_tokens=64, num_seqs=64, num_sms=132)
+    for fmt, keys in (("int8", 32), ("int4", 64)):
+        plan = attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt)
+        assert (plan.block_n, plan.num_warps, plan.num_splits, plan.warp_split) == (keys, 1, 8, False)
+        assert attention_plan(**kw, head_dim=80, max_kv_len=8192, kv_dtype=fmt).num_warps == 1
+        assert attention_plan(**kw, head_dim=128, max_kv_len=4096, kv_dtype=fmt).num_warps == 4
+        assert attention_plan(**kw, head_dim=256, max_kv_len=16384, kv_dtype=fmt).num_warps == 4
+        assert attention_plan(**kw, head_dim=64, max_kv_len=16384, kv_dtype=fmt).num_splits == 1
+        few = attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=16, num_seqs=16, head_dim=128,
+                             max_kv_len=16384, kv_dtype=fmt, num_sms=132)  # 128 programs < 2 per SM
+        assert few.num_warps == 4
+        pre = attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=8192, num_seqs=4, head_dim=128,
+                             max_kv_len=16384, kv_dtype=fmt)  # prefill tiles
+        assert pre.num_warps >= 4 and pre.block_m(32, 8) >= 64
+    for fmt in ("auto", "fp8"):
+        assert attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt).num_warps == 4
 
 
 def test_plan_is_pure_and_splits_long_decode():

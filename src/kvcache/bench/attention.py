@@ -83,12 +83,13 @@ def causal_flops(batch: int, q_len: int, cached: int) -> float:
 class Pool:
     """One layer's pool of a kv_dtype and block size, filled with plausible values, and its kvcache arguments."""
 
-    def __init__(self, kv_dtype: str, bs: int, num_blocks: int, dev: torch.device, gen: torch.Generator) -> None:
+    def __init__(self, kv_dtype: str, bs: int, num_blocks: int, dev: torch.device, gen: torch.Generator,
+                 layout: str = "NHD") -> None:
         from ..paged import PagedConfig
 
         cfg = PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=num_blocks,
-                          dtype=torch.float16, kv_dtype=kv_dtype, layout="NHD", device=dev)
-        self.kv_dtype, self.bs, self.num_blocks = kv_dtype, bs, num_blocks
+                          dtype=torch.float16, kv_dtype=kv_dtype, layout=layout, device=dev)
+        self.kv_dtype, self.bs, self.num_blocks, self.layout = kv_dtype, bs, num_blocks, layout
         shape = cfg.pool_shape()
         if kv_dtype == "auto":
             self.pool = torch.randn(shape, dtype=torch.float16, device=dev, generator=gen)

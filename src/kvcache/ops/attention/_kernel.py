@@ -1,9 +1,10 @@
 """Triton kernel of attention over a paged pool or a linear cache layer, every stored format.
 
-One program per (query tile of one sequence, KV head, KV split). Its M dimension is ``BLOCK_Q`` query tokens
-times the padded GQA group ``G_P``: row ``m`` is token ``m // G_P`` and q head ``kv_head * G + m % G_P``, so
-every q head of a KV head shares each K / V tile it loads (decode: one token's whole group, padded to 16 rows
-for the tensor cores). QK^T and PV are ``tl.dot`` with float32 accumulators; the online softmax runs in base 2
+One program per (query tile of one sequence, KV head, KV split); decode tiles put the KV heads of a query tile
+next to each other in the launch order, prefill tiles the query tiles of a KV head. Its M dimension is ``BLOCK_Q``
+query tokens times the padded GQA group ``G_P``: row ``m`` is token ``m // G_P`` and q head ``kv_head * G + m %
+G_P``, so every q head of a KV head shares each K / V tile it loads (decode: one token's whole group, padded to 16
+rows for the tensor cores). QK^T and PV are ``tl.dot`` with float32 accumulators; the online softmax runs in base 2
 with ``log2(e)`` folded into the scale.
 
 Rows of head_dim are handled as two halves, elements ``[0, H1)`` and ``[H1, D)`` (``H1 = ceil(D / 2)``), each a
@@ -186,12 +187,12 @@ def _tile(
 
 
 @kernel(ints=("s_qt", "s_qh", "s_qb", "s_ot", "s_oh", "s_ob", "s_lt", "s_lh", "s_lb", "bt_stride", "table_width",
-              "n_blocks", "q_len_u", "n_seqs", "n_rows", "cp_rank", "cp_size", "window", "num_splits"))
+              "n_blocks", "q_len_u", "n_seqs", "n_rows", "cp_rank", "cp_size", "window", "num_splits", "n_tiles"))
 def _attention_kernel(
     # qparams, not `params`: triton 3.6's argument binder has a local of that name
     q, out, lse, ws_out, ws_lse, pool, qparams, kv_scales, sinks, block_tables, cu_q, kv_lens,
     s_qt, s_qh, s_qb, s_ot, s_oh, s_ob, s_lt, s_lh, s_lb, bt_stride, table_width, n_blocks, q_len_u, n_seqs,
-    n_rows, cp_rank, cp_size, window, num_splits,
+    n_rows, cp_rank, cp_size, window, num_splits, n_tiles,
     SM_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, D: tl.constexpr, H1: tl.constexpr, HALF_P: tl.constexpr,
     HQ: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
@@ -199,12 +200,21 @@ def _attention_kernel(
     FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr, WARPS_K: tl.constexpr,
-    INTERP: tl.constexpr,
+    HEADS_INNER: tl.constexpr, INTERP: tl.constexpr,
 ):
     # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
-    pid = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    NUM_KV: tl.constexpr = HQ // G
+    if HEADS_INNER:
+        # decode tiles: the KV heads of one query tile are neighbours in the launch order, so programs that run at
+        # the same time read neighbouring rows of the same blocks (whole token rows of the pool and of the (scale,
+        # zero) pairs)
+        pid = tl.program_id(0) // NUM_KV
+        kvh = tl.program_id(0) % NUM_KV
+    else:
+        # prefill tiles: the query tiles of one KV head are neighbours, sharing its K / V in L2
+        pid = tl.program_id(0) % n_tiles
+        kvh = tl.program_id(0) // n_tiles
+    split = tl.program_id(1)
     if LINEAR:
         tiles = tl.cdiv(q_len_u, BLOCK_Q)
         b = pid // tiles

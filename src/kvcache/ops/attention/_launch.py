@@ -118,13 +118,13 @@ def launch_attention(
     # int8 / int4 decode tiles (16 rows) and warp-split tiles fold V's (scale, zero) per token (_kernel docstring)
     v_fold = quant >= 2 and (plan.block_q * next_pow2(g) <= 16 or plan.warp_split)
     _attention_kernel.launch(
-        dev, (grid0, h, splits),
+        dev, (grid0 * h, splits),
         q, out, lse if lse is not None else dummy, ws_out, ws_lse, pool,
         params if params is not None else dummy, kv_scales if kv_scales is not None else dummy,
         sinks if sinks is not None else dummy, block_tables if block_tables is not None else dummy,
         cu_q_lens if cu_q_lens is not None else dummy, kv_lens,
         sq[0], sq[1], sq[2], so[0], so[1], so[2], sl[0], sl[1], sl[2], bt_stride, table_width, n_blocks, q_len,
-        n_seqs, n_rows, cp_rank, cp_size, window if window is not None else 0, splits,
+        n_seqs, n_rows, cp_rank, cp_size, window if window is not None else 0, splits, grid0,
         SM_SCALE=float(scale), SOFTCAP=float(softcap) if softcap is not None else 0.0, D=d, H1=h1, HALF_P=half_p,
         HQ=hq, G=g, G_P=next_pow2(g), BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BS=bs, S_BLK=s_blk, S_KV=s_kv,
         S_TOK=s_tok, S_HEAD=s_head, P_BLK=p_strides[0], P_KV=p_strides[1], P_TOK=p_strides[2],
@@ -133,7 +133,8 @@ def launch_attention(
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,
         V_FOLD=v_fold, Q_RESCALE=v_fold and quant == 2 and q.dtype == torch.bfloat16,
-        WARPS_K=plan.num_warps if plan.warp_split else 1, INTERP=dev.type != "cuda",
+        WARPS_K=plan.num_warps if plan.warp_split else 1, HEADS_INNER=plan.block_q * next_pow2(g) <= 16,
+        INTERP=dev.type != "cuda",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if splits > 1:

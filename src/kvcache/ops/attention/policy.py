@@ -23,19 +23,29 @@ MAX_SPLITS = 64
 # split should aim at (1 x 128k: 33 splits faster than 64 by 5% for fp8, 3-4% for int8, 2-4% for int4).
 PROGRAMS_PER_SM = 4
 PROGRAMS_PER_SM_QUANT = 2
-# Decode tiles (keys per tile, pipeline stages, warp split) per stored format, measured on the H100 (sweeps in
-# BENCHMARKS.md). head_dim > 64: 16-bit caches want short tiles and deep pipelines, 8- and 4-bit caches long tiles
-# that amortise the per-tile dequantization and softmax; int4 splits the tile's keys over the warps (7% faster at
-# 64 x 16k, 3% at 4k) once contexts reach WARP_SPLIT_MIN_KV (8% slower at 1k; max_kv_len is the block table's
-# capacity unless the caller passes a tighter bound). head_dim <= 64: 64-key tiles, two stages: four programs per SM
-# (warp splits measured 11-68% slower there); int4 takes 128-key tiles (faster at the engine's shapes, BENCHMARKS.md,
-# session 12).
-DECODE_TILE = {"auto": (32, 4, False), "fp8": (128, 3, False), "int8": (128, 3, False), "int4": (128, 3, True)}
-DECODE_TILE_SMALL = {"auto": (64, 2, False), "fp8": (64, 3, False), "int8": (64, 2, False), "int4": (128, 2, False)}
-# Prefill tiles of fp8 / int8 / int4 caches at head_dim 65..128 (GQA groups up to 64): 64 rows of 4 warps (keys per
-# tile, stages) instead of the 16-bit caches' 128 rows of 8 warps, measured faster for every quantized format
-# (BENCHMARKS.md, session 12).
-PREFILL_TILE_QUANT = {"fp8": (128, 2), "int8": (128, 2), "int4": (128, 3)}
+# Decode tiles (keys per tile, pipeline stages, warps, warp split) per stored format, measured on the H100 (sweeps
+# in BENCHMARKS.md). head_dim > 64: 16-bit caches want short tiles and deep pipelines, 8- and 4-bit caches long
+# tiles that amortise the per-tile dequantization and softmax; int4 splits the tile's keys over the warps (7% faster
+# at 64 x 16k, 3% at 4k) once contexts reach WARP_SPLIT_MIN_KV (8% slower at 1k; max_kv_len is the block table's
+# capacity unless the caller passes a tighter bound). head_dim <= 64: 64-key tiles, four programs per SM (warp splits
+# measured 11-68% slower there); int4 takes 128-key tiles, int8 one-warp tiles of 64 keys, 3 stages (BENCHMARKS.md,
+# session 13).
+DECODE_TILE = {"auto": (32, 4, 4, False), "fp8": (128, 3, 4, False), "int8": (128, 3, 4, False),
+               "int4": (128, 3, 4, True)}
+DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8": (64, 3, 1, False),
+                     "int4": (128, 2, 4, False)}
+# int8 / int4 at head_dim 65..128 over long contexts (LONG_MIN_KV+) of batches with at least LONG_MIN_PROGRAMS
+# programs per SM: one-warp tiles (keys, stages), every KV range split LONG_SPLITS ways. One warp per program needs no
+# exchange between warps per tile; the splits bring the resident warps back. 64 x 16k: int8 -11%, int4 -9%
+# (BENCHMARKS.md, session 13); one long sequence (too few programs) runs 20-40% slower on them.
+DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 3)}
+LONG_MIN_KV = 8192
+LONG_MIN_PROGRAMS = 2
+LONG_SPLITS = 8
+# Prefill tiles of fp8 / int4 caches at head_dim 65..128 (GQA groups up to 64): 64 rows of 4 warps (keys per tile,
+# stages) instead of the 16-bit caches' 128 rows of 8 warps, measured faster (BENCHMARKS.md, session 12); int8 keeps
+# the 128-row tile (1-11% faster, session 13).
+PREFILL_TILE_QUANT = {"fp8": (128, 2), "int4": (128, 3)}
 # Prefill stages at head_dim <= 64 (128 rows x 64 keys, 4 warps): int8 / int4 are faster with 3, 16-bit and fp8 caches
 # with 2 (BENCHMARKS.md, session 12).
 PREFILL_STAGES_SMALL = {"auto": 2, "fp8": 2, "int8": 3, "int4": 3}
@@ -138,16 +148,19 @@ def attention_plan(
     if decode:
         # M = 16 rows at least (tensor-core minimum): a decode row's whole GQA group, padded with spare tokens
         block_q = max(1, 16 // g)
-        block_n, stages, warp_split = (DECODE_TILE_SMALL if head_dim <= 64 else DECODE_TILE)[kv_dtype]
+        block_n, stages, warps, warp_split = (DECODE_TILE_SMALL if head_dim <= 64 else DECODE_TILE)[kv_dtype]
         if head_dim > 128:
             block_n = max(16, block_n // 2)  # the 128-dim tile's registers and shared memory
-        warps = 4
         # warp splits as measured: 16-row tiles (GQA groups up to 16), head_dim 65..128, long contexts
         warp_split = (warp_split and block_n // warps >= 16 and max_kv_len >= WARP_SPLIT_MIN_KV and head_dim <= 128
                       and block_q * g <= 16)
+        long_tiles = (kv_dtype in DECODE_TILE_LONG and 64 < head_dim <= 128 and block_q * g <= 16
+                      and max_kv_len >= LONG_MIN_KV and max(1, num_seqs) * num_kv_heads >= LONG_MIN_PROGRAMS * num_sms)
+        if long_tiles:
+            (block_n, stages), warps, warp_split = DECODE_TILE_LONG[kv_dtype], 1, False
     else:
         # head_dim 65..128: 128 rows x 128 keys, 8 warps, 2 stages for 16-bit queries (the sweep's choice), 64 rows of
-        # 4 warps for fp8 / int8 / int4 caches (PREFILL_TILE_QUANT); fp32 queries take 64 keys (128 do not fit in an
+        # 4 warps for fp8 / int4 caches (PREFILL_TILE_QUANT); fp32 queries take 64 keys (128 do not fit in an
         # H100's shared memory). head_dim <= 64: 128 rows x 64 keys, 4 warps (the head_dim-64 sweep: 1.2x faster for
         # 16-bit caches, 1.4x for int8 / int4), stages per format (PREFILL_STAGES_SMALL)
         rows = 128 if head_dim <= 128 else 64
@@ -158,15 +171,17 @@ def attention_plan(
         warps, stages = (8 if rows * head_dim >= 128 * 128 else 4), 2
         if head_dim <= 64:
             stages = PREFILL_STAGES_SMALL[kv_dtype] if q_bytes <= 2 else 2
-        elif kv_dtype != "auto" and head_dim <= 128 and q_bytes <= 2 and g <= 64:
+        elif kv_dtype in PREFILL_TILE_QUANT and head_dim <= 128 and q_bytes <= 2 and g <= 64:
             rows, warps = 64, 4
             block_n, stages = PREFILL_TILE_QUANT[kv_dtype]
         block_q = max(1, rows // g)
-        warp_split = False
+        warp_split = long_tiles = False
     if num_splits is None:
         num_splits = 1
         programs = max(1, num_seqs) * num_kv_heads
-        if decode and programs < num_sms:
+        if decode and long_tiles:
+            num_splits = max(1, min(LONG_SPLITS, max_kv_len // MIN_SPLIT_TOKENS))
+        elif decode and programs < num_sms:
             per_sm = PROGRAMS_PER_SM_QUANT if kv_dtype != "auto" and head_dim > 64 else PROGRAMS_PER_SM
             target = cdiv(per_sm * num_sms, programs)
             num_splits = max(1, min(target, max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
