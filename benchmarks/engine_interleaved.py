@@ -28,8 +28,8 @@ def main() -> int:
     ap.add_argument("--static", action="store_true", help="also time HF generate + StaticCache (warmed up)")
     ap.add_argument("--out", default="engine_interleaved.json")
     ap.add_argument("--tile", action="append", default=[],
-                    help="an extra engine LABEL=KV:BLOCK_N,STAGES[,WARPS] whose head_dim<=64 decode tiles differ from the "
-                         "policy's (e.g. int4-128=int4:128,2); repeatable")
+                    help="an extra engine LABEL=KV:BLOCK_N,STAGES[,WARPS] whose head_dim<=64 decode tiles differ "
+                         "from the policy's (e.g. int4-128=int4:128,2); repeatable")
     args = ap.parse_args()
     sys.path.insert(0, "src")
     import torch

@@ -1,0 +1,60 @@
+"""GPU time per kernel of one engine ``generate`` per kv_dtype (the engine bench's workload: Llama-3.2-1B-shaped
+random weights, 64 x (512 + 128) tokens, greedy), from ``torch.profiler``: where one kv_dtype's time goes against
+another's. An experiment beside ``kvcache.bench.engine``.
+
+    python benchmarks/engine_kernel_profile.py --kv-dtypes auto,int8 --top 14
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kv-dtypes", default="auto,int8")
+    ap.add_argument("--top", type=int, default=14)
+    args = ap.parse_args()
+    sys.path.insert(0, "src")
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvcache.bench import engine as be
+    from kvcache.engine import LLM, SamplingParams
+
+    dev = torch.device("cuda")
+    n_req, plen, new = 64, 512, 128
+    prompts = be._prompts(n_req, plen, be.SHAPE["vocab_size"])
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    tables = {}
+    for kv in args.kv_dtypes.split(","):
+        llm = LLM(be._model(dev), tokenizer=be._IdsOnlyTokenizer(), kv_dtype=kv, max_num_seqs=n_req,
+                  kv_cache_memory=8 * 2**30, max_model_len=plen + new, enable_prefix_caching=False)
+        llm.generate(prompts, sp)  # compile and capture
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, sp)
+            torch.cuda.synchronize()
+        per = collections.Counter()
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                per[ev.name[:60]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        tables[kv] = per
+        del llm
+        torch.cuda.empty_cache()
+    names = collections.Counter()
+    for per in tables.values():
+        names.update(per)
+    kvs = list(tables)
+    print("| kernel | " + " | ".join(f"{kv} (ms)" for kv in kvs) + " |")
+    print("| --- |" + " ---: |" * len(kvs))
+    for name, _ in names.most_common(args.top):
+        print(f"| {name} | " + " | ".join(f"{tables[kv][name] / 1e3:.2f}" for kv in kvs) + " |")
+    print("| total | " + " | ".join(f"{sum(tables[kv].values()) / 1e3:.2f}" for kv in kvs) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
