@@ -27,6 +27,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--static", action="store_true", help="also time HF generate + StaticCache (warmed up)")
     ap.add_argument("--out", default="engine_interleaved.json")
+    ap.add_argument("--hnd", action="store_true", help="also one engine per kv_dtype on an HND pool (label KV@HND)")
     ap.add_argument("--tile", action="append", default=[],
                     help="an extra engine LABEL=KV:BLOCK_N,STAGES[,WARPS] whose head_dim<=64 decode tiles differ "
                          "from the policy's (e.g. int4-128=int4:128,2); repeatable")
@@ -45,13 +46,18 @@ def main() -> int:
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     kvs = [k for k in args.kv_dtypes.split(",") if k]
     fmt = {kv: kv for kv in kvs}
+    layout = {kv: "NHD" for kv in kvs}
+    if args.hnd:
+        for kv in list(kvs):
+            kvs.append(f"{kv}@HND")
+            fmt[kvs[-1]], layout[kvs[-1]] = kv, "HND"
     tiles: dict[str, tuple[int, int, int, bool]] = {}
     for t in args.tile:
         label, spec = t.split("=")
         kv, cfg = spec.split(":")
         bn, st, *w = (int(x) for x in cfg.split(","))
         kvs.append(label)
-        fmt[label] = kv
+        fmt[label], layout[label] = kv, "NHD"
         tiles[label] = (bn, st, w[0] if w else 4, False)
     llms = {}
 
@@ -67,7 +73,8 @@ def main() -> int:
 
     for label in kvs:
         llms[label] = LLM(be._model(dev), tokenizer=be._IdsOnlyTokenizer(), kv_dtype=fmt[label], max_num_seqs=n_req,
-                          kv_cache_memory=8 * 2**30, max_model_len=plen + new, enable_prefix_caching=False)
+                          kv_cache_memory=8 * 2**30, max_model_len=plen + new, enable_prefix_caching=False,
+                          layout=layout[label])
         gen(label)  # compile and capture every decode bucket
         torch.cuda.synchronize()
     times: dict[str, list[float]] = {kv: [] for kv in kvs}
@@ -82,11 +89,12 @@ def main() -> int:
     for kv in kvs:
         tok_s = [n_req * new / t for t in times[kv]]
         ratios = [times[base][i] / times[kv][i] for i in range(args.rounds)]  # > 1: faster than the base
-        rows.append(dict(kv_dtype=fmt[kv], label=kv, tiles=tiles.get(kv), median_tok_s=statistics.median(tok_s),
+        rows.append(dict(kv_dtype=fmt[kv], label=kv, layout=layout[kv], tiles=tiles.get(kv),
+                         median_tok_s=statistics.median(tok_s),
                          runs_tok_s=[round(x) for x in tok_s],
                          paired_speed_vs_base_median=statistics.median(ratios), paired_min=min(ratios),
                          paired_max=max(ratios)))
-        print(f"{kv:5s} median {statistics.median(tok_s):8,.0f} tok/s; vs {base} per round: median "
+        print(f"{kv:9s} median {statistics.median(tok_s):8,.0f} tok/s; vs {base} per round: median "
               f"{statistics.median(ratios):.4f} (min {min(ratios):.4f}, max {max(ratios):.4f})", flush=True)
     result = {"rounds": args.rounds, "workload": f"{n_req} x ({plen} + {new})", "rows": rows,
               "device": torch.cuda.get_device_name(dev), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

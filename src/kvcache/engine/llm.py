@@ -121,7 +121,8 @@ class LLM:
     kv_cache_memory : int, optional
         Bytes for the KV cache (overrides ``gpu_memory_utilization``; default 256 MiB on the CPU).
     layout : str
-        Paged pool layout, ``"NHD"`` or ``"HND"``.
+        Paged pool layout, ``"HND"`` (default: each head's rows of a block contiguous; the int8 engine runs 2% faster
+        on it and matches bf16, BENCHMARKS.md session 13) or ``"NHD"``.
     cuda_graphs : bool, optional
         Run pure decode steps as CUDA graphs, captured per batch-size bucket (default: on with CUDA; needs
         ``kvcache.ops.paged_attention``). ``True`` on the CPU runs them through the same static, padded
@@ -157,7 +158,7 @@ class LLM:
         num_blocks: int | None = None,
         max_model_len: int | None = None,
         kv_cache_memory: int | None = None,
-        layout: str = "NHD",
+        layout: str = "HND",
         cuda_graphs: bool | None = None,
         tp_group: Any = None,
     ) -> None:
