@@ -35,7 +35,7 @@ DECODE_TILE = {"auto": (32, 4, 4, False), "fp8": (128, 3, 4, False), "int8": (12
 DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8": (64, 3, 1, False),
                      "int4": (128, 2, 4, False)}
 # int8 / int4 at head_dim 65..128 over long contexts (LONG_MIN_KV+) of batches with at least LONG_MIN_PROGRAMS
-# programs per SM: one-warp tiles (keys, stages), every KV range split LONG_SPLITS ways. One warp per program needs no
+# programs per SM, 16-bit queries: one-warp tiles (keys, stages), every KV range split LONG_SPLITS ways. One warp per program needs no
 # exchange between warps per tile; the splits bring the resident warps back. 64 x 16k: int8 -11%, int4 -9%
 # (BENCHMARKS.md, session 13); one long sequence (too few programs) runs 20-40% slower on them.
 DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 3)}
@@ -154,10 +154,12 @@ def attention_plan(
         # warp splits as measured: 16-row tiles (GQA groups up to 16), head_dim 65..128, long contexts
         warp_split = (warp_split and block_n // warps >= 16 and max_kv_len >= WARP_SPLIT_MIN_KV and head_dim <= 128
                       and block_q * g <= 16)
-        long_tiles = (kv_dtype in DECODE_TILE_LONG and 64 < head_dim <= 128 and block_q * g <= 16
+        long_tiles = (kv_dtype in DECODE_TILE_LONG and 64 < head_dim <= 128 and block_q * g <= 16 and q_bytes <= 2
                       and max_kv_len >= LONG_MIN_KV and max(1, num_seqs) * num_kv_heads >= LONG_MIN_PROGRAMS * num_sms)
         if long_tiles:
             (block_n, stages), warps, warp_split = DECODE_TILE_LONG[kv_dtype], 1, False
+        elif warps == 1 and q_bytes > 2:
+            warps, stages = 4, 2  # one warp cannot hold float32 queries' tiles in registers (spills)
     else:
         # head_dim 65..128: 128 rows x 128 keys, 8 warps, 2 stages for 16-bit queries (the sweep's choice), 64 rows of
         # 4 warps for fp8 / int4 caches (PREFILL_TILE_QUANT); fp32 queries take 64 keys (128 do not fit in an
