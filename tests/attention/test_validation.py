@@ -107,7 +107,7 @@ def test_plan_warp_split_and_quantized_splits():
     """Warp-split decode tiles only where they were measured faster (int4, head_dim 65..128, block tables of
     WARP_SPLIT_MIN_KV+ tokens, GQA groups of at most 16); fp8 / int8 / int4 at head_dim > 64 split few long
     sequences for two programs per SM, 16-bit caches for four."""
-    kw = dict(num_q_heads=32, num_kv_heads=8, n_tokens=64, num_seqs=64)
+    kw = dict(num_q_heads=32, num_kv_heads=8, n_tokens=16, num_seqs=16)  # 128 programs: fewer than the one-warp tiles need
     assert attention_plan(**kw, head_dim=128, max_kv_len=4096, kv_dtype="int4").warp_split
     assert not attention_plan(**kw, head_dim=128, max_kv_len=2048, kv_dtype="int4").warp_split
     assert not attention_plan(**kw, head_dim=64, max_kv_len=16384, kv_dtype="int4").warp_split
@@ -160,15 +160,16 @@ def test_plan_quantized_prefill_and_small_decode_tiles():
 
 
 def test_plan_long_context_one_warp_tiles():
-    """int8 / int4 decode at head_dim 65..128 over long contexts of batches with two programs per SM or more: one-warp
-    tiles, every KV range split LONG_SPLITS ways; shorter contexts, fewer sequences, fp8 / 16-bit caches, head_dim 64
+    """int8 / int4 decode at head_dim 65..128 over block tables of LONG_MIN_KV+ tokens in batches with two programs per
+    SM or more: one-warp tiles, every KV range split LONG_SPLITS ways; shorter contexts, fewer sequences, fp8 / 16-bit caches, head_dim 64
     or 256 and prefill keep their tiles."""
     kw = dict(num_q_heads=32, num_kv_heads=8, n_tokens=64, num_seqs=64, num_sms=132)
-    for fmt, keys in (("int8", 32), ("int4", 64)):
+    for fmt, keys, stages in (("int8", 32, 3), ("int4", 64, 2)):
         plan = attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt)
-        assert (plan.block_n, plan.num_warps, plan.num_splits, plan.warp_split) == (keys, 1, 8, False)
-        assert attention_plan(**kw, head_dim=80, max_kv_len=8192, kv_dtype=fmt).num_warps == 1
-        assert attention_plan(**kw, head_dim=128, max_kv_len=4096, kv_dtype=fmt).num_warps == 4
+        assert (plan.block_n, plan.num_warps, plan.num_stages, plan.num_splits, plan.warp_split) == (
+            keys, 1, stages, 8, False)
+        assert attention_plan(**kw, head_dim=80, max_kv_len=4096, kv_dtype=fmt).num_warps == 1
+        assert attention_plan(**kw, head_dim=128, max_kv_len=2048, kv_dtype=fmt).num_warps == 4
         assert attention_plan(**kw, head_dim=256, max_kv_len=16384, kv_dtype=fmt).num_warps == 4
         assert attention_plan(**kw, head_dim=64, max_kv_len=16384, kv_dtype=fmt).num_splits == 1
         few = attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=16, num_seqs=16, head_dim=128,

@@ -35,11 +35,12 @@ DECODE_TILE = {"auto": (32, 4, 4, False), "fp8": (128, 3, 4, False), "int8": (12
 DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8": (64, 3, 1, False),
                      "int4": (128, 2, 4, False)}
 # int8 / int4 at head_dim 65..128 over long contexts (LONG_MIN_KV+) of batches with at least LONG_MIN_PROGRAMS
-# programs per SM, 16-bit queries: one-warp tiles (keys, stages), every KV range split LONG_SPLITS ways. One warp per program needs no
-# exchange between warps per tile; the splits bring the resident warps back. 64 x 16k: int8 -11%, int4 -9%
-# (BENCHMARKS.md, session 13); one long sequence (too few programs) runs 20-40% slower on them.
-DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 3)}
-LONG_MIN_KV = 8192
+# programs per SM, 16-bit queries: one-warp tiles (keys, stages), every KV range split LONG_SPLITS ways. One warp per
+# program needs no exchange between warps per tile; the splits bring the resident warps back. 64 x 16k / 4k: int8
+# -11% / -3%, int4 -13% / -12% (int4's two stages leave the shared memory for seven programs per SM); BENCHMARKS.md,
+# session 13. One long sequence (too few programs) runs 20-40% slower on them.
+DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2)}
+LONG_MIN_KV = 4096
 LONG_MIN_PROGRAMS = 2
 LONG_SPLITS = 8
 # Prefill tiles of fp8 / int4 caches at head_dim 65..128 (GQA groups up to 64): 64 rows of 4 warps (keys per tile,
