@@ -111,6 +111,20 @@ def test_head_dims_gpu(D_):
     assert_attn_close(o, l_, ro, rl, torch.float16, what=f"D {D_}")
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_one_warp_few_long_sequences(kv_dtype):
+    """Two sequences over a 40k-token table: one-warp tiles, the KV range split 64 ways (asserted on the plan)."""
+    kv_lens = [40000, 33333]
+    cache, bt, _ = make_paged(DEV, kv_dtype=kv_dtype, layout="HND", H=H, D=D, bs=64, lens=kv_lens, seed=6)
+    plan = attention_plan(num_q_heads=HQ, num_kv_heads=H, head_dim=D, n_tokens=2, num_seqs=2,
+                          max_kv_len=bt.shape[1] * 64, kv_dtype=kv_dtype,
+                          num_sms=torch.cuda.get_device_properties(DEV).multi_processor_count)
+    assert plan.num_warps == 1 and plan.num_splits > 8
+    q = torch.randn((2, HQ, D), device=DEV, dtype=torch.float16)
+    (o, l_), (ro, rl) = _both(cache, bt, q, [1, 1], kv_lens)
+    assert_attn_close(o, l_, ro, rl, torch.float16, what=f"one-warp few {kv_dtype}")
+
+
 def test_long_sequence_split():
     """1 x 32k decode: the default plan splits the KV range; the result matches the reference and num_splits=1."""
     kv_lens = [32768]

@@ -34,15 +34,20 @@ DECODE_TILE = {"auto": (32, 4, 4, False), "fp8": (128, 3, 4, False), "int8": (12
                "int4": (128, 3, 4, True)}
 DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8": (64, 3, 1, False),
                      "int4": (128, 2, 4, False)}
-# int8 / int4 at head_dim 65..128 over long contexts (LONG_MIN_KV+) of batches with at least LONG_MIN_PROGRAMS
-# programs per SM, 16-bit queries: one-warp tiles (keys, stages), every KV range split LONG_SPLITS ways. One warp per
-# program needs no exchange between warps per tile; the splits bring the resident warps back. 64 x 16k / 4k: int8
-# -11% / -3%, int4 -13% / -12% (int4's two stages leave the shared memory for seven programs per SM); BENCHMARKS.md,
-# session 13. One long sequence (too few programs) runs 20-40% slower on them.
+# int8 / int4 decode at head_dim 65..128 with 16-bit queries: one-warp tiles (keys, stages). One warp per program needs
+# no exchange between warps per tile; KV splits bring the resident warps back. Batches with LONG_MIN_PROGRAMS+
+# programs per SM (DECODE_TILE_LONG): every KV range split LONG_SPLITS ways once the block table holds LONG_MIN_KV+
+# tokens, unsplit below; 64 x 16k / 4k / 1k: int8 -11% / -3% / -2%, int4 -21% / -12% / -5% against the 4-warp tiles
+# (int4's two stages leave shared memory for seven programs per SM). Fewer programs over FEW_MIN_KV+ token tables
+# (DECODE_TILE_FEW): split for FEW_PROGRAMS_PER_SM programs per SM; 1 x 128k: int8 -5%, int4 -17% (64 splits).
+# Shorter tables of few sequences keep the 4-warp tiles (BENCHMARKS.md, session 13).
 DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2)}
+DECODE_TILE_FEW = {"int8": (64, 2), "int4": (64, 2)}
 LONG_MIN_KV = 4096
 LONG_MIN_PROGRAMS = 2
 LONG_SPLITS = 8
+FEW_MIN_KV = 32768
+FEW_PROGRAMS_PER_SM = 4
 # Prefill tiles of fp8 / int4 caches at head_dim 65..128 (GQA groups up to 64): 64 rows of 4 warps (keys per tile,
 # stages) instead of the 16-bit caches' 128 rows of 8 warps, measured faster (BENCHMARKS.md, session 12); int8 keeps
 # the 128-row tile (1-11% faster, session 13).
@@ -155,10 +160,13 @@ def attention_plan(
         # warp splits as measured: 16-row tiles (GQA groups up to 16), head_dim 65..128, long contexts
         warp_split = (warp_split and block_n // warps >= 16 and max_kv_len >= WARP_SPLIT_MIN_KV and head_dim <= 128
                       and block_q * g <= 16)
-        long_tiles = (kv_dtype in DECODE_TILE_LONG and 64 < head_dim <= 128 and block_q * g <= 16 and q_bytes <= 2
-                      and max_kv_len >= LONG_MIN_KV and max(1, num_seqs) * num_kv_heads >= LONG_MIN_PROGRAMS * num_sms)
-        if long_tiles:
-            (block_n, stages), warps, warp_split = DECODE_TILE_LONG[kv_dtype], 1, False
+        one_warp = kv_dtype in DECODE_TILE_LONG and 64 < head_dim <= 128 and block_q * g <= 16 and q_bytes <= 2
+        many = max(1, num_seqs) * num_kv_heads >= LONG_MIN_PROGRAMS * num_sms
+        long_tiles = one_warp and many
+        few_tiles = one_warp and not many and max_kv_len >= FEW_MIN_KV
+        if long_tiles or few_tiles:
+            (block_n, stages), warps = (DECODE_TILE_LONG if long_tiles else DECODE_TILE_FEW)[kv_dtype], 1
+            warp_split = False
         elif warps == 1 and q_bytes > 2:
             warps, stages = 4, 2  # one warp cannot hold float32 queries' tiles in registers (spills)
     else:
@@ -178,12 +186,14 @@ def attention_plan(
             rows, warps = 64, 4
             block_n, stages = PREFILL_TILE_QUANT[kv_dtype]
         block_q = max(1, rows // g)
-        warp_split = long_tiles = False
+        warp_split = long_tiles = few_tiles = False
     if num_splits is None:
         num_splits = 1
         programs = max(1, num_seqs) * num_kv_heads
-        if decode and long_tiles:
-            num_splits = max(1, min(LONG_SPLITS, max_kv_len // MIN_SPLIT_TOKENS))
+        if long_tiles:
+            num_splits = min(LONG_SPLITS, max_kv_len // MIN_SPLIT_TOKENS) if max_kv_len >= LONG_MIN_KV else 1
+        elif few_tiles:
+            num_splits = min(cdiv(FEW_PROGRAMS_PER_SM * num_sms, programs), max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS)
         elif decode and programs < num_sms:
             per_sm = PROGRAMS_PER_SM_QUANT if kv_dtype != "auto" and head_dim > 64 else PROGRAMS_PER_SM
             target = cdiv(per_sm * num_sms, programs)
