@@ -113,7 +113,8 @@ def test_head_dims_gpu(D_):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 def test_one_warp_few_long_sequences(kv_dtype):
-    """Two sequences over a 40k-token table: one-warp tiles, the KV range split 64 ways (asserted on the plan)."""
+    """Two sequences over a 40k-token table: one-warp tiles, the KV range split for four programs per SM (asserted
+    on the plan); the shorter sequence leaves the last splits empty."""
     kv_lens = [40000, 33333]
     cache, bt, _ = make_paged(DEV, kv_dtype=kv_dtype, layout="HND", H=H, D=D, bs=64, lens=kv_lens, seed=6)
     plan = attention_plan(num_q_heads=HQ, num_kv_heads=H, head_dim=D, n_tokens=2, num_seqs=2,

@@ -166,6 +166,26 @@ def test_split_kv(device, num_splits):
     assert torch.equal(out, again) and torch.equal(lse, again_lse)
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+def test_heuristic_split_of_short_sequences(device, kv_dtype):
+    """A block table sized for 4k+ tokens makes the policy split the KV range; sequences far shorter than it use
+    only the splits their own length fills (at least min_split_keys keys each), the rest return empty: same result
+    as the reference. A forced split keeps every split (min_split_keys 0)."""
+    H, hq, D, bs = 2, 8, 128, 16
+    kv_lens, q_lens = [700, 40], [1, 1]
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=kv_lens, spare=256)
+    plan = attention_plan(num_q_heads=hq, num_kv_heads=H, head_dim=D, n_tokens=2, num_seqs=2,
+                          max_kv_len=bt.shape[1] * bs, kv_dtype=kv_dtype)
+    assert plan.num_splits > 2 and plan.min_split_keys == 512
+    forced = attention_plan(num_q_heads=hq, num_kv_heads=H, head_dim=D, n_tokens=2, num_seqs=2,
+                            max_kv_len=bt.shape[1] * bs, kv_dtype=kv_dtype, num_splits=plan.num_splits)
+    assert forced.min_split_keys == 0
+    q = _q(2, hq, D, torch.float16, device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device)
+    eo, el = paged_expected(q.cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D))
+    assert_attn_close(out, lse, eo, el, torch.float16, what=f"heuristic split {kv_dtype}")
+
+
 @pytest.mark.parametrize("opts", [{}, {"num_splits": 1}, {"window": 70, "num_splits": 3}, {"softcap": 5.0}],
                          ids=["plain", "one-split", "window-splits", "softcap"])
 @pytest.mark.parametrize("qdt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -190,6 +190,9 @@ def test_plan_long_context_one_warp_tiles():
         assert attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt).num_warps == 4
     for d in (64, 128):  # float32 queries: four warps (one warp's registers cannot hold their tiles)
         assert attention_plan(**kw, head_dim=d, max_kv_len=16384, kv_dtype="int8", q_bytes=4).num_warps == 4
+    for d in (64, 128):  # a GQA group of 64 (64 rows): four warps
+        assert attention_plan(num_q_heads=64, num_kv_heads=1, n_tokens=64, num_seqs=64, head_dim=d,
+                              max_kv_len=16384, kv_dtype="int8").num_warps == 4
 
 
 def test_plan_is_pure_and_splits_long_decode():

@@ -1,11 +1,11 @@
 """Triton kernel of attention over a paged pool or a linear cache layer, every stored format.
 
-One program per (query tile of one sequence, KV head, KV split); decode tiles put the KV heads of a query tile
-next to each other in the launch order, prefill tiles the query tiles of a KV head. Its M dimension is ``BLOCK_Q``
-query tokens times the padded GQA group ``G_P``: row ``m`` is token ``m // G_P`` and q head ``kv_head * G + m %
-G_P``, so every q head of a KV head shares each K / V tile it loads (decode: one token's whole group, padded to 16
-rows for the tensor cores). QK^T and PV are ``tl.dot`` with float32 accumulators; the online softmax runs in base 2
-with ``log2(e)`` folded into the scale.
+One program per (query tile of one sequence, KV head, KV split); tiles of at most 16 rows (decode) put the KV heads
+of a query tile next to each other in the launch order, larger tiles the query tiles of a KV head. Its M dimension
+is ``BLOCK_Q`` query tokens times the padded GQA group ``G_P``: row ``m`` is token ``m // G_P`` and q head ``kv_head
+* G + m % G_P``, so every q head of a KV head shares each K / V tile it loads (decode: one token's whole group,
+padded to 16 rows for the tensor cores). QK^T and PV are ``tl.dot`` with float32 accumulators; the online softmax
+runs in base 2 with ``log2(e)`` folded into the scale.
 
 Rows of head_dim are handled as two halves, elements ``[0, H1)`` and ``[H1, D)`` (``H1 = ceil(D / 2)``), each a
 power-of-two tile of ``HALF_P`` lanes: int4 stores exactly these halves in the low and high nibbles of one
@@ -200,7 +200,7 @@ def _attention_kernel(
     FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr, WARPS_K: tl.constexpr,
-    HEADS_INNER: tl.constexpr, INTERP: tl.constexpr,
+    HEADS_INNER: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, INTERP: tl.constexpr,
 ):
     # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
     NUM_KV: tl.constexpr = HQ // G
@@ -313,7 +313,9 @@ def _attention_kernel(
         j_lo = tl.where(z > 0, (z + cp_size - 1) // cp_size, 0)
     t_lo = j_lo // BLOCK_N
     n_t = tl.maximum(tl.cdiv(j_hi, BLOCK_N) - t_lo, 0)
-    per = tl.cdiv(n_t, num_splits)
+    # at least MIN_SPLIT_TILES tiles per split: the plan sized the split for the block table's capacity, and the
+    # splits past a shorter sequence's tiles return empty (log-sum-exp -inf, ignored by the merge)
+    per = tl.maximum(tl.cdiv(n_t, num_splits), MIN_SPLIT_TILES)
     t_begin = t_lo + split * per
     t_end = tl.minimum(t_begin + per, t_lo + n_t)
 

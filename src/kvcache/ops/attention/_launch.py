@@ -134,7 +134,7 @@ def launch_attention(
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,
         V_FOLD=v_fold, Q_RESCALE=v_fold and quant == 2 and q.dtype == torch.bfloat16,
         WARPS_K=plan.num_warps if plan.warp_split else 1, HEADS_INNER=plan.block_q * next_pow2(g) <= 16,
-        INTERP=dev.type != "cuda",
+        MIN_SPLIT_TILES=max(1, plan.min_split_keys // plan.block_n), INTERP=dev.type != "cuda",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if splits > 1:

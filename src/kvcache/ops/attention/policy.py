@@ -14,13 +14,14 @@ from ..._validate import cdiv, check_int, next_pow2
 __all__ = ["AttentionPlan", "attention_plan", "attention_workspace_size"]
 
 # Tokens one split should cover at least: below this the second (merge) pass and the per-split setup cost
-# more than the extra parallelism gains.
+# more than the extra parallelism gains. Splits chosen here also apply it to each sequence's own length in the kernel
+# (AttentionPlan.min_split_keys: a sequence shorter than the block table's capacity uses fewer of the splits).
 MIN_SPLIT_TOKENS = 512
 MAX_SPLITS = 64
 # Programs per SM aimed at by the split heuristic when the batch alone leaves SMs idle. Batches with at least one
-# program per SM are not split: the merge pass then costs more than the balance gains (BENCHMARKS.md, the sweep).
-# fp8 / int8 / int4 decode tiles at head_dim > 64 (128 keys) fit two programs per SM, and two per SM is what their
-# split should aim at (1 x 128k: 33 splits faster than 64 by 5% for fp8, 3-4% for int8, 2-4% for int4).
+# program per SM are not split on 4-warp tiles: the merge pass then costs more than the balance gains (BENCHMARKS.md,
+# the sweep); the one-warp tiles below have their own split rules. fp8 decode tiles at head_dim > 64 (128 keys) fit
+# two programs per SM, and two per SM is what their split should aim at (1 x 128k: 33 splits faster than 64 by 5%).
 PROGRAMS_PER_SM = 4
 PROGRAMS_PER_SM_QUANT = 2
 # Decode tiles (keys per tile, pipeline stages, warps, warp split) per stored format, measured on the H100 (sweeps
@@ -81,6 +82,10 @@ class AttentionPlan:
         Decode tiles only (``block_m <= 16``): each warp takes its own ``block_n / num_warps`` keys of a tile with
         its own softmax state, merged once after the KV loop (no exchange between warps per tile); needs
         ``block_n / num_warps >= 16``.
+    min_split_keys : int
+        Keys of its own sequence each split takes at least (whole tiles), so a sequence shorter than the block
+        table's capacity, which sized ``num_splits``, uses fewer splits (the others return empty); 0: exactly
+        ``num_splits`` (a split the caller forced).
     """
 
     block_q: int
@@ -89,6 +94,7 @@ class AttentionPlan:
     num_stages: int
     num_splits: int
     warp_split: bool = False
+    min_split_keys: int = 0
 
     def block_m(self, num_q_heads: int, num_kv_heads: int) -> int:
         """Rows of the program's tile: ``block_q`` tokens times the padded GQA group."""
@@ -168,8 +174,8 @@ def attention_plan(
         if long_tiles or few_tiles:
             (block_n, stages), warps = (DECODE_TILE_LONG if long_tiles else DECODE_TILE_FEW)[kv_dtype], 1
             warp_split = False
-        elif warps == 1 and q_bytes > 2:
-            warps, stages = 4, 2  # one warp cannot hold float32 queries' tiles in registers (spills)
+        elif warps == 1 and (q_bytes > 2 or block_q * g > 16):
+            warps, stages = 4, 2  # one warp cannot hold float32 queries' or GQA groups over 16's tiles (spills)
     else:
         # head_dim 65..128: 128 rows x 128 keys, 8 warps, 2 stages for 16-bit queries (the sweep's choice), 64 rows of
         # 4 warps for fp8 / int4 caches (PREFILL_TILE_QUANT); fp32 queries take 64 keys (128 do not fit in an
@@ -188,6 +194,7 @@ def attention_plan(
             block_n, stages = PREFILL_TILE_QUANT[kv_dtype]
         block_q = max(1, rows // g)
         warp_split = long_tiles = few_tiles = False
+    min_split_keys = MIN_SPLIT_TOKENS if num_splits is None else 0
     if num_splits is None:
         num_splits = 1
         programs = max(1, num_seqs) * num_kv_heads
@@ -201,7 +208,8 @@ def attention_plan(
             num_splits = max(1, min(target, max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
     check_int("num_splits", num_splits, 1, 1024)
     return AttentionPlan(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages,
-                         num_splits=num_splits, warp_split=warp_split)
+                         num_splits=num_splits, warp_split=warp_split,
+                         min_split_keys=min_split_keys if num_splits > 1 else 0)
 
 
 def attention_workspace_size(n_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
