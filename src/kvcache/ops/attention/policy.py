@@ -29,9 +29,8 @@ PROGRAMS_PER_SM_QUANT = 2
 # tiles that amortise the per-tile dequantization and softmax (int8 / int4 take the one-warp tiles below where they
 # apply); int4 splits the tile's keys over the warps (7% faster at 64 x 16k, 3% at 4k, session 11) once contexts reach
 # WARP_SPLIT_MIN_KV (8% slower at 1k; max_kv_len is the block table's capacity unless the caller passes a tighter
-# bound). head_dim <= 64: 64-key tiles, four programs per SM (warp splits
-# measured 11-68% slower there); int4 takes 128-key tiles, int8 one-warp tiles of 64 keys, 3 stages (BENCHMARKS.md,
-# session 13).
+# bound). head_dim <= 64: 64-key tiles, four programs per SM (warp splits measured 11-68% slower there); int4 takes
+# 128-key tiles, int8 one-warp tiles of 64 keys, 3 stages (BENCHMARKS.md, session 13).
 DECODE_TILE = {"auto": (32, 4, 4, False), "fp8": (128, 3, 4, False), "int8": (128, 3, 4, False),
                "int4": (128, 3, 4, True)}
 DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8": (64, 3, 1, False),
