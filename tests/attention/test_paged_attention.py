@@ -367,6 +367,28 @@ def test_quantized_v_scales_spanning_1000x(device, kv_dtype):
     assert_attn_close(out, lse, eo, el, torch.float16, what=kv_dtype)
 
 
+@pytest.mark.parametrize("offset", [0.0, 4.0], ids=["centred", "offset"])
+@pytest.mark.parametrize("qdt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("D", [96, 128])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_decode_wide_rows(device, kv_dtype, D, qdt, offset):
+    """Decode rows at head_dims over 64 (the decode tiles that keep int4 K and int8 V codes as float16 magic numbers,
+    1024 + c, and take the offset out after the dots), K / V centred or offset from zero (mean ``offset``, where a
+    wrong offset correction would shift every score and output), ragged lengths with partial tiles, against the
+    reference over the dequantized cache."""
+    H, hq, bs = 2, 8, 16
+    kv_lens = [1, 33, 150]
+    gen = torch.Generator().manual_seed(11)
+    ks = [(offset + torch.randn((n, H, D), generator=gen)).to(qdt) for n in kv_lens]
+    vs = [(offset + torch.randn((n, H, D), generator=gen)).to(qdt) for n in kv_lens]
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=kv_lens, dtype=qdt,
+                              kv=(ks, vs))
+    q = _q(len(kv_lens), hq, D, qdt, device, seed=5)
+    out, lse = _run(cache, bt, q, [1] * len(kv_lens), kv_lens, device)
+    eo, el = paged_expected(q.cpu(), cache, bt, [1] * len(kv_lens), kv_lens, scale=1 / math.sqrt(D))
+    assert_attn_close(out, lse, eo, el, qdt, what=f"{kv_dtype} D={D} offset {offset}")
+
+
 @pytest.mark.parametrize("q_len", [1, 20], ids=["decode", "prefill"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("mag", [1e-30, 1e-36])

@@ -28,7 +28,12 @@ Dequantization happens in registers right after the load:
   float32 accumulator, and the zero terms ``sum_j p_j z_j`` go to a per-row float32 accumulator, rescaled
   with it and added before the normalisation. Codes become floats with no integer -> float conversion
   instruction (magic numbers, :mod:`._convert`): K's in the query dtype, V's in float16 (float32 for float32
-  queries), whatever the query dtype, since P's operand is scaled into float16's normal range.
+  queries), whatever the query dtype, since P's operand is scaled into float16's normal range. Where it measured
+  faster (``K_MAGIC``: int4 K with float16 operands; ``V_MAGIC``: int8 V rows over 64 elements), the operand keeps
+  the magic number's offset, ``1024 + c`` (int4's second half ``1024 + 16 c``, its dot scaled by 1 / 16), and the
+  offset leaves after the dot: K's as ``1024 sum(q_lo) + 64 sum(q_hi)`` per row, V's as ``1024`` times the sum
+  of the dot's own float16 P operand, carried per row like the zero terms. The dots accumulate in float32, so the
+  offset costs about 10 bits of float32's 24 (int8 V: 3): far below float16's rounding of q or P.
 * int8 / int4 prefill tiles (many rows share each element): K and V are dequantized per element into the dot's
   dtype, ``codes * scale + zero`` in packed 16-bit fma (:func:`._convert.dequant`: its docstring gives the
   precision), so the scores need no per-score affine; the rows' maxima are taken on unscaled scores and the
@@ -57,7 +62,7 @@ import triton
 import triton.language as tl
 
 from ..._backend import kernel
-from ._convert import dequant
+from ._convert import MAGIC, dequant
 from ._loads import LOG2E, PV_RANGE, _key_rows, _load_kv, _load_params
 from ._warp_tile import _merge_warps, _tile_w
 
@@ -90,16 +95,17 @@ def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
 
 @triton.jit
 def _tile(
-    t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh,
-    j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr, SOFTCAP: tl.constexpr,
-    H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
-    S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr,
-    P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_mag, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
+    bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr,
+    SOFTCAP: tl.constexpr, H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr,
+    S_KV: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr,
+    P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr,
-    INTERP: tl.constexpr, Q_DT: tl.constexpr,
+    INTERP: tl.constexpr, Q_DT: tl.constexpr, K_MAGIC: tl.constexpr, V_MAGIC: tl.constexpr,
 ):
-    """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi, zacc); ``zacc``
-    (int8 / int4: the rows' sums of ``p * zero_v``) is returned unchanged for the other formats.
+    """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi, zacc, pvs); ``zacc``
+    (int8 / int4: the rows' sums of ``p * zero_v``) is returned unchanged for the other formats, ``pvs`` (the magic
+    offset's weight in the accumulators, ``V_MAGIC``) unchanged without ``V_MAGIC``.
 
     ``MASK=False`` for tiles whose every key every row may see (inside the causal bound of the tile's first row
     and the window of its last): no score mask. Loads stay masked by the length and the block ids' range, so no
@@ -111,17 +117,23 @@ def _tile(
     ok_n, blk, tok, base = _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS, S_BLK, S_TOK, S_HEAD, LINEAR)
     k_off = base[None, :] + dd[:, None]
     k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], H1, QUANT,
-                          q_lo.dtype, not V_FOLD, INTERP)
+                          q_lo.dtype, not V_FOLD, INTERP, K_MAGIC)
     pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
     if QUANT >= 2 and not V_FOLD:
         # prefill tiles: dequantize K per element (many rows share it), no per-score affine
         ks, kz = _load_params(qparams, pbase, ok_n)
         k_lo, k_hi = dequant(k_lo, k_hi, ks, kz, qdt, Q_DT, 4 if QUANT == 3 else 8, True, INTERP)
     s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
-    s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
+    if K_MAGIC:
+        s = s + tl.dot(q_hi, k_hi, input_precision=PRECISION) * 0.0625  # int4's second half: 1024 + 16 c
+    else:
+        s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
     if QUANT >= 2 and V_FOLD:
         ks, kz = _load_params(qparams, pbase, ok_n)
-        s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
+        if K_MAGIC:
+            s = (s - q_mag[:, None]) * ks[None, :] + q_sum[:, None] * kz[None, :]
+        else:
+            s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
         if Q_RESCALE:
             s = s * q_inv[:, None]  # the rows' 1 / r (rescaled bfloat16 queries)
     # quantized prefill tiles without softcap: the rows' maxima of unscaled scores times qk_scale (> 0) are the
@@ -159,7 +171,7 @@ def _tile(
         vdt: tl.constexpr = tl.float16
     v_off = vbase[:, None] + dd[None, :]
     v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, None] & ok_lo[None, :], ok_n[:, None] & ok_hi[None, :], H1, QUANT, vdt,
-                          not V_FOLD, INTERP)
+                          not V_FOLD, INTERP, V_MAGIC)
     if QUANT >= 2:
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
         vs, vz = _load_params(qparams, vp, ok_n)
@@ -173,6 +185,10 @@ def _tile(
             acc_lo = acc_lo * alpha[:, None] + dot_scale * tl.dot(pv, v_lo, input_precision=PRECISION)
             acc_hi = acc_hi * alpha[:, None] + dot_scale * tl.dot(pv, v_hi, input_precision=PRECISION)
             zacc = zacc * alpha + tl.sum(p * vz[None, :], 1)
+            if V_MAGIC:
+                # the codes carried 1024: its weight is the sum of the dot's own float16 P operand, taken out after
+                # the loop
+                pvs = pvs * alpha + dot_scale * tl.sum(pv.to(tl.float32), 1)
         else:
             # prefill tiles (many rows per key): dequantize V per element, the rows share it
             v_lo, v_hi = dequant(v_lo, v_hi, vs, vz, qdt, Q_DT, 4 if QUANT == 3 else 8, False, INTERP)
@@ -183,7 +199,7 @@ def _tile(
         pc = p.to(qdt)
         acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
         acc_hi = tl.dot(pc, v_hi.to(qdt), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
-    return m_i, l_i, acc_lo, acc_hi, zacc
+    return m_i, l_i, acc_lo, acc_hi, zacc, pvs
 
 
 @kernel(ints=("s_qt", "s_qh", "s_qb", "s_ot", "s_oh", "s_ob", "s_lt", "s_lh", "s_lb", "bt_stride", "table_width",
@@ -289,6 +305,15 @@ def _attention_kernel(
         qdt_k: tl.constexpr = qdt
     q_lo = q_lo.to(qdt_k)
     q_hi = q_hi.to(qdt_k)
+    # one-warp-state decode tiles take int4 K and int8 V (rows over 64 elements) as float16 magic numbers with the
+    # offset left in (module docstring); the other operands, and the warp-split tiles, convert exactly
+    K_MAGIC: tl.constexpr = V_FOLD and WARPS_K == 1 and QUANT == 3 and qdt_k == tl.float16
+    V_MAGIC: tl.constexpr = V_FOLD and WARPS_K == 1 and QUANT == 2 and HALF_P >= 64 and qdt != tl.float32
+    if K_MAGIC:
+        # q . k of int4 codes = (dot_lo - 1024 sum(q_lo)) + (dot_hi - 1024 sum(q_hi)) / 16
+        q_mag = MAGIC * tl.sum(q_lo.to(tl.float32), 1) + (MAGIC * 0.0625) * tl.sum(q_hi.to(tl.float32), 1)
+    else:
+        q_mag = q_sum  # unused
 
     k_scale = 1.0
     v_scale = 1.0
@@ -367,26 +392,28 @@ def _attention_kernel(
         acc_lo = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
         acc_hi = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
         zacc = tl.zeros([BLOCK_Q * G_P], tl.float32)  # V_FOLD: sum of p * zero_v per row (else unused)
+        pvs = tl.zeros([BLOCK_Q * G_P], tl.float32)  # V_MAGIC: the magic offset's weight per row (else unused)
         offs_n = tl.arange(0, BLOCK_N)
         if HAS_WINDOW:  # without a window, tf_lo == t_lo: nothing before the unmasked tiles
             for t in range(t_begin, tl.minimum(t_end, tf_lo)):
-                m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-                    t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
-                    qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
-                    SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
-                    HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty)
+                m_i, l_i, acc_lo, acc_hi, zacc, pvs = _tile(
+                    t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_mag, q_inv, q_pos, ok_m, qk_scale,
+                    pool, qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi,
+                    qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT,
+                    LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, K_MAGIC,
+                    V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
-            m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
-                bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1,
-                BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW,
-                PRECISION, False, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty)
+            m_i, l_i, acc_lo, acc_hi, zacc, pvs = _tile(
+                t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_mag, q_inv, q_pos, ok_m, qk_scale, pool,
+                qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
+                SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
+                HAS_WINDOW, PRECISION, False, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, K_MAGIC, V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_hi), t_end):
-            m_i, l_i, acc_lo, acc_hi, zacc = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
-                bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1,
-                BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR, HAS_WINDOW,
-                PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty)
+            m_i, l_i, acc_lo, acc_hi, zacc, pvs = _tile(
+                t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_mag, q_inv, q_pos, ok_m, qk_scale, pool,
+                qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
+                SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
+                HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, K_MAGIC, V_MAGIC)
 
     if HAS_SINKS:
         # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only
@@ -400,10 +427,14 @@ def _attention_kernel(
         acc_hi = acc_hi * alpha[:, None]
         if V_FOLD:
             zacc = zacc * alpha
+        if V_MAGIC:
+            pvs = pvs * alpha
         m_i = m_new
 
     has = l_i > 0
     inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+    if V_MAGIC:
+        zacc = zacc - MAGIC * pvs
     if V_FOLD:
         acc_lo = acc_lo + zacc[:, None]
         acc_hi = acc_hi + zacc[:, None]

@@ -34,7 +34,7 @@ def _tile_w(
     ok_n, blk, tok, base = _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS, S_BLK, S_TOK, S_HEAD, LINEAR)
     k_off = base[:, None, :] + dd[None, :, None]
     k_lo, k_hi = _load_kv(pool, k_off, ok_n[:, None, :] & ok_lo[None, :, None], ok_n[:, None, :] & ok_hi[None, :, None],
-                          H1, QUANT, q_lo.dtype, False, INTERP)
+                          H1, QUANT, q_lo.dtype, False, INTERP, False)
     s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
     s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
     pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
@@ -64,7 +64,7 @@ def _tile_w(
         vdt: tl.constexpr = tl.float16
     v_off = (base + S_KV)[:, :, None] + dd[None, None, :]
     v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, :, None] & ok_lo[None, None, :], ok_n[:, :, None] & ok_hi[None, None, :],
-                          H1, QUANT, vdt, False, INTERP)
+                          H1, QUANT, vdt, False, INTERP, False)
     vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
     vs, vz = _load_params(qparams, vp, ok_n)
     # the V fold of _kernel's docstring, over each warp's keys: (s_max / R) sum_j (R p_j s_j / s_max) c_j
