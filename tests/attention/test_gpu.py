@@ -111,7 +111,7 @@ def test_head_dims_gpu(D_):
     assert_attn_close(o, l_, ro, rl, torch.float16, what=f"D {D_}")
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4"])
 def test_one_warp_few_long_sequences(kv_dtype):
     """Two sequences over a 40k-token table: one-warp tiles, the KV range split for four programs per SM (asserted
     on the plan); the shorter sequence leaves the last splits empty."""

@@ -106,8 +106,8 @@ def test_linear_errors(device):
 def test_plan_warp_split_and_quantized_splits():
     """Warp-split decode tiles only where they were measured faster (int4, head_dim 65..128, block tables of
     WARP_SPLIT_MIN_KV+ tokens, GQA groups of at most 16); fp8 / int8 / int4 at head_dim > 64 split few long
-    sequences for two programs per SM (int8 / int4 over 32k+ token tables: one-warp tiles, four per SM), 16-bit caches
-    for four."""
+    sequences for two programs per SM (over 32k+ token tables with 16-bit queries: one-warp tiles, four per SM),
+    16-bit caches for four."""
     kw = dict(num_q_heads=32, num_kv_heads=8, n_tokens=16, num_seqs=16)  # 128 programs: 4-warp tiles
     assert attention_plan(**kw, head_dim=128, max_kv_len=4096, kv_dtype="int4").warp_split
     assert not attention_plan(**kw, head_dim=128, max_kv_len=2048, kv_dtype="int4").warp_split
@@ -121,7 +121,10 @@ def test_plan_warp_split_and_quantized_splits():
                               max_kv_len=16384, kv_dtype="int4").warp_split  # prefill tiles
     one = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, n_tokens=1, num_seqs=1, max_kv_len=131072, num_sms=132)
     assert attention_plan(**one).num_splits == 64  # ceil(4 * 132 / 8) = 66, capped at 64
-    assert attention_plan(**one, kv_dtype="fp8").num_splits == 33  # ceil(2 * 132 / 8)
+    # fp8 over a 32k+ table: one-warp tiles, split for four programs per SM like int8 / int4; fp32 queries keep the
+    # 4-warp tile, split for two
+    assert attention_plan(**one, kv_dtype="fp8").num_splits == 64
+    assert attention_plan(**one, kv_dtype="fp8", q_bytes=4).num_splits == 33  # ceil(2 * 132 / 8)
     short = dict(one, max_kv_len=16384, n_tokens=16, num_seqs=16)  # 128 programs, a 16k table: 4-warp tiles
     for fmt in ("fp8", "int8", "int4"):
         assert attention_plan(**short, kv_dtype=fmt).num_splits == 3  # ceil(2 * 132 / 128)
@@ -164,9 +167,9 @@ def test_plan_quantized_prefill_and_small_decode_tiles():
 
 def test_plan_long_context_one_warp_tiles():
     """int8 / int4 decode at head_dim 65..128: one-warp tiles in batches with two programs per SM or more (every KV
-    range split LONG_SPLITS ways over block tables of LONG_MIN_KV+ tokens) and for few sequences over FEW_MIN_KV+
-    tokens; few sequences over shorter tables, fp8 / 16-bit caches, float32 queries, head_dim 64 or 256 and prefill
-    keep their tiles."""
+    range split LONG_SPLITS ways over block tables of LONG_MIN_KV+ tokens) and, with fp8, for few sequences over
+    FEW_MIN_KV+ tokens; few sequences over shorter tables, fp8 batches, 16-bit caches, float32 queries, head_dim 64 or
+    256 and prefill keep their tiles."""
     kw = dict(num_q_heads=32, num_kv_heads=8, n_tokens=64, num_seqs=64, num_sms=132)
     for fmt, keys, stages in (("int8", 32, 3), ("int4", 64, 2)):
         plan = attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt)
@@ -177,8 +180,8 @@ def test_plan_long_context_one_warp_tiles():
         assert (short.num_warps, short.num_splits) == (1, 1)
         assert attention_plan(**kw, head_dim=256, max_kv_len=16384, kv_dtype=fmt).num_warps == 4
         one = attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=1, num_seqs=1, head_dim=128, max_kv_len=131072,
-                             kv_dtype=fmt, num_sms=132)  # few programs, a 128k table: one-warp 64-key tiles, 64 splits
-        assert (one.num_warps, one.block_n, one.num_stages, one.num_splits) == (1, 64, 2, 64)
+                             kv_dtype=fmt, num_sms=132)  # few programs, a 128k table: one-warp 32-key tiles, 64 splits
+        assert (one.num_warps, one.block_n, one.num_stages, one.num_splits) == (1, 32, 5, 64)
         assert attention_plan(**kw, head_dim=64, max_kv_len=16384, kv_dtype=fmt).num_splits == 1
         few = attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=16, num_seqs=16, head_dim=128,
                              max_kv_len=16384, kv_dtype=fmt, num_sms=132)  # 128 programs < 2 per SM
@@ -188,6 +191,12 @@ def test_plan_long_context_one_warp_tiles():
         assert pre.num_warps >= 4 and pre.block_m(32, 8) >= 64
     for fmt in ("auto", "fp8"):
         assert attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt).num_warps == 4
+    # fp8 takes the one-warp tiles for few sequences over long tables only; 16-bit caches never
+    fp8 = attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=2, num_seqs=2, head_dim=128, max_kv_len=40960,
+                         kv_dtype="fp8", num_sms=132)
+    assert (fp8.num_warps, fp8.block_n, fp8.num_stages, fp8.num_splits) == (1, 32, 5, 33)
+    assert attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=1, num_seqs=1, head_dim=128, max_kv_len=131072,
+                          kv_dtype="auto", num_sms=132).num_warps == 4
     for d in (64, 128):  # float32 queries: four warps (one warp's registers cannot hold their tiles)
         assert attention_plan(**kw, head_dim=d, max_kv_len=16384, kv_dtype="int8", q_bytes=4).num_warps == 4
     for d in (64, 128):  # a GQA group of 64 (64 rows): four warps

@@ -40,10 +40,12 @@ DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8"
 # programs per SM (DECODE_TILE_LONG): every KV range split LONG_SPLITS ways once the block table holds LONG_MIN_KV+
 # tokens, unsplit below; 64 x 16k / 4k / 1k: int8 -11% / -3% / -2%, int4 -21% / -12% / -5% against the 4-warp tiles
 # (int4's two stages leave shared memory for seven programs per SM). Fewer programs over FEW_MIN_KV+ token tables
-# (DECODE_TILE_FEW): split for FEW_PROGRAMS_PER_SM programs per SM; 1 x 128k: int8 -5%, int4 -17% (64 splits).
-# Shorter tables of few sequences keep the 4-warp tiles (BENCHMARKS.md, session 13).
+# (DECODE_TILE_FEW, fp8 too): split for FEW_PROGRAMS_PER_SM programs per SM, 32-key tiles with five stages (the first
+# depth at which Triton double-buffers a paged tile); 1 x 128k against session 13's tiles: int8 -10%, int4 -1%, fp8
+# -5% (against its 4-warp tile); 2 x 40k: int8 -11%, int4 -7%, fp8 -28%. Shorter tables of few sequences keep the
+# 4-warp tiles (BENCHMARKS.md, sessions 13-14).
 DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2)}
-DECODE_TILE_FEW = {"int8": (64, 2), "int4": (64, 2)}
+DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5)}
 LONG_MIN_KV = 4096
 LONG_MIN_PROGRAMS = 2
 LONG_SPLITS = 8
@@ -166,10 +168,10 @@ def attention_plan(
         # warp splits as measured: 16-row tiles (GQA groups up to 16), head_dim 65..128, long contexts
         warp_split = (warp_split and block_n // warps >= 16 and max_kv_len >= WARP_SPLIT_MIN_KV and head_dim <= 128
                       and block_q * g <= 16)
-        one_warp = kv_dtype in DECODE_TILE_LONG and 64 < head_dim <= 128 and block_q * g <= 16 and q_bytes <= 2
+        one_warp = 64 < head_dim <= 128 and block_q * g <= 16 and q_bytes <= 2
         many = max(1, num_seqs) * num_kv_heads >= LONG_MIN_PROGRAMS * num_sms
-        long_tiles = one_warp and many
-        few_tiles = one_warp and not many and max_kv_len >= FEW_MIN_KV
+        long_tiles = one_warp and many and kv_dtype in DECODE_TILE_LONG
+        few_tiles = one_warp and not many and max_kv_len >= FEW_MIN_KV and kv_dtype in DECODE_TILE_FEW
         if long_tiles or few_tiles:
             (block_n, stages), warps = (DECODE_TILE_LONG if long_tiles else DECODE_TILE_FEW)[kv_dtype], 1
             warp_split = False
