@@ -24,6 +24,7 @@ import torch
 HQ, H, D = 32, 8, 128
 QDT = torch.float16  # query dtype (--qdtype); an "auto" pool is stored in it
 LAYOUT = "NHD"  # pool layout (--layout)
+TABLE = "random"  # block tables (--table): random blocks of the whole pool, or each sequence's blocks contiguous
 DECODE = [(64, 1024), (64, 4096), (64, 16384), (1, 131072)]
 
 
@@ -88,9 +89,12 @@ def _case(batch: int, q_len: int, seq: int, p, gen, dev):
     cu = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
     kl = torch.full((batch,), seq, dtype=torch.int32, device=dev)
     nblk = -(-seq // p.bs)
-    bt = torch.randint(0, p.num_blocks, (batch, nblk), dtype=torch.int32, device=dev, generator=gen) \
-        if p.num_blocks < batch * nblk else \
-        torch.randperm(p.num_blocks, device=dev, generator=gen)[: batch * nblk].view(batch, nblk).to(torch.int32)
+    if TABLE == "contiguous":  # each sequence's blocks side by side, as a fresh allocator hands them out
+        bt = torch.arange(batch * nblk, dtype=torch.int32, device=dev).view(batch, nblk) % p.num_blocks
+    elif p.num_blocks < batch * nblk:
+        bt = torch.randint(0, p.num_blocks, (batch, nblk), dtype=torch.int32, device=dev, generator=gen)
+    else:
+        bt = torch.randperm(p.num_blocks, device=dev, generator=gen)[: batch * nblk].view(batch, nblk).to(torch.int32)
     return q, bt, cu, kl
 
 
@@ -155,9 +159,11 @@ def main() -> int:
     ap.add_argument("--verbose", action="store_true", help="print every plan's time")
     ap.add_argument("--maxnreg", type=int, default=0, help="cap the attention kernel's registers per thread (ptxas)")
     ap.add_argument("--layout", choices=("NHD", "HND"), default="NHD", help="pool layout")
+    ap.add_argument("--table", choices=("random", "contiguous"), default="random", help="block tables")
     args = ap.parse_args()
-    global LAYOUT
+    global LAYOUT, TABLE
     LAYOUT = args.layout
+    TABLE = args.table
     sys.path.insert(0, "src")
     if args.maxnreg:
         _cap_registers(args.maxnreg)

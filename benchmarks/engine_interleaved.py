@@ -31,13 +31,16 @@ def main() -> int:
     ap.add_argument("--tile", action="append", default=[],
                     help="an extra engine LABEL=KV:BLOCK_N,STAGES[,WARPS] whose head_dim<=64 decode tiles differ "
                          "from the policy's (e.g. int4-128=int4:128,2); repeatable")
+    ap.add_argument("--split", action="append", default=[],
+                    help="an extra engine LABEL=KV:SPLITS whose decode launches split the KV range SPLITS ways "
+                         "(forced, as num_splits=; e.g. int8-s2=int8:2); repeatable")
     args = ap.parse_args()
     sys.path.insert(0, "src")
     import torch
 
     from kvcache.bench import engine as be
     from kvcache.engine import LLM, SamplingParams
-    from kvcache.ops.attention import policy
+    from kvcache.ops.attention import paged, policy
 
     dev = torch.device("cuda")
     n_req, plen, new = 64, 512, 128
@@ -59,17 +62,34 @@ def main() -> int:
         kvs.append(label)
         fmt[label], layout[label] = kv, "NHD"
         tiles[label] = (bn, st, w[0] if w else 4, False)
+    splits: dict[str, int] = {}
+    for t in args.split:
+        label, spec = t.split("=")
+        kv, n = spec.split(":")
+        kvs.append(label)
+        fmt[label], layout[label] = kv, "HND"
+        splits[label] = int(n)
     llms = {}
+    plan0 = paged.attention_plan
+
+    def split_plan(n: int):  # type: ignore[no-untyped-def]
+        def plan(**kw):  # type: ignore[no-untyped-def]
+            if kw["n_tokens"] <= policy.DECODE_ROWS * max(kw["num_seqs"], 1):
+                kw["num_splits"] = n
+            return plan0(**kw)
+        return plan
 
     def gen(label: str) -> None:
         """generate on the engine ``label``, with its decode tiles in the policy while it runs (and captures)."""
         kv = fmt[label]
         old = policy.DECODE_TILE_SMALL[kv]
         policy.DECODE_TILE_SMALL[kv] = tiles.get(label, old)
+        paged.attention_plan = split_plan(splits[label]) if label in splits else plan0
         try:
             llms[label].generate(prompts, sp)
         finally:
             policy.DECODE_TILE_SMALL[kv] = old
+            paged.attention_plan = plan0
 
     for label in kvs:
         llms[label] = LLM(be._model(dev), tokenizer=be._IdsOnlyTokenizer(), kv_dtype=fmt[label], max_num_seqs=n_req,

@@ -12,10 +12,37 @@ import collections
 import sys
 
 
+def _attention_by_launch(prof, kv: str) -> None:  # type: ignore[no-untyped-def]
+    """The attention kernel's GPU time per (grid, block) of its launches: decode and prefill launches differ in
+    both (decode: 16-row tiles, one program per (tile, head, split); prefill: 64- or 128-row tiles)."""
+    import json
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    groups: dict = collections.defaultdict(lambda: [0, 0.0])
+    for ev in events:
+        if ev.get("cat") == "kernel" and ev.get("name", "").startswith("_attention_kernel"):
+            a = ev.get("args", {})
+            key = (tuple(a.get("grid", ())), tuple(a.get("block", ())))
+            groups[key][0] += 1
+            groups[key][1] += ev.get("dur", 0.0)
+    print(f"## {kv}: attention launches by (grid, block)")
+    print("| grid | block | launches | total ms | mean us |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for (grid, block), (n, us) in sorted(groups.items(), key=lambda kv_: -kv_[1][1])[:12]:
+        print(f"| {grid} | {block} | {n} | {us / 1e3:.2f} | {us / max(n, 1):.1f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv-dtypes", default="auto,int8")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--split-attention", action="store_true",
+                    help="also print the attention kernel's time per launch shape (grid, block) from the trace")
     args = ap.parse_args()
     sys.path.insert(0, "src")
     import torch
@@ -42,6 +69,8 @@ def main() -> int:
             if ev.device_type == torch.autograd.DeviceType.CUDA:
                 per[ev.name[:60]] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
         tables[kv] = per
+        if args.split_attention:
+            _attention_by_launch(prof, kv)
         del llm
         torch.cuda.empty_cache()
     names = collections.Counter()
