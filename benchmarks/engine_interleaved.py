@@ -29,8 +29,10 @@ def main() -> int:
     ap.add_argument("--out", default="engine_interleaved.json")
     ap.add_argument("--hnd", action="store_true", help="also one engine per kv_dtype on an HND pool (label KV@HND)")
     ap.add_argument("--tile", action="append", default=[],
-                    help="an extra engine LABEL=KV:BLOCK_N,STAGES[,WARPS] whose head_dim<=64 decode tiles differ "
-                         "from the policy's (e.g. int4-128=int4:128,2); repeatable")
+                    help="an extra engine LABEL=KV:BLOCK_N,STAGES[,WARPS[,WARP_SPLIT]] whose head_dim<=64 decode "
+                         "tiles differ from the policy's (e.g. int4-128=int4:128,2; warp-split tiles at any length: "
+                         "int8-ws2=int8:64,3,2,1); HND pools with --hnd; repeatable")
+    ap.add_argument("--kv-gib", type=float, default=8.0, help="KV cache memory per engine (GiB)")
     ap.add_argument("--split", action="append", default=[],
                     help="an extra engine LABEL=KV:SPLITS whose decode launches split the KV range SPLITS ways "
                          "(forced, as num_splits=; e.g. int8-s2=int8:2); repeatable")
@@ -60,8 +62,8 @@ def main() -> int:
         kv, cfg = spec.split(":")
         bn, st, *w = (int(x) for x in cfg.split(","))
         kvs.append(label)
-        fmt[label], layout[label] = kv, "NHD"
-        tiles[label] = (bn, st, w[0] if w else 4, False)
+        fmt[label], layout[label] = kv, "HND" if args.hnd else "NHD"
+        tiles[label] = (bn, st, w[0] if w else 4, len(w) > 1 and bool(w[1]))
     splits: dict[str, int] = {}
     for t in args.split:
         label, spec = t.split("=")
@@ -83,17 +85,21 @@ def main() -> int:
         """generate on the engine ``label``, with its decode tiles in the policy while it runs (and captures)."""
         kv = fmt[label]
         old = policy.DECODE_TILE_SMALL[kv]
+        ws_min = policy.WARP_SPLIT_MIN_KV
         policy.DECODE_TILE_SMALL[kv] = tiles.get(label, old)
+        if tiles.get(label, old)[3]:
+            policy.WARP_SPLIT_MIN_KV = 0
         paged.attention_plan = split_plan(splits[label]) if label in splits else plan0
         try:
             llms[label].generate(prompts, sp)
         finally:
             policy.DECODE_TILE_SMALL[kv] = old
+            policy.WARP_SPLIT_MIN_KV = ws_min
             paged.attention_plan = plan0
 
     for label in kvs:
         llms[label] = LLM(be._model(dev), tokenizer=be._IdsOnlyTokenizer(), kv_dtype=fmt[label], max_num_seqs=n_req,
-                          kv_cache_memory=8 * 2**30, max_model_len=plen + new, enable_prefix_caching=False,
+                          kv_cache_memory=int(args.kv_gib * 2**30), max_model_len=plen + new, enable_prefix_caching=False,
                           layout=layout[label])
         gen(label)  # compile and capture every decode bucket
         torch.cuda.synchronize()
