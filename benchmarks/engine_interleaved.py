@@ -99,7 +99,8 @@ def main() -> int:
 
     for label in kvs:
         llms[label] = LLM(be._model(dev), tokenizer=be._IdsOnlyTokenizer(), kv_dtype=fmt[label], max_num_seqs=n_req,
-                          kv_cache_memory=int(args.kv_gib * 2**30), max_model_len=plen + new, enable_prefix_caching=False,
+                          kv_cache_memory=int(args.kv_gib * 2**30), max_model_len=plen + new,
+                          enable_prefix_caching=False,
                           layout=layout[label])
         gen(label)  # compile and capture every decode bucket
         torch.cuda.synchronize()
