@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV cache memory per engine (GiB)")
     ap.add_argument("--split", action="append", default=[],
                     help="an extra engine LABEL=KV:SPLITS whose decode launches split the KV range SPLITS ways "
-                         "(forced, as num_splits=; e.g. int8-s2=int8:2); repeatable")
+                         "(forced, as num_splits=; e.g. int8-s2=int8:2); HND pools with --hnd; repeatable")
     args = ap.parse_args()
     sys.path.insert(0, "src")
     import torch
@@ -69,7 +69,7 @@ def main() -> int:
         label, spec = t.split("=")
         kv, n = spec.split(":")
         kvs.append(label)
-        fmt[label], layout[label] = kv, "HND"
+        fmt[label], layout[label] = kv, "HND" if args.hnd else "NHD"
         splits[label] = int(n)
     llms = {}
     plan0 = paged.attention_plan

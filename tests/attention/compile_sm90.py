@@ -72,7 +72,7 @@ CASES = [dict(qdt=qdt, quant=quant, d=128, g=4, block_q=4, block_n=64, bs=16, sp
     dict(qdt="*fp32", quant=0, d=64, g=1, block_q=16, block_n=64, bs=16, splits=1),
     dict(qdt="*fp32", quant=0, d=128, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=8, stages=2),
     dict(qdt="*fp16", quant=1, d=256, g=8, block_q=2, block_n=32, bs=16, splits=2, linear=True),
-    # one-warp decode tiles: int8 (float16 V operands as magic numbers), int4 (K likewise), fp8 for few sequences
+    # one-warp decode tiles: int8 (its float16 V operand as magic numbers), int4, fp8 for few sequences
     dict(qdt="*bf16", quant=2, d=128, g=4, block_q=4, block_n=32, bs=16, splits=8, warps=1, stages=3),
     dict(qdt="*fp16", quant=3, d=96, g=4, block_q=4, block_n=64, bs=16, splits=8, warps=1, stages=2),
     dict(qdt="*bf16", quant=1, d=128, g=4, block_q=4, block_n=32, bs=16, splits=64, warps=1, stages=5),

@@ -367,15 +367,18 @@ def test_quantized_v_scales_spanning_1000x(device, kv_dtype):
     assert_attn_close(out, lse, eo, el, torch.float16, what=kv_dtype)
 
 
+@pytest.mark.parametrize("opts", [{}, {"num_splits": 3, "window": 100, "sinks": True}, {"softcap": 5.0}],
+                         ids=["plain", "splits-window-sinks", "softcap"])
 @pytest.mark.parametrize("offset", [0.0, 4.0], ids=["centred", "offset"])
 @pytest.mark.parametrize("qdt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("D", [96, 128])
+@pytest.mark.parametrize("D", [80, 128])
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-def test_quantized_decode_wide_rows(device, kv_dtype, D, qdt, offset):
-    """Decode rows at head_dims over 64 (the decode tiles that keep int4 K and int8 V codes as float16 magic numbers,
-    1024 + c, and take the offset out after the dots), K / V centred or offset from zero (mean ``offset``, where a
-    wrong offset correction would shift every score and output), ragged lengths with partial tiles, against the
-    reference over the dequantized cache."""
+def test_quantized_decode_wide_rows(device, kv_dtype, D, qdt, offset, opts):
+    """Decode rows at head_dims over 64, K / V centred or offset from zero (mean ``offset``), ragged lengths with
+    partial tiles, alone, with splits + window + sinks, or softcap, against the reference over the dequantized cache.
+    int8 V takes the magic-number operand there (``1024 + c``, the offset taken out after the loop: a wrong
+    correction shifts every output); on the CPU only float16 queries reach it (the interpreter runs bfloat16 dots in
+    float32), on a GPU both."""
     H, hq, bs = 2, 8, 16
     kv_lens = [1, 33, 150]
     gen = torch.Generator().manual_seed(11)
@@ -384,9 +387,14 @@ def test_quantized_decode_wide_rows(device, kv_dtype, D, qdt, offset):
     cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=kv_lens, dtype=qdt,
                               kv=(ks, vs))
     q = _q(len(kv_lens), hq, D, qdt, device, seed=5)
-    out, lse = _run(cache, bt, q, [1] * len(kv_lens), kv_lens, device)
-    eo, el = paged_expected(q.cpu(), cache, bt, [1] * len(kv_lens), kv_lens, scale=1 / math.sqrt(D))
-    assert_attn_close(out, lse, eo, el, qdt, what=f"{kv_dtype} D={D} offset {offset}")
+    kw = dict(opts)
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.linspace(-1, 2, hq, device=device)
+    ones = [1] * len(kv_lens)
+    out, lse = _run(cache, bt, q, ones, kv_lens, device, **kw)
+    eo, el = paged_expected(q.cpu(), cache, bt, ones, kv_lens, scale=1 / math.sqrt(D), sinks=kw.get("sinks"),
+                            window=kw.get("window"), softcap=kw.get("softcap"))
+    assert_attn_close(out, lse, eo, el, qdt, what=f"{kv_dtype} D={D} offset {offset} {opts}")
 
 
 @pytest.mark.parametrize("q_len", [1, 20], ids=["decode", "prefill"])

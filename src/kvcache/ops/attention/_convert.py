@@ -1,6 +1,6 @@
 """int8 / int4 codes -> the attention dots' operand dtype, inside the attention kernel.
 
-Exact conversions, two forms with the same results:
+Exact conversions, two forms with the same results (and one offset form, below):
 
 * :func:`codes_to` / :func:`codes_f32`: Triton ops (every target dtype; the interpreter's form).
 * :func:`u8_to` / :func:`u4_to`: inline PTX on whole 32-bit registers (four int8 or eight int4 codes at a
@@ -12,9 +12,8 @@ Exact conversions, two forms with the same results:
   128-key int4 decode tile from ~1,700 to ~1,000 instructions per warp and its registers from ~240 to ~170;
   int8 decode at head_dim 64 runs 12% faster (BENCHMARKS.md).
 
-* :func:`u8_magic` / :func:`u4_magic`: the magic numbers themselves, ``1024 + c`` in float16 (int4's high
-  nibbles ``1024 + 16 c``, masked in place), for decode operands whose offset the attention kernel removes after
-  the dot (two permutes per four int8 codes; two permutes and four masks per eight int4 codes).
+* :func:`u8_magic`: not exact but offset, the magic numbers themselves, ``1024 + c`` in float16, for the decode
+  tiles' int8 V operand, whose offset the attention kernel removes after the dots (two permutes per four codes).
 
 Prefill tiles dequantize instead, :func:`dequant` (``codes * scale + zero`` of K and V): inline PTX on the same
 registers, the magic-number rule then packed 16-bit ``fma`` with the token's (scale, zero): 1.5 instructions per
@@ -107,40 +106,21 @@ def u4_to(raw, DT: tl.constexpr):
     return lo, hi
 
 
-# ---- decode tiles: codes as float16 magic numbers, the offset left in (the kernel subtracts it after the dots) ----
-# int8: 1024 + c (two byte permutes per four codes). int4: 1024 + c of the low nibbles and 1024 + 16 c of the high
-# nibbles (two permutes, four masks per four bytes): the high nibble stays in place, so the attention kernel divides
-# its dots by 16.
+# ---- decode tiles: int8 codes as float16 magic numbers, the offset left in (the kernel removes it after the dots) ----
 MAGIC = tl.constexpr(1024.0)
 _U8_F16_MAGIC = tl.constexpr("{\n.reg .b32 m;\nmov.b32 m, 0x64646464;\nprmt.b32 $0, $2, m, 0x5140;\n"
                              "prmt.b32 $1, $2, m, 0x5342;\n}")
-_U4_F16_MAGIC = tl.constexpr("{\n.reg .b32 m, a, b;\nmov.b32 m, 0x64646464;\nprmt.b32 a, $4, m, 0x5140;\n"
-                             "prmt.b32 b, $4, m, 0x5342;\nand.b32 $0, a, 0xFF0FFF0F;\nand.b32 $1, b, 0xFF0FFF0F;\n"
-                             "and.b32 $2, a, 0xFFF0FFF0;\nand.b32 $3, b, 0xFFF0FFF0;\n}")
 
 
 @triton.jit
 def u8_magic(raw, INTERP: tl.constexpr):
-    """int8 codes ``c`` (uint8 tensor) -> float16 ``1024 + c``, exact; inline PTX when compiled (declared impure,
-    as :func:`u8_to`), Triton ops under the interpreter."""
+    """int8 codes ``c`` (uint8 tensor) -> float16 ``1024 + c``, exact: two byte permutes per four codes when
+    compiled (declared impure, as :func:`u8_to`), Triton ops under the interpreter (the same bits)."""
     if INTERP:
         out = (raw.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
     else:
         out = tl.inline_asm_elementwise(_U8_F16_MAGIC, "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
     return out
-
-
-@triton.jit
-def u4_magic(raw, INTERP: tl.constexpr):
-    """int4 byte rows (uint8 tensor; low nibble ``a``, high nibble ``b``) -> float16 (``1024 + a``, ``1024 + 16 b``),
-    exact; inline PTX when compiled, Triton ops under the interpreter."""
-    if INTERP:
-        lo = ((raw & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        hi = ((raw & 0xF0).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-    else:
-        lo, hi = tl.inline_asm_elementwise(_U4_F16_MAGIC, "=r,=r,=r,=r,r", [raw], dtype=(tl.float16, tl.float16),
-                                           is_pure=False, pack=4)
-    return lo, hi
 
 
 # ---- prefill K / V tiles: codes * scale + zero per token in packed 16-bit math ----

@@ -28,12 +28,14 @@ Dequantization happens in registers right after the load:
   float32 accumulator, and the zero terms ``sum_j p_j z_j`` go to a per-row float32 accumulator, rescaled
   with it and added before the normalisation. Codes become floats with no integer -> float conversion
   instruction (magic numbers, :mod:`._convert`): K's in the query dtype, V's in float16 (float32 for float32
-  queries), whatever the query dtype, since P's operand is scaled into float16's normal range. Where it measured
-  faster (``K_MAGIC``: int4 K with float16 operands; ``V_MAGIC``: int8 V rows over 64 elements), the operand keeps
-  the magic number's offset, ``1024 + c`` (int4's second half ``1024 + 16 c``, its dot scaled by 1 / 16), and the
-  offset leaves after the dot: K's as ``1024 sum(q_lo) + 64 sum(q_hi)`` per row, V's as ``1024`` times the sum
-  of the dot's own float16 P operand, carried per row like the zero terms. The dots accumulate in float32, so the
-  offset costs about 10 bits of float32's 24 (int8 V: 3): far below float16's rounding of q or P.
+  queries), whatever the query dtype, since P's operand is scaled into float16's normal range. int8 V rows over
+  64 elements (``V_MAGIC``, where it measured faster) keep the magic number's offset in the operand, ``1024 + c``,
+  and the offset leaves after the loop: each tile adds ``dot_scale * sum_j pv_j`` (the row sum of the dot's own
+  float16 P operand) to a per-row float32 ``pvs``, rescaled like the zero terms, and ``1024 * pvs`` is taken from
+  them at the end. The dot then accumulates products of ``1024 + c`` (at most 1279) in float32: an error of about
+  2^-13 of the tile's largest V scale (one int8 step) per unit of softmax weight, against the half step of the
+  int8 rounding itself. K keeps exact codes: its offset, ``1024 sum(q)`` in every score, measured 100-200x the
+  exact form's log-sum-exp error for queries with a non-zero mean (2e-2 at mean 32).
 * int8 / int4 prefill tiles (many rows share each element): K and V are dequantized per element into the dot's
   dtype, ``codes * scale + zero`` in packed 16-bit fma (:func:`._convert.dequant`: its docstring gives the
   precision), so the scores need no per-score affine; the rows' maxima are taken on unscaled scores and the
@@ -95,13 +97,13 @@ def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
 
 @triton.jit
 def _tile(
-    t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_mag, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
+    t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
     bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr,
     SOFTCAP: tl.constexpr, H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr,
     S_KV: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr,
     P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr,
-    INTERP: tl.constexpr, Q_DT: tl.constexpr, K_MAGIC: tl.constexpr, V_MAGIC: tl.constexpr,
+    INTERP: tl.constexpr, Q_DT: tl.constexpr, V_MAGIC: tl.constexpr,
 ):
     """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi, zacc, pvs); ``zacc``
     (int8 / int4: the rows' sums of ``p * zero_v``) is returned unchanged for the other formats, ``pvs`` (the magic
@@ -117,23 +119,17 @@ def _tile(
     ok_n, blk, tok, base = _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS, S_BLK, S_TOK, S_HEAD, LINEAR)
     k_off = base[None, :] + dd[:, None]
     k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], H1, QUANT,
-                          q_lo.dtype, not V_FOLD, INTERP, K_MAGIC)
+                          q_lo.dtype, not V_FOLD, INTERP, False)
     pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
     if QUANT >= 2 and not V_FOLD:
         # prefill tiles: dequantize K per element (many rows share it), no per-score affine
         ks, kz = _load_params(qparams, pbase, ok_n)
         k_lo, k_hi = dequant(k_lo, k_hi, ks, kz, qdt, Q_DT, 4 if QUANT == 3 else 8, True, INTERP)
     s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
-    if K_MAGIC:
-        s = s + tl.dot(q_hi, k_hi, input_precision=PRECISION) * 0.0625  # int4's second half: 1024 + 16 c
-    else:
-        s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
+    s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
     if QUANT >= 2 and V_FOLD:
         ks, kz = _load_params(qparams, pbase, ok_n)
-        if K_MAGIC:
-            s = (s - q_mag[:, None]) * ks[None, :] + q_sum[:, None] * kz[None, :]
-        else:
-            s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
+        s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
         if Q_RESCALE:
             s = s * q_inv[:, None]  # the rows' 1 / r (rescaled bfloat16 queries)
     # quantized prefill tiles without softcap: the rows' maxima of unscaled scores times qk_scale (> 0) are the
@@ -305,15 +301,9 @@ def _attention_kernel(
         qdt_k: tl.constexpr = qdt
     q_lo = q_lo.to(qdt_k)
     q_hi = q_hi.to(qdt_k)
-    # one-warp-state decode tiles take int4 K and int8 V (rows over 64 elements) as float16 magic numbers with the
-    # offset left in (module docstring); the other operands, and the warp-split tiles, convert exactly
-    K_MAGIC: tl.constexpr = V_FOLD and WARPS_K == 1 and QUANT == 3 and qdt_k == tl.float16
+    # decode tiles without a warp split take int8 V rows over 64 elements as float16 magic numbers with the offset
+    # left in (module docstring); every other operand converts exactly
     V_MAGIC: tl.constexpr = V_FOLD and WARPS_K == 1 and QUANT == 2 and HALF_P >= 64 and qdt != tl.float32
-    if K_MAGIC:
-        # q . k of int4 codes = (dot_lo - 1024 sum(q_lo)) + (dot_hi - 1024 sum(q_hi)) / 16
-        q_mag = MAGIC * tl.sum(q_lo.to(tl.float32), 1) + (MAGIC * 0.0625) * tl.sum(q_hi.to(tl.float32), 1)
-    else:
-        q_mag = q_sum  # unused
 
     k_scale = 1.0
     v_scale = 1.0
@@ -397,23 +387,22 @@ def _attention_kernel(
         if HAS_WINDOW:  # without a window, tf_lo == t_lo: nothing before the unmasked tiles
             for t in range(t_begin, tl.minimum(t_end, tf_lo)):
                 m_i, l_i, acc_lo, acc_hi, zacc, pvs = _tile(
-                    t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_mag, q_inv, q_pos, ok_m, qk_scale,
+                    t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale,
                     pool, qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi,
                     qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT,
-                    LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, K_MAGIC,
-                    V_MAGIC)
+                    LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
             m_i, l_i, acc_lo, acc_hi, zacc, pvs = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_mag, q_inv, q_pos, ok_m, qk_scale, pool,
+                t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
                 qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
                 SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
-                HAS_WINDOW, PRECISION, False, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, K_MAGIC, V_MAGIC)
+                HAS_WINDOW, PRECISION, False, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_hi), t_end):
             m_i, l_i, acc_lo, acc_hi, zacc, pvs = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_mag, q_inv, q_pos, ok_m, qk_scale, pool,
+                t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
                 qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
                 SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
-                HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, K_MAGIC, V_MAGIC)
+                HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
 
     if HAS_SINKS:
         # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only

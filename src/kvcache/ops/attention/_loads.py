@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._convert import codes_to, u4_magic, u4_to, u8_magic, u8_to
+from ._convert import codes_to, u4_to, u8_magic, u8_to
 
 LOG2E = tl.constexpr(1.4426950408889634)
 PV_RANGE = tl.constexpr(32768.0)  # int8 / int4 decode tiles: the largest P operand of PV (_kernel's docstring)
@@ -38,21 +38,20 @@ def _load_kv(pool, off, m_lo, m_hi, H1: tl.constexpr, QUANT: tl.constexpr, DT: t
 
     ``RAW``: as stored (16-bit values, fp8 values, int8 codes as uint8, int4 byte rows as uint8 twice); the caller
     converts at the dot (prefill tiles dequantize int8 / int4 there). Else (int8 / int4 decode tiles only) the
-    codes as exact ``DT`` values, by the inline-PTX form of :mod:`._convert` when compiled; with ``MAGIC``
-    (float16 ``DT``) as float16 magic numbers with their offset left in (``u8_magic`` / ``u4_magic``: 1024 + c,
-    int4's second half 1024 + 16 c), which the caller removes after the dots.
+    codes as exact ``DT`` values, by the inline-PTX form of :mod:`._convert` when compiled; with ``MAGIC`` (int8,
+    float16 ``DT``) as float16 magic numbers with their offset left in (``u8_magic``: 1024 + c), which the caller
+    removes after the dots.
 
     int4: one load of the byte row; the low nibbles are the first half, the high nibbles the second. fp8 pools
     arrive as their bytes (uint8), so masked lanes read as +0.0 (a masked load's ``other`` cannot be an fp8
     constant), then bitcast.
     """
     if QUANT == 3:
+        tl.static_assert(not MAGIC, "_load_kv: int4 codes convert exactly")
         raw = tl.load(pool + off, mask=m_lo, other=0)
         if RAW:
             lo = raw
             hi = raw
-        elif MAGIC:
-            lo, hi = u4_magic(raw, INTERP)
         elif INTERP or DT == tl.float32:
             lo = codes_to(raw & 15, DT, 4)
             hi = codes_to(raw >> 4, DT, 4)
@@ -70,6 +69,7 @@ def _load_kv(pool, off, m_lo, m_hi, H1: tl.constexpr, QUANT: tl.constexpr, DT: t
                 lo = tl.where((b_lo & 0x7F) == 0x7F, float("nan"), lo.to(tl.float32))
                 hi = tl.where((b_hi & 0x7F) == 0x7F, float("nan"), hi.to(tl.float32))
         elif QUANT == 2 and MAGIC and not RAW:
+            tl.static_assert(DT == tl.float16, "_load_kv: magic numbers are float16")
             lo = u8_magic(lo, INTERP)
             hi = u8_magic(hi, INTERP)
         elif QUANT == 2 and not RAW:

@@ -20,13 +20,13 @@ MIN_SPLIT_TOKENS = 512
 MAX_SPLITS = 64
 # Programs per SM aimed at by the split heuristic when the batch alone leaves SMs idle. Batches with at least one
 # program per SM are not split on 4-warp tiles: the merge pass then costs more than the balance gains (BENCHMARKS.md,
-# the sweep); the one-warp tiles below have their own split rules. fp8 decode tiles at head_dim > 64 (128 keys) fit
-# two programs per SM, and two per SM is what their split should aim at (1 x 128k: 33 splits faster than 64 by 5%).
+# the sweep); the one-warp tiles below have their own split rules. The 4-warp fp8 / int8 / int4 decode tiles at
+# head_dim > 64 (128 keys) fit two programs per SM, and two per SM is what their split aims at.
 PROGRAMS_PER_SM = 4
 PROGRAMS_PER_SM_QUANT = 2
 # Decode tiles (keys per tile, pipeline stages, warps, warp split) per stored format, measured on the H100 (sweeps
 # in BENCHMARKS.md). head_dim > 64: 16-bit caches want short tiles and deep pipelines, 8- and 4-bit caches long
-# tiles that amortise the per-tile dequantization and softmax (int8 / int4 take the one-warp tiles below where they
+# tiles that amortise the per-tile dequantization and softmax (the one-warp tiles below replace them where they
 # apply); int4 splits the tile's keys over the warps (7% faster at 64 x 16k, 3% at 4k, session 11) once contexts reach
 # WARP_SPLIT_MIN_KV (8% slower at 1k; max_kv_len is the block table's capacity unless the caller passes a tighter
 # bound). head_dim <= 64: 64-key tiles, four programs per SM (warp splits measured 11-68% slower there); int4 takes
@@ -35,15 +35,16 @@ DECODE_TILE = {"auto": (32, 4, 4, False), "fp8": (128, 3, 4, False), "int8": (12
                "int4": (128, 3, 4, True)}
 DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8": (64, 3, 1, False),
                      "int4": (128, 2, 4, False)}
-# int8 / int4 decode at head_dim 65..128 with 16-bit queries: one-warp tiles (keys, stages). One warp per program needs
+# Quantized decode at head_dim 65..128 with 16-bit queries: one-warp tiles (keys, stages). One warp per program needs
 # no exchange between warps per tile; KV splits bring the resident warps back. Batches with LONG_MIN_PROGRAMS+
-# programs per SM (DECODE_TILE_LONG): every KV range split LONG_SPLITS ways once the block table holds LONG_MIN_KV+
-# tokens, unsplit below; 64 x 16k / 4k / 1k: int8 -11% / -3% / -2%, int4 -21% / -12% / -5% against the 4-warp tiles
-# (int4's two stages leave shared memory for seven programs per SM). Fewer programs over FEW_MIN_KV+ token tables
-# (DECODE_TILE_FEW, fp8 too): split for FEW_PROGRAMS_PER_SM programs per SM, 32-key tiles with five stages (the first
-# depth at which Triton double-buffers a paged tile); 1 x 128k against session 13's tiles: int8 -10%, int4 -1%, fp8
-# -5% (against its 4-warp tile); 2 x 40k: int8 -11%, int4 -7%, fp8 -28%. Shorter tables of few sequences keep the
-# 4-warp tiles (BENCHMARKS.md, sessions 13-14).
+# programs per SM (DECODE_TILE_LONG, int8 / int4): every KV range split LONG_SPLITS ways once the block table holds
+# LONG_MIN_KV+ tokens, unsplit below; 64 x 16k / 4k / 1k: int8 -11% / -3% / -2%, int4 -21% / -12% / -5% against the
+# 4-warp tiles (int4's two stages leave shared memory for seven programs per SM). Fewer programs over FEW_MIN_KV+
+# token tables (DECODE_TILE_FEW, fp8 too): split for FEW_PROGRAMS_PER_SM programs per SM, 32-key tiles on five
+# stages, the first depth at which Triton gives a paged tile two shared-memory buffers (it costs programs per SM, so
+# the batches above keep fewer stages): 1 x 128k int8 / int4 / fp8 -10% / -1% / -5%, 2 x 40k -11% / -7% / -28%
+# against 64-key two-stage one-warp tiles (fp8: its 4-warp tile). Shorter tables of few sequences keep the 4-warp
+# tiles (BENCHMARKS.md).
 DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2)}
 DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5)}
 LONG_MIN_KV = 4096
