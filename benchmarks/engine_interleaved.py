@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--static", action="store_true", help="also time HF generate + StaticCache (warmed up)")
     ap.add_argument("--out", default="engine_interleaved.json")
     ap.add_argument("--hnd", action="store_true", help="also one engine per kv_dtype on an HND pool (label KV@HND)")
+    ap.add_argument("--layout", choices=("NHD", "HND"), default="NHD", help="pool layout of the --kv-dtypes engines")
     ap.add_argument("--tile", action="append", default=[],
                     help="an extra engine LABEL=KV:BLOCK_N,STAGES[,WARPS[,WARP_SPLIT]] whose head_dim<=64 decode "
                          "tiles differ from the policy's (e.g. int4-128=int4:128,2; warp-split tiles at any length: "
@@ -51,7 +52,7 @@ def main() -> int:
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     kvs = [k for k in args.kv_dtypes.split(",") if k]
     fmt = {kv: kv for kv in kvs}
-    layout = {kv: "NHD" for kv in kvs}
+    layout = {kv: args.layout for kv in kvs}
     if args.hnd:
         for kv in list(kvs):
             kvs.append(f"{kv}@HND")
