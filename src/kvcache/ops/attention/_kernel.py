@@ -182,8 +182,8 @@ def _tile(
             acc_hi = acc_hi * alpha[:, None] + dot_scale * tl.dot(pv, v_hi, input_precision=PRECISION)
             zacc = zacc * alpha + tl.sum(p * vz[None, :], 1)
             if V_MAGIC:
-                # the codes carried 1024: its weight is the sum of the dot's own float16 P operand, taken out after
-                # the loop
+                # the operand carried 1024 + c: the offset's weight is dot_scale times the row sum of the dot's own
+                # float16 P operand, taken out after the loop
                 pvs = pvs * alpha + dot_scale * tl.sum(pv.to(tl.float32), 1)
         else:
             # prefill tiles (many rows per key): dequantize V per element, the rows share it
