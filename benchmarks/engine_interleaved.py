@@ -63,14 +63,14 @@ def main() -> int:
         kv, cfg = spec.split(":")
         bn, st, *w = (int(x) for x in cfg.split(","))
         kvs.append(label)
-        fmt[label], layout[label] = kv, "HND" if args.hnd else "NHD"
+        fmt[label], layout[label] = kv, "HND" if args.hnd else args.layout
         tiles[label] = (bn, st, w[0] if w else 4, len(w) > 1 and bool(w[1]))
     splits: dict[str, int] = {}
     for t in args.split:
         label, spec = t.split("=")
         kv, n = spec.split(":")
         kvs.append(label)
-        fmt[label], layout[label] = kv, "HND" if args.hnd else "NHD"
+        fmt[label], layout[label] = kv, "HND" if args.hnd else args.layout
         splits[label] = int(n)
     llms = {}
     plan0 = paged.attention_plan
