@@ -15,7 +15,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvcache.ops.attention._kernel import _attention_kernel, _combine_kernel, _merge_kernel
+from kvcache.ops.attention._combine import _combine_kernel, _merge_kernel
+from kvcache.ops.attention._kernel import _attention_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 

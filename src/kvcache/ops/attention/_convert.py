@@ -40,11 +40,17 @@ def codes_f32(c):
 
 
 @triton.jit
+def _f16_magic(c):
+    """float16 ``1024 + c`` of unsigned 8-bit codes ``c``, exact: the code ORed into the mantissa of 1024."""
+    return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def codes_to(c, DT: tl.constexpr, NBITS: tl.constexpr):
     """Exactly ``c.to(DT)`` for ``NBITS``-bit unsigned codes ``c`` (uint8 tensor; 8: int8, 4: int4) by Triton ops
     (the interpreter's form, and float32 targets)."""
     if DT == tl.float16:
-        out = (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        out = _f16_magic(c) - 1024.0
     elif DT == tl.bfloat16:
         if NBITS <= 7:
             out = (c.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
@@ -117,7 +123,7 @@ def u8_magic(raw, INTERP: tl.constexpr):
     """int8 codes ``c`` (uint8 tensor) -> float16 ``1024 + c``, exact: two byte permutes per four codes when
     compiled (declared impure, as :func:`u8_to`), Triton ops under the interpreter (the same bits)."""
     if INTERP:
-        out = (raw.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        out = _f16_magic(raw)
     else:
         out = tl.inline_asm_elementwise(_U8_F16_MAGIC, "=r,=r,r", [raw], dtype=tl.float16, is_pure=False, pack=4)
     return out

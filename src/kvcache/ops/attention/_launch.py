@@ -12,7 +12,8 @@ import torch
 
 from ..._validate import cdiv, next_pow2
 from ..paged.format import KV_FORMAT_TABLE
-from ._kernel import _attention_kernel, _combine_kernel, _merge_kernel
+from ._combine import _combine_kernel, _merge_kernel
+from ._kernel import _attention_kernel
 from .policy import AttentionPlan
 
 

@@ -9,6 +9,7 @@ import triton.language as tl
 from ._convert import codes_to, u4_to, u8_magic, u8_to
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 PV_RANGE = tl.constexpr(32768.0)  # int8 / int4 decode tiles: the largest P operand of PV (_kernel's docstring)
 
 
