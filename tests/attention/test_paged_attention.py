@@ -413,6 +413,30 @@ def test_quantized_decode_queries_with_a_mean(device, kv_dtype):
     assert_attn_close(out, lse, eo, el, torch.float16, what=f"{kv_dtype} queries with a mean")
 
 
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_decode_v_scales_vary_by_tile(device, kv_dtype, D, splits):
+    """V magnitudes that change by up to 10^10 from one KV tile to the next (bf16 cache, runs of 24 tokens): the
+    decode tiles keep their accumulators in units of each tile's largest V scale and rescale them tile by tile, so a
+    wrong ratio between two tiles' units would mis-weigh every earlier tile. Queries are small, so all tokens carry
+    comparable softmax weights and every tile's values reach the output."""
+    H, hq, bs, n = 1, 4, 16, 600
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn((n, H, D), generator=gen)
+    mags = 10.0 ** torch.randint(-5, 6, (n // 24 + 1,), generator=gen).double()
+    v = torch.randn((n, H, D), generator=gen).double() * mags.repeat_interleave(24)[:n, None, None]
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=[n],
+                              dtype=torch.bfloat16, kv=([k.bfloat16()], [v.bfloat16()]))
+    q = (0.1 * _q(1, hq, D, torch.float32, device)).bfloat16()
+    kw = {} if splits is None else dict(num_splits=splits)
+    out, lse = _run(cache, bt, q, [1], [n], device, **kw)
+    eo, el = paged_expected(q.cpu(), cache, bt, [1], [n], scale=1 / math.sqrt(D))
+    err = (out.double().cpu() - eo).abs().amax(-1) / eo.abs().amax(-1)
+    assert err.max() <= 1e-2, err
+    assert (lse.double().cpu() - el).abs().max() <= 1e-2
+
+
 @pytest.mark.parametrize("q_len", [1, 20], ids=["decode", "prefill"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("mag", [1e-30, 1e-36])

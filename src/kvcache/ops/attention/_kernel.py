@@ -5,7 +5,9 @@ of a query tile next to each other in the launch order, larger tiles the query t
 is ``BLOCK_Q`` query tokens times the padded GQA group ``G_P``: row ``m`` is token ``m // G_P`` and q head ``kv_head
 * G + m % G_P``, so every q head of a KV head shares each K / V tile it loads (decode: one token's whole group,
 padded to 16 rows for the tensor cores). QK^T and PV are ``tl.dot`` with float32 accumulators; the online softmax
-runs in base 2 with ``log2(e)`` folded into the scale.
+runs in base 2 with ``log2(e)`` folded into the scale. Without softcap (every format but fp8, whose scale is data),
+the rows' maxima are taken on unscaled scores (the scale is > 0) and the scale enters exp2's argument: one
+multiply-add per score.
 
 Rows of head_dim are handled as two halves, elements ``[0, H1)`` and ``[H1, D)`` (``H1 = ceil(D / 2)``), each a
 power-of-two tile of ``HALF_P`` lanes: int4 stores exactly these halves in the low and high nibbles of one
@@ -17,29 +19,30 @@ Dequantization happens in registers right after the load:
 * fp8: the tile converts to the query dtype; ``k_scale`` is folded into the score scale and ``v_scale`` into
   the final normalisation.
 * int8 / int4 decode tiles (``V_FOLD``: 16 rows, each K / V element used by few rows, so per-element work would
-  dominate): both dots run on the codes (exact in fp16 / bf16), and the (scale, zero) pairs act per token.
-  QK^T: ``q . k = scale_k * (q . codes) + zero_k * sum(q)``, one multiply-add per score. PV:
-  ``sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j`` per tile,
-  with ``s_max`` the tile's largest V scale (1 where it is not a positive finite number: masked or all-zero
-  tiles) and ``R = PV_RANGE = 2^15``. The dot's P operand (float16) ``R p s / s_max`` is at most ``R`` (``p <= 1``,
-  ``s <= s_max``: no fp16 overflow) and leaves fp16's normal range only below ``p s / s_max = 2^-29``, so no
-  weight of a token whose scale is small (absolutely, or next to the tile's largest) sinks into fp16's
-  subnormals, as ``p * s`` in fp16 would (scales ~1e-4). The dot's result is scaled by ``s_max / R`` into the
-  float32 accumulator, and the zero terms ``sum_j p_j z_j`` go to a per-row float32 accumulator, rescaled
-  with it and added before the normalisation. Codes become floats with no integer -> float conversion
-  instruction (magic numbers, :mod:`._convert`): K's in the query dtype, V's in float16 (float32 for float32
-  queries), whatever the query dtype, since P's operand is scaled into float16's normal range. int8 V rows over
-  64 elements (``V_MAGIC``, where it measured faster) keep the magic number's offset in the operand, ``1024 + c``,
-  and the offset leaves after the loop: each tile adds ``dot_scale * sum_j pv_j`` (the row sum of the dot's own
-  float16 P operand) to a per-row float32 ``pvs``, rescaled like the zero terms, and ``1024 * pvs`` is taken from
-  them at the end. The dot then accumulates products of ``1024 + c`` (at most 1279) in float32: an error of about
-  2^-13 of the tile's largest V scale (one int8 step) per unit of softmax weight, against the half step of the
-  int8 rounding itself. K keeps exact codes: its offset, ``1024 sum(q)`` in every score, measured 100-200x the
-  exact form's log-sum-exp error for queries with a non-zero mean (2e-2 at mean 32).
+  dominate): both dots run on the codes (exact in fp16 / bf16), and the (scale, zero) pairs act per token. QK^T:
+  ``q . k = scale_k * (q . codes) + zero_k * sum(q)``, one multiply-add per score. PV:
+  ``sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j`` per tile, with ``s_max``
+  the tile's largest V scale (1 where it is not a positive finite number: masked or all-zero tiles) and
+  ``R = PV_RANGE = 2^15``. The dot's P operand (float16) ``R p s / s_max`` is at most ``R`` (``p <= 1``,
+  ``s <= s_max``: no fp16 overflow) and leaves fp16's normal range only below ``p s / s_max = 2^-29``, so no weight of
+  a token whose scale is small (absolutely, or next to the tile's largest) sinks into fp16's subnormals, as ``p * s``
+  in fp16 would (scales ~1e-4). The float32 accumulators hold the output in units of ``a / R``, ``a`` the last tile's
+  ``s_max``: each tile rescales them by ``alpha * a / s_max`` and its dot accumulates in place (no multiply of the
+  dot's result; they overflow only if a sequence's V scales span about 2^100). The zero terms ``sum_j p_j z_j`` go to
+  a per-row float32 accumulator in output units, rescaled by ``alpha``, and are added after the accumulators return to
+  output units, before the normalisation. Codes become floats with no integer -> float conversion instruction (magic
+  numbers, :mod:`._convert`): K's in the query dtype, V's in float16 (float32 for float32 queries), whatever the query
+  dtype, since P's operand is scaled into float16's normal range. int8 V rows over 64 elements (``V_MAGIC``, where it
+  measured faster) keep the magic number's offset in the operand, ``1024 + c``, and the offset leaves after the loop:
+  a second dot of the tile's float16 P operand with a ones tile keeps its row sums ``pvs`` (exact products, in the
+  accumulators' units and rescaled with them), and ``1024 * pvs`` is taken from the accumulators at the end. The dot
+  then accumulates products of ``1024 + c`` (at most 1279) in float32: an error of about 2^-13 of the tile's largest V
+  scale (one int8 step) per unit of softmax weight, against the half step of the int8 rounding itself. K keeps exact
+  codes: its offset, ``1024 sum(q)`` in every score, measured 100-200x the exact form's log-sum-exp error for queries
+  with a non-zero mean (2e-2 at mean 32).
 * int8 / int4 prefill tiles (many rows share each element): K and V are dequantized per element into the dot's
   dtype, ``codes * scale + zero`` in packed 16-bit fma (:func:`._convert.dequant`: its docstring gives the
-  precision), so the scores need no per-score affine; the rows' maxima are taken on unscaled scores and the
-  score scale enters exp2's argument (one multiply-add per score; softcap keeps the scale per score).
+  precision), so the scores need no per-score affine.
 * A NaN scale or zero (a non-finite (token, head) of the cache) makes every output row that loads it NaN.
 
 Decode tiles may split their keys over the warps (``WARPS_K > 1``, :mod:`._warp_tile`): each warp keeps its own
@@ -95,7 +98,7 @@ def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
 
 @triton.jit
 def _tile(
-    t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
+    t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
     bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr,
     SOFTCAP: tl.constexpr, H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr,
     S_KV: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr,
@@ -125,14 +128,19 @@ def _tile(
         k_lo, k_hi = dequant(k_lo, k_hi, ks, kz, qdt, Q_DT, 4 if QUANT == 3 else 8, True, INTERP)
     s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
     s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
+    # without softcap (every format but fp8, whose scale is data): the rows' maxima of unscaled scores times the
+    # score scale (> 0) are the maxima of the scaled ones, and the scale enters exp2's argument, one multiply-add per
+    # score; rescaled bfloat16 queries (Q_RESCALE) fold their rows' 1 / r into that scale
+    LATE: tl.constexpr = QUANT != 1 and SOFTCAP == 0
+    if LATE and Q_RESCALE:
+        qk_row = q_inv * qk_scale
+    else:
+        qk_row = qk_scale + q_inv * 0.0
     if QUANT >= 2 and V_FOLD:
         ks, kz = _load_params(qparams, pbase, ok_n)
         s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
-        if Q_RESCALE:
+        if Q_RESCALE and not LATE:
             s = s * q_inv[:, None]  # the rows' 1 / r (rescaled bfloat16 queries)
-    # quantized prefill tiles without softcap: the rows' maxima of unscaled scores times qk_scale (> 0) are the
-    # maxima of the scaled ones, and the scale enters exp2's argument, one multiply-add per score
-    LATE: tl.constexpr = QUANT >= 2 and not V_FOLD and SOFTCAP == 0
     if SOFTCAP > 0:
         # softcap * tanh(x) in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
         s = (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
@@ -145,13 +153,13 @@ def _tile(
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
     if LATE:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_row)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     if LATE:
-        p = tl.exp2(s * qk_scale - m_safe[:, None])
+        p = tl.exp2(s * qk_row[:, None] - m_safe[:, None])
     else:
         p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -174,15 +182,23 @@ def _tile(
             # docstring); tokens past the length or the table load scale and zero 0, masked scores have p = 0
             vs_max = tl.max(vs, 0)
             vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, 1.0)
-            pv = (p * ((vs / vs_max) * PV_RANGE)[None, :]).to(vdt)  # at most R; a NaN scale stays NaN
-            dot_scale = vs_max * (1.0 / PV_RANGE)
-            acc_lo = acc_lo * alpha[:, None] + dot_scale * tl.dot(pv, v_lo, input_precision=PRECISION)
-            acc_hi = acc_hi * alpha[:, None] + dot_scale * tl.dot(pv, v_hi, input_precision=PRECISION)
+            # one reciprocal per tile, finite: maxima below 2^-64 (subnormal bfloat16 scales) are first scaled by 2^64
+            # with their scales (exact)
+            up = tl.where(vs_max < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+            rcp = 1.0 / (vs_max * up)
+            pv = (p * ((vs * up) * (PV_RANGE * rcp))[None, :]).to(vdt)  # <= R (1 + 2^-22); NaN stays NaN
+            # the accumulators hold the output times R / a_sc (a_sc: the last tile's s_max), so the dots accumulate in
+            # place, rescaled by alpha * a_sc / s_max first: no multiply of the dot's result. The ratio is capped
+            # finite (alpha = 0 must give 0); it reaches the cap only where the accumulators would overflow anyway
+            f = alpha * tl.minimum(a_sc * (up * rcp), 3.0e38)
+            acc_lo = tl.dot(pv, v_lo, acc=acc_lo * f[:, None], input_precision=PRECISION)
+            acc_hi = tl.dot(pv, v_hi, acc=acc_hi * f[:, None], input_precision=PRECISION)
+            a_sc = vs_max
             zacc = zacc * alpha + tl.sum(p * vz[None, :], 1)
             if V_MAGIC:
-                # the operand carried 1024 + c: the offset's weight is dot_scale times the row sum of the dot's own
-                # float16 P operand, taken out after the loop
-                pvs = pvs * alpha + dot_scale * tl.sum(pv.to(tl.float32), 1)
+                # the operand carried 1024 + c: the offset's weight (in the accumulators' units) is the row sum of
+                # the dot's own float16 P operand, taken out after the loop
+                pvs = tl.dot(pv, tl.full([BLOCK_N, 16], 1.0, vdt), acc=pvs * f[:, None], input_precision=PRECISION)
         else:
             # prefill tiles (many rows per key): dequantize V per element, the rows share it
             v_lo, v_hi = dequant(v_lo, v_hi, vs, vz, qdt, Q_DT, 4 if QUANT == 3 else 8, False, INTERP)
@@ -193,7 +209,7 @@ def _tile(
         pc = p.to(qdt)
         acc_lo = tl.dot(pc, v_lo.to(qdt), acc=acc_lo * alpha[:, None], input_precision=PRECISION)
         acc_hi = tl.dot(pc, v_hi.to(qdt), acc=acc_hi * alpha[:, None], input_precision=PRECISION)
-    return m_i, l_i, acc_lo, acc_hi, zacc, pvs
+    return m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc
 
 
 @kernel(ints=("s_qt", "s_qh", "s_qb", "s_ot", "s_oh", "s_ob", "s_lt", "s_lh", "s_lb", "bt_stride", "table_width",
@@ -374,30 +390,36 @@ def _attention_kernel(
                 SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
                 HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
         m_i, l_i, acc_lo, acc_hi, zacc = _merge_warps(m_w, l_w, acc_lo_w, acc_hi_w, zacc_w)
+        a_sc = PV_RANGE  # the merged accumulators hold the output itself
     else:
         m_i = tl.full([BLOCK_Q * G_P], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * G_P], tl.float32)
         acc_lo = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
         acc_hi = tl.zeros([BLOCK_Q * G_P, HALF_P], tl.float32)
         zacc = tl.zeros([BLOCK_Q * G_P], tl.float32)  # V_FOLD: sum of p * zero_v per row (else unused)
-        pvs = tl.zeros([BLOCK_Q * G_P], tl.float32)  # V_MAGIC: the magic offset's weight per row (else unused)
+        if V_MAGIC:
+            # the magic offset's weight per row, in each of 16 equal columns (summed by a dot)
+            pvs = tl.zeros([BLOCK_Q * G_P, 16], tl.float32)
+        else:
+            pvs = tl.zeros([BLOCK_Q * G_P], tl.float32)  # unused
+        a_sc = tl.full([], 1.0, tl.float32)  # V_FOLD: the accumulators hold the output times R / a_sc
         offs_n = tl.arange(0, BLOCK_N)
         if HAS_WINDOW:  # without a window, tf_lo == t_lo: nothing before the unmasked tiles
             for t in range(t_begin, tl.minimum(t_end, tf_lo)):
-                m_i, l_i, acc_lo, acc_hi, zacc, pvs = _tile(
-                    t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale,
+                m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
+                    t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale,
                     pool, qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi,
                     qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT,
                     LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
-            m_i, l_i, acc_lo, acc_hi, zacc, pvs = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
+            m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
+                t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
                 qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
                 SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
                 HAS_WINDOW, PRECISION, False, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_hi), t_end):
-            m_i, l_i, acc_lo, acc_hi, zacc, pvs = _tile(
-                t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
+            m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
+                t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
                 qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
                 SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
                 HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
@@ -415,16 +437,19 @@ def _attention_kernel(
         if V_FOLD:
             zacc = zacc * alpha
         if V_MAGIC:
-            pvs = pvs * alpha
+            pvs = pvs * alpha[:, None]
         m_i = m_new
 
     has = l_i > 0
     inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
-    if V_MAGIC:
-        zacc = zacc - MAGIC * pvs
     if V_FOLD:
-        acc_lo = acc_lo + zacc[:, None]
-        acc_hi = acc_hi + zacc[:, None]
+        # less the magic offset (V_MAGIC, in the accumulators' units), back to output units, plus the zero terms
+        if V_MAGIC:
+            pv_sum = tl.max(pvs, 1)
+            acc_lo = acc_lo - MAGIC * pv_sum[:, None]
+            acc_hi = acc_hi - MAGIC * pv_sum[:, None]
+        acc_lo = (acc_lo * (1.0 / PV_RANGE)) * a_sc + zacc[:, None]
+        acc_hi = (acc_hi * (1.0 / PV_RANGE)) * a_sc + zacc[:, None]
     o_lo = acc_lo * inv[:, None]
     o_hi = acc_hi * inv[:, None]
     row_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
