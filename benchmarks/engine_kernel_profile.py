@@ -37,12 +37,53 @@ def _attention_by_launch(prof, kv: str) -> None:  # type: ignore[no-untyped-def]
         print(f"| {grid} | {block} | {n} | {us / 1e3:.2f} | {us / max(n, 1):.1f} |")
 
 
+def _gaps(prof, kv: str, top: int = 15) -> None:  # type: ignore[no-untyped-def]
+    """Where the GPU sits idle during the generate: gaps between consecutive GPU activities (kernels, copies, sets)
+    of the trace, with the activities on either side. The profiler slows the host's launches, so gaps are upper
+    bounds of the unprofiled run's."""
+    import json
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    acts = sorted((ev["ts"], ev["ts"] + ev.get("dur", 0.0), ev.get("name", "")[:48]) for ev in events
+                  if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in ev)
+    if not acts:
+        print(f"## {kv}: no GPU activity in the trace")
+        return
+    span = acts[-1][1] - acts[0][0]
+    busy = 0.0
+    end = acts[0][0]
+    gaps = []
+    for i, (a, b, name) in enumerate(acts):
+        if a > end:
+            gaps.append((a - end, acts[i - 1][2] if i else "", name))
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    big = [g for g in gaps if g[0] > 20.0]
+    print(f"## {kv}: GPU timeline of one generate")
+    print(f"span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms; "
+          f"{len(gaps)} gaps, {len(big)} over 20 us ({sum(g[0] for g in big) / 1e3:.2f} ms)")
+    pairs: dict = collections.defaultdict(lambda: [0, 0.0])
+    for us, before, after in big:
+        pairs[(before, after)][0] += 1
+        pairs[(before, after)][1] += us
+    print("| after kernel | before kernel | gaps > 20 us | total ms | mean us |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for (before, after), (n, us) in sorted(pairs.items(), key=lambda kv_: -kv_[1][1])[:top]:
+        print(f"| {before} | {after} | {n} | {us / 1e3:.2f} | {us / n:.1f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv-dtypes", default="auto,int8")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--split-attention", action="store_true",
                     help="also print the attention kernel's time per launch shape (grid, block) from the trace")
+    ap.add_argument("--gaps", action="store_true", help="also print where the GPU sits idle (from the trace)")
     args = ap.parse_args()
     sys.path.insert(0, "src")
     import torch
@@ -71,6 +112,8 @@ def main() -> int:
         tables[kv] = per
         if args.split_attention:
             _attention_by_launch(prof, kv)
+        if args.gaps:
+            _gaps(prof, kv)
         del llm
         torch.cuda.empty_cache()
     names = collections.Counter()

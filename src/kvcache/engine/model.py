@@ -127,7 +127,9 @@ class LlamaForward:
             w, gu = f["qkv_w"], f["gu_w"]
             views = ((attn.q_proj, w, 0), (attn.v_proj, w, w.shape[0] - attn.v_proj.weight.shape[0]),
                      (mlp.gate_proj, gu, 0), (mlp.up_proj, gu, gu.shape[0] - mlp.up_proj.weight.shape[0]))
-            if any(m.weight.data_ptr() != big[row:].data_ptr() for m, big, row in views):
+            # row `row` of the fused matrix, by address (no view: this runs every eager step)
+            if any(m.weight.data_ptr() != big.data_ptr() + row * big.stride(0) * big.element_size()
+                   for m, big, row in views):
                 raise RuntimeError(f"model: layer {i}'s projection weights were replaced after the engine fused them; "
                                    "update weights in place (copy_, load_state_dict without assign=True) or build a "
                                    "new engine")

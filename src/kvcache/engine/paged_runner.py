@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -132,43 +133,51 @@ class PagedRunner:
 
     # ---------------------------------------------------------------------------------- the step
 
-    def _host_inputs(self, batch: ScheduledBatch) -> tuple[list[int], list[int], list[list[int]], list[int],
-                                                             list[int], list[int]]:
-        ids: list[int] = []
-        pos: list[int] = []
-        cu = [0]
-        before, after = [], []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+    def _host_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The step's host inputs in two buffers (pinned on CUDA, so each reaches the device in one asynchronous
+        copy): int64 ``[2, N]`` (token ids, positions) and int32 ``[3 B + 1 + B * width]`` (``cu_q_lens``, the
+        lengths before and after the step, the block tables row after row); and the lengths after, as ints."""
+        b, w = len(batch.seqs), self.width
+        n_tok = sum(batch.num_tokens)
+        pin = self.device.type == "cuda"
+        tok_t = torch.empty((2, n_tok), dtype=torch.int64, pin_memory=pin)
+        int_t = torch.zeros(3 * b + 1 + b * w, dtype=torch.int32, pin_memory=pin)
+        tok, ints = tok_t.numpy(), int_t.numpy()
+        cu, before, after = ints[:b + 1], ints[b + 1:2 * b + 1], ints[2 * b + 1:3 * b + 1]
+        tables = ints[3 * b + 1:].reshape(b, w)
+        o = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c = seq.num_computed
-            ids.extend(seq.token_ids[c:c + n])
-            pos.extend(range(c, c + n))
-            cu.append(cu[-1] + n)
-            before.append(c)
-            after.append(c + n)
-        tables = [s.block_table for s in batch.seqs]
-        return ids, pos, tables, cu, before, after
+            tok[0, o:o + n] = seq.token_ids[c:c + n]
+            tok[1, o:o + n] = np.arange(c, c + n)
+            o += n
+            cu[i + 1] = o
+            before[i] = c
+            after[i] = c + n
+            t = seq.block_table
+            tables[i, :len(t)] = t
+        return tok_t, int_t, after.tolist()
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the step; returns logits ``[num sampled rows, vocab]`` (model dtype) (rows in batch order of
         ``batch.sample``)."""
         if self.use_graphs and batch.is_decode and len(batch.seqs) <= self.max_graph_batch:
             return self._run_graph(batch)
-        ids, pos, tables, cu, before, after = self._host_inputs(batch)
-        dev = self.device
-        bt = torch.zeros((len(tables), self.width), dtype=torch.int32)
-        for b, t in enumerate(tables):
-            bt[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        tok_h, int_h, after = self._host_inputs(batch)
+        dev, b = self.device, len(batch.seqs)
+        tok, ints = tok_h.to(dev, non_blocking=True), int_h.to(dev, non_blocking=True)
         meta = StepMeta(
-            block_tables=bt.to(dev, non_blocking=True),
-            cu_q_lens=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
-            kv_lens=torch.tensor(before, dtype=torch.int32).to(dev, non_blocking=True),
-            kv_lens_after=torch.tensor(after, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=ints[3 * b + 1:].view(b, self.width),
+            cu_q_lens=ints[:b + 1],
+            kv_lens=ints[b + 1:2 * b + 1],
+            kv_lens_after=ints[2 * b + 1:3 * b + 1],
             q_lens=list(batch.num_tokens), kv_after=after,
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        positions = torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True)
-        hidden = self.model.forward(input_ids, positions, self._attention(meta))
-        rows = [cu[b + 1] - 1 for b, s in enumerate(batch.sample) if s]
+        hidden = self.model.forward(tok[0], tok[1], self._attention(meta))
+        if all(batch.sample):  # every request's last row (the common case: no index from the host)
+            return self.model.logits(hidden[meta.cu_q_lens[1:].long() - 1])
+        cu = int_h[:b + 1].tolist()
+        rows = [cu[i + 1] - 1 for i, s in enumerate(batch.sample) if s]
         if not rows:
             return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[torch.tensor(rows, device=dev)])
