@@ -416,25 +416,50 @@ def test_quantized_decode_queries_with_a_mean(device, kv_dtype):
 @pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-def test_quantized_decode_v_scales_vary_by_tile(device, kv_dtype, D, splits):
-    """V magnitudes that change by up to 10^10 from one KV tile to the next (bf16 cache, runs of 24 tokens): the
-    decode tiles keep their accumulators in units of each tile's largest V scale and rescale them tile by tile, so a
-    wrong ratio between two tiles' units would mis-weigh every earlier tile. Queries are small, so all tokens carry
-    comparable softmax weights and every tile's values reach the output."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantized_decode_v_scales_vary_by_tile(device, kv_dtype, D, splits, dtype):
+    """V magnitudes that change by up to 10^10 (bf16; 10^7 for fp16) from one KV tile to the next, in runs of 24
+    tokens: the decode tiles keep their accumulators in units of each tile's largest V scale and rescale them tile by
+    tile, so a wrong ratio between two tiles' units would mis-weigh every earlier tile. Queries are small, so all
+    tokens carry comparable softmax weights and every tile's values reach the output. fp16 queries at D 128 take
+    the int8 V operand as magic numbers (their offset's row sums by a dot) under the interpreter too."""
     H, hq, bs, n = 1, 4, 16, 600
     gen = torch.Generator().manual_seed(5)
     k = torch.randn((n, H, D), generator=gen)
-    mags = 10.0 ** torch.randint(-5, 6, (n // 24 + 1,), generator=gen).double()
+    lo, hi = (-5, 6) if dtype == torch.bfloat16 else (-3, 4)
+    mags = 10.0 ** torch.randint(lo, hi, (n // 24 + 1,), generator=gen).double()
     v = torch.randn((n, H, D), generator=gen).double() * mags.repeat_interleave(24)[:n, None, None]
     cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=[n],
-                              dtype=torch.bfloat16, kv=([k.bfloat16()], [v.bfloat16()]))
-    q = (0.1 * _q(1, hq, D, torch.float32, device)).bfloat16()
+                              dtype=dtype, kv=([k.to(dtype)], [v.to(dtype)]))
+    q = (0.1 * _q(1, hq, D, torch.float32, device)).to(dtype)
     kw = {} if splits is None else dict(num_splits=splits)
     out, lse = _run(cache, bt, q, [1], [n], device, **kw)
     eo, el = paged_expected(q.cpu(), cache, bt, [1], [n], scale=1 / math.sqrt(D))
     err = (out.double().cpu() - eo).abs().amax(-1) / eo.abs().amax(-1)
     assert err.max() <= 1e-2, err
     assert (lse.double().cpu() - el).abs().max() <= 1e-2
+
+
+@pytest.mark.parametrize("zero_tiles", [False, True])
+@pytest.mark.parametrize(("kv_dtype", "mag"), [("int8", 5e-37), ("int4", 3e-38)])
+def test_quantized_decode_tiny_v_scales_over_tiles(device, kv_dtype, mag, zero_tiles):
+    """V scales below 2^-128 (bf16 caches hold such values) over several decode tiles: the ratio between two tiles'
+    units must not overflow (1 / s_max alone would), and tiles whose V rows are all zero (scale 0) in between must
+    keep the accumulators' unit, so the tiles before them keep their weight."""
+    H, hq, D, bs, n = 1, 2, 16, 16, 320
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn((n, H, D), generator=gen)
+    v = torch.rand((n, H, D), generator=gen) * mag
+    if zero_tiles:
+        v[64:192] = 0.0
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=[n],
+                              dtype=torch.bfloat16, kv=([k.bfloat16()], [v.bfloat16()]))
+    q = (0.1 * _q(1, hq, D, torch.float32, device)).bfloat16()
+    out, lse = _run(cache, bt, q, [1], [n], device)
+    eo, _ = paged_expected(q.cpu(), cache, bt, [1], [n], scale=1 / math.sqrt(D))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    err = (out.double().cpu() - eo).abs().amax(-1) / eo.abs().amax(-1)
+    assert err.max() <= 2e-2, err
 
 
 @pytest.mark.parametrize("q_len", [1, 20], ids=["decode", "prefill"])

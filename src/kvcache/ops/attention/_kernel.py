@@ -22,24 +22,24 @@ Dequantization happens in registers right after the load:
   dominate): both dots run on the codes (exact in fp16 / bf16), and the (scale, zero) pairs act per token. QK^T:
   ``q . k = scale_k * (q . codes) + zero_k * sum(q)``, one multiply-add per score. PV:
   ``sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j`` per tile, with ``s_max``
-  the tile's largest V scale (1 where it is not a positive finite number: masked or all-zero tiles) and
-  ``R = PV_RANGE = 2^15``. The dot's P operand (float16) ``R p s / s_max`` is at most ``R`` (``p <= 1``,
+  the tile's largest V scale (the previous tile's where it is not a positive finite number: masked, all-zero or NaN
+  tiles) and ``R = PV_RANGE = 2^15``. The dot's P operand (float16) ``R p s / s_max`` is at most ``R`` (``p <= 1``,
   ``s <= s_max``: no fp16 overflow) and leaves fp16's normal range only below ``p s / s_max = 2^-29``, so no weight of
   a token whose scale is small (absolutely, or next to the tile's largest) sinks into fp16's subnormals, as ``p * s``
   in fp16 would (scales ~1e-4). The float32 accumulators hold the output in units of ``a / R``, ``a`` the last tile's
   ``s_max``: each tile rescales them by ``alpha * a / s_max`` and its dot accumulates in place (no multiply of the
-  dot's result; they overflow only if a sequence's V scales span about 2^100). The zero terms ``sum_j p_j z_j`` go to
-  a per-row float32 accumulator in output units, rescaled by ``alpha``, and are added after the accumulators return to
-  output units, before the normalisation. Codes become floats with no integer -> float conversion instruction (magic
-  numbers, :mod:`._convert`): K's in the query dtype, V's in float16 (float32 for float32 queries), whatever the query
-  dtype, since P's operand is scaled into float16's normal range. int8 V rows over 64 elements (``V_MAGIC``, where it
-  measured faster) keep the magic number's offset in the operand, ``1024 + c``, and the offset leaves after the loop:
-  a second dot of the tile's float16 P operand with a ones tile keeps its row sums ``pvs`` (exact products, in the
-  accumulators' units and rescaled with them), and ``1024 * pvs`` is taken from the accumulators at the end. The dot
-  then accumulates products of ``1024 + c`` (at most 1279) in float32: an error of about 2^-13 of the tile's largest V
-  scale (one int8 step) per unit of softmax weight, against the half step of the int8 rounding itself. K keeps exact
-  codes: its offset, ``1024 sum(q)`` in every score, measured 100-200x the exact form's log-sum-exp error for queries
-  with a non-zero mean (2e-2 at mean 32).
+  dot's result; they overflow only if a sequence's V scales span about 2^(103 - log2 of the softmax sum), 2^85 for
+  long contexts). The zero terms ``sum_j p_j z_j`` go to a per-row float32 accumulator in output units, rescaled by
+  ``alpha``, and are added after the accumulators return to output units, before the normalisation. Codes become
+  floats with no integer -> float conversion instruction (magic numbers, :mod:`._convert`): K's in the query dtype,
+  V's in float16 (float32 for float32 queries), whatever the query dtype, since P's operand is scaled into float16's
+  normal range. int8 V rows over 64 elements (``V_MAGIC``, where it measured faster) keep the magic number's offset in
+  the operand, ``1024 + c``, and the offset leaves after the loop: a second dot of the tile's float16 P operand with a
+  ones tile keeps its row sums ``pvs`` (exact products, in the accumulators' units and rescaled with them), and
+  ``1024 * pvs`` is taken from the accumulators at the end. The dot then accumulates products of ``1024 + c`` (at most
+  1279) in float32: an error of about 2^-13 of the tile's largest V scale (one int8 step) per unit of softmax weight,
+  against the half step of the int8 rounding itself. K keeps exact codes: its offset, ``1024 sum(q)`` in every score,
+  measured 100-200x the exact form's log-sum-exp error for queries with a non-zero mean (2e-2 at mean 32).
 * int8 / int4 prefill tiles (many rows share each element): K and V are dequantized per element into the dot's
   dtype, ``codes * scale + zero`` in packed 16-bit fma (:func:`._convert.dequant`: its docstring gives the
   precision), so the scores need no per-score affine.
@@ -106,9 +106,11 @@ def _tile(
     PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr,
     INTERP: tl.constexpr, Q_DT: tl.constexpr, V_MAGIC: tl.constexpr,
 ):
-    """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi, zacc, pvs); ``zacc``
-    (int8 / int4: the rows' sums of ``p * zero_v``) is returned unchanged for the other formats, ``pvs`` (the magic
-    offset's weight in the accumulators, ``V_MAGIC``) unchanged without ``V_MAGIC``.
+    """One KV tile ``t`` of the online softmax: returns the updated (m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc).
+    Decode tiles of int8 / int4 (``V_FOLD``) update the rest: ``zacc`` (the rows' sums of ``p * zero_v``), ``a_sc``
+    (the accumulators' unit: they hold the output times ``R / a_sc``) and, with ``V_MAGIC``, ``pvs`` (``[M, 16]``,
+    the magic offset's weight per row in the accumulators' units, in 16 equal columns); other tiles return them
+    unchanged.
 
     ``MASK=False`` for tiles whose every key every row may see (inside the causal bound of the tile's first row
     and the window of its last): no score mask. Loads stay masked by the length and the block ids' range, so no
@@ -181,16 +183,17 @@ def _tile(
             # sum_j p_j (s_j c_j + z_j) = (s_max / R) * sum_j (R p_j s_j / s_max) c_j + sum_j p_j z_j (module
             # docstring); tokens past the length or the table load scale and zero 0, masked scores have p = 0
             vs_max = tl.max(vs, 0)
-            vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, 1.0)
+            # a tile without a positive finite scale (masked, all-zero or NaN) keeps the accumulators' unit
+            vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, a_sc)
             # one reciprocal per tile, finite: maxima below 2^-64 (subnormal bfloat16 scales) are first scaled by 2^64
             # with their scales (exact)
             up = tl.where(vs_max < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
             rcp = 1.0 / (vs_max * up)
             pv = (p * ((vs * up) * (PV_RANGE * rcp))[None, :]).to(vdt)  # <= R (1 + 2^-22); NaN stays NaN
             # the accumulators hold the output times R / a_sc (a_sc: the last tile's s_max), so the dots accumulate in
-            # place, rescaled by alpha * a_sc / s_max first: no multiply of the dot's result. The ratio is capped
-            # finite (alpha = 0 must give 0); it reaches the cap only where the accumulators would overflow anyway
-            f = alpha * tl.minimum(a_sc * (up * rcp), 3.0e38)
+            # place, rescaled by alpha * a_sc / s_max first: no multiply of the dot's result. a_sc * rcp before the
+            # 2^64 (1 / s_max alone overflows below 2^-128); the ratio is capped finite so that alpha = 0 gives 0
+            f = alpha * tl.minimum((a_sc * rcp) * up, 3.0e38)
             acc_lo = tl.dot(pv, v_lo, acc=acc_lo * f[:, None], input_precision=PRECISION)
             acc_hi = tl.dot(pv, v_hi, acc=acc_hi * f[:, None], input_precision=PRECISION)
             a_sc = vs_max
@@ -390,7 +393,7 @@ def _attention_kernel(
                 SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
                 HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
         m_i, l_i, acc_lo, acc_hi, zacc = _merge_warps(m_w, l_w, acc_lo_w, acc_hi_w, zacc_w)
-        a_sc = PV_RANGE  # the merged accumulators hold the output itself
+        a_sc = 1.0  # unused: the merged accumulators hold the output itself
     else:
         m_i = tl.full([BLOCK_Q * G_P], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * G_P], tl.float32)
@@ -448,8 +451,11 @@ def _attention_kernel(
             pv_sum = tl.max(pvs, 1)
             acc_lo = acc_lo - MAGIC * pv_sum[:, None]
             acc_hi = acc_hi - MAGIC * pv_sum[:, None]
-        acc_lo = (acc_lo * (1.0 / PV_RANGE)) * a_sc + zacc[:, None]
-        acc_hi = (acc_hi * (1.0 / PV_RANGE)) * a_sc + zacc[:, None]
+        if WARPS_K == 1:
+            acc_lo = (acc_lo * (1.0 / PV_RANGE)) * a_sc
+            acc_hi = (acc_hi * (1.0 / PV_RANGE)) * a_sc
+        acc_lo = acc_lo + zacc[:, None]
+        acc_hi = acc_hi + zacc[:, None]
     o_lo = acc_lo * inv[:, None]
     o_hi = acc_hi * inv[:, None]
     row_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
