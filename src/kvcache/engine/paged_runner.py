@@ -133,23 +133,24 @@ class PagedRunner:
 
     # ---------------------------------------------------------------------------------- the step
 
-    def _host_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    def _host_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[slice], list[int]]:
         """The step's host inputs in two buffers (pinned on CUDA, so each reaches the device in one asynchronous
         copy): int64 ``[2, N']`` (token ids, positions; ``N'`` the token count rounded up to even) and int32
-        segments ``cu_q_lens``, lengths before, lengths after, block tables, starting at the returned element
-        offsets. Every segment starts on a 16-byte boundary, as a tensor of its own would (the kernels specialise
-        on their pointers' alignment). Also returns the lengths after the step as ints."""
+        segments ``cu_q_lens``, lengths before, lengths after, block tables (row after row), at the returned slices.
+        Every segment starts on a 16-byte boundary, as a tensor of its own would (the kernels specialise on their
+        pointers' alignment). Also returns the lengths after the step as ints."""
         b, w = len(batch.seqs), self.width
         n_tok = sum(batch.num_tokens)
         pin = self.device.type == "cuda"
         tok_t = torch.empty((2, n_tok + n_tok % 2), dtype=torch.int64, pin_memory=pin)
-        offs = [0]
+        spans, start = [], 0
         for n in (b + 1, b, b, b * w):
-            offs.append(offs[-1] + -(-n // 4) * 4)
-        int_t = torch.zeros(offs[-1], dtype=torch.int32, pin_memory=pin)
+            spans.append(slice(start, start + n))
+            start += -(-n // 4) * 4
+        int_t = torch.zeros(start, dtype=torch.int32, pin_memory=pin)
         tok, ints = tok_t.numpy(), int_t.numpy()
-        cu, before, after = ints[offs[0]:], ints[offs[1]:], ints[offs[2]:]
-        tables = ints[offs[3]:offs[3] + b * w].reshape(b, w)
+        cu, before, after, flat = (ints[sp] for sp in spans)
+        tables = flat.reshape(b, w)
         o = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c = seq.num_computed
@@ -161,28 +162,25 @@ class PagedRunner:
             after[i] = c + n
             t = seq.block_table
             tables[i, :len(t)] = t
-        return tok_t, int_t, offs, after[:b].tolist()
+        return tok_t, int_t, spans, after.tolist()
 
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the step; returns logits ``[num sampled rows, vocab]`` (model dtype) (rows in batch order of
         ``batch.sample``)."""
         if self.use_graphs and batch.is_decode and len(batch.seqs) <= self.max_graph_batch:
             return self._run_graph(batch)
-        tok_h, int_h, offs, after = self._host_inputs(batch)
-        dev, b, n_tok = self.device, len(batch.seqs), sum(batch.num_tokens)
+        tok_h, int_h, spans, after = self._host_inputs(batch)
+        dev, n_tok = self.device, sum(batch.num_tokens)
         tok, ints = tok_h.to(dev, non_blocking=True), int_h.to(dev, non_blocking=True)
+        cu_q, before, after_d, flat = (ints[sp] for sp in spans)
         meta = StepMeta(
-            block_tables=ints[offs[3]:offs[3] + b * self.width].view(b, self.width),
-            cu_q_lens=ints[offs[0]:offs[0] + b + 1],
-            kv_lens=ints[offs[1]:offs[1] + b],
-            kv_lens_after=ints[offs[2]:offs[2] + b],
-            q_lens=list(batch.num_tokens), kv_after=after,
+            block_tables=flat.view(len(batch.seqs), self.width), cu_q_lens=cu_q, kv_lens=before,
+            kv_lens_after=after_d, q_lens=list(batch.num_tokens), kv_after=after,
         )
-        tok = tok[:, :n_tok]
-        hidden = self.model.forward(tok[0], tok[1], self._attention(meta))
+        hidden = self.model.forward(tok[0, :n_tok], tok[1, :n_tok], self._attention(meta))
         if all(batch.sample):  # every request's last row (the common case: no index from the host)
-            return self.model.logits(hidden[meta.cu_q_lens[1:].long() - 1])
-        cu = int_h[:b + 1].tolist()
+            return self.model.logits(hidden[cu_q[1:].long() - 1])
+        cu = int_h[spans[0]].tolist()
         rows = [cu[i + 1] - 1 for i, s in enumerate(batch.sample) if s]
         if not rows:
             return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)

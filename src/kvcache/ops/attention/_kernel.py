@@ -134,10 +134,7 @@ def _tile(
     # score scale (> 0) are the maxima of the scaled ones, and the scale enters exp2's argument, one multiply-add per
     # score; rescaled bfloat16 queries (Q_RESCALE) fold their rows' 1 / r into that scale
     LATE: tl.constexpr = QUANT != 1 and SOFTCAP == 0
-    if LATE and Q_RESCALE:
-        qk_row = q_inv * qk_scale
-    else:
-        qk_row = qk_scale + q_inv * 0.0
+    qk_row = q_inv * qk_scale  # q_inv is 1 without Q_RESCALE
     if QUANT >= 2 and V_FOLD:
         ks, kz = _load_params(qparams, pbase, ok_n)
         s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
@@ -393,7 +390,6 @@ def _attention_kernel(
                 SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
                 HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
         m_i, l_i, acc_lo, acc_hi, zacc = _merge_warps(m_w, l_w, acc_lo_w, acc_hi_w, zacc_w)
-        a_sc = 1.0  # unused: the merged accumulators hold the output itself
     else:
         m_i = tl.full([BLOCK_Q * G_P], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * G_P], tl.float32)
