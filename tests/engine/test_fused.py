@@ -106,24 +106,32 @@ def test_fused_decoder_tokens_equal_transformers(backend):
         assert torch.equal(v, weights[k]), k
 
 
-def test_fused_decoder_refuses_replaced_weights(backend):
-    # the fused decoder's q / k / v and gate / up matrices are what the modules' weights view: a parameter
-    # replaced (not written in place) after the engine was built is refused, not silently ignored
+@pytest.mark.parametrize("how", ["new_parameter", "data", "bias"])
+def test_fused_decoder_refuses_replaced_weights(backend, how):
+    # the fused decoder's q / k / v and gate / up matrices (and q / k / v biases) are what the modules' parameters
+    # view: a parameter replaced (not written in place) after the engine was built is refused, not silently ignored:
+    # a new Parameter object, new storage under the same object (`.data =`), or a replaced bias
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, vocab_size=64, max_position_embeddings=64,
-                      bos_token_id=0, eos_token_id=1, pad_token_id=1)
+                      bos_token_id=0, eos_token_id=1, pad_token_id=1, attention_bias=how == "bias")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     llm = LLM(model, tokenizer=_NoText(), max_num_seqs=1, block_size=4, max_model_len=32, cuda_graphs=False)
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     first = llm.generate([[5, 6, 7]], sp)[0].token_ids
-    up = model.model.layers[0].mlp.up_proj
+    layer = model.model.layers[0]
+    up = layer.mlp.up_proj
     with torch.no_grad():
         up.weight.copy_(up.weight * 1.0)  # in place: fine
     assert llm.generate([[5, 6, 7]], sp)[0].token_ids == first
-    up.weight = torch.nn.Parameter(up.weight.detach().clone())
+    if how == "new_parameter":
+        up.weight = torch.nn.Parameter(up.weight.detach().clone())
+    elif how == "data":
+        layer.self_attn.k_proj.weight.data = layer.self_attn.k_proj.weight.detach().clone()
+    else:
+        layer.self_attn.q_proj.bias = torch.nn.Parameter(layer.self_attn.q_proj.bias.detach().clone())
     if backend == "interpreter":
         with pytest.raises(RuntimeError, match="replaced"):
             llm.generate([[5, 6, 7]], sp)

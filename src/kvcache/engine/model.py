@@ -91,8 +91,19 @@ class LlamaForward:
         self.device = p.device
         self._cos = self._sin = None
         self._fused: list[dict[str, Any]] | None = None
+        self._views: list[tuple[int, Any, str, Any, int]] = []
         if use_triton(self.device) and type(self).forward is LlamaForward.forward:
             self._fused = self._fuse()
+        if self._fused is not None:
+            # (layer, module, parameter name, the parameter, the address it must keep): the rows of the fused
+            # matrices (weights, and q / k / v biases) each projection views
+            for i, layer in enumerate(self.layers):
+                for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
+                          layer.mlp.up_proj):
+                    for name in ("weight", "bias"):
+                        p = m._parameters.get(name)
+                        if p is not None:
+                            self._views.append((i, m, name, p, p.data_ptr()))
 
     def _fuse(self) -> list[dict[str, Any]] | None:
         """Concatenate each layer's q / k / v and gate / up weights (the modules keep views of them); None where
@@ -121,15 +132,11 @@ class LlamaForward:
 
     def _check_fused(self) -> None:
         """The modules still view the concatenated weights (a parameter replaced rather than written in place
-        would leave the fused matrices, and any captured CUDA graph, on the old values)."""
-        for i, (layer, f) in enumerate(zip(self.layers, self._fused)):
-            attn, mlp = layer.self_attn, layer.mlp
-            w, gu = f["qkv_w"], f["gu_w"]
-            views = ((attn.q_proj, w, 0), (attn.v_proj, w, w.shape[0] - attn.v_proj.weight.shape[0]),
-                     (mlp.gate_proj, gu, 0), (mlp.up_proj, gu, gu.shape[0] - mlp.up_proj.weight.shape[0]))
-            # row `row` of the fused matrix, by address (no view: this runs every eager step)
-            if any(m.weight.data_ptr() != big.data_ptr() + row * big.stride(0) * big.element_size()
-                   for m, big, row in views):
+        would leave the fused matrices, and any captured CUDA graph, on the old values): each projection keeps the
+        parameter object and the address it had when fused. Runs every eager step, so it reads the modules'
+        parameter dicts directly (no module attribute lookups, no views)."""
+        for i, m, name, p, ptr in self._views:
+            if m._parameters.get(name) is not p or p.data_ptr() != ptr:
                 raise RuntimeError(f"model: layer {i}'s projection weights were replaced after the engine fused them; "
                                    "update weights in place (copy_, load_state_dict without assign=True) or build a "
                                    "new engine")

@@ -32,6 +32,8 @@ def _rms_norm_kernel(x, res, w, out, res_out, n_cols, s_x, s_r, s_o, EPS: tl.con
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
+    # the weight first: its load does not wait for the row's reduction
+    wv = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
     h = tl.load(x + row * s_x + cols, mask=ok, other=0.0)
     if HAS_RES:
         h = (h.to(tl.float32) + tl.load(res + row * s_r + cols, mask=ok, other=0.0).to(tl.float32))
@@ -40,7 +42,6 @@ def _rms_norm_kernel(x, res, w, out, res_out, n_cols, s_x, s_r, s_o, EPS: tl.con
     hf = h.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / n_cols + EPS)
     y = (hf * inv).to(out.dtype.element_ty).to(tl.float32)
-    wv = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + row * s_o + cols, (wv * y).to(out.dtype.element_ty), mask=ok)
 
 
