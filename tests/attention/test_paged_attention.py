@@ -251,6 +251,25 @@ def test_edge_cases(device):
     assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8"])
+@pytest.mark.parametrize("q_lens", [[1] * 13, [1, 1, 0, 3, 1, 2, 1, 1, 0, 1, 4, 1, 1]])
+def test_decode_tiles_find_their_sequence(device, q_lens, kv_dtype):
+    """Decode tiles (<= 4 rows per sequence) over 13 sequences: one row each (each tile's sequence taken from its
+    index, spare tiles between them) and rows of 0-4 per sequence (the guess fails for many tiles, which search
+    cu_q_lens); every row against the reference, padding rows untouched."""
+    H, hq, D, bs = 2, 8, 64, 16
+    kv_lens = [q + 3 * i for i, q in enumerate(q_lens)]
+    assert attention_plan(num_q_heads=hq, num_kv_heads=H, head_dim=D, n_tokens=sum(q_lens), num_seqs=len(q_lens),
+                          max_kv_len=64).block_m(hq, H) <= 16
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="HND", H=H, D=D, bs=bs, lens=kv_lens)
+    n_real = sum(q_lens)
+    q = _q(n_real + 2, hq, D, torch.float16, device)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device)
+    eo, el = paged_expected(q[:n_real].cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D))
+    assert_attn_close(out[:n_real], lse[:n_real], eo, el, torch.float16, what=kv_dtype)
+    assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
+
+
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 def test_num_decode_split_launch(device, kv_dtype):
     """A mixed batch (decode rows first, then chunks) launched as decode tiles + prefill tiles (num_decode): the
