@@ -65,7 +65,7 @@ def test_slot_batch_is_the_slot_mapping(device):
                         rope=rope)
     assert torch.equal(cache.buffer[0], ref.buffer[0]) and torch.equal(cache.params_buffer[0], ref.params_buffer[0])
     with pytest.raises(ValueError, match="^seq_lens"):
-        batch.seq_lens
+        _ = batch.seq_lens
 
 
 def test_context_parallel_batch_writes_the_ranks_share(device):

@@ -115,9 +115,9 @@ def append_paged_kv(
         read by every layer's append. Decode-sized appends (fewer than 2048 rows) launched with PDL (Hopper)
         then find where each row goes, and compute RoPE's cos / sin (rotate-half over the whole head; not for
         fp8), before waiting for the previous kernel, which they wait for only to read ``k`` / ``v``; see
-        :func:`~kvcache.ops.paged.plan_append`. The launch shape changes with it, and with it the compiler's contraction of the
-        RoPE arithmetic: rotated keys may differ from the launch that waits in the last bit (within the same
-        bounds). A broken promise reads stale indices: rows written to the wrong slots.
+        :func:`~kvcache.ops.paged.plan_append`. The launch shape changes with it, and with it the compiler's
+        contraction of the RoPE arithmetic: rotated keys may differ from the launch that waits in the last bit
+        (within the same bounds). A broken promise reads stale indices: rows written to the wrong slots.
 
         Default False. Without the promise, decode-sized appends with PDL *speculate* (batches of one row per
         sequence, or by slot mapping; without RoPE, or with rotate-half RoPE over the whole head): they do the
@@ -340,7 +340,8 @@ def copy_blocks(buffers: list[torch.Tensor], pairs: torch.Tensor, *, check: bool
             raise ValueError(f"buffers[{i}]: expected {buffers[0].shape[1]} blocks (as buffers[0]), got "
                              f"{buf.shape[1]}")
     if pairs.dtype != torch.int64 or pairs.dim() != 2 or pairs.shape[1] != 2 or not pairs.is_contiguous():
-        raise ValueError(f"pairs: expected a contiguous int64 tensor [n, 2], got {pairs.dtype} {fmt_shape(pairs.shape)}")
+        raise ValueError(f"pairs: expected a contiguous int64 tensor [n, 2], got {pairs.dtype} "
+                         f"{fmt_shape(pairs.shape)}")
     if check and pairs.shape[0]:
         nb = buffers[0].shape[1]
         vals = pairs.tolist()

@@ -188,8 +188,9 @@ class AppendPlan:
 
     "The same kind": the same dtypes, 16-byte alignment of every pointer (and 8-byte alignment of ``params``,
     which selects the inline-PTX (scale, zero) store), k / v strides, mode, RoPE, format, number of sequences,
-    and the :class:`~.policy.AppendLaunch`; the caller keys plans by those (see ``PagedKVCache.append``). :meth:`launch` skips argument binding and the launcher's per-tensor pointer
-    checks, which are most of an eager call's host time.
+    and the :class:`~.policy.AppendLaunch`; the caller keys plans by those (see ``PagedKVCache.append``).
+    :meth:`launch` skips argument binding and the launcher's per-tensor pointer checks, which are most of an eager
+    call's host time.
     """
 
     __slots__ = ("prepared", "vec", "per_row")
@@ -264,7 +265,8 @@ def gather_paged_kv_launch(
         fp8_scales if fp8_scales is not None else dummy,
         *[st // vec for st in out_strides],
         block_tables.stride(0), block_tables.shape[1], s_out,
-        MODE=(BY_KV_LENS if kv_lens is not None else BY_CU_K_LENS).value, QUANT=quant, ROPE=has_rope, ROT=rot, INTERLEAVED=inter,
+        MODE=(BY_KV_LENS if kv_lens is not None else BY_CU_K_LENS).value, QUANT=quant, ROPE=has_rope, ROT=rot,
+        INTERLEAVED=inter,
         ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0],
         **_block_strides(hnd, H, pool.shape[-1], bs),
         CP_RANK=cp_rank, CP_SIZE=cp_size, TOK=tok, BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),

@@ -62,7 +62,8 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
         q1 = _codes(tl.where(fin, (x1 - zero) * inv, 0.0), LIBDEVICE)  # low byte: the code (above: 2**23's exponent)
         q2 = _codes(tl.where(fin, (x2 - zero) * inv, 0.0), LIBDEVICE)
         zero = zero + bad
-        if QUANT == Q_INT4:  # planar nibbles: byte i = element i | element HALF + i << 4 (q1, q2 < 16 in their low bits)
+        # planar nibbles: byte i = element i | element HALF + i << 4 (q1, q2 < 16 in their low bits)
+        if QUANT == Q_INT4:
             c1 = (q1 | (q2 << 4)).to(tl.uint8)
             c2 = c1  # unused
         else:
