@@ -252,11 +252,11 @@ def test_edge_cases(device):
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8"])
-@pytest.mark.parametrize("q_lens", [[1] * 13, [1, 1, 0, 3, 1, 2, 1, 1, 0, 1, 4, 1, 1]])
+@pytest.mark.parametrize("q_lens", [[1] * 13, [1, 1, 0, 3, 1, 2, 1, 1, 0, 1, 4, 1, 1], [0] * 5 + [1] * 8])
 def test_decode_tiles_find_their_sequence(device, q_lens, kv_dtype):
     """Decode tiles (<= 4 rows per sequence) over 13 sequences: one row each (each tile's sequence taken from its
-    index, spare tiles between them) and rows of 0-4 per sequence (the guess fails for many tiles, which search
-    cu_q_lens); every row against the reference, padding rows untouched."""
+    index, spare tiles between them), rows of 0-4 per sequence, and five empty sequences first (the guess lands past
+    the tile's sequence: the upper half of the check); every row against the reference, padding rows untouched."""
     H, hq, D, bs = 2, 8, 64, 16
     kv_lens = [q + 3 * i for i, q in enumerate(q_lens)]
     assert attention_plan(num_q_heads=hq, num_kv_heads=H, head_dim=D, n_tokens=sum(q_lens), num_seqs=len(q_lens),

@@ -106,11 +106,12 @@ def test_fused_decoder_tokens_equal_transformers(backend):
         assert torch.equal(v, weights[k]), k
 
 
-@pytest.mark.parametrize("how", ["new_parameter", "data", "bias"])
+@pytest.mark.parametrize("how", ["new_parameter", "data", "bias", "module", "layer"])
 def test_fused_decoder_refuses_replaced_weights(backend, how):
     # the fused decoder's q / k / v and gate / up matrices (and q / k / v biases) are what the modules' parameters
     # view: a parameter replaced (not written in place) after the engine was built is refused, not silently ignored:
-    # a new Parameter object, new storage under the same object (`.data =`), or a replaced bias
+    # a new Parameter object, new storage under the same object (`.data =`), a replaced bias, a replaced projection
+    # module (an injected adapter) or a replaced decoder layer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -130,11 +131,19 @@ def test_fused_decoder_refuses_replaced_weights(backend, how):
         up.weight = torch.nn.Parameter(up.weight.detach().clone())
     elif how == "data":
         layer.self_attn.k_proj.weight.data = layer.self_attn.k_proj.weight.detach().clone()
-    else:
+    elif how == "bias":
         layer.self_attn.q_proj.bias = torch.nn.Parameter(layer.self_attn.q_proj.bias.detach().clone())
+    elif how == "module":  # the same values in a new module
+        new = torch.nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        new.load_state_dict(up.state_dict())
+        layer.mlp.up_proj = new
+    else:  # the same values in a new decoder layer
+        new = type(layer)(cfg, 0).eval()
+        new.load_state_dict(layer.state_dict())
+        model.model.layers[0] = new
     if backend == "interpreter":
         with pytest.raises(RuntimeError, match="replaced"):
             llm.generate([[5, 6, 7]], sp)
         assert llm.allocator.num_used_blocks == 0
-    else:  # the torch backend runs the modules themselves: the new parameter is simply used
+    else:  # the torch backend runs the model's modules themselves: the new ones are simply used
         assert llm.generate([[5, 6, 7]], sp)[0].token_ids == first

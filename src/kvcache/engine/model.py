@@ -91,15 +91,23 @@ class LlamaForward:
         self.device = p.device
         self._cos = self._sin = None
         self._fused: list[dict[str, Any]] | None = None
+        self._mods: list[tuple[int, Any, str, Any]] = []
         self._views: list[tuple[int, Any, str, Any, int]] = []
         if use_triton(self.device) and type(self).forward is LlamaForward.forward:
             self._fused = self._fuse()
         if self._fused is not None:
-            # (layer, module, parameter name, the parameter, the address it must keep): the rows of the fused
-            # matrices (weights, and q / k / v biases) each projection views
+            # what the fused matrices stand for: (layer, owner, name, the module it must still hold) for every module
+            # from the layer list down to the fused projections, and (layer, module, parameter name, the parameter,
+            # the address it must keep) for the rows each projection views (weights, and q / k / v biases)
             for i, layer in enumerate(self.layers):
-                for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
-                          layer.mlp.up_proj):
+                attn, mlp = layer.self_attn, layer.mlp
+                projs = [(attn, n) for n in ("q_proj", "k_proj", "v_proj")] + [(mlp, "gate_proj"), (mlp, "up_proj")]
+                if isinstance(layers, torch.nn.ModuleList):
+                    self._mods.append((i, layers, str(i), layer))
+                self._mods += [(i, layer, "self_attn", attn), (i, layer, "mlp", mlp)]
+                for owner, n in projs:
+                    m = owner._modules[n]
+                    self._mods.append((i, owner, n, m))
                     for name in ("weight", "bias"):
                         p = m._parameters.get(name)
                         if p is not None:
@@ -133,8 +141,13 @@ class LlamaForward:
     def _check_fused(self) -> None:
         """The modules still view the concatenated weights (a parameter replaced rather than written in place
         would leave the fused matrices, and any captured CUDA graph, on the old values): each projection keeps the
-        parameter object and the address it had when fused. Runs every eager step, so it reads the modules'
-        parameter dicts directly (no module attribute lookups, no views)."""
+        parameter object and the address it had when fused, and every module from the layer list down to those
+        projections is still the one fused (a replaced module, e.g. an injected adapter, would run nowhere). Runs
+        every eager step, so it reads the modules' dicts directly (no module attribute lookups, no views)."""
+        for i, owner, name, m in self._mods:
+            if owner._modules.get(name) is not m:
+                raise RuntimeError(f"model: layer {i}'s module {name!r} was replaced after the engine fused its weights; "
+                                   "update weights in place or build a new engine")
         for i, m, name, p, ptr in self._views:
             if m._parameters.get(name) is not p or p.data_ptr() != ptr:
                 raise RuntimeError(f"model: layer {i}'s projection weights were replaced after the engine fused them; "
@@ -185,7 +198,8 @@ class LlamaForward:
             self._check_fused()
             return self._forward_fused(h, positions, attention)
         cos, sin = cos_t[positions], sin_t[positions]
-        for i, layer in enumerate(self.layers):
+        # the model's own layer list, read each step: the module path runs whatever modules the model holds now
+        for i, layer in enumerate(self.hf_model.model.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = attn.q_proj(x).view(n, H, D)
