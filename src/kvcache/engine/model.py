@@ -146,8 +146,8 @@ class LlamaForward:
         every eager step, so it reads the modules' dicts directly (no module attribute lookups, no views)."""
         for i, owner, name, m in self._mods:
             if owner._modules.get(name) is not m:
-                raise RuntimeError(f"model: layer {i}'s module {name!r} was replaced after the engine fused its weights; "
-                                   "update weights in place or build a new engine")
+                raise RuntimeError(f"model: layer {i}'s module {name!r} was replaced after the engine fused its "
+                                   "weights; update weights in place or build a new engine")
         for i, m, name, p, ptr in self._views:
             if m._parameters.get(name) is not p or p.data_ptr() != ptr:
                 raise RuntimeError(f"model: layer {i}'s projection weights were replaced after the engine fused them; "
