@@ -236,6 +236,11 @@ def _attention_kernel(
         # zero) pairs)
         pid = tl.program_id(0) // NUM_KV
         kvh = tl.program_id(0) % NUM_KV
+        if not LINEAR:
+            # launch order, a permutation of the tiles: those a batch of one row per sequence uses first, its spare
+            # tiles (every (BLOCK_Q + 1)-th, which return at once) last, so none holds a slot a working tile waits for
+            n_main = n_tiles - n_tiles // (BLOCK_Q + 1)
+            pid = tl.where(pid < n_main, pid + pid // BLOCK_Q, (pid - n_main) * (BLOCK_Q + 1) + BLOCK_Q)
     else:
         # prefill tiles: the query tiles of one KV head are neighbours, sharing its K / V in L2
         pid = tl.program_id(0) % n_tiles
@@ -253,9 +258,9 @@ def _attention_kernel(
     else:
         if HEADS_INNER and QUANT != 1:
             # decode tiles: first the sequence that tile ``pid`` belongs to when every sequence has one row (tiles
-            # start at b + b // BLOCK_Q), checked against cu_q's two entries that the tile reads anyway; the binary
-            # search only where the guess is wrong (other batches, and the spare tiles, which return at once).
-            # fp8 tiles keep the search: Triton 3.6 compiles its head_dim-64 decode tile 32-43% slower with this branch
+            # start at b + b // BLOCK_Q), checked against cu_q's two entries that the tile reads anyway, then the one
+            # before it (spare tiles); the binary search only where both are wrong (other batches). fp8 tiles keep
+            # the search: Triton 3.6 compiles its head_dim-64 decode tile 32-43% slower with this branch
             g = tl.minimum(pid - pid // (BLOCK_Q + 1), n_seqs - 1)
             c0 = tl.load(cu_q + g)
             c1 = tl.load(cu_q + g + 1)
@@ -264,9 +269,16 @@ def _attention_kernel(
                 row0 = c0
                 q_len = c1 - c0
             else:
-                b = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
-                row0 = tl.load(cu_q + b)
-                q_len = tl.load(cu_q + b + 1) - row0
+                gm = tl.maximum(g - 1, 0)
+                cm = tl.load(cu_q + gm)
+                if (cm // BLOCK_Q + gm <= pid) & (pid <= c0 // BLOCK_Q + gm):
+                    b = gm
+                    row0 = cm
+                    q_len = c0 - cm
+                else:
+                    b = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
+                    row0 = tl.load(cu_q + b)
+                    q_len = tl.load(cu_q + b + 1) - row0
         else:
             b = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
             row0 = tl.load(cu_q + b)
