@@ -106,12 +106,13 @@ def test_fused_decoder_tokens_equal_transformers(backend):
         assert torch.equal(v, weights[k]), k
 
 
-@pytest.mark.parametrize("how", ["new_parameter", "data", "bias", "module", "layer"])
+@pytest.mark.parametrize("how", ["new_parameter", "data", "bias", "module", "layer", "o_proj", "lm_head"])
 def test_fused_decoder_refuses_replaced_weights(backend, how):
     # the fused decoder's q / k / v and gate / up matrices (and q / k / v biases) are what the modules' parameters
     # view: a parameter replaced (not written in place) after the engine was built is refused, not silently ignored:
     # a new Parameter object, new storage under the same object (`.data =`), a replaced bias, a replaced projection
-    # module (an injected adapter) or a replaced decoder layer
+    # module (an injected adapter), a replaced decoder layer, and modules outside the fused matrices that CUDA graphs
+    # capture (o_proj's weight, lm_head)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -137,10 +138,16 @@ def test_fused_decoder_refuses_replaced_weights(backend, how):
         new = torch.nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         new.load_state_dict(up.state_dict())
         layer.mlp.up_proj = new
-    else:  # the same values in a new decoder layer
+    elif how == "layer":  # the same values in a new decoder layer
         new = type(layer)(cfg, 0).eval()
         new.load_state_dict(layer.state_dict())
         model.model.layers[0] = new
+    elif how == "o_proj":
+        layer.self_attn.o_proj.weight = torch.nn.Parameter(layer.self_attn.o_proj.weight.detach().clone())
+    else:  # the same values in a new output head
+        new = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        new.load_state_dict(model.lm_head.state_dict())
+        model.lm_head = new
     if backend == "interpreter":
         with pytest.raises(RuntimeError, match="replaced"):
             llm.generate([[5, 6, 7]], sp)

@@ -91,27 +91,36 @@ class LlamaForward:
         self.device = p.device
         self._cos = self._sin = None
         self._fused: list[dict[str, Any]] | None = None
-        self._mods: list[tuple[int, Any, str, Any]] = []
-        self._views: list[tuple[int, Any, str, Any, int]] = []
+        self._mods: list[tuple[str, Any, str, Any]] = []
+        self._views: list[tuple[str, Any, str, Any, int]] = []
         if use_triton(self.device) and type(self).forward is LlamaForward.forward:
             self._fused = self._fuse()
         if self._fused is not None:
-            # what the fused matrices stand for: (layer, owner, name, the module it must still hold) for every module
-            # from the layer list down to the fused projections, and (layer, module, parameter name, the parameter,
-            # the address it must keep) for the rows each projection views (weights, and q / k / v biases)
-            for i, layer in enumerate(self.layers):
-                attn, mlp = layer.self_attn, layer.mlp
-                projs = [(attn, n) for n in ("q_proj", "k_proj", "v_proj")] + [(mlp, "gate_proj"), (mlp, "up_proj")]
-                if isinstance(layers, torch.nn.ModuleList):
-                    self._mods.append((i, layers, str(i), layer))
-                self._mods += [(i, layer, "self_attn", attn), (i, layer, "mlp", mlp)]
-                for owner, n in projs:
-                    m = owner._modules[n]
-                    self._mods.append((i, owner, n, m))
-                    for name in ("weight", "bias"):
-                        p = m._parameters.get(name)
-                        if p is not None:
-                            self._views.append((i, m, name, p, p.data_ptr()))
+            self._watch(layers)
+
+    def _watch(self, layers: Any) -> None:
+        """Record what the fused forward reads, and what its CUDA graphs capture: (path, owner, name, module) for
+        every module from the model down to the projections and norms, and (path, module, parameter name, the
+        parameter, its address) for each of their own parameters (the fused matrices' rows among them)."""
+        base = self.hf_model.model
+        entries = [("model.embed_tokens", base, "embed_tokens"), ("model.norm", base, "norm"),
+                   ("lm_head", self.hf_model, "lm_head")]
+        for i, layer in enumerate(self.layers):
+            pre = f"model.layers.{i}"
+            if isinstance(layers, torch.nn.ModuleList):
+                entries.append((pre, layers, str(i)))
+            entries += [(f"{pre}.{n}", layer, n) for n in ("input_layernorm", "post_attention_layernorm", "self_attn",
+                                                            "mlp")]
+            attn, mlp = layer.self_attn, layer.mlp
+            entries += [(f"{pre}.self_attn.{n}", attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
+                                                                      "k_norm") if n in attn._modules]
+            entries += [(f"{pre}.mlp.{n}", mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        for path, owner, name in entries:
+            m = owner._modules[name]
+            self._mods.append((path, owner, name, m))
+            for pname, p in m._parameters.items():
+                if p is not None:
+                    self._views.append((path, m, pname, p, p.data_ptr()))
 
     def _fuse(self) -> list[dict[str, Any]] | None:
         """Concatenate each layer's q / k / v and gate / up weights (the modules keep views of them); None where
@@ -139,20 +148,19 @@ class LlamaForward:
         return out
 
     def _check_fused(self) -> None:
-        """The modules still view the concatenated weights (a parameter replaced rather than written in place
-        would leave the fused matrices, and any captured CUDA graph, on the old values): each projection keeps the
-        parameter object and the address it had when fused, and every module from the layer list down to those
-        projections is still the one fused (a replaced module, e.g. an injected adapter, would run nowhere). Runs
-        every eager step, so it reads the modules' dicts directly (no module attribute lookups, no views)."""
-        for i, owner, name, m in self._mods:
+        """The model still holds the modules and parameters the engine fused and captured (a module or parameter
+        replaced rather than written in place would leave the fused matrices, and any captured CUDA graph, on the
+        old values): each keeps its object, and each parameter the address it had. Runs every eager step, so it
+        reads the modules' dicts directly (no module attribute lookups, no views)."""
+        for path, owner, name, m in self._mods:
             if owner._modules.get(name) is not m:
-                raise RuntimeError(f"model: layer {i}'s module {name!r} was replaced after the engine fused its "
-                                   "weights; update weights in place or build a new engine")
-        for i, m, name, p, ptr in self._views:
+                raise RuntimeError(f"model: {path} was replaced after the engine fused the weights; update weights in "
+                                   "place (copy_, load_state_dict without assign=True) or build a new engine")
+        for path, m, name, p, ptr in self._views:
             if m._parameters.get(name) is not p or p.data_ptr() != ptr:
-                raise RuntimeError(f"model: layer {i}'s projection weights were replaced after the engine fused them; "
-                                   "update weights in place (copy_, load_state_dict without assign=True) or build a "
-                                   "new engine")
+                raise RuntimeError(f"model: {path}.{name} was replaced after the engine fused the weights; update "
+                                   "weights in place (copy_, load_state_dict without assign=True) or build a new "
+                                   "engine")
 
     def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin ``[max_len, rotary_dim]`` in the model dtype (transformers casts them so), on the device."""
