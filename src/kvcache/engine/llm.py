@@ -353,6 +353,8 @@ class LLM:
                                  f"{s.params.max_tokens} = {need}, expected at most max_model_len={self.max_model_len}")
         for s in seqs:
             core.check(s)
+        # before anything is queued: a step may replay a CUDA graph first (prompts cached but for their last token)
+        self.model.check_weights()
         for s in seqs:
             core.add(s)
         if self.cache_mode == "linear" and self.enable_prefix_caching:

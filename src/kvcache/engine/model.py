@@ -147,6 +147,18 @@ class LlamaForward:
                         "gu_w": _concat([mlp.gate_proj, mlp.up_proj])})
         return out
 
+    def check_weights(self) -> None:
+        """Raise RuntimeError if a module or parameter the fused decoder reads (and its CUDA graphs captured) was
+        replaced since the engine fused them; weights updated in place pass. A no-op where the modules run
+        themselves (the CPU's torch backend, models that are not plain Llama layers).
+
+        Example
+        -------
+        >>> fwd.check_weights()                                   # doctest: +SKIP
+        """
+        if self._fused is not None:
+            self._check_fused()
+
     def _check_fused(self) -> None:
         """The model still holds the modules and parameters the engine fused and captured (a module or parameter
         replaced rather than written in place would leave the fused matrices, and any captured CUDA graph, on the
