@@ -270,6 +270,28 @@ def test_decode_tiles_find_their_sequence(device, q_lens, kv_dtype):
     assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_tiles_random_ragged_batches(device, seed):
+    """Random batches of 0-4 rows per sequence over 1-17 sequences (decode tiles, launched in their permuted order,
+    each finding its sequence by the guess, the sequence before it, or the search): every row against the
+    reference, padding rows untouched."""
+    rng = torch.Generator().manual_seed(seed)
+    H, hq, D, bs = 1, 4, 64, 16
+    n_seqs = int(torch.randint(1, 18, (1,), generator=rng))
+    q_lens = torch.randint(0, 5, (n_seqs,), generator=rng).tolist()
+    if seed % 2:  # mostly one-row sequences, as decode steps are
+        q_lens = [1 if x else 0 for x in q_lens]
+    kv_lens = [q + int(torch.randint(0, 40, (1,), generator=rng)) for q in q_lens]
+    cache, bt, _ = make_paged(device, kv_dtype="int8" if seed % 3 else "auto", layout="NHD", H=H, D=D, bs=bs,
+                              lens=kv_lens)
+    n_real = sum(q_lens)
+    q = _q(n_real + 1, hq, D, torch.float16, device, seed=seed)
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device)
+    eo, el = paged_expected(q[:n_real].cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D))
+    assert_attn_close(out[:n_real], lse[:n_real], eo, el, torch.float16, what=f"q_lens {q_lens}")
+    assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
+
+
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 def test_num_decode_split_launch(device, kv_dtype):
     """A mixed batch (decode rows first, then chunks) launched as decode tiles + prefill tiles (num_decode): the
