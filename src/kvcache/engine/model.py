@@ -96,13 +96,14 @@ class LlamaForward:
         if use_triton(self.device) and type(self).forward is LlamaForward.forward:
             self._fused = self._fuse()
         if self._fused is not None:
-            self._watch(layers)
+            self._watch()
 
-    def _watch(self, layers: Any) -> None:
+    def _watch(self) -> None:
         """Record what the fused forward reads, and what its CUDA graphs capture: (path, owner, name, module) for
         every module from the model down to the projections and norms, and (path, module, parameter name, the
         parameter, its address) for each of their own parameters (the fused matrices' rows among them)."""
         base = self.hf_model.model
+        layers = base.layers
         entries = [("model.embed_tokens", base, "embed_tokens"), ("model.norm", base, "norm"),
                    ("lm_head", self.hf_model, "lm_head")]
         for i, layer in enumerate(self.layers):
@@ -164,15 +165,12 @@ class LlamaForward:
         replaced rather than written in place would leave the fused matrices, and any captured CUDA graph, on the
         old values): each keeps its object, and each parameter the address it had. Runs every eager step, so it
         reads the modules' dicts directly (no module attribute lookups, no views)."""
-        for path, owner, name, m in self._mods:
-            if owner._modules.get(name) is not m:
-                raise RuntimeError(f"model: {path} was replaced after the engine fused the weights; update weights in "
-                                   "place (copy_, load_state_dict without assign=True) or build a new engine")
-        for path, m, name, p, ptr in self._views:
-            if m._parameters.get(name) is not p or p.data_ptr() != ptr:
-                raise RuntimeError(f"model: {path}.{name} was replaced after the engine fused the weights; update "
-                                   "weights in place (copy_, load_state_dict without assign=True) or build a new "
-                                   "engine")
+        replaced = [path for path, owner, name, m in self._mods if owner._modules.get(name) is not m]
+        replaced += [f"{path}.{name}" for path, m, name, p, ptr in self._views
+                     if m._parameters.get(name) is not p or p.data_ptr() != ptr]
+        if replaced:
+            raise RuntimeError(f"model: {replaced[0]} was replaced after the engine fused the weights; update weights "
+                               "in place (copy_, load_state_dict without assign=True) or build a new engine")
 
     def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin ``[max_len, rotary_dim]`` in the model dtype (transformers casts them so), on the device."""

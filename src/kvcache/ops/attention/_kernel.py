@@ -73,13 +73,8 @@ from ._warp_tile import _merge_warps, _tile_w
 
 
 @triton.jit
-def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
-    """Sequence ``b`` of query tile ``pid``: the last ``b`` with ``cu_q[b] // BLOCK_Q + b <= pid``.
-
-    Sequence ``b`` owns tiles ``cu_q[b] // BLOCK_Q + b`` .. ``cu_q[b + 1] // BLOCK_Q + b`` (one more than it
-    needs at most), so the grid ``n_rows // BLOCK_Q + B`` covers every batch of ``n_rows`` rows, whatever
-    their split into sequences (fixed at CUDA-graph capture).
-    """
+def _search_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
+    """(b, cu_q[b], rows of b) for the last ``b`` with ``cu_q[b] // BLOCK_Q + b <= pid``, by a binary search."""
     lo = pid * 0
     hi = lo + n_seqs
     for _ in tl.static_range(LOG_B):
@@ -88,7 +83,38 @@ def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
         take = start <= pid
         lo = tl.where(take, mid, lo)
         hi = tl.where(take, hi, mid)
-    return lo
+    row0 = tl.load(cu_q + lo)
+    return lo, row0, tl.load(cu_q + lo + 1) - row0
+
+
+@triton.jit
+def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr, GUESS: tl.constexpr):
+    """Sequence ``b`` of query tile ``pid``, its first row ``cu_q[b]`` and its number of rows. Sequence ``b`` owns
+    tiles ``cu_q[b] // BLOCK_Q + b`` .. ``cu_q[b + 1] // BLOCK_Q + b`` (one more than it needs at most), so the grid
+    ``n_rows // BLOCK_Q + B`` covers every split of ``n_rows`` rows into sequences (fixed at CUDA-graph capture).
+    ``GUESS`` (decode tiles): first the sequence the tile has when every sequence holds one row (tiles start at
+    ``b + b // BLOCK_Q``), checked against cu_q's two entries that the tile reads anyway, then the one before it
+    (a spare tile, one more load); the binary search only where both checks fail (other batches)."""
+    if GUESS:
+        g = tl.minimum(pid - pid // (BLOCK_Q + 1), n_seqs - 1)
+        c0 = tl.load(cu_q + g)
+        c1 = tl.load(cu_q + g + 1)
+        if (c0 // BLOCK_Q + g <= pid) & (pid <= c1 // BLOCK_Q + g):
+            b = g
+            row0 = c0
+            q_len = c1 - c0
+        else:
+            gm = tl.maximum(g - 1, 0)
+            cm = tl.load(cu_q + gm)
+            if (cm // BLOCK_Q + gm <= pid) & (pid <= c0 // BLOCK_Q + gm):
+                b = gm
+                row0 = cm
+                q_len = c0 - cm
+            else:
+                b, row0, q_len = _search_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
+    else:
+        b, row0, q_len = _search_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
+    return b, row0, q_len
 
 
 @triton.jit
@@ -256,33 +282,9 @@ def _attention_kernel(
         kv_len = tl.load(kv_lens + b) + q_len_u
         bt_row = block_tables  # unused
     else:
-        if HEADS_INNER and QUANT != 1:
-            # decode tiles: first the sequence that tile ``pid`` belongs to when every sequence has one row (tiles
-            # start at b + b // BLOCK_Q), checked against cu_q's two entries that the tile reads anyway, then the one
-            # before it (spare tiles); the binary search only where both are wrong (other batches). fp8 tiles keep
-            # the search: Triton 3.6 compiles its head_dim-64 decode tile 32-43% slower with this branch
-            g = tl.minimum(pid - pid // (BLOCK_Q + 1), n_seqs - 1)
-            c0 = tl.load(cu_q + g)
-            c1 = tl.load(cu_q + g + 1)
-            if (c0 // BLOCK_Q + g <= pid) & (pid <= c1 // BLOCK_Q + g):
-                b = g
-                row0 = c0
-                q_len = c1 - c0
-            else:
-                gm = tl.maximum(g - 1, 0)
-                cm = tl.load(cu_q + gm)
-                if (cm // BLOCK_Q + gm <= pid) & (pid <= c0 // BLOCK_Q + gm):
-                    b = gm
-                    row0 = cm
-                    q_len = c0 - cm
-                else:
-                    b = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
-                    row0 = tl.load(cu_q + b)
-                    q_len = tl.load(cu_q + b + 1) - row0
-        else:
-            b = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
-            row0 = tl.load(cu_q + b)
-            q_len = tl.load(cu_q + b + 1) - row0
+        # decode tiles take their sequence by a checked guess first; fp8 tiles keep the search: Triton 3.6 compiles
+        # its head_dim-64 decode tile 32-43% slower with the guess's branch
+        b, row0, q_len = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B, HEADS_INNER and QUANT != 1)
         lt = pid - (row0 // BLOCK_Q + b)
         ws_row0 = row0
         kv_len = tl.load(kv_lens + b)
