@@ -49,7 +49,7 @@ def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", line
                   V_FOLD=quant >= 2 and (block_q * triton.next_power_of_2(g) <= 16 or warps_k > 1),
                   Q_RESCALE=quant == 2 and qdt == "*bf16" and block_q * triton.next_power_of_2(g) <= 16,
                   WARPS_K=warps_k, HEADS_INNER=block_q * triton.next_power_of_2(g) <= 16,
-                  MIN_SPLIT_TILES=max(1, 512 // block_n) if splits > 1 else 1, INTERP=False)
+                  MIN_SPLIT_TILES=max(1, 512 // block_n) if splits > 1 else 1, INTERP=False, PDL=True)
     return compile_kernel(_attention_kernel, ptr, consts, dict(num_warps=warps, num_stages=stages))
 
 

@@ -1,11 +1,14 @@
 """Fused elementwise ops of a Llama-family decoder, what :mod:`kvcache.engine` runs around the cache: RMSNorm
-with its residual add, SiLU-and-multiply, query RoPE (``kvcache.ops.decoder.rms_norm`` etc.).
+with its residual add, SiLU-and-multiply, query RoPE, the greedy pick over logits (``kvcache.ops.decoder.rms_norm``
+etc.).
 
 Each is one Triton kernel on CUDA (or under the interpreter, ``KVCACHE_TRITON_INTERPRET=1``) and the same
 formula in torch elsewhere. The kernels keep transformers' roundings where they are observable: the residual
 sum and the normalized row are rounded to the model dtype before the weight multiplies them, SiLU's output is
 rounded before the product, so a fused step differs from the modules' only by the order of the float32 sum of
 squares (and by RoPE computing ``x * cos + rot(x) * sin`` in float32 with one rounding).
+Where the device has it (Hopper and later), the kernels are launched as programmatic dependents: each waits for
+the previous kernel before its first read and releases its own dependents right after.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import triton.language as tl
 
 from .._backend import kernel, use_triton
 from .._validate import next_pow2
+from ._argmax import argmax
+from ._pdl import pdl_enter, pdl_options
 
-__all__ = ["rms_norm", "silu_mul", "rope_rotate"]
+__all__ = ["rms_norm", "silu_mul", "rope_rotate", "argmax"]
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:
@@ -28,7 +33,8 @@ def _check_float(name: str, t: torch.Tensor) -> None:
 
 @kernel(ints=("n_cols", "s_x", "s_r", "s_o"))
 def _rms_norm_kernel(x, res, w, out, res_out, n_cols, s_x, s_r, s_o, EPS: tl.constexpr, HAS_RES: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -99,12 +105,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel.launch(x.device, (n,), x, residual if residual is not None else x, weight, out, res_out, d,
                                 x.stride(0), residual.stride(0) if residual is not None else 0, d,
                                 EPS=float(eps), HAS_RES=residual is not None, BLOCK=block,
-                                num_warps=min(16, max(1, block // 256)))
+                                num_warps=min(16, max(1, block // 256)), **pdl_options(x.device))
     return out, res_out
 
 
 @kernel(ints=("n_cols", "s_x"))
-def _silu_mul_kernel(x, out, n_cols, s_x, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x, out, n_cols, s_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -145,13 +152,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if n and inter:
         block = min(1024, next_pow2(inter))
         _silu_mul_kernel.launch(gate_up.device, (n, triton.cdiv(inter, block)), gate_up, out, inter,
-                                gate_up.stride(0), BLOCK=block, num_warps=4)
+                                gate_up.stride(0), BLOCK=block, num_warps=4, **pdl_options(gate_up.device))
     return out
 
 
 @kernel(ints=("n_heads", "s_t", "s_h", "rot_dim", "max_pos"))
 def _rope_kernel(x, out, pos, cos, sin, n_heads, s_t, s_h, rot_dim, max_pos, D: tl.constexpr, HALF_P: tl.constexpr,
-                 TAIL_P: tl.constexpr, BLOCK_H: tl.constexpr):
+                 TAIL_P: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok_h = hh < n_heads
@@ -225,5 +233,6 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions
         tail = d - rd
         _rope_kernel.launch(x.device, (n, triton.cdiv(heads, block_h)), x, out, positions, cos, sin, heads,
                             x.stride(0), x.stride(1), rd, cos.shape[0], D=d, HALF_P=max(2, next_pow2(rd // 2)),
-                            TAIL_P=next_pow2(tail) if tail else 0, BLOCK_H=block_h, num_warps=4)
+                            TAIL_P=next_pow2(tail) if tail else 0, BLOCK_H=block_h, num_warps=4,
+                            **pdl_options(x.device))
     return out

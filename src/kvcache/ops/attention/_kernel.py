@@ -68,53 +68,13 @@ import triton.language as tl
 
 from ..._backend import kernel
 from ._convert import MAGIC, dequant
-from ._loads import LN2, LOG2E, PV_RANGE, _key_rows, _load_kv, _load_params
+from ._loads import LN2, LOG2E, PV_RANGE, _find_tile, _key_rows, _load_kv, _load_params
 from ._warp_tile import _merge_warps, _tile_w
 
-
-@triton.jit
-def _search_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
-    """(b, cu_q[b], rows of b) for the last ``b`` with ``cu_q[b] // BLOCK_Q + b <= pid``, by a binary search."""
-    lo = pid * 0
-    hi = lo + n_seqs
-    for _ in tl.static_range(LOG_B):
-        mid = (lo + hi) // 2
-        start = tl.load(cu_q + mid) // BLOCK_Q + mid
-        take = start <= pid
-        lo = tl.where(take, mid, lo)
-        hi = tl.where(take, hi, mid)
-    row0 = tl.load(cu_q + lo)
-    return lo, row0, tl.load(cu_q + lo + 1) - row0
-
-
-@triton.jit
-def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr, GUESS: tl.constexpr):
-    """Sequence ``b`` of query tile ``pid``, its first row ``cu_q[b]`` and its number of rows. Sequence ``b`` owns
-    tiles ``cu_q[b] // BLOCK_Q + b`` .. ``cu_q[b + 1] // BLOCK_Q + b`` (one more than it needs at most), so the grid
-    ``n_rows // BLOCK_Q + B`` covers every split of ``n_rows`` rows into sequences (fixed at CUDA-graph capture).
-    ``GUESS`` (decode tiles): first the sequence the tile has when every sequence holds one row (tiles start at
-    ``b + b // BLOCK_Q``), checked against cu_q's two entries that the tile reads anyway, then the one before it
-    (a spare tile, one more load); the binary search only where both checks fail (other batches)."""
-    if GUESS:
-        g = tl.minimum(pid - pid // (BLOCK_Q + 1), n_seqs - 1)
-        c0 = tl.load(cu_q + g)
-        c1 = tl.load(cu_q + g + 1)
-        if (c0 // BLOCK_Q + g <= pid) & (pid <= c1 // BLOCK_Q + g):
-            b = g
-            row0 = c0
-            q_len = c1 - c0
-        else:
-            gm = tl.maximum(g - 1, 0)
-            cm = tl.load(cu_q + gm)
-            if (cm // BLOCK_Q + gm <= pid) & (pid <= c0 // BLOCK_Q + gm):
-                b = gm
-                row0 = cm
-                q_len = c0 - cm
-            else:
-                b, row0, q_len = _search_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
-    else:
-        b, row0, q_len = _search_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
-    return b, row0, q_len
+try:  # programmatic dependent launch (Hopper and later); triton >= 3.4
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_wait = None
 
 
 @triton.jit
@@ -252,9 +212,13 @@ def _attention_kernel(
     FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr, WARPS_K: tl.constexpr,
-    HEADS_INNER: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, INTERP: tl.constexpr,
+    HEADS_INNER: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
     # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
+    if PDL:
+        # launched as a programmatic dependent: the grid may be resident before the previous kernel (the append,
+        # which releases its dependents early) ends; nothing is read before that kernel has finished
+        gdc_wait()
     NUM_KV: tl.constexpr = HQ // G
     if HEADS_INNER:
         # decode tiles: the KV heads of one query tile are neighbours in the launch order, so programs that run at

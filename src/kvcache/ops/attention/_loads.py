@@ -1,5 +1,6 @@
-"""Loads of K / V tiles and of their (scale, zero) pairs, and the constants shared by the attention kernel's tiles
-(any rank: the caller builds the offsets and masks of its own tile shape)."""
+"""Loads of K / V tiles and of their (scale, zero) pairs (any rank: the caller builds the offsets and masks of its own
+tile shape), the lookup of a query tile's sequence in ``cu_q_lens``, and the constants shared by the attention
+kernel's tiles."""
 
 from __future__ import annotations
 
@@ -89,3 +90,48 @@ def _load_params(qparams, pbase, ok_n):
     registers."""
     par = tl.load(qparams + tl.expand_dims(pbase, -1) + tl.arange(0, 2), mask=tl.expand_dims(ok_n, -1), other=0.0)
     return tl.split(par)
+
+
+@triton.jit
+def _search_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr):
+    """(b, cu_q[b], rows of b) for the last ``b`` with ``cu_q[b] // BLOCK_Q + b <= pid``, by a binary search."""
+    lo = pid * 0
+    hi = lo + n_seqs
+    for _ in tl.static_range(LOG_B):
+        mid = (lo + hi) // 2
+        start = tl.load(cu_q + mid) // BLOCK_Q + mid
+        take = start <= pid
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid)
+    row0 = tl.load(cu_q + lo)
+    return lo, row0, tl.load(cu_q + lo + 1) - row0
+
+
+@triton.jit
+def _find_tile(pid, cu_q, n_seqs, BLOCK_Q: tl.constexpr, LOG_B: tl.constexpr, GUESS: tl.constexpr):
+    """Sequence ``b`` of query tile ``pid``, its first row ``cu_q[b]`` and its number of rows. Sequence ``b`` owns
+    tiles ``cu_q[b] // BLOCK_Q + b`` .. ``cu_q[b + 1] // BLOCK_Q + b`` (one more than it needs at most), so the grid
+    ``n_rows // BLOCK_Q + B`` covers every split of ``n_rows`` rows into sequences (fixed at CUDA-graph capture).
+    ``GUESS`` (decode tiles): first the sequence the tile has when every sequence holds one row (tiles start at
+    ``b + b // BLOCK_Q``), checked against cu_q's two entries that the tile reads anyway, then the one before it
+    (a spare tile, one more load); the binary search only where both checks fail (other batches)."""
+    if GUESS:
+        g = tl.minimum(pid - pid // (BLOCK_Q + 1), n_seqs - 1)
+        c0 = tl.load(cu_q + g)
+        c1 = tl.load(cu_q + g + 1)
+        if (c0 // BLOCK_Q + g <= pid) & (pid <= c1 // BLOCK_Q + g):
+            b = g
+            row0 = c0
+            q_len = c1 - c0
+        else:
+            gm = tl.maximum(g - 1, 0)
+            cm = tl.load(cu_q + gm)
+            if (cm // BLOCK_Q + gm <= pid) & (pid <= c0 // BLOCK_Q + gm):
+                b = gm
+                row0 = cm
+                q_len = c0 - cm
+            else:
+                b, row0, q_len = _search_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
+    else:
+        b, row0, q_len = _search_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B)
+    return b, row0, q_len
