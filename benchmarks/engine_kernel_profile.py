@@ -84,6 +84,9 @@ def main() -> int:
     ap.add_argument("--split-attention", action="store_true",
                     help="also print the attention kernel's time per launch shape (grid, block) from the trace")
     ap.add_argument("--gaps", action="store_true", help="also print where the GPU sits idle (from the trace)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time (unprofiled, median of 3) generate with max_tokens 1 and the full 128: the prefill "
+                         "phase's wall time and the decode steps' mean")
     args = ap.parse_args()
     sys.path.insert(0, "src")
     import torch
@@ -102,6 +105,24 @@ def main() -> int:
                   kv_cache_memory=8 * 2**30, max_model_len=plen + new, enable_prefix_caching=False)
         llm.generate(prompts, sp)  # compile and capture
         torch.cuda.synchronize()
+        if args.phases:
+            import statistics
+            import time
+            ms = {}
+            for m in (1, new):
+                p1 = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+                llm.generate(prompts, p1)
+                times = []
+                for _ in range(3):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    llm.generate(prompts, p1)
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                ms[m] = statistics.median(times)
+            print(f"## {kv}: generate max_tokens=1 {ms[1]:.1f} ms (prefill steps), max_tokens={new} {ms[new]:.1f} ms: "
+                  f"{(ms[new] - ms[1]) / (new - 1) * 1e3:.0f} us per decode step, {n_req * new / ms[new] * 1e3:,.0f} "
+                  "tok/s")
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             llm.generate(prompts, sp)
             torch.cuda.synchronize()

@@ -120,6 +120,28 @@ def test_preemption_recomputes_the_newest_request():
     assert victim.num_generated == 6 and victim.num_preemptions >= 1
 
 
+def test_finish_a_preempted_request_and_drop_finished_rows():
+    # the overlapped loop reads a step's tokens after scheduling the next: a request preempted by that schedule can
+    # turn out finished (its token was a stop token) while it waits, and a request finished that way may hold a
+    # row in a step already launched, whose result is then dropped
+    s = _sched(num_blocks=4, block_size=4, prefix=False)
+    s.add(_seq(0, list(range(8)), max_tokens=6))
+    s.add(_seq(1, list(range(20, 28)), max_tokens=6))
+    _step(s)
+    b = _step(s)
+    victim = b.preempted[0]
+    s.finish(victim, "stop")
+    assert victim.status is SequenceStatus.FINISHED and victim.finish_reason == "stop"
+    assert victim not in s.waiting and victim not in s.running and victim.block_table == []
+    b = s.schedule()
+    assert [q.request_id for q in b.seqs] == [0]
+    s.finish(b.seqs[0], "stop")  # finished before this step's row was processed
+    computed = b.seqs[0].num_computed
+    assert s.postprocess(b, [7]) == [] and b.seqs[0].num_computed == computed
+    assert not s.has_unfinished() and s.allocator.num_used_blocks == 0
+    s.allocator.check_invariants()
+
+
 def test_add_refuses_requests_that_can_never_fit():
     s = _sched(num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="prompts"):

@@ -14,6 +14,7 @@ from ..paged import BlockAllocator, PagedConfig, PagedKVCache, cache_block_bytes
 from .linear_runner import LinearEngineCore
 from .loader import load_model
 from .model import LlamaForward
+from .paged_loop import PagedLoop
 from .paged_runner import PagedRunner
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -48,8 +49,8 @@ class EngineStats:
         Bytes of the KV cache allocation (quantization parameters included).
     kv_dtype, cache : str
     preemptions, steps, graph_steps, overlapped_steps : int
-        Requests preempted (recomputed), engine steps, decode steps run as CUDA graphs, graph steps launched while
-        the step before them was still running (the host's work hidden behind the device's).
+        Requests preempted (recomputed), engine steps, decode steps run as CUDA graphs, steps launched before the
+        host had read the step before them (the host's work hidden behind the device's).
     attention : str
         ``"paged_attention"`` (in place), ``"slot-sdpa"`` (linear).
     """
@@ -126,7 +127,9 @@ class LLM:
     cuda_graphs : bool, optional
         Run pure decode steps as CUDA graphs, captured per batch-size bucket (default: on with CUDA; needs
         ``kvcache.ops.paged_attention``). ``True`` on the CPU runs them through the same static, padded
-        buffers without capture (checks the graph path's batch layout without a GPU).
+        buffers without capture (checks the graph path's batch layout without a GPU). On (either way), each step is
+        also launched before the host reads the previous step's greedy tokens (:mod:`kvcache.engine.paged_loop`);
+        off, every step is run and read before the next is scheduled.
     tp_group : torch.distributed.ProcessGroup, optional
         Tensor parallel over this group (``torch.distributed.group.WORLD`` for every rank): every rank builds
         the same ``LLM`` from the same weights and calls ``generate`` with the same arguments; each holds its
@@ -386,7 +389,8 @@ class LLM:
     def _run(self, core: Any, seqs: list[Sequence], st: EngineStats,
              progress: Callable[[int, int, int], None] | None) -> None:
         if self.cache_mode == "paged":
-            self._run_paged(seqs, st, progress)
+            PagedLoop(self.scheduler, self.runner, self._finish_reason, overlap=self.runner.use_graphs).run(
+                seqs, st, progress)
             return
         finished = 0
         generated = 0
@@ -405,62 +409,6 @@ class LLM:
             finished += len(done)
             if progress is not None:
                 progress(finished, len(seqs), generated)
-
-    def _run_paged(self, seqs: list[Sequence], st: EngineStats,
-                   progress: Callable[[int, int, int], None] | None) -> None:
-        """The paged engine's loop. Greedy decode steps run as graphs, and while one runs on the device the host
-        prepares and launches the next (:meth:`Scheduler.schedule_next_decode`), then processes the first's
-        tokens: the host's per-step work overlaps the device's instead of adding to it."""
-        sched, runner = self.scheduler, self.runner
-        counts = [0, 0]  # finished, generated
-        inflight = None
-        while inflight is not None or sched.has_unfinished():
-            if inflight is None:
-                batch = sched.schedule()
-                st.blocks_used = max(st.blocks_used, self.allocator.num_used_blocks)
-                if not batch.seqs:
-                    raise RuntimeError("scheduler: no request could be scheduled (pool too small for one request)")
-                if runner.can_launch_decode(batch) and all(s.params.greedy for s in batch.seqs):
-                    inflight = runner.launch_decode(batch)
-                    continue
-                logits = runner.run(batch)
-                sampled = [s for s, f in zip(batch.seqs, batch.sample) if f]
-                toks = sample(logits, [s.params for s in sampled], [s.generator for s in sampled]) if sampled else []
-                by_seq = dict(zip(map(id, sampled), toks))
-                self._process(batch, [by_seq.get(id(s)) for s in batch.seqs], st, counts, len(seqs), progress)
-                continue
-            # the step in flight: launch the one after it before waiting for its tokens
-            nxt = sched.schedule_next_decode(inflight.batch)
-            ahead = runner.launch_decode(nxt, ahead=True) if nxt is not None else None
-            st.overlapped_steps += ahead is not None
-            st.blocks_used = max(st.blocks_used, self.allocator.num_used_blocks)
-            self._process(inflight.batch, inflight.greedy_tokens(), st, counts, len(seqs), progress)
-            if ahead is not None and any(s.status is SequenceStatus.FINISHED for s in ahead.batch.seqs):
-                # a request finished by its last token (EOS, stop): the step ahead ran it once too often. Keep the
-                # other rows' tokens, drop its row; the next step is scheduled afresh
-                toks = ahead.greedy_tokens()
-                keep = [i for i, s in enumerate(ahead.batch.seqs) if s.status is not SequenceStatus.FINISHED]
-                b = ahead.batch
-                part = type(b)([b.seqs[i] for i in keep], [1] * len(keep), [True] * len(keep), [])
-                if keep:
-                    self._process(part, [toks[i] for i in keep], st, counts, len(seqs), progress)
-                else:
-                    st.steps += 1  # it ran, for nothing
-                ahead = None
-            inflight = ahead
-
-    def _process(self, batch: Any, new_tokens: list[int | None], st: EngineStats, counts: list[int], total: int,
-                 progress: Callable[[int, int, int], None] | None) -> None:
-        """Advance a finished step: append its tokens, publish full blocks, finish requests, report progress."""
-        st.steps += 1
-        sampled = self.scheduler.postprocess(batch, new_tokens)
-        done = [(s, r) for s in sampled if (r := self._finish_reason(s)) is not None]
-        for s, reason in done:
-            self.scheduler.finish(s, reason)
-        counts[0] += len(done)
-        counts[1] += len(sampled)
-        if progress is not None:
-            progress(counts[0], total, counts[1])
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         p = seq.params

@@ -20,11 +20,12 @@ import numpy as np
 import torch
 
 from .. import ops
+from ..ops import decoder as fused
 from ..paged import PagedKVCache
 from .model import LlamaForward
 from .scheduler import ScheduledBatch
 
-__all__ = ["PagedRunner", "StepMeta", "DecodeStep"]
+__all__ = ["PagedRunner", "StepMeta", "DecodeStep", "PendingTokens", "PLACEHOLDER"]
 
 
 class DecodeStep:
@@ -54,6 +55,46 @@ class DecodeStep:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
+
+
+class PendingTokens:
+    """The greedy tokens of an eager step, picked on the device (:meth:`PagedRunner.pick_greedy`) and not yet read
+    by the host. Until :meth:`tokens` is read, each sampled request ends in :data:`PLACEHOLDER` at ``index``;
+    a step launched meanwhile takes such a token from ``device`` (``run`` / ``launch_decode`` with ``pending=``).
+
+    Attributes
+    ----------
+    batch : ScheduledBatch
+        The step.
+    rows : list of (Sequence, int)
+        The sampled requests in row order, each with the index of its placeholder in ``token_ids``.
+    device : torch.Tensor
+        int64 ``[len(rows)]`` on the model's device.
+    """
+
+    __slots__ = ("batch", "rows", "device", "_host", "_event", "_row_of")
+
+    def __init__(self, batch: ScheduledBatch, rows: list, device: torch.Tensor, host: torch.Tensor,
+                 event: torch.cuda.Event | None) -> None:
+        self.batch = batch
+        self.rows = rows
+        self.device = device
+        self._host = host
+        self._event = event
+        self._row_of = {id(seq): i for i, (seq, _) in enumerate(rows)}
+
+    def row_of(self, seq: object) -> int | None:
+        """The device row holding ``seq``'s pending token (None: ``seq`` has none here)."""
+        return self._row_of.get(id(seq))
+
+    def tokens(self) -> list[int]:
+        """The tokens, in row order (waits for the step)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+PLACEHOLDER = -1  # a sampled token the host has not read yet (PendingTokens)
 
 
 @dataclasses.dataclass(slots=True)
@@ -133,12 +174,14 @@ class PagedRunner:
 
     # ---------------------------------------------------------------------------------- the step
 
-    def _host_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, list[slice], list[int]]:
+    def _host_inputs(self, batch: ScheduledBatch, pending: PendingTokens | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[slice], list[int], list[tuple[int, int]]]:
         """The step's host inputs in two buffers (pinned on CUDA, so each reaches the device in one asynchronous
         copy): int64 ``[2, N']`` (token ids, positions; ``N'`` the token count rounded up to even) and int32
         segments ``cu_q_lens``, lengths before, lengths after, block tables (row after row), at the returned slices.
         Every segment starts on a 16-byte boundary, as a tensor of its own would (the kernels specialise on their
-        pointers' alignment). Also returns the lengths after the step as ints."""
+        pointers' alignment). Also returns the lengths after the step as ints, and (token row, ``pending`` row) for
+        each input token that is still a placeholder."""
         b, w = len(batch.seqs), self.width
         n_tok = sum(batch.num_tokens)
         pin = self.device.type == "cuda"
@@ -152,9 +195,12 @@ class PagedRunner:
         cu, before, after, flat = (ints[sp] for sp in spans)
         tables = flat.reshape(b, w)
         o = 0
+        fix: list[tuple[int, int]] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c = seq.num_computed
             tok[0, o:o + n] = seq.token_ids[c:c + n]
+            if c + n == len(seq.token_ids) and seq.token_ids[-1] == PLACEHOLDER:
+                fix.append((o + n - 1, _pending_row(pending, seq)))
             tok[1, o:o + n] = np.arange(c, c + n)
             o += n
             cu[i + 1] = o
@@ -162,16 +208,19 @@ class PagedRunner:
             after[i] = c + n
             t = seq.block_table
             tables[i, :len(t)] = t
-        return tok_t, int_t, spans, after.tolist()
+        return tok_t, int_t, spans, after.tolist(), fix
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, *, pending: PendingTokens | None = None) -> torch.Tensor:
         """Run the step; returns logits ``[num sampled rows, vocab]`` (model dtype) (rows in batch order of
-        ``batch.sample``)."""
+        ``batch.sample``). ``pending``: the step before, whose tokens the host has not read; an input token that
+        is still a placeholder is taken from it on the device."""
         if self.use_graphs and batch.is_decode and len(batch.seqs) <= self.max_graph_batch:
-            return self._run_graph(batch)
-        tok_h, int_h, spans, after = self._host_inputs(batch)
+            return self.launch_decode(batch, pending=pending).logits
+        tok_h, int_h, spans, after, fix = self._host_inputs(batch, pending)
         dev, n_tok = self.device, sum(batch.num_tokens)
         tok, ints = tok_h.to(dev, non_blocking=True), int_h.to(dev, non_blocking=True)
+        if fix:
+            self._patch_ids(tok[0], fix, pending)
         cu_q, before, after_d, flat = (ints[sp] for sp in spans)
         meta = StepMeta(
             block_tables=flat.view(len(batch.seqs), self.width), cu_q_lens=cu_q, kv_lens=before,
@@ -185,6 +234,29 @@ class PagedRunner:
         if not rows:
             return hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[torch.tensor(rows, device=dev)])
+
+    def _patch_ids(self, ids: torch.Tensor, fix: list[tuple[int, int]], pending: PendingTokens | None) -> None:
+        """``ids[t] = pending.device[r]`` for each (t, r) of ``fix``, on the device (no host sync)."""
+        idx = torch.tensor([[t for t, _ in fix], [r for _, r in fix]], dtype=torch.int64,
+                           pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        ids.index_copy_(0, idx[0], pending.device.index_select(0, idx[1]))
+
+    def pick_greedy(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list) -> PendingTokens:
+        """The greedy token of each row of ``logits`` ``[len(rows), vocab]``, picked on the device and copied to
+        the host asynchronously: read them with :meth:`PendingTokens.tokens`.
+
+        Example
+        -------
+        >>> pend = runner.pick_greedy(batch, runner.run(batch), rows)     # doctest: +SKIP
+        """
+        dev_tokens = fused.argmax(logits)
+        host = torch.empty(dev_tokens.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host.copy_(dev_tokens, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        return PendingTokens(batch, rows, dev_tokens, host, event)
 
     # ---------------------------------------------------------------------------------- CUDA graphs
 
@@ -217,9 +289,6 @@ class PagedRunner:
             }
         return self._static
 
-    def _run_graph(self, batch: ScheduledBatch) -> torch.Tensor:
-        return self.launch_decode(batch).logits
-
     def can_launch_decode(self, batch: ScheduledBatch) -> bool:
         """True when ``batch`` runs as a graph step (:meth:`launch_decode`): a pure decode step of at most
         ``max_graph_batch`` requests, with graphs on.
@@ -231,13 +300,15 @@ class PagedRunner:
         """
         return self.use_graphs and batch.is_decode and len(batch.seqs) <= self.max_graph_batch
 
-    def launch_decode(self, batch: ScheduledBatch, *, ahead: bool = False) -> DecodeStep:
+    def launch_decode(self, batch: ScheduledBatch, *, ahead: bool = False,
+                      pending: PendingTokens | None = None) -> DecodeStep:
         """Launch a decode step as a graph (asynchronously on CUDA); returns its :class:`DecodeStep`.
 
         ``ahead=True``: ``batch`` is the step after the one in flight (same requests, same rows: from
         :meth:`Scheduler.schedule_next_decode`); its input tokens are the in-flight step's greedy tokens, taken
         on the device, and every request is one token further on than its host state says. At most two steps
         may be in flight: wait for the older one (:meth:`DecodeStep.greedy_tokens`) before the next launch.
+        ``pending``: an eager step before this one whose tokens the host has not read (see :meth:`run`).
 
         Example
         -------
@@ -252,9 +323,12 @@ class PagedRunner:
         self._flip ^= 1
         h_tok, h_len, h_bt = st["h_tok"][slot], st["h_len"][slot], st["h_bt"][slot]
         tok, lens, bt = h_tok.numpy(), h_len.numpy(), h_bt.numpy()
+        fix: list[tuple[int, int]] = []
         for b, seq in enumerate(batch.seqs):
             c = seq.num_computed + ahead
             tok[0, b] = 0 if ahead else seq.token_ids[c]
+            if not ahead and tok[0, b] == PLACEHOLDER:
+                fix.append((b, _pending_row(pending, seq)))
             tok[1, b] = c
             lens[0, b] = c
             lens[1, b] = c + 1
@@ -270,6 +344,8 @@ class PagedRunner:
             st["ids"][:bs].copy_(st["next"][:bs])
         else:
             st["ids"][:bs].copy_(h_tok[0, :bs], non_blocking=True)
+            if fix:
+                self._patch_ids(st["ids"], fix, pending)
         st["pos"][:bs].copy_(h_tok[1, :bs], non_blocking=True)
         st["before"][:bs].copy_(h_len[0, :bs], non_blocking=True)
         st["after"][:bs].copy_(h_len[1, :bs], non_blocking=True)
@@ -297,7 +373,7 @@ class PagedRunner:
                         kv_lens_after=st["after"][:bs], q_lens=[1] * bs, kv_after=[])
         hidden = self.model.forward(st["ids"][:bs], st["pos"][:bs], self._attention(meta))
         logits = self.model.logits(hidden)
-        torch.argmax(logits, dim=-1, out=st["next"][:bs])
+        fused.argmax(logits, out=st["next"][:bs])
         return logits
 
     def _capture(self, bs: int) -> torch.Tensor:
@@ -314,3 +390,11 @@ class PagedRunner:
             out = self._forward_static(bs)
         self._graphs[bs] = (graph, out)
         return logits
+
+
+def _pending_row(pending: PendingTokens | None, seq: object) -> int:
+    row = pending.row_of(seq) if pending is not None else None
+    if row is None:
+        raise RuntimeError(f"runner: request {getattr(seq, 'request_id', '?')} has an unread token and no pending "
+                           "step holds it")
+    return row

@@ -266,6 +266,8 @@ class Scheduler:
         publishes full blocks. Returns the requests of the batch that sampled a token."""
         sampled = []
         for seq, n, tok in zip(batch.seqs, batch.num_tokens, new_tokens):
+            if seq.status is SequenceStatus.FINISHED:  # finished after the step was launched: its row is dropped
+                continue
             seq.num_computed += n
             self._publish(seq)
             if tok is not None:
@@ -284,8 +286,12 @@ class Scheduler:
             seq.num_published = len(hashes)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Release a running request at once (its full blocks stay cached for later prefix hits)."""
+        """Finish a request at once: a running one releases its blocks (its full blocks stay cached for later
+        prefix hits); a preempted one (waiting, no blocks) leaves the queue."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.running.remove(seq)
-        self._release(seq)
