@@ -37,7 +37,7 @@ def _attention_by_launch(prof, kv: str) -> None:  # type: ignore[no-untyped-def]
         print(f"| {grid} | {block} | {n} | {us / 1e3:.2f} | {us / max(n, 1):.1f} |")
 
 
-def _gaps(prof, kv: str, top: int = 15) -> None:  # type: ignore[no-untyped-def]
+def _gaps(prof, kv: str, top: int = 15, largest: int = 0) -> None:  # type: ignore[no-untyped-def]
     """Where the GPU sits idle during the generate: gaps between consecutive GPU activities (kernels, copies, sets)
     of the trace, with the activities on either side. The profiler slows the host's launches, so gaps are upper
     bounds of the unprofiled run's."""
@@ -60,7 +60,7 @@ def _gaps(prof, kv: str, top: int = 15) -> None:  # type: ignore[no-untyped-def]
     gaps = []
     for i, (a, b, name) in enumerate(acts):
         if a > end:
-            gaps.append((a - end, acts[i - 1][2] if i else "", name))
+            gaps.append((a - end, acts[i - 1][2] if i else "", name, end - acts[0][0]))
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
     big = [g for g in gaps if g[0] > 20.0]
@@ -68,13 +68,17 @@ def _gaps(prof, kv: str, top: int = 15) -> None:  # type: ignore[no-untyped-def]
     print(f"span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms; "
           f"{len(gaps)} gaps, {len(big)} over 20 us ({sum(g[0] for g in big) / 1e3:.2f} ms)")
     pairs: dict = collections.defaultdict(lambda: [0, 0.0])
-    for us, before, after in big:
+    for us, before, after, _ in big:
         pairs[(before, after)][0] += 1
         pairs[(before, after)][1] += us
     print("| after kernel | before kernel | gaps > 20 us | total ms | mean us |")
     print("| --- | --- | ---: | ---: | ---: |")
     for (before, after), (n, us) in sorted(pairs.items(), key=lambda kv_: -kv_[1][1])[:top]:
         print(f"| {before} | {after} | {n} | {us / 1e3:.2f} | {us / n:.1f} |")
+    if largest:
+        print(f"the {largest} largest gaps: | at ms | us | after | before |")
+        for us, before, after, at in sorted(gaps, key=lambda g: -g[0])[:largest]:
+            print(f"| {at / 1e3:.2f} | {us:.0f} | {before} | {after} |")
 
 
 def main() -> int:
@@ -84,6 +88,7 @@ def main() -> int:
     ap.add_argument("--split-attention", action="store_true",
                     help="also print the attention kernel's time per launch shape (grid, block) from the trace")
     ap.add_argument("--gaps", action="store_true", help="also print where the GPU sits idle (from the trace)")
+    ap.add_argument("--largest", type=int, default=0, help="with --gaps: list the N largest gaps and when they fell")
     ap.add_argument("--phases", action="store_true",
                     help="also time (unprofiled, median of 3) generate with max_tokens 1 and the full 128: the prefill "
                          "phase's wall time and the decode steps' mean")
@@ -134,7 +139,7 @@ def main() -> int:
         if args.split_attention:
             _attention_by_launch(prof, kv)
         if args.gaps:
-            _gaps(prof, kv)
+            _gaps(prof, kv, largest=args.largest)
         del llm
         torch.cuda.empty_cache()
     names = collections.Counter()
