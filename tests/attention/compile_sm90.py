@@ -34,10 +34,11 @@ def compile_kernel(kern, ptr_types, consts, opts):  # type: ignore[no-untyped-de
 
 
 def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", linear=False, softcap=0.0, warps=4,
-              stages=3, window=True, warps_k=1):  # type: ignore[no-untyped-def]
+              stages=3, window=True, warps_k=1, q_rope=False):  # type: ignore[no-untyped-def]
     h = 8
     r = d // 2 if quant == 3 else d
-    ptr = dict(q=qdt, out=qdt, pool=qdt if quant == 0 else "*u8", block_tables="*i32", cu_q="*i32", kv_lens="*i32")
+    ptr = dict(q=qdt, out=qdt, pool=qdt if quant == 0 else "*u8", block_tables="*i32", cu_q="*i32", kv_lens="*i32",
+               rope_cos=qdt, rope_sin=qdt)
     s_tok, s_head = (h * r, r) if layout == "NHD" else (r, bs * r)
     h1 = (d + 1) // 2
     consts = dict(SM_SCALE=0.088, SOFTCAP=softcap, D=d, H1=h1, HALF_P=max(16, triton.next_power_of_2(h1)),
@@ -49,7 +50,8 @@ def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", line
                   V_FOLD=quant >= 2 and (block_q * triton.next_power_of_2(g) <= 16 or warps_k > 1),
                   Q_RESCALE=quant == 2 and qdt == "*bf16" and block_q * triton.next_power_of_2(g) <= 16,
                   WARPS_K=warps_k, HEADS_INNER=block_q * triton.next_power_of_2(g) <= 16,
-                  MIN_SPLIT_TILES=max(1, 512 // block_n) if splits > 1 else 1, INTERP=False, PDL=True)
+                  MIN_SPLIT_TILES=max(1, 512 // block_n) if splits > 1 else 1, INTERP=False, PDL=True,
+                  Q_ROPE=q_rope)
     return compile_kernel(_attention_kernel, ptr, consts, dict(num_warps=warps, num_stages=stages))
 
 
@@ -77,6 +79,10 @@ CASES = [dict(qdt=qdt, quant=quant, d=128, g=4, block_q=4, block_n=64, bs=16, sp
     dict(qdt="*bf16", quant=2, d=128, g=4, block_q=4, block_n=32, bs=16, splits=8, warps=1, stages=3),
     dict(qdt="*fp16", quant=3, d=96, g=4, block_q=4, block_n=64, bs=16, splits=8, warps=1, stages=2),
     dict(qdt="*bf16", quant=1, d=128, g=4, block_q=4, block_n=32, bs=16, splits=64, warps=1, stages=5),
+    # the engine's tiles (head_dim 64, bf16) rotating their queries: decode, int8 decode, prefill
+    dict(qdt="*bf16", quant=0, d=64, g=4, block_q=4, block_n=64, bs=16, splits=1, stages=2, q_rope=True),
+    dict(qdt="*bf16", quant=2, d=64, g=4, block_q=4, block_n=64, bs=16, splits=1, stages=2, q_rope=True),
+    dict(qdt="*bf16", quant=0, d=64, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=4, stages=2, q_rope=True),
 ]
 
 

@@ -78,9 +78,11 @@ class _NoText:
         return ""
 
 
-def test_fused_decoder_tokens_equal_transformers(backend):
+@pytest.mark.parametrize("graphs", [False, True], ids=["step-by-step", "overlapped"])
+def test_fused_decoder_tokens_equal_transformers(backend, graphs):
     # under the interpreter (and on CUDA) the engine runs its fused decoder: fused q / k / v and gate / up GEMMs,
-    # add + RMSNorm, SiLU-mul, query RoPE kernels; greedy tokens equal transformers' (float32)
+    # add + RMSNorm, SiLU-mul, the queries rotated inside the attention kernel; greedy tokens equal transformers'
+    # (float32), with every step read before the next and with steps launched ahead (graph buffers uncaptured)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -98,7 +100,7 @@ def test_fused_decoder_tokens_equal_transformers(backend):
                                        do_sample=False)[0, len(p):].tolist())
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     llm = LLM(model, tokenizer=_NoText(), max_num_seqs=2, block_size=4, max_num_batched_tokens=16, max_model_len=40,
-              cuda_graphs=False)
+              cuda_graphs=graphs)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
     # fusing left the model's weights as they were (its modules now view the concatenated matrices)

@@ -3,8 +3,9 @@
 The decoder's norms, projections and MLPs are the Hugging Face model's own modules (so their numerics are
 the model's); what changes is attention: the new keys and values go to a kvcache cache through its write
 (for the paged cache: ``PagedKVCache.append`` with the cache's fused RoPE, so keys are rotated by the append,
-never by the model), queries are rotated here in torch with the same :class:`kvcache.RopeConfig` cos / sin, and
-attention reads the cache. The attention itself is a callable the runner passes in (paged or linear).
+never by the model), queries are rotated with transformers' cos / sin tables of the same :class:`kvcache.RopeConfig`
+(here, or on the fused path inside the attention kernel: ``paged_attention(q_rope=...)``), and attention reads the
+cache. The attention itself is a callable the runner passes in (paged or linear).
 
 Supported: decoder-only models whose layers have ``self_attn.{q,k,v,o}_proj`` (biases allowed),
 ``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, SmolLM2, Mistral without sliding window,
@@ -14,9 +15,9 @@ Where kvcache's kernels run (CUDA, or the CPU under ``KVCACHE_TRITON_INTERPRET=1
 q / k / v are one GEMM and gate / up another (the modules' weights become views of the concatenated matrices,
 so memory is unchanged; update weights in place afterwards, a replaced parameter is refused at the next step),
 the residual add and RMSNorm are one kernel, SiLU-and-multiply one, the query rotation one
-(:mod:`kvcache.ops.decoder`). Models whose layers are not plain (quantized linear subclasses, Gemma norms, other
-activations) keep the module path. Elsewhere (the CPU's torch backend) the modules themselves run, so the
-engine's tokens are transformers' own numerics there.
+(:mod:`kvcache.ops.decoder`) unless the attention rotates the queries itself (the paged engine's does). Models whose
+layers are not plain (quantized linear subclasses, Gemma norms, other activations) keep the module path. Elsewhere
+(the CPU's torch backend) the modules themselves run, so the engine's tokens are transformers' own numerics there.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from ..rope import RopeConfig
 
 __all__ = ["LlamaForward", "AttentionFn"]
 
-# attention(layer, q [N, Hq, D] rotated, k [N, H, D] un-rotated, v [N, H, D]) -> out [N, Hq, D]
+# attention(layer, q [N, Hq, D] rotated, k [N, H, D] un-rotated, v [N, H, D]) -> out [N, Hq, D]. A callable with
+# ``rotates_queries = True`` takes q un-rotated on the fused path (it rotates the queries itself, at their positions,
+# with the model's cos / sin tables: kvcache.ops.paged_attention's q_rope)
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -148,6 +151,12 @@ class LlamaForward:
                         "gu_w": _concat([mlp.gate_proj, mlp.up_proj])})
         return out
 
+    @property
+    def fused(self) -> bool:
+        """The decoder runs fused (kvcache's kernels: CUDA, or the interpreter): it then passes un-rotated queries
+        to an attention callable that declares ``rotates_queries``."""
+        return self._fused is not None
+
     def check_weights(self) -> None:
         """Raise RuntimeError if a module or parameter the fused decoder reads (and its CUDA graphs captured) was
         replaced since the engine fused them; weights updated in place pass. A no-op where the modules run
@@ -235,6 +244,7 @@ class LlamaForward:
         n = h.shape[0]
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         layers = self.layers
+        rotates = getattr(attention, "rotates_queries", False)
         x, h = fused.rms_norm(h, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
         for i, (layer, f) in enumerate(zip(layers, self._fused)):
             attn = layer.self_attn
@@ -244,7 +254,8 @@ class LlamaForward:
             v = qkv[:, (H + Hk) * D:].view(n, Hk, D)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q = fused.rope_rotate(q, self._cos, self._sin, positions)
+            if not rotates:
+                q = fused.rope_rotate(q, self._cos, self._sin, positions)
             o = attention(i, q, k, v)
             a = attn.o_proj(o.reshape(n, H * D))
             post = layer.post_attention_layernorm

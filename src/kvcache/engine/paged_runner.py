@@ -140,7 +140,10 @@ class PagedRunner:
         # on the CPU, cuda_graphs=True runs decode steps through the same static, padded buffers uncaptured: the
         # graph path's batch layout (buckets, scratch-block padding) is then checked without a GPU
         self.use_graphs = bool(cuda_graphs)
-        model.rope_tables(max_model_len + 1)
+        cos, sin = model.rope_tables(max_model_len + 1)
+        # the fused decoder leaves the query rotation to the attention kernel (rotate-half over all of head_dim)
+        full = not model.rope.interleaved and cos.shape[-1] == model.head_dim
+        self._q_rope = (cos.contiguous(), sin.contiguous()) if model.fused and full else None
         self.max_graph_batch = max_graph_batch
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
@@ -163,13 +166,16 @@ class PagedRunner:
                 break
             num_decode += 1
 
+        q_rope = self._q_rope
+
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.append(i, k, v, block_tables=meta.block_tables, cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens)
             return ops.paged_attention(q, cache.pool(i), cache.params(i), cache.kv_scales[i], kv_dtype=cfg.kv_dtype,
                                        layout=cfg.layout, block_tables=meta.block_tables, cu_q_lens=meta.cu_q_lens,
                                        kv_lens=meta.kv_lens_after, scale=scale, max_kv_len=max_kv,
-                                       num_decode=num_decode)
+                                       num_decode=num_decode, q_rope=q_rope)
 
+        attend.rotates_queries = q_rope is not None  # type: ignore[attr-defined]
         return attend
 
     # ---------------------------------------------------------------------------------- the step

@@ -39,6 +39,26 @@ def check_options(scale: object, window: object, softcap: object, sinks: object,
     return float(scale), window, softcap
 
 
+def check_q_rope(q_rope: object, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``q_rope``: None or (cos, sin), contiguous float tables ``[max_pos, D]`` of q's dtype on q's device (D even)."""
+    if q_rope is None:
+        return None
+    if not isinstance(q_rope, (tuple, list)) or len(q_rope) != 2:
+        raise TypeError(f"q_rope: expected None or a (cos, sin) pair of tensors, got {type(q_rope).__name__}")
+    d = q.shape[-1]
+    if d % 2:
+        raise ValueError(f"q_rope: rotate-half RoPE needs an even head_dim, got {d}")
+    for name, t in zip(("cos", "sin"), q_rope):
+        check_tensor_arg(f"q_rope {name}", t, dtypes=(q.dtype,), ndim=2, device=q.device, ref="q")
+        if t.shape[1] != d or t.shape[0] < 1 or not t.is_contiguous():
+            raise ValueError(f"q_rope {name}: expected a contiguous [max_pos, {d}] table (one row per position, "
+                             f"its head_dim / 2 frequencies twice), got {fmt_shape(t.shape)}")
+    if q_rope[0].shape != q_rope[1].shape:
+        raise ValueError(f"q_rope: cos and sin differ in shape: {fmt_shape(q_rope[0].shape)} / "
+                         f"{fmt_shape(q_rope[1].shape)}")
+    return q_rope[0], q_rope[1]
+
+
 def check_q(q: object, ndim: int, what: str) -> torch.Tensor:
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")

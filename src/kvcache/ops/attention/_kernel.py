@@ -199,12 +199,13 @@ def _tile(
 
 
 @kernel(ints=("s_qt", "s_qh", "s_qb", "s_ot", "s_oh", "s_ob", "s_lt", "s_lh", "s_lb", "bt_stride", "table_width",
-              "n_blocks", "q_len_u", "n_seqs", "n_rows", "cp_rank", "cp_size", "window", "num_splits", "n_tiles"))
+              "n_blocks", "q_len_u", "n_seqs", "n_rows", "cp_rank", "cp_size", "window", "num_splits", "n_tiles",
+              "rope_len"))
 def _attention_kernel(
     # qparams, not `params`: triton 3.6's argument binder has a local of that name
-    q, out, lse, ws_out, ws_lse, pool, qparams, kv_scales, sinks, block_tables, cu_q, kv_lens,
+    q, out, lse, ws_out, ws_lse, pool, qparams, kv_scales, sinks, block_tables, cu_q, kv_lens, rope_cos, rope_sin,
     s_qt, s_qh, s_qb, s_ot, s_oh, s_ob, s_lt, s_lh, s_lb, bt_stride, table_width, n_blocks, q_len_u, n_seqs,
-    n_rows, cp_rank, cp_size, window, num_splits, n_tiles,
+    n_rows, cp_rank, cp_size, window, num_splits, n_tiles, rope_len,
     SM_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, D: tl.constexpr, H1: tl.constexpr, HALF_P: tl.constexpr,
     HQ: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
@@ -213,6 +214,7 @@ def _attention_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr, WARPS_K: tl.constexpr,
     HEADS_INNER: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+    Q_ROPE: tl.constexpr,
 ):
     # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
     if PDL:
@@ -284,6 +286,18 @@ def _attention_kernel(
     q_rows = b.to(tl.int64) * s_qb + (row0 + qi).to(tl.int64) * s_qt + hq * s_qh
     q_lo = tl.load(q + q_rows[:, None] + dd[None, :], mask=ok_m[:, None] & ok_lo[None, :], other=0.0)
     q_hi = tl.load(q + q_rows[:, None] + H1 + dd[None, :], mask=ok_m[:, None] & ok_hi[None, :], other=0.0)
+    if Q_ROPE:
+        # rotate-half RoPE of each query row at its position, the halves being the rotation's pairs: [a, b] ->
+        # [a cos - b sin, b cos + a sin] in float32, one rounding (cos / sin rows [rope_len, D] hold each frequency
+        # twice; a position outside the tables rotates to zero)
+        ok_c = ok_m[:, None] & ok_lo[None, :] & (q_pos >= 0)[:, None] & (q_pos < rope_len)[:, None]
+        cs_rows = q_pos.to(tl.int64)[:, None] * D + dd[None, :]
+        cos_q = tl.load(rope_cos + cs_rows, mask=ok_c, other=0.0).to(tl.float32)
+        sin_q = tl.load(rope_sin + cs_rows, mask=ok_c, other=0.0).to(tl.float32)
+        qa = q_lo.to(tl.float32)
+        qb = q_hi.to(tl.float32)
+        q_lo = (qa * cos_q - qb * sin_q).to(q.dtype.element_ty)
+        q_hi = (qb * cos_q + qa * sin_q).to(q.dtype.element_ty)
     if QUANT >= 2:
         q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
     else:

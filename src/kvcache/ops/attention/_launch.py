@@ -64,9 +64,11 @@ def launch_attention(
     cp_size: int,
     plan: AttentionPlan,
     workspace: torch.Tensor | None,
+    q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Launch on validated arguments. Linear mode when ``block_tables`` is None: ``pool`` is a layer ``[B, 2, H,
     S, D]``, q / out ``[B, Hq, q_len, D]``, lse ``[B, Hq, q_len]``, ``kv_lens`` the lengths before the new rows.
+    ``q_rope``: (cos, sin) ``[max_pos, D]`` tables rotating the queries in the kernel (paged mode).
     """
     linear = block_tables is None
     dev = q.device
@@ -128,8 +130,10 @@ def launch_attention(
         params if params is not None else dummy, kv_scales if kv_scales is not None else dummy,
         sinks if sinks is not None else dummy, block_tables if block_tables is not None else dummy,
         cu_q_lens if cu_q_lens is not None else dummy, kv_lens,
+        q_rope[0] if q_rope is not None else dummy, q_rope[1] if q_rope is not None else dummy,
         sq[0], sq[1], sq[2], so[0], so[1], so[2], sl[0], sl[1], sl[2], bt_stride, table_width, n_blocks, q_len,
         n_seqs, n_rows, cp_rank, cp_size, window if window is not None else 0, splits, grid0,
+        q_rope[0].shape[0] if q_rope is not None else 0,
         SM_SCALE=float(scale), SOFTCAP=float(softcap) if softcap is not None else 0.0, D=d, H1=h1, HALF_P=half_p,
         HQ=hq, G=g, G_P=next_pow2(g), BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BS=bs, S_BLK=s_blk, S_KV=s_kv,
         S_TOK=s_tok, S_HEAD=s_head, P_BLK=p_strides[0], P_KV=p_strides[1], P_TOK=p_strides[2],
@@ -140,6 +144,7 @@ def launch_attention(
         V_FOLD=v_fold, Q_RESCALE=v_fold and quant == 2 and q.dtype == torch.bfloat16,
         WARPS_K=plan.num_warps if plan.warp_split else 1, HEADS_INNER=plan.block_q * next_pow2(g) <= 16,
         MIN_SPLIT_TILES=max(1, plan.min_split_keys // plan.block_n), INTERP=dev.type != "cuda", PDL=bool(pdl),
+        Q_ROPE=q_rope is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl,
     )
     if splits > 1:

@@ -37,6 +37,7 @@ def paged_attention(
     num_splits: int | None = None,
     workspace: torch.Tensor | None = None,
     num_decode: int = 0,
+    q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch's new query rows over one layer of a paged KV cache.
 
@@ -106,6 +107,12 @@ def paged_attention(
         prefill tile). Results do not depend on it: any value is correct for any batch (the tiles handle any
         number of rows per sequence), it only chooses tiles. Default 0: one launch. A mixed step of 63 decode
         rows followed by one 512-token chunk: ``num_decode=63``.
+    q_rope : (torch.Tensor, torch.Tensor), optional
+        ``(cos, sin)`` tables ``[max_pos, D]`` of q's dtype, contiguous, each row the cos / sin of its position's
+        ``D / 2`` frequencies written twice (transformers' ``rotary_emb`` output for positions ``0 .. max_pos - 1``):
+        ``q`` is given un-rotated and each row is rotated (rotate-half over the whole head_dim, in float32, rounded
+        once to q's dtype) at its position ``kv_lens[b] - q_len_b + i`` inside the kernel, instead of by a separate
+        RoPE pass. A row whose position is outside the tables is rotated to zero. ``q`` itself is not changed.
 
     Returns
     -------
@@ -160,6 +167,7 @@ def paged_attention(
     if num_splits is not None:
         check_int("num_splits", num_splits, 1, 1024)
     check_int("num_decode", num_decode, 0, b)
+    q_rope = c.check_q_rope(q_rope, q)
 
     def plan_for(n_rows: int, n_seqs: int) -> AttentionPlan:
         return attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=n_rows, num_seqs=n_seqs,
@@ -177,6 +185,8 @@ def paged_attention(
     if workspace is not None:
         c.check_workspace(workspace, need, dev)
     if not use_triton(dev):
+        if q_rope is not None:
+            q = _rotate_rows(q, q_rope, cu_q_lens, kv_lens)
         paged_attention_reference(q, pool, params, kv_scales, kv_dtype=kv_dtype, layout=layout,
                                   block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, out=out, lse=lse,
                                   scale=scale, window=window, softcap=softcap, sinks=sinks, cp_rank=cp_rank,
@@ -191,5 +201,25 @@ def paged_attention(
                          kv_dtype=kv_dtype, layout=layout, block_tables=block_tables[seqs],
                          cu_q_lens=cu_q_lens[seqs.start: seqs.stop + 1], kv_lens=kv_lens[seqs], scale=scale,
                          window=window, softcap=softcap, cp_rank=cp_rank, cp_size=cp_size, plan=p,
-                         workspace=workspace)
+                         workspace=workspace, q_rope=q_rope)
     return out
+
+
+def _rotate_rows(q: torch.Tensor, q_rope: tuple[torch.Tensor, torch.Tensor], cu_q_lens: torch.Tensor,
+                 kv_lens: torch.Tensor) -> torch.Tensor:
+    """``q`` rotated at each row's position (the kernel's ``Q_ROPE``, in torch); rows past ``cu_q_lens[-1]`` kept."""
+    cos, sin = q_rope
+    n, half = q.shape[0], q.shape[-1] // 2
+    if kv_lens.numel() == 0:
+        return q
+    cu = cu_q_lens.long()
+    rows = torch.arange(n, device=q.device)
+    seq = (torch.searchsorted(cu, rows, right=True) - 1).clamp(0, max(kv_lens.shape[0] - 1, 0))
+    pos = kv_lens.long()[seq] - (cu[seq + 1] - cu[seq]) + (rows - cu[seq])
+    ok = (pos >= 0) & (pos < cos.shape[0]) & (rows < cu[-1])
+    p = pos.clamp(0, cos.shape[0] - 1)
+    c = torch.where(ok[:, None], cos[p, :half].float(), 0.0)[:, None, :]
+    s = torch.where(ok[:, None], sin[p, :half].float(), 0.0)[:, None, :]
+    a, b = q[..., :half].float(), q[..., half:].float()
+    out = torch.cat((a * c - b * s, b * c + a * s), dim=-1).to(q.dtype)
+    return torch.where((rows < cu[-1])[:, None, None], out, q)
