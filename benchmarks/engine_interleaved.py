@@ -37,6 +37,10 @@ def main() -> int:
     ap.add_argument("--split", action="append", default=[],
                     help="an extra engine LABEL=KV:SPLITS whose decode launches split the KV range SPLITS ways "
                          "(forced, as num_splits=; e.g. int8-s2=int8:2); HND pools with --hnd; repeatable")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="an extra engine LABEL=KV:WHAT, WHAT one of step-by-step (every step read before the next "
+                         "is scheduled: no overlapped eager steps), rope-kernel (the queries rotated by their own "
+                         "kernel, not inside attention); layout as --layout; repeatable")
     args = ap.parse_args()
     sys.path.insert(0, "src")
     import torch
@@ -72,6 +76,15 @@ def main() -> int:
         kvs.append(label)
         fmt[label], layout[label] = kv, "HND" if args.hnd else args.layout
         splits[label] = int(n)
+    variants: dict[str, str] = {}
+    for t in args.variant:
+        label, spec = t.split("=")
+        kv, what = spec.split(":")
+        if what not in ("step-by-step", "rope-kernel"):
+            raise SystemExit(f"--variant: unknown {what!r}")
+        kvs.append(label)
+        fmt[label], layout[label] = kv, args.layout
+        variants[label] = what
     llms = {}
     plan0 = paged.attention_plan
 
@@ -98,11 +111,20 @@ def main() -> int:
             policy.WARP_SPLIT_MIN_KV = ws_min
             paged.attention_plan = plan0
 
+    from kvcache.engine.paged_loop import PagedLoop
+
+    class StepByStep(LLM):
+        def _run(self, core, seqs, st, progress):  # type: ignore[no-untyped-def]
+            PagedLoop(self.scheduler, self.runner, self._finish_reason, overlap=False).run(seqs, st, progress)
+
     for label in kvs:
-        llms[label] = LLM(be._model(dev), tokenizer=be._IdsOnlyTokenizer(), kv_dtype=fmt[label], max_num_seqs=n_req,
+        cls = StepByStep if variants.get(label) == "step-by-step" else LLM
+        llms[label] = cls(be._model(dev), tokenizer=be._IdsOnlyTokenizer(), kv_dtype=fmt[label], max_num_seqs=n_req,
                           kv_cache_memory=int(args.kv_gib * 2**30), max_model_len=plen + new,
                           enable_prefix_caching=False,
                           layout=layout[label])
+        if variants.get(label) == "rope-kernel":
+            llms[label].runner._q_rope = None  # the model rotates the queries (its RoPE kernel) before attention
         gen(label)  # compile and capture every decode bucket
         torch.cuda.synchronize()
     times: dict[str, list[float]] = {kv: [] for kv in kvs}
@@ -117,7 +139,7 @@ def main() -> int:
     for kv in kvs:
         tok_s = [n_req * new / t for t in times[kv]]
         ratios = [times[base][i] / times[kv][i] for i in range(args.rounds)]  # > 1: faster than the base
-        rows.append(dict(kv_dtype=fmt[kv], label=kv, layout=layout[kv], tiles=tiles.get(kv),
+        rows.append(dict(kv_dtype=fmt[kv], label=kv, layout=layout[kv], tiles=tiles.get(kv), variant=variants.get(kv),
                          median_tok_s=statistics.median(tok_s),
                          runs_tok_s=[round(x) for x in tok_s],
                          paired_speed_vs_base_median=statistics.median(ratios), paired_min=min(ratios),
