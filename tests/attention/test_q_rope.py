@@ -108,3 +108,18 @@ def test_bad_tables_are_refused(device, other_device):
     for bad, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             _attend(cache, bt, q, [1], [5], device, q_rope=bad)
+
+
+@pytest.mark.parametrize("D", [80, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_fused_query_rope_head_dims(device, D, dtype):
+    # head dims whose halves do not fill a power-of-two tile (80, 96): the tables' masked lanes; float32 queries
+    H, hq, bs = 2, 4, 16
+    kv_lens, q_lens = [23, 40, 9], [1, 17, 9]
+    cache, bt, _ = make_paged(device, kv_dtype="auto", layout="NHD", H=H, D=D, bs=bs, lens=kv_lens, dtype=dtype)
+    q = torch.randn((sum(q_lens), hq, D), generator=torch.Generator().manual_seed(4)).to(dtype).to(device)
+    cos, sin = _tables(max(kv_lens), D, dtype, device)
+    eo, el = paged_expected(_rotated(q, cos, sin, q_lens, kv_lens), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D))
+    lse = torch.empty((q.shape[0], hq), dtype=torch.float32, device=device)
+    out = _attend(cache, bt, q, q_lens, kv_lens, device, q_rope=(cos, sin), lse=lse)
+    assert_attn_close(out, lse, eo, el, dtype, what=f"D {D} {dtype}")

@@ -125,3 +125,23 @@ def test_progress_counts_every_token_once(model):
                          progress=lambda done, total, gen: seen.append((done, total, gen)))
     assert seen[-1] == (len(outs), len(outs), sum(len(o.token_ids) for o in outs))
     assert all(a[0] <= b[0] and a[2] <= b[2] for a, b in zip(seen, seen[1:]))
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["step-by-step", "overlapped"])
+def test_one_token_prompt_chunk_is_not_a_decode_step(model, graphs):
+    # a budget of 2 tokens: the second prompt's chunks of one token share steps with the first request's decode
+    # rows, so a step can have one token per request and still hold a prompt chunk that samples nothing. Such a
+    # step is a prefill step (no graph, no token for that row); with a non-greedy request it must not fail
+    prompts = [[5, 6], [7, 8, 9, 10, 11]]
+    kw = dict(max_num_seqs=2, max_num_batched_tokens=2, max_model_len=32)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = _engine(model, graphs=graphs, **kw).generate(prompts, greedy)
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                             pad_token_id=1, eos_token_id=None)
+        assert o.token_ids == ref[0, len(p):].tolist()
+    mixed = [SamplingParams(max_tokens=4, temperature=0.7, seed=1, ignore_eos=True), greedy]
+    want = _engine(model, graphs=False, **kw).generate(prompts, mixed)
+    got = _engine(model, graphs=graphs, **kw).generate(prompts, mixed)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

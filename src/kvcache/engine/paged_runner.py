@@ -24,6 +24,7 @@ from ..ops import decoder as fused
 from ..paged import PagedKVCache
 from .model import LlamaForward
 from .scheduler import ScheduledBatch
+from .sequence import Sequence
 
 __all__ = ["PagedRunner", "StepMeta", "DecodeStep", "PendingTokens", "PLACEHOLDER"]
 
@@ -247,14 +248,18 @@ class PagedRunner:
                            pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
         ids.index_copy_(0, idx[0], pending.device.index_select(0, idx[1]))
 
-    def pick_greedy(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list) -> PendingTokens:
+    def pick_greedy(self, batch: ScheduledBatch, logits: torch.Tensor,
+                    rows: list[tuple[Sequence, int]]) -> PendingTokens:
         """The greedy token of each row of ``logits`` ``[len(rows), vocab]``, picked on the device and copied to
-        the host asynchronously: read them with :meth:`PendingTokens.tokens`.
+        the host asynchronously: read them with :meth:`PendingTokens.tokens`. ``rows``: the sampled requests in
+        row order, each with the index its token will take in ``token_ids`` (-1: a row whose result is dropped).
 
         Example
         -------
         >>> pend = runner.pick_greedy(batch, runner.run(batch), rows)     # doctest: +SKIP
         """
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"logits: expected one row per sampled request ({len(rows)}), got {logits.shape[0]}")
         dev_tokens = fused.argmax(logits)
         host = torch.empty(dev_tokens.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         host.copy_(dev_tokens, non_blocking=True)

@@ -48,8 +48,9 @@ class ScheduledBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every request feeds exactly one token (a pure decode step: CUDA-graph eligible)."""
-        return bool(self.seqs) and all(n == 1 for n in self.num_tokens)
+        """Every request feeds exactly one token and samples (a pure decode step: CUDA-graph eligible; a one-token
+        chunk of a longer prompt samples nothing and makes the step a prefill one)."""
+        return bool(self.seqs) and all(n == 1 for n in self.num_tokens) and all(self.sample)
 
 
 class Scheduler:
@@ -263,7 +264,8 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, new_tokens: list[int | None]) -> list[Sequence]:
         """Advance the step's requests; ``new_tokens[i]`` is the sampled token of ``batch.seqs[i]`` (None when
         it sampled nothing). The caller decides finishing through ``finish(seq)`` afterwards; this method only
-        publishes full blocks. Returns the requests of the batch that sampled a token."""
+        publishes full blocks. A request finished since the step was scheduled is skipped (its row is dropped).
+        Returns the requests of the batch that sampled a token."""
         sampled = []
         for seq, n, tok in zip(batch.seqs, batch.num_tokens, new_tokens):
             if seq.status is SequenceStatus.FINISHED:  # finished after the step was launched: its row is dropped
