@@ -16,8 +16,10 @@ What the host decides before the tokens are known is what it can: a request reac
 once (its reason becomes "stop" if the token turns out to be EOS / a stop token). A request finished by its token
 (EOS, stop) has run one step too many: that row's result is dropped and its KV write went to its own blocks,
 freed only after the write was queued (later steps are stream-ordered after it). A request preempted while its
-token is unread gets the token filled in where it waits. With overlap off every step is run, read and processed
-before the next is scheduled: the reference loop the tests compare with.
+token is unread gets the token filled in where it waits. A request whose unread token will finish it still holds its
+place (blocks, budget) in the step scheduled meanwhile, so preemptions may differ from the step-by-step loop's;
+tokens do not. With overlap off every step is run, read and processed before the next is scheduled: the reference
+loop the tests compare with.
 """
 
 from __future__ import annotations
@@ -60,7 +62,13 @@ class PagedLoop:
         self.overlap = overlap
 
     def run(self, seqs: list[Sequence], st: Any, progress: Callable[[int, int, int], None] | None) -> None:
-        """Run ``seqs`` (already queued in the scheduler) to the end; counters go to ``st`` (``EngineStats``)."""
+        """Run ``seqs`` (already queued in the scheduler) to the end; counters go to ``st`` (``EngineStats``),
+        ``progress(finished, total, generated)`` is called after every step whose tokens were read.
+
+        Example
+        -------
+        >>> loop.run(seqs, EngineStats(), None)                   # doctest: +SKIP
+        """
         sched, runner = self.sched, self.runner
         self._st, self._progress, self._total, self._counts = st, progress, len(seqs), [0, 0]
         inflight = None  # a graph step in flight (DecodeStep)

@@ -71,6 +71,12 @@ class PendingTokens:
         The sampled requests in row order, each with the index of its placeholder in ``token_ids``.
     device : torch.Tensor
         int64 ``[len(rows)]`` on the model's device.
+
+    Example
+    -------
+    >>> pend = runner.pick_greedy(batch, logits, rows)        # doctest: +SKIP
+    >>> nxt = runner.run(next_batch, pending=pend)            # doctest: +SKIP
+    >>> tokens = pend.tokens()                                # doctest: +SKIP
     """
 
     __slots__ = ("batch", "rows", "device", "_host", "_event", "_row_of")
