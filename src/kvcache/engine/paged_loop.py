@@ -108,16 +108,9 @@ class PagedLoop:
             st.blocks_used = max(st.blocks_used, sched.allocator.num_used_blocks)
             self._process(inflight.batch, inflight.greedy_tokens())
             if ahead is not None and any(s.status is _FINISHED for s in ahead.batch.seqs):
-                # a request finished by its last token (EOS, stop): the step ahead ran it once too often. Keep the
-                # other rows' tokens, drop its row; the next step is scheduled afresh
-                toks = ahead.greedy_tokens()
-                keep = [i for i, s in enumerate(ahead.batch.seqs) if s.status is not _FINISHED]
-                b = ahead.batch
-                part = type(b)([b.seqs[i] for i in keep], [1] * len(keep), [True] * len(keep), [])
-                if keep:
-                    self._process(part, [toks[i] for i in keep])
-                else:
-                    st.steps += 1  # it ran, for nothing
+                # a request finished by its last token (EOS, stop): the step ahead ran it once too often. Processing
+                # it drops that row (postprocess skips finished requests); the next step is scheduled afresh
+                self._process(ahead.batch, ahead.greedy_tokens())
                 ahead = None
             inflight = ahead
 
@@ -144,7 +137,7 @@ class PagedLoop:
         sampled = self.sched.postprocess(batch, [PLACEHOLDER if ok else None for ok in live])
         at = {id(s): len(s.token_ids) - 1 for s in sampled}
         rows = [(s, at.get(id(s), -1)) for s, f in zip(batch.seqs, batch.sample) if f]
-        pend = self.runner.pick_greedy(batch, logits, rows)
+        pend = self.runner.pick_greedy(logits, rows)
         for s in sampled:
             if s.num_generated >= s.params.max_tokens:
                 self.sched.finish(s, "length")

@@ -65,8 +65,6 @@ class PendingTokens:
 
     Attributes
     ----------
-    batch : ScheduledBatch
-        The step.
     rows : list of (Sequence, int)
         The sampled requests in row order, each with the index of its placeholder in ``token_ids``.
     device : torch.Tensor
@@ -74,16 +72,14 @@ class PendingTokens:
 
     Example
     -------
-    >>> pend = runner.pick_greedy(batch, logits, rows)        # doctest: +SKIP
+    >>> pend = runner.pick_greedy(logits, rows)               # doctest: +SKIP
     >>> nxt = runner.run(next_batch, pending=pend)            # doctest: +SKIP
     >>> tokens = pend.tokens()                                # doctest: +SKIP
     """
 
-    __slots__ = ("batch", "rows", "device", "_host", "_event", "_row_of")
+    __slots__ = ("rows", "device", "_host", "_event", "_row_of")
 
-    def __init__(self, batch: ScheduledBatch, rows: list, device: torch.Tensor, host: torch.Tensor,
-                 event: torch.cuda.Event | None) -> None:
-        self.batch = batch
+    def __init__(self, rows: list, device: torch.Tensor, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
         self.rows = rows
         self.device = device
         self._host = host
@@ -254,15 +250,14 @@ class PagedRunner:
                            pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
         ids.index_copy_(0, idx[0], pending.device.index_select(0, idx[1]))
 
-    def pick_greedy(self, batch: ScheduledBatch, logits: torch.Tensor,
-                    rows: list[tuple[Sequence, int]]) -> PendingTokens:
+    def pick_greedy(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> PendingTokens:
         """The greedy token of each row of ``logits`` ``[len(rows), vocab]``, picked on the device and copied to
         the host asynchronously: read them with :meth:`PendingTokens.tokens`. ``rows``: the sampled requests in
         row order, each with the index its token will take in ``token_ids`` (-1: a row whose result is dropped).
 
         Example
         -------
-        >>> pend = runner.pick_greedy(batch, runner.run(batch), rows)     # doctest: +SKIP
+        >>> pend = runner.pick_greedy(runner.run(batch), rows)            # doctest: +SKIP
         """
         if logits.shape[0] != len(rows):
             raise ValueError(f"logits: expected one row per sampled request ({len(rows)}), got {logits.shape[0]}")
@@ -273,7 +268,7 @@ class PagedRunner:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        return PendingTokens(batch, rows, dev_tokens, host, event)
+        return PendingTokens(rows, dev_tokens, host, event)
 
     # ---------------------------------------------------------------------------------- CUDA graphs
 

@@ -10,10 +10,9 @@ import math
 
 import torch
 
-from ..._backend import pdl_enabled
 from ..._validate import cdiv, next_pow2
+from .._pdl import pdl_options
 from ..paged.format import KV_FORMAT_TABLE
-from ..paged.launch import pdl_supported
 from ._combine import _combine_kernel, _merge_kernel
 from ._kernel import _attention_kernel
 from .policy import AttentionPlan
@@ -122,8 +121,6 @@ def launch_attention(
         raise ValueError(f"warp-split attention tiles need an int8 / int4 cache, got kv_dtype {kv_dtype!r}")
     # int8 / int4 decode tiles (16 rows) and warp-split tiles fold V's (scale, zero) per token (_kernel docstring)
     v_fold = quant >= 2 and (plan.block_q * next_pow2(g) <= 16 or plan.warp_split)
-    # programmatic dependent launch where available: the launch overlaps the previous kernel's tail
-    pdl = {"launch_pdl": True} if pdl_enabled() and pdl_supported(dev) else {}
     _attention_kernel.launch(
         dev, (grid0 * h, splits),
         q, out, lse if lse is not None else dummy, ws_out, ws_lse, pool,
@@ -143,9 +140,10 @@ def launch_attention(
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,
         V_FOLD=v_fold, Q_RESCALE=v_fold and quant == 2 and q.dtype == torch.bfloat16,
         WARPS_K=plan.num_warps if plan.warp_split else 1, HEADS_INNER=plan.block_q * next_pow2(g) <= 16,
-        MIN_SPLIT_TILES=max(1, plan.min_split_keys // plan.block_n), INTERP=dev.type != "cuda", PDL=bool(pdl),
-        Q_ROPE=q_rope is not None,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl,
+        MIN_SPLIT_TILES=max(1, plan.min_split_keys // plan.block_n), INTERP=dev.type != "cuda",
+        Q_ROPE=q_rope is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        # programmatic dependent launch where available: the launch overlaps the previous kernel's tail
+        **pdl_options(dev),
     )
     if splits > 1:
         _combine_kernel.launch(
