@@ -1,4 +1,4 @@
-"""Greedy argmax over logits rows: ``kvcache.ops._argmax.argmax`` (split rows, two Triton kernels) against
+"""Greedy argmax over logits rows: ``kvcache.engine.kernels.argmax`` (split rows, two Triton kernels) against
 ``torch.argmax(x, dim=-1)`` (one block per row), on a GPU.
 
 For each shape, first checks that both give the same indices (on random logits, and on logits with the maximum
@@ -21,7 +21,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from kvcache.ops._argmax import argmax
+from kvcache.engine.kernels import argmax
 
 VOCAB = 128256  # Llama 3
 SHAPES: list[tuple[int, int, torch.dtype]] = [

@@ -1,12 +1,9 @@
 """kvcache: the KV-cache layer of an LLM inference engine (PyTorch + Triton)."""
 
 from . import ops
-from .config import CacheConfig, KVLayerConfig, ManagerConfig
-from .linear import LinearKVCache
-from .manager import KVCacheManager
+from .linear import CacheConfig, KVCacheManager, KVLayerConfig, KVSnapshot, LinearKVCache, ManagerConfig
 from .paged import BlockAllocator, PagedBatch, PagedConfig, PagedKVCache, cache_block_bytes
 from .rope import RopeConfig
-from .snapshot import KVSnapshot
 
 __version__ = "0.1.0"
 

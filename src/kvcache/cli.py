@@ -28,9 +28,7 @@ def _devices() -> list[torch.device]:
 def _smoke(device: torch.device) -> list[tuple[str, bool, str]]:
     """Run every op once on small random data and compare with an explicit expectation."""
     from . import ops
-    from .config import CacheConfig, KVLayerConfig, ManagerConfig
-    from .linear import LinearKVCache
-    from .manager import KVCacheManager
+    from .linear import CacheConfig, KVCacheManager, KVLayerConfig, LinearKVCache, ManagerConfig
 
     g = torch.Generator(device="cpu").manual_seed(0)
     results: list[tuple[str, bool, str]] = []

@@ -1,4 +1,4 @@
-"""The engine's fused decoder ops (kvcache.ops.decoder) against their torch formulas, and the fused decoder
+"""The engine's fused decoder ops (kvcache.engine.kernels) against their torch formulas, and the fused decoder
 against transformers: Triton's interpreter on the CPU (compiled on a GPU)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcache.engine import LLM, SamplingParams
-from kvcache.ops.decoder import rms_norm, rope_rotate, silu_mul
+from kvcache.engine.kernels import rms_norm, rope_rotate, silu_mul
 
 
 def _hf_rms(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,9 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import ops
-from ..config import CacheConfig
-from ..linear import LinearKVCache
-from ..snapshot import KVSnapshot
+from ..linear import CacheConfig, KVSnapshot, LinearKVCache
 
 
 @dataclass

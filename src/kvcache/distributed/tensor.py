@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from .._validate import check_int
-from ..config import CacheConfig
+from ..linear import CacheConfig
 from ..paged import PagedConfig
 
 __all__ = ["KVHeadShard", "kv_heads_for_rank", "shard_kv_heads", "shard_paged_config", "shard_cache_config"]

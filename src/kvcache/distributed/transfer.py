@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _validate
+from ..linear import KVSnapshot
 from ..paged import BlockAllocator, PagedKVCache
-from ..snapshot import KVSnapshot
 from . import wire as W
 from ._comm import as_bytes, check_peer, comm_device
 

@@ -23,9 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..config import CacheConfig
-from ..linear import LinearKVCache
-from ..snapshot import KVSnapshot
+from ..linear import CacheConfig, KVSnapshot, LinearKVCache
 from .model import LlamaForward
 from .sequence import Sequence, SequenceStatus
 

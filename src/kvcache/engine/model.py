@@ -15,7 +15,7 @@ Where kvcache's kernels run (CUDA, or the CPU under ``KVCACHE_TRITON_INTERPRET=1
 q / k / v are one GEMM and gate / up another (the modules' weights become views of the concatenated matrices,
 so memory is unchanged; update weights in place afterwards, a replaced parameter is refused at the next step),
 the residual add and RMSNorm are one kernel, SiLU-and-multiply one, the query rotation one
-(:mod:`kvcache.ops.decoder`) unless the attention rotates the queries itself (the paged engine's does). Models whose
+(:mod:`kvcache.engine.kernels`) unless the attention rotates the queries itself (the paged engine's does). Models whose
 layers are not plain (quantized linear subclasses, Gemma norms, other activations) keep the module path. Elsewhere
 (the CPU's torch backend) the modules themselves run, so the engine's tokens are transformers' own numerics there.
 """
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from .._backend import use_triton
-from ..ops import decoder as fused
 from ..rope import RopeConfig
+from . import kernels as fused
 
 __all__ = ["LlamaForward", "AttentionFn"]
 

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..ops import decoder as fused
 from ..paged import PagedKVCache
+from . import kernels as fused
 from .model import LlamaForward
 from .scheduler import ScheduledBatch
 from .sequence import Sequence

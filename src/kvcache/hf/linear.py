@@ -14,9 +14,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .._validate import bits
-from ..config import CacheConfig, KVLayerConfig, ManagerConfig
-from ..linear import LinearKVCache
-from ..manager import KVCacheManager
+from ..linear import CacheConfig, KVCacheManager, KVLayerConfig, LinearKVCache, ManagerConfig
 from ._common import LINEAR_KV_DTYPES, CacheCapacity, LayerView, ModelShape, to_storage, tokens_to_keep
 
 __all__ = ["LinearCache"]

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from .._backend import _current_device, _current_stream, _hooks_active
+from .._device import check_memory
 from .._validate import check_int
-from ..config import check_memory
 from ..ops import attention as attention_ops
 from ..ops import paged as paged_ops
 from ..ops.paged.batch import PagedBatch, unpack_append_batch, unpack_gather_batch

@@ -42,8 +42,8 @@ import dataclasses
 
 import torch
 
+from .._device import resolve_device
 from .._validate import MODEL_DTYPES, check_choice, check_dtype_in, check_int
-from ..config import resolve_device
 from ..ops.paged.format import KV_FORMATS, LAYOUTS, kv_format
 
 __all__ = ["PagedConfig", "cache_block_bytes", "KV_FORMATS", "LAYOUTS"]

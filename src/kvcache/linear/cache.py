@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .._validate import bits, check_dtype, check_ndim, check_tensor, fmt_shape
 from ._slots import SlotCache
-from ._validate import bits, check_dtype, check_ndim, check_tensor, fmt_shape
 from .config import CacheConfig
 
 __all__ = ["LinearKVCache"]

@@ -3,7 +3,7 @@
 Uniform layers are one tensor ``[L, B, 2, H, S, D]`` addressed by strides; layers that differ in heads or head
 size are views of one flat buffer addressed through a static per-layer table built once here, so every
 multi-layer op is one launch with no per-call host-to-device work (CUDA-graph capturable). Used by
-:class:`kvcache._slots.SlotCache`.
+:class:`kvcache.linear._slots.SlotCache`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from collections.abc import Sequence
 
 import torch
 
-from . import ops
-from ._backend import use_triton
-from ._validate import next_pow2, vec_elems
-from .ops._layers import build_layer_table
-from .ops.compact import compact_slots_strided, compact_slots_table
-from .ops.copy import _copy_strided_kernel, copy_slot_strided, copy_slot_table
+from .. import ops
+from .._backend import use_triton
+from .._validate import next_pow2, vec_elems
+from ..ops._layers import build_layer_table
+from ..ops.compact import compact_slots_strided, compact_slots_table
+from ..ops.copy import _copy_strided_kernel, copy_slot_strided, copy_slot_table
 from .snapshot import KVSnapshot
 
 __all__ = ["LayerStore"]

@@ -206,7 +206,7 @@ def test_config_larger_than_memory_fails_before_allocating(kind):
 
 
 def test_check_memory_function():
-    from kvcache.config import available_memory, check_memory
+    from kvcache._device import available_memory, check_memory
 
     avail, total = available_memory(torch.device("cpu"))
     assert 0 < avail <= total * 2  # MemAvailable may count swap-backed caches; both are positive

@@ -1,5 +1,5 @@
 """Fused elementwise ops of a Llama-family decoder, what :mod:`kvcache.engine` runs around the cache: RMSNorm
-with its residual add, SiLU-and-multiply, query RoPE, the greedy pick over logits (``kvcache.ops.decoder.rms_norm``
+with its residual add, SiLU-and-multiply, query RoPE, the greedy pick over logits (``kvcache.engine.kernels.rms_norm``
 etc.).
 
 Each is one Triton kernel on CUDA (or under the interpreter, ``KVCACHE_TRITON_INTERPRET=1``) and the same
@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import kernel, use_triton
-from .._validate import next_pow2
-from ._argmax import argmax
-from ._pdl import pdl_enter, pdl_options
+from ..._backend import kernel, use_triton
+from ..._validate import next_pow2
+from ...ops._pdl import pdl_enter, pdl_options
+from .argmax import argmax
 
 __all__ = ["rms_norm", "silu_mul", "rope_rotate", "argmax"]
 

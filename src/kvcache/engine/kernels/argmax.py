@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import kernel, use_triton
-from .._validate import (
+from ..._backend import kernel, use_triton
+from ..._validate import (
     cdiv,
     check_contiguous,
     check_device,
@@ -30,7 +30,7 @@ from .._validate import (
     check_tensor,
     next_pow2,
 )
-from ._pdl import pdl_enter, pdl_options
+from ...ops._pdl import pdl_enter, pdl_options
 
 __all__ = ["argmax"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ._slots import SlotCache
+from .cache import append_slots
 from .config import KVLayerConfig, ManagerConfig
-from .linear import append_slots
 
 __all__ = ["KVCacheManager"]
 

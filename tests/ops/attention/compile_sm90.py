@@ -2,7 +2,7 @@
 optimisation passes and ptxas all run, so errors the interpreter cannot see (type mismatches between returns,
 non-constexpr globals, layout conversions) show up here. A script, not a test (about 40 s):
 
-    python tests/attention/compile_sm90.py
+    python tests/ops/attention/compile_sm90.py
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ._validate import KV_DTYPES
+from .._validate import KV_DTYPES
 
 FORMAT = "kvcache.snapshot/1"
 RESERVED = ("format", "seq_len", "num_layers", "dtype", "layer_specs", "checksum")

@@ -1,4 +1,4 @@
-"""The lengths state of :class:`kvcache._slots.SlotCache`, in its base class ``SlotLengths``: the per-sequence
+"""The lengths state of :class:`kvcache.linear._slots.SlotCache`, in its base class ``SlotLengths``: the per-sequence
 lengths on the device, their host mirror, the active batch size, ``reset_for_new_sequences`` and ``commit``.
 
 The mirror is trusted only while the lengths tensor's version counter (``_version``, shared by every view of
@@ -15,15 +15,15 @@ from collections.abc import Sequence
 
 import torch
 
+from .._device import check_memory
+from .._validate import check_dtype, check_int, check_ndim, fmt_shape
+from ..ops.lengths import launch_increment
 from ._store import LayerStore
-from ._validate import check_dtype, check_int, check_ndim, fmt_shape
-from .config import check_memory
-from .ops.lengths import launch_increment
 
 
 class SlotLengths:
     """Per-sequence lengths, their host mirror and the active batch size: the base of
-    :class:`~kvcache._slots.SlotCache` (which adds attention, eviction and snapshots)."""
+    :class:`~kvcache.linear._slots.SlotCache` (which adds attention, eviction and snapshots)."""
 
     _store: LayerStore
 

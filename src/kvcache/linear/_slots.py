@@ -1,13 +1,13 @@
 """What LinearKVCache and KVCacheManager share: the layer storage and the per-sequence state.
 
-``LayerStore`` (:mod:`kvcache._store`) owns the memory of all layers (one allocation) and moves slots: save,
+``LayerStore`` (:mod:`kvcache.linear._store`) owns the memory of all layers (one allocation) and moves slots: save,
 restore, compaction.
 
 ``SlotCache`` holds the lengths, the active batch size and the eviction / save / restore API. The lengths
 live on the device; a host mirror of them is kept while it is exact (after ``reset_for_new_sequences`` and
 integer commits), which lets most bound checks run on the host without a sync. The lengths, their host mirror
 (and when it is trusted), the active batch size, ``reset_for_new_sequences`` and ``commit`` are in its base
-class ``SlotLengths`` (:mod:`kvcache._slot_lengths`); this module adds attention, eviction and snapshots.
+class ``SlotLengths`` (:mod:`kvcache.linear._slot_lengths`); this module adds attention, eviction and snapshots.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from . import ops
+from .. import ops
+from .._validate import check_dtype, check_int, check_ndim, check_tensor, fmt_shape
+from ..ops.lengths import compact_lengths
 from ._slot_lengths import SlotLengths
-from ._validate import check_dtype, check_int, check_ndim, check_tensor, fmt_shape
-from .ops.lengths import compact_lengths
 from .snapshot import KVSnapshot
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.ops.decoder import argmax
+from kvcache.engine.kernels import argmax
 
 TILE = 2048
 

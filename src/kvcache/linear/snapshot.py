@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ._validate import KV_DTYPES, check_contiguous, check_int, check_ndim, check_tensor, fmt_shape
+from .._validate import KV_DTYPES, check_contiguous, check_int, check_ndim, check_tensor, fmt_shape
 
 __all__ = ["KVSnapshot"]
 
