@@ -123,7 +123,7 @@ class LLM:
         Bytes for the KV cache (overrides ``gpu_memory_utilization``; default 256 MiB on the CPU).
     layout : str
         Paged pool layout, ``"HND"`` (default: each head's rows of a block contiguous; the int8 engine runs 2% faster
-        on it and matches bf16, BENCHMARKS.md session 13) or ``"NHD"``.
+        on it than on NHD and matches bf16; H100, 2026-11-26) or ``"NHD"``.
     cuda_graphs : bool, optional
         Run pure decode steps as CUDA graphs, captured per batch-size bucket (default: on with CUDA; needs
         ``kvcache.ops.paged_attention``). ``True`` on the CPU runs them through the same static, padded

@@ -10,7 +10,7 @@ Exact conversions, two forms with the same results (and one offset form, below):
   cores through shared memory with ``ldmatrix``; a pure conversion is moved after the shared-memory read into
   the MMA operand layout, which reads the 8-bit V operand one byte per instruction. On sm_90 this cuts a
   128-key int4 decode tile from ~1,700 to ~1,000 instructions per warp and its registers from ~240 to ~170;
-  int8 decode at head_dim 64 runs 12% faster (BENCHMARKS.md).
+  int8 decode at head_dim 64 runs 12% faster (H100, docs/tuning-history.md).
 
 * :func:`u8_magic`: not exact but offset, the magic numbers themselves, ``1024 + c`` in float16, for the decode
   tiles' int8 V operand, whose offset the attention kernel removes after the dots (two permutes per four codes).

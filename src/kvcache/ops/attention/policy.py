@@ -2,7 +2,7 @@
 
 A pure function of host-side shapes (no tensor is read): the same inputs give the same plan, so a launch
 captured in a CUDA graph replays with the grid it was captured with. Tune here; the measurements behind the
-choices belong in BENCHMARKS.md.
+choices are in docs/tuning-history.md, the current figures in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ __all__ = ["AttentionPlan", "attention_plan", "attention_workspace_size"]
 MIN_SPLIT_TOKENS = 512
 MAX_SPLITS = 64
 # Programs per SM aimed at by the split heuristic when the batch alone leaves SMs idle. Batches with at least one
-# program per SM are not split on 4-warp tiles: the merge pass then costs more than the balance gains (BENCHMARKS.md,
-# the sweep); the one-warp tiles below have their own split rules. The 4-warp fp8 / int8 / int4 decode tiles at
-# head_dim > 64 (128 keys) fit two programs per SM, and two per SM is what their split aims at.
+# program per SM are not split on 4-warp tiles: the merge pass then costs more than the balance gains
+# (docs/tuning-history.md); the one-warp tiles below have their own split rules. The 4-warp fp8 / int8 / int4 decode
+# tiles at head_dim > 64 (128 keys) fit two programs per SM, and two per SM is what their split aims at.
 PROGRAMS_PER_SM = 4
 PROGRAMS_PER_SM_QUANT = 2
 # Decode tiles (keys per tile, pipeline stages, warps, warp split) per stored format, measured on the H100 (sweeps
-# in BENCHMARKS.md). head_dim > 64: 16-bit caches want short tiles and deep pipelines, 8- and 4-bit caches long
-# tiles that amortise the per-tile dequantization and softmax (the one-warp tiles below replace them where they
-# apply); int4 splits the tile's keys over the warps (7% faster at 64 x 16k, 3% at 4k, session 11) once contexts reach
+# in docs/tuning-history.md). head_dim > 64: 16-bit caches want short tiles and deep pipelines, 8- and 4-bit caches
+# long tiles that amortise the per-tile dequantization and softmax (the one-warp tiles below replace them where they
+# apply); int4 splits the tile's keys over the warps (7% faster at 64 x 16k, 3% at 4k, H100) once contexts reach
 # WARP_SPLIT_MIN_KV (8% slower at 1k; max_kv_len is the block table's capacity unless the caller passes a tighter
 # bound). head_dim <= 64: 64-key tiles, four programs per SM (warp splits measured 11-68% slower there); int4 takes
-# 128-key tiles, int8 one-warp tiles of 64 keys, 3 stages (BENCHMARKS.md, session 13).
+# 128-key tiles, int8 one-warp tiles of 64 keys, 3 stages (H100, 2026-11-26).
 DECODE_TILE = {"auto": (32, 4, 4, False), "fp8": (128, 3, 4, False), "int8": (128, 3, 4, False),
                "int4": (128, 3, 4, True)}
 DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8": (64, 3, 1, False),
@@ -44,7 +44,7 @@ DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8"
 # stages, the first depth at which Triton gives a paged tile two shared-memory buffers (it costs programs per SM, so
 # the batches above keep fewer stages): 1 x 128k int8 / int4 / fp8 -10% / -1% / -5%, 2 x 40k -11% / -7% / -28%
 # against 64-key two-stage one-warp tiles (fp8: its 4-warp tile). Shorter tables of few sequences keep the 4-warp
-# tiles (BENCHMARKS.md).
+# tiles (docs/tuning-history.md).
 DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2)}
 DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5)}
 LONG_MIN_KV = 4096
@@ -53,11 +53,11 @@ LONG_SPLITS = 8
 FEW_MIN_KV = 32768
 FEW_PROGRAMS_PER_SM = 4
 # Prefill tiles of fp8 / int4 caches at head_dim 65..128 (GQA groups up to 64): 64 rows of 4 warps (keys per tile,
-# stages) instead of the 16-bit caches' 128 rows of 8 warps, measured faster (BENCHMARKS.md, session 12); int8 keeps
-# the 128-row tile (1-11% faster, session 13).
+# stages) instead of the 16-bit caches' 128 rows of 8 warps, measured faster on the H100; int8 keeps
+# the 128-row tile (1-11% faster).
 PREFILL_TILE_QUANT = {"fp8": (128, 2), "int4": (128, 3)}
 # Prefill stages at head_dim <= 64 (128 rows x 64 keys, 4 warps): int8 / int4 are faster with 3, 16-bit and fp8 caches
-# with 2 (BENCHMARKS.md, session 12).
+# with 2 (H100, docs/tuning-history.md).
 PREFILL_STAGES_SMALL = {"auto": 2, "fp8": 2, "int8": 3, "int4": 3}
 WARP_SPLIT_MIN_KV = 4096
 # Average query rows per sequence at or below which a batch is launched with decode tiles.

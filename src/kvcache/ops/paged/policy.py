@@ -1,7 +1,8 @@
 """Launch policy of the paged append: a pure function from the kind of append (rows, sequences, format, RoPE,
 what the device offers) to an :class:`AppendLaunch`, the hashable description of the kernel's launch.
 
-The rules and the measurements behind them: ``docs/paged-kernels.md`` (rules) and ``BENCHMARKS.md`` (numbers).
+The rules and the measurements behind them: ``docs/paged-kernels.md`` (rules), ``docs/tuning-history.md``
+(how they were found) and ``BENCHMARKS.md`` (current numbers).
 Tests call :func:`plan_append` directly; variants of a launch are ``dataclasses.replace(plan, ...)`` of a plan.
 """
 
