@@ -165,7 +165,7 @@ def _append_case(kv_dtype: str, layout: str, mode: str) -> Callable[[torch.devic
         if mode == "slots":
             k, v, *_ = ragged(dev, [3, 2], [0, 0])
             slots = torch.tensor([0, 5, 9, -1, 30], dtype=torch.int64, device=dev)
-            c.append(0, k, v, slot_mapping=slots)
+            c.append(0, k, v, c.plan(slot_mapping=slots))
             return
         q_lens, kv_lens = ([1, 1, 1], [4, 0, 7]) if mode == "decode" else ([5, 0, 3], [2, 6, 0])
         k, v, tables, cu, lens = ragged(dev, q_lens, kv_lens)
@@ -174,12 +174,12 @@ def _append_case(kv_dtype: str, layout: str, mode: str) -> Callable[[torch.devic
             cu_k = [0]
             for t in totals:
                 cu_k.append(cu_k[-1] + t)
-            c.append(1, k, v, block_tables=tables, cu_q_lens=cu, cu_k_lens=i32(cu_k, dev))
+            c.append(1, k, v, c.plan(tables, cu, cu_k_lens=i32(cu_k, dev)))
         else:
-            c.append(0, k, v, block_tables=tables, cu_q_lens=cu, kv_lens=lens)
+            c.append(0, k, v, c.plan(tables, cu, lens))
             if mode == "decode":  # the caller's promise path too
-                c.append(1, k, v, block_tables=tables, cu_q_lens=cu, kv_lens=lens, metadata_ready=True)
-        c.gather(0, tables, kv_lens=lens)
+                c.append(1, k, v, c.plan(tables, cu, lens, metadata_ready=True))
+        c.gather(0, c.plan(tables, seq_lens=lens))
 
     return run
 
@@ -198,8 +198,8 @@ case("append+gather int4 HND rope")(_append_case("int4", "HND", "rope"))
 def _gather_rope(dev: torch.device) -> None:
     c = paged_cache(dev, "auto", "NHD")
     k, v, tables, cu, lens = ragged(dev, [5, 3], [0, 0])
-    c.append(0, k, v, block_tables=tables, cu_q_lens=cu, kv_lens=lens)
-    c.gather(0, tables, kv_lens=i32([5, 3], dev), rope=RopeConfig(D))
+    c.append(0, k, v, c.plan(tables, cu, lens))
+    c.gather(0, c.plan(tables, seq_lens=i32([5, 3], dev)), rope=RopeConfig(D))
 
 
 @case("copy_blocks")
@@ -218,7 +218,7 @@ def _attention_cases() -> None:
             def _paged_attn(dev: torch.device, fmt: str = fmt) -> None:
                 c = paged_cache(dev, fmt, "NHD")
                 k, v, tables, cu, lens = ragged(dev, [4, 1], [0, 6])
-                c.append(0, k, v, block_tables=tables, cu_q_lens=cu, kv_lens=lens)
+                c.append(0, k, v, c.plan(tables, cu, lens))
                 q = torch.randn(5, 2 * H, D, device=dev).to(torch.float16)
                 scales = c.kv_scales[0] if fmt == "fp8" else None
                 ops.paged_attention(q, c.pool(0), c.params(0), scales, kv_dtype=fmt, layout="NHD",

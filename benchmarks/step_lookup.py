@@ -5,10 +5,10 @@ One process, H100. A 32-layer step captured in a CUDA graph (a server's decode),
 between replays (``triton.testing.do_bench``), over a pool of >= 8192 blocks per layer with blocks drawn at
 random from all of it, distinct K / V per layer:
 
-* ``ragged``: 32 x ``PagedKVCache.append(layer, k, v, block_tables=, cu_q_lens=, kv_lens=)`` (the kernel looks
-  each row up);
+* ``ragged``: 32 x ``PagedKVCache.append(layer, k, v, plan)`` of a plan ``cache.plan(block_tables, cu_q_lens,
+  kv_lens)`` (the kernel looks each row up);
 * ``slots``: one resolve kernel (block tables + lengths -> slot mapping + positions) + 32 x
-  ``append(layer, k, v, slot_mapping=, positions=)``.
+  ``append(layer, k, v, plan)`` of ``cache.plan(slot_mapping=, positions=)``.
 
 Usage: python benchmarks/step_lookup.py [--json PATH]   (PYTHONPATH=src)
 """
@@ -83,18 +83,22 @@ def case(kind: str, n_seqs: int, q_len: int, ctx: int, bs: int, kv_dtype: str, n
     positions = torch.empty(n, dtype=torch.int64, device=dev)
 
     def ragged() -> None:
+        plan = cache.plan(tables, cu_q, kv_lens)
         for i in range(LAYERS):
-            cache.append(i, ks[i], vs[i], block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
+            cache.append(i, ks[i], vs[i], plan)
 
     def by_slots() -> None:
         resolve(tables, cu_q, kv_lens, slots, positions, bs, nb)
+        plan = cache.plan(slot_mapping=slots, positions=positions)
         for i in range(LAYERS):
-            cache.append(i, ks[i], vs[i], slot_mapping=slots, positions=positions)
+            cache.append(i, ks[i], vs[i], plan)
 
     def by_slots_ready() -> None:
         resolve(tables, cu_q, kv_lens, slots, positions, bs, nb)
+        first = cache.plan(slot_mapping=slots, positions=positions)  # the resolve kernel may still run: no promise
+        ready = cache.plan(slot_mapping=slots, positions=positions, metadata_ready=True)
         for i in range(LAYERS):
-            cache.append(i, ks[i], vs[i], slot_mapping=slots, positions=positions, metadata_ready=i > 0)
+            cache.append(i, ks[i], vs[i], ready if i > 0 else first)
 
     def resolve_only() -> None:
         resolve(tables, cu_q, kv_lens, slots, positions, bs, nb)

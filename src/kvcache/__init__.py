@@ -2,7 +2,7 @@
 
 from . import ops
 from .linear import CacheConfig, KVCacheManager, KVLayerConfig, KVSnapshot, LinearKVCache, ManagerConfig
-from .paged import BlockAllocator, PagedBatch, PagedConfig, PagedKVCache, cache_block_bytes
+from .paged import BlockAllocator, PagedConfig, PagedKVCache, StepPlan, cache_block_bytes
 from .rope import RopeConfig
 
 __version__ = "0.1.0"
@@ -18,7 +18,7 @@ __all__ = [
     "PagedConfig",
     "PagedKVCache",
     "BlockAllocator",
-    "PagedBatch",
+    "StepPlan",
     "cache_block_bytes",
     "RopeConfig",
     "__version__",

@@ -152,13 +152,13 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
         k = torch.randn(sum(lens), H, D, generator=g).to(device)
         v = torch.randn(sum(lens), H, D, generator=g).to(device)
         cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=device)
-        cache.append(1, k, v, block_tables=bt, cu_q_lens=cu, kv_lens=torch.zeros(2, dtype=torch.int32, device=device))
+        cache.append(1, k, v, cache.plan(bt, cu, torch.zeros(2, dtype=torch.int32, device=device)))
         return cache, bt, k, v
 
     def round_trip(kv_dtype: str, layout: str) -> bool:
         cache, bt, k, v = filled(kv_dtype, layout)
         kl = torch.tensor(lens, dtype=torch.int32, device=device)
-        ko, vo = cache.gather(1, bt, kv_lens=kl, max_len=max(lens))
+        ko, vo = cache.gather(1, cache.plan(bt, seq_lens=kl), max_len=max(lens))
         got_k = torch.cat([ko[0, :, :lens[0]].transpose(0, 1), ko[1, :, :lens[1]].transpose(0, 1)])
         got_v = torch.cat([vo[0, :, :lens[0]].transpose(0, 1), vo[1, :, :lens[1]].transpose(0, 1)])
         if kv_dtype == "auto":

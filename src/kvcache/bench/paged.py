@@ -119,9 +119,10 @@ def _prefill(dev: torch.device, gen: torch.Generator, quick: bool) -> list[Resul
             cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                              dtype=torch.float16, kv_dtype=kv_dtype, device=dev), rope=rope)
             for use_rope in (False, True):
-                def fn(cache=cache, use_rope=use_rope, tables=tables) -> None:  # type: ignore[no-untyped-def]
-                    cache.append(0, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
-                                 rope=None if use_rope else False)
+                plan = cache.plan(tables, cu_q, kv_lens, rope=None if use_rope else False)
+
+                def fn(cache=cache, plan=plan) -> None:  # type: ignore[no-untyped-def]
+                    cache.append(0, k, v, plan)
                 out.append(Result("prefill append", shape, f"kvcache {kv_dtype}{' + rope' if use_rope else ''}",
                                   "kvcache", bench_graph(fn), 2 * n * H * D * 2 + store_bytes(n, kv_dtype)))
             del cache
@@ -172,13 +173,14 @@ def _decode(dev: torch.device, gen: torch.Generator, quick: bool) -> list[Result
             nbytes = moved + store_bytes(n_seqs, kv_dtype)
 
             def ragged(cache=cache, tables=tables, ready=False) -> None:  # type: ignore[no-untyped-def]
+                plan = cache.plan(tables, cu_q, kv_lens, metadata_ready=ready)  # once per step, as an engine does
                 for i in range(layers):
-                    cache.append(i, ks[i], vs[i], block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
-                                 metadata_ready=ready)
+                    cache.append(i, ks[i], vs[i], plan)
 
             def by_slots(cache=cache, slots=slots) -> None:  # type: ignore[no-untyped-def]
+                plan = cache.plan(slot_mapping=slots, positions=positions)
                 for i in range(layers):
-                    cache.append(i, ks[i], vs[i], slot_mapping=slots, positions=positions)
+                    cache.append(i, ks[i], vs[i], plan)
 
             out.append(Result("decode append", shape, f"kvcache {kv_dtype} + rope (ragged)", "kvcache",
                               bench_graph(ragged, layers), nbytes))
@@ -232,8 +234,10 @@ def _gather(dev: torch.device, gen: torch.Generator, quick: bool) -> list[Result
         if kv_dtype == "auto":
             cache.buffer.view(torch.uint8).bitwise_and_(0xBF)  # finite fp16 values only
 
-        def fn(cache=cache) -> None:  # type: ignore[no-untyped-def]
-            cache.gather(0, tables, kv_lens=lens, k_out=k_out, v_out=v_out)
+        plan = cache.plan(tables, seq_lens=lens)
+
+        def fn(cache=cache, plan=plan) -> None:  # type: ignore[no-untyped-def]
+            cache.gather(0, plan, k_out=k_out, v_out=v_out)
 
         out.append(Result("gather", shape, f"kvcache {kv_dtype}", "kvcache", bench_graph(fn),
                           moved + store_bytes(n_seqs * seq, kv_dtype)))

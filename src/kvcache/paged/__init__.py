@@ -1,11 +1,11 @@
 """Paged KV caches: block pools (FlashInfer / FlashAttention layouts, fp8 / int8 / int4), fused
 RoPE + quantize + append, gather, and a block allocator with prefix caching."""
 
-from ..ops.paged.batch import PagedBatch
 from ..ops.paged.format import KV_FORMAT_TABLE, KVFormat
 from .allocator import BlockAllocator
 from .cache import PagedKVCache, SwappedBlocks
 from .config import PagedConfig, cache_block_bytes
+from .plan import StepPlan
 
-__all__ = ["BlockAllocator", "PagedBatch", "PagedConfig", "PagedKVCache", "SwappedBlocks", "cache_block_bytes",
+__all__ = ["BlockAllocator", "StepPlan", "PagedConfig", "PagedKVCache", "SwappedBlocks", "cache_block_bytes",
            "KVFormat", "KV_FORMAT_TABLE"]

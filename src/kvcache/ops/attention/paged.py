@@ -135,7 +135,7 @@ def paged_attention(
     >>> k = v = torch.randn(5, 2, 64)
     >>> bt = torch.tensor([[0, 1]], dtype=torch.int32)
     >>> cu = torch.tensor([0, 5], dtype=torch.int32)
-    >>> cache.append(0, k, v, block_tables=bt, cu_q_lens=cu, kv_lens=torch.zeros(1, dtype=torch.int32))
+    >>> cache.append(0, k, v, cache.plan(bt, cu, torch.zeros(1, dtype=torch.int32)))
     >>> o = paged_attention(torch.randn(5, 4, 64), cache.pool(0), kv_dtype="auto", layout="NHD",
     ...                     block_tables=bt, cu_q_lens=cu, kv_lens=torch.tensor([5], dtype=torch.int32))
     >>> o.shape

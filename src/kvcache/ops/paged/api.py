@@ -15,7 +15,7 @@ Bad input, fast by default: rows whose block index falls outside the block table
 out of range, and padding rows past ``cu_q_lens[-1]`` are skipped on the device, never written out of bounds.
 ``check=True`` (or ``PagedKVCache(..., debug=True)`` for every append) syncs and raises ValueError before
 writing anything, also for a slot written twice in one append and for fp8 scales that are not finite and > 0;
-``PagedBatch.unwritable_rows`` / ``PagedKVCache.unwritable_rows`` count the rows that would be skipped, on the
+``StepPlan.unwritable_rows`` / ``PagedKVCache.unwritable_rows`` count the rows that would be skipped, on the
 device, without a sync. NaN / inf in K / V stay visible (fp8 stores NaN; int8 / int4 store the (token, head)
 with scale and zero NaN). The byte format
 (layouts, fp8 / int8 / int4) is documented in :mod:`kvcache.paged.config`.
@@ -27,7 +27,6 @@ import torch
 
 from ..._validate import MODEL_DTYPES, check_cp, check_dtype_in, fmt_shape
 from ...rope import RopeKernelParams
-from .batch import PagedBatch, unpack_append_batch, unpack_gather_batch
 from .checks import (
     check_arg_tensor,
     check_fp8_scales,
@@ -65,7 +64,6 @@ def append_paged_kv(
     cp_size: int = 1,
     check: bool = False,
     metadata_ready: bool = False,
-    batch: PagedBatch | None = None,
 ) -> None:
     """Write new keys and values into paged blocks in one pass: RoPE on K and quantization fused.
 
@@ -127,17 +125,10 @@ def append_paged_kv(
         cache's own frequencies, built once, before it, with cos / sin: rotated keys may then differ from a
         launch that waits first in the last bit, as with the promise). Other appends wait before every read.
 
-    batch : PagedBatch, optional
-        The step's :class:`~kvcache.paged.PagedBatch` (validated once, when it was built), in place of
-        ``block_tables`` / ``cu_q_lens`` / ``kv_lens`` / ``cu_k_lens`` / ``slot_mapping`` / ``positions`` /
-        ``cp_rank`` / ``cp_size``.
-
     Note
     ----
     One kernel launch, no allocation, no host sync: capturable in a CUDA graph.
     """
-    block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size = unpack_append_batch(
-        batch, block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, cp_rank, cp_size)
     if type(metadata_ready) is not bool:
         raise TypeError(f"metadata_ready: expected a bool, got {metadata_ready!r} ({type(metadata_ready).__name__})")
     if type(check) is not bool:
@@ -211,7 +202,6 @@ def gather_paged_kv(
     fp8_scales: torch.Tensor | None = None,
     cp_rank: int = 0,
     cp_size: int = 1,
-    batch: PagedBatch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read sequences' blocks back into contiguous, dequantized K and V (TurboMind ``FlattenKV``).
 
@@ -238,16 +228,11 @@ def gather_paged_kv(
         token ``t`` is ``t * cp_size + cp_rank``.
     fp8_scales : torch.Tensor
         float32 ``[2]`` for ``kv_dtype="fp8"``.
-    batch : PagedBatch, optional
-        A ragged :class:`~kvcache.paged.PagedBatch` in place of ``block_tables`` / ``kv_lens`` / ``cu_k_lens``
-        / ``cp_rank`` / ``cp_size``: its sequences as they stand after the step (``batch.seq_lens`` tokens).
 
     Returns
     -------
     (k, v) : ``[B, H, S_out, D]`` each.
     """
-    block_tables, kv_lens, cu_k_lens, cp_rank, cp_size = unpack_gather_batch(batch, block_tables, kv_lens, cu_k_lens,
-                                                                            cp_rank, cp_size)
     nb, bs, h, dp = pool_geometry(pool, params, kv_dtype, layout)
     dev = pool.device
     cp_rank, cp_size = check_cp(cp_rank, cp_size)
