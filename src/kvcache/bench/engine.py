@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..ops.paged.format import KV_FORMATS
 from ..paged import cache_block_bytes
 
 __all__ = ["main"]
@@ -151,7 +152,7 @@ def _agreement(rows: list[dict]) -> None:
 
 def _fits_60gib(block_size: int = 16, seq_len: int = 4096) -> list[dict]:
     rows = []
-    for kv in ("auto", "fp8", "int8", "int4"):
+    for kv in KV_FORMATS:
         bb = cache_block_bytes(SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"], SHAPE["head_dim"], block_size,
                                torch.bfloat16, kv)
         per_seq = -(-seq_len // block_size) * bb
@@ -178,9 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="engine_bench.json")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--long", action="store_true", help="add 8 requests x 16k prompt tokens")
-    p.add_argument("--kv-dtypes", default="auto,fp8,int8,int4")
+    p.add_argument("--kv-dtypes", default=",".join(KV_FORMATS), help="comma-separated, of " + ", ".join(KV_FORMATS))
     p.add_argument("--no-hf", action="store_true")
     args = p.parse_args(argv)
+    kv_dtypes = [k for k in args.kv_dtypes.split(",") if k]
+    bad = [k for k in kv_dtypes if k not in KV_FORMATS]
+    if bad:
+        p.error(f"--kv-dtypes: expected values of {KV_FORMATS}, got {bad[0]!r}")
     if not torch.cuda.is_available():
         print("kvcache.bench.engine: needs a CUDA device", file=sys.stderr)
         return 2
@@ -220,14 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump({**result, "rows": [_public(r) for r in result["rows"]]}, f, indent=2)
 
-    for kv in [k for k in args.kv_dtypes.split(",") if k]:
+    for kv in kv_dtypes:
         run(f"engine {kv}", lambda kv=kv: _engine_row(model, prompts, new, kv, kv_bytes, n_req))
     if not args.no_hf:
         run("hf dynamic", lambda: _hf_row(model, prompts, new, static=False))
         run("hf static", lambda: _hf_row(model, prompts, new, static=True))
     if args.long:
         long_prompts = _prompts(8, 16384, SHAPE["vocab_size"], seed=2)
-        for kv in [k for k in args.kv_dtypes.split(",") if k]:
+        for kv in kv_dtypes:
             run(f"engine long {kv}", lambda kv=kv: {**_engine_row(model, long_prompts, new, kv, 16 * 2**30, 8),
                                                      "long_context": "8 x 16384"})
     _agreement(result["rows"])

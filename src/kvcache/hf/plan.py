@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .._validate import cdiv
+from ..ops.paged.format import KV_FORMATS
 from ..paged import cache_block_bytes
 from ._common import ModelShape
 
@@ -116,7 +117,7 @@ def plan(config: Any, memory: int, seq_len: int, *, block_size: int = 16, dtype:
     L, H, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
     rows = []
     per_seq_blocks = cdiv(seq_len, block_size)
-    for kv in ("auto", "fp8", "int8", "int4"):
+    for kv in KV_FORMATS:
         if kv == "int4" and D % 2:
             continue
         block = cache_block_bytes(L, H, D, block_size, dtype, kv)

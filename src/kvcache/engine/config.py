@@ -1,0 +1,220 @@
+"""``EngineConfig``: every argument of :class:`~kvcache.engine.LLM` but the model, validated in one place.
+
+The optional sizes (``max_num_batched_tokens``, ``kv_cache_memory``, ``max_model_len``) default to values that
+depend on the model and its device; :meth:`EngineConfig.batched_tokens`, :meth:`EngineConfig.cache_memory` and
+:meth:`EngineConfig.model_len` work them out for the engine's cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._validate import check_choice, check_int
+from ..ops.paged.format import LAYOUTS, kv_format
+from .loader import _resolve_dtype
+
+if TYPE_CHECKING:
+    from .model import LlamaForward
+
+__all__ = ["EngineConfig", "CACHE_MODES"]
+
+CACHE_MODES = ("paged", "linear")
+CPU_CACHE_BYTES = 256 * 2**20  # default KV memory on the CPU (no device memory to size it from)
+DEFAULT_MAX_MODEL_LEN = 4096  # the longest request by default, when the model allows it
+
+
+def _check_optional_int(name: str, value: object) -> None:
+    if value is not None:
+        check_int(name, value, lo=1)
+
+
+def _check_bool(name: str, value: object, optional: bool = False) -> None:
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise TypeError(f"{name}: expected a bool{' or None' if optional else ''}, got {type(value).__name__}")
+
+
+def _check_device(device: object) -> None:
+    if device is None:
+        return
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device: expected a str, a torch.device or None, got {type(device).__name__}")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device: expected a device name such as 'cpu' or 'cuda', got {device!r}") from None
+
+
+def _check_tp_group(group: object) -> None:
+    if group is None:
+        return
+    dist = torch.distributed
+    if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"tp_group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings: cache mode and format, sizes, device, batching, CUDA graphs, tensor parallel.
+
+    Every field is validated when the config is built (TypeError / ValueError naming the field, the expected and
+    the actual value); ``LLM(model, config=EngineConfig(...))`` and ``LLM(model, **fields)`` are the same engine.
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer, optional
+        Required with an already loaded model; otherwise loaded with the model. The engine calls its ``decode``
+        (outputs, stop strings), ``__call__`` (string prompts) and ``apply_chat_template`` (conversations).
+    kv_dtype : str
+        A format of the :data:`~kvcache.ops.paged.format.KV_FORMAT_TABLE`: ``"auto"`` (the model dtype),
+        ``"fp8"``, ``"int8"``, ``"int4"`` (paged cache; the linear cache stores the model dtype: ``"auto"`` only).
+    block_size : int
+        Tokens per block (paged).
+    max_num_seqs : int
+        Requests running at once (slots of the linear cache).
+    gpu_memory_utilization : float
+        In (0, 1]. On CUDA: fraction of the device memory the process may use; the KV cache takes what the weights
+        and a working reserve leave of it.
+    cache : str
+        ``"paged"`` or ``"linear"``.
+    device : str or torch.device, optional
+        Where to load the model (default: CUDA if available, else the CPU). Ignored for a loaded model.
+    dtype : torch.dtype or str, optional
+        The model's dtype when loaded (float32, float16 or bfloat16; default float32 on the CPU, bfloat16 on CUDA).
+        Ignored for a loaded model.
+    enable_prefix_caching : bool
+        Reuse the KV of equal prompt prefixes across requests (paged: hash-chained blocks; linear: the shared
+        prompt prefix saved once and restored).
+    max_num_batched_tokens : int, optional
+        Token budget of a step (prefill chunks + decodes); default 2048 on the CPU, 8192 on CUDA.
+    num_blocks : int, optional
+        Pool size (paged); default: what ``kv_cache_memory`` holds (e.g. a tiny pool to force preemption).
+    max_model_len : int, optional
+        Longest request (prompt + max_tokens); default ``min(max_position_embeddings, 4096)`` (linear: also at
+        most what ``kv_cache_memory`` holds for ``max_num_seqs`` slots).
+    kv_cache_memory : int, optional
+        Bytes for the KV cache (overrides ``gpu_memory_utilization``; default 256 MiB on the CPU).
+    layout : str
+        Paged pool layout, ``"HND"`` (default: each head's rows of a block contiguous; the int8 engine runs 2%
+        faster on it and matches bf16, see BENCHMARKS.md) or ``"NHD"``.
+    cuda_graphs : bool, optional
+        Run pure decode steps as CUDA graphs, captured per batch-size bucket (default: on with CUDA and no
+        ``tp_group``). ``True`` on the CPU runs them through the same static, padded buffers without capture.
+        On (either way), each step is also launched before the host reads the previous step's greedy tokens
+        (:mod:`kvcache.engine.paged_loop`); off, every step is run and read before the next is scheduled.
+    tp_group : torch.distributed.ProcessGroup, optional
+        Tensor parallel over this group (see :mod:`kvcache.engine.tp`): every rank builds the same ``LLM`` from the
+        same weights and calls ``generate`` with the same arguments. Paged cache only, no CUDA graphs.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A field of the wrong type or out of range, ``kv_dtype`` other than ``"auto"`` with the linear cache,
+        ``tp_group`` with the linear cache or with ``cuda_graphs=True``.
+
+    Example
+    -------
+    >>> cfg = EngineConfig(kv_dtype="int8", block_size=32, max_num_seqs=16)
+    >>> cfg.kv_dtype, cfg.cache, cfg.layout
+    ('int8', 'paged', 'HND')
+    >>> dataclasses.replace(cfg, max_num_seqs=8).max_num_seqs
+    8
+    """
+
+    tokenizer: Any = dataclasses.field(default=None, repr=False, compare=False)
+    kv_dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.9
+    cache: str = "paged"
+    device: torch.device | str | None = None
+    dtype: torch.dtype | str | None = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None
+    num_blocks: int | None = None
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None
+    layout: str = "HND"
+    cuda_graphs: bool | None = None
+    tp_group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None and not callable(getattr(self.tokenizer, "decode", None)):
+            raise TypeError(f"tokenizer: expected a tokenizer (with a decode method) or None, got "
+                            f"{type(self.tokenizer).__name__}")
+        check_choice("cache", self.cache, CACHE_MODES)
+        kv_format(self.kv_dtype)
+        if self.cache == "linear" and self.kv_dtype != "auto":
+            raise ValueError(f"kv_dtype: the linear cache stores the model dtype, expected 'auto', got "
+                             f"{self.kv_dtype!r}")
+        check_int("block_size", self.block_size, lo=1)
+        check_int("max_num_seqs", self.max_num_seqs, lo=1)
+        for name in ("max_num_batched_tokens", "num_blocks", "max_model_len", "kv_cache_memory"):
+            _check_optional_int(name, getattr(self, name))
+        g = self.gpu_memory_utilization
+        if isinstance(g, bool) or not isinstance(g, (int, float)):
+            raise TypeError(f"gpu_memory_utilization: expected a float in (0, 1], got {type(g).__name__}")
+        if not 0 < g <= 1:
+            raise ValueError(f"gpu_memory_utilization: expected a float in (0, 1], got {g!r}")
+        _check_device(self.device)
+        if self.dtype is not None:
+            _resolve_dtype(self.dtype, torch.device("cpu"))
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_choice("layout", self.layout, LAYOUTS)
+        _check_bool("cuda_graphs", self.cuda_graphs, optional=True)
+        _check_tp_group(self.tp_group)
+        if self.tp_group is not None and self.cache != "paged":
+            raise ValueError(f"cache: tensor parallel (tp_group) needs the paged cache, got {self.cache!r}")
+        if self.tp_group is not None and self.cuda_graphs:
+            raise ValueError("cuda_graphs: not supported with tp_group (expected None or False)")
+
+    # ---------------------------------------------------------------------------------- sizes for a model
+
+    def batched_tokens(self, device: torch.device) -> int:
+        """Token budget of a step: ``max_num_batched_tokens``, else 8192 on CUDA and 2048 elsewhere.
+
+        Example
+        -------
+        >>> EngineConfig().batched_tokens(torch.device("cpu"))
+        2048
+        """
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if device.type == "cuda" else 2048
+
+    def model_len(self, model: LlamaForward) -> int:
+        """Longest request: ``max_model_len``, else ``min(max_position_embeddings, 4096)`` of the model's config.
+
+        Example
+        -------
+        >>> EngineConfig(max_model_len=512).model_len(llm.model)   # doctest: +SKIP
+        512
+        """
+        if self.max_model_len is not None:
+            return self.max_model_len
+        limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+
+    def cache_memory(self, model: LlamaForward) -> int:
+        """Bytes for the KV cache: ``kv_cache_memory``; else on CUDA ``gpu_memory_utilization`` of the device less
+        what is in use (the weights) and a working reserve, at least 64 MiB; else 256 MiB.
+
+        Example
+        -------
+        >>> EngineConfig(kv_cache_memory=2**30).cache_memory(llm.model)   # doctest: +SKIP
+        1073741824
+        """
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        if model.device.type != "cuda":
+            return CPU_CACHE_BYTES
+        free, total = torch.cuda.mem_get_info(model.device)
+        cfg = model.config
+        # working memory of the largest step: ~16 hidden-sized float32 rows and the MLP's intermediate rows per
+        # token, the sampled rows' float32 logits, plus 1 GiB for graphs, workspaces and the allocator's slack
+        inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+        budget = self.batched_tokens(model.device)
+        reserve = 2**30 + budget * (16 * cfg.hidden_size + 2 * inter) * 4 + 2 * self.max_num_seqs * model.vocab_size * 4
+        return max(int(total * self.gpu_memory_utilization) - (total - free) - reserve, 64 * 2**20)

@@ -1,0 +1,133 @@
+"""The engine's paged mode as one :class:`~kvcache.engine.core.EngineCore`: the pool sized from the config, the block
+allocator, the continuous-batching scheduler, the runner and the step loop.
+
+* Pool: ``num_blocks``, else as many blocks as ``EngineConfig.cache_memory`` holds (``cache_block_bytes`` of the
+  model's shape and the ``kv_dtype``), at least 2; under tensor parallel the smallest count of every rank, so the
+  ranks' schedulers decide alike. One more block is allocated as the runner's scratch block (the padded rows of
+  CUDA graphs write and read it), never handed to requests.
+* Block tables are ``ceil(max_model_len / block_size)`` wide; CUDA graphs cover decode batches up to
+  ``min(max_num_seqs, 512)`` requests; with graphs on, each step is launched before the host reads the previous
+  step's tokens (:class:`~kvcache.engine.paged_loop.PagedLoop`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._validate import cdiv
+from ..paged import BlockAllocator, PagedConfig, PagedKVCache, cache_block_bytes
+from .config import EngineConfig
+from .core import EngineStats, FinishReason, Progress
+from .model import LlamaForward
+from .paged_loop import PagedLoop
+from .paged_runner import PagedRunner
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+__all__ = ["PagedEngineCore"]
+
+MAX_GRAPH_BATCH = 512  # largest decode batch captured as a CUDA graph
+
+
+def pool_blocks(model: LlamaForward, config: EngineConfig) -> int:
+    """Blocks of the pool: ``config.num_blocks``, else what ``config.cache_memory(model)`` holds (at least 2; under
+    tensor parallel the smallest count over the group's ranks).
+
+    Example
+    -------
+    >>> pool_blocks(llm.model, EngineConfig(kv_cache_memory=2**26, kv_dtype="int8"))   # doctest: +SKIP
+    2730
+    """
+    if config.num_blocks is not None:
+        return config.num_blocks
+    block = cache_block_bytes(model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, model.dtype,
+                              config.kv_dtype)
+    n = max(2, config.cache_memory(model) // block)
+    if config.tp_group is not None:  # the same pool on every rank: the schedulers must decide alike
+        t = torch.tensor([n], dtype=torch.int64, device=model.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=config.tp_group)
+        n = int(t.item())
+    return n
+
+
+class PagedEngineCore:
+    """The paged cache mode: ``PagedKVCache`` + ``BlockAllocator`` + ``Scheduler`` + ``PagedRunner`` + ``PagedLoop``.
+
+    Parameters
+    ----------
+    model : LlamaForward
+        The engine's forward (a ``TPLlamaForward`` under tensor parallel: the cache holds this rank's KV heads).
+    config : EngineConfig
+        ``kv_dtype``, ``block_size``, ``layout``, ``num_blocks`` / ``kv_cache_memory`` / ``gpu_memory_utilization``,
+        ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching``, ``cuda_graphs``,
+        ``tp_group`` are read.
+
+    Attributes
+    ----------
+    cache : PagedKVCache
+        ``num_blocks + 1`` blocks: the last is the runner's scratch block.
+    allocator : BlockAllocator
+    scheduler : Scheduler
+    runner : PagedRunner
+    max_model_len, num_blocks, cache_bytes : int
+    attention : str
+        ``"paged_attention"``.
+
+    Example
+    -------
+    >>> core = PagedEngineCore(LlamaForward(hf_model), EngineConfig(kv_dtype="int8", num_blocks=64))  # doctest: +SKIP
+    >>> core.num_blocks, core.cache.config.kv_dtype                                               # doctest: +SKIP
+    (64, 'int8')
+    """
+
+    attention = "paged_attention"
+
+    def __init__(self, model: LlamaForward, config: EngineConfig) -> None:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
+        self.model = model
+        self.max_model_len = config.model_len(model)
+        num_blocks = pool_blocks(model, config)
+        bs = config.block_size
+        width = cdiv(self.max_model_len, bs)
+        self.cache = PagedKVCache(
+            PagedConfig(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                        block_size=bs, num_blocks=num_blocks + 1, dtype=model.dtype, kv_dtype=config.kv_dtype,
+                        layout=config.layout, device=model.device),
+            rope=model.rope)
+        self.allocator = BlockAllocator(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.batched_tokens(model.device), max_blocks_per_seq=width)
+        graphs = config.cuda_graphs
+        if graphs is None:
+            graphs = model.device.type == "cuda" and config.tp_group is None
+        self.runner = PagedRunner(model, self.cache, max_blocks_per_seq=width, max_model_len=self.max_model_len,
+                                  scratch_block=num_blocks, cuda_graphs=graphs,
+                                  max_graph_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH))
+        self.num_blocks = num_blocks
+        self.cache_bytes = self.cache.nbytes
+
+    def check(self, seq: Sequence) -> None:
+        """Raise ValueError if ``seq`` needs more blocks than a block table or the pool hold."""
+        self.scheduler.check(seq)
+
+    def run(self, seqs: list[Sequence], stats: EngineStats, finish_reason: FinishReason,
+            progress: Progress | None) -> None:
+        """Queue ``seqs`` and run them to the end (see :class:`~kvcache.engine.core.EngineCore`).
+
+        Example
+        -------
+        >>> core.run(seqs, EngineStats(), llm._finish_reason, None)   # doctest: +SKIP
+        """
+        sched, runner = self.scheduler, self.runner
+        cached0, pre0, graph0 = sched.num_cached_tokens, sched.num_preemptions, runner.graph_steps
+        for s in seqs:
+            sched.add(s)
+        PagedLoop(sched, runner, finish_reason, overlap=runner.use_graphs).run(seqs, stats, progress)
+        stats.cached_prompt_tokens = sched.num_cached_tokens - cached0
+        stats.preemptions = sched.num_preemptions - pre0
+        stats.graph_steps = runner.graph_steps - graph0
+
+    def abort_all(self) -> None:
+        """Drop every request, waiting or running, and free its blocks."""
+        self.scheduler.abort_all()
