@@ -23,13 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ops.paged.format import KV_FORMATS
 from ..paged import PagedConfig, PagedKVCache, cache_block_bytes
 from ..rope import RopeConfig
 from .timing import graph_replay_us
 
 H, D = 8, 128
 LAYERS = 32
-FORMATS = ("auto", "fp8", "int8", "int4")
+FORMATS = KV_FORMATS
 COMMAND = "kvcache bench paged"
 
 
