@@ -168,7 +168,7 @@ def main() -> int:
     if args.maxnreg:
         _cap_registers(args.maxnreg)
     _set_shape(args.head_dim, args.decode, args.prefill, args.qdtype)
-    from kvcache.bench.attention import _copy_blocks_row, causal_flops, kv_bytes
+    from kvcache.bench.attention import attention_flops, ceiling_rows, kv_bytes
     from kvcache.bench.timing import graph_replay_us
     from kvcache.ops.attention.policy import AttentionPlan, attention_plan
 
@@ -208,10 +208,9 @@ def main() -> int:
             cand.append(((default.block_q, default.block_n, default.num_warps, default.num_stages,
                           int(default.warp_split)), default.num_splits))
             if args.ceiling and args.mode == "decode":
-                c = _copy_blocks_row("decode", name, args.bs, fmt, p, bt, args.rep)
-                rows.append(dict(fmt=fmt, shape=name, bs=args.bs, impl="copy same blocks", us=c.us, gbs=c.gbs))
-                print(f"{fmt:5s} {name:24s} copy of the same blocks {c.us:8.1f} us ({c.gbs:.0f} GB/s read + write)",
-                      flush=True)
+                for c in ceiling_rows("decode", name, p, bt, args.rep):
+                    rows.append(dict(fmt=fmt, shape=name, bs=args.bs, impl=c.impl, us=c.us, gbs=c.gbs))
+                    print(f"{fmt:5s} {name:24s} {c.impl} {c.us:8.1f} us ({c.gbs:.0f} GB/s read + write)", flush=True)
             for cfg, sp in cand:
                 plan = AttentionPlan(block_q=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
                                      num_splits=sp, warp_split=bool(cfg[4]))
@@ -227,7 +226,7 @@ def main() -> int:
                 if args.mode == "decode":
                     row["gbs"] = kv_bytes(batch * seq, fmt) / us / 1e3
                 else:
-                    row["tflops"] = causal_flops(batch, q_len, cached) / us / 1e6
+                    row["tflops"] = attention_flops(batch, q_len, cached) / us / 1e6
                 rows.append(row)
                 if best is None or us < best["us"]:
                     best = row

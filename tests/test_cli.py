@@ -127,7 +127,7 @@ def test_plot_parses_both_formats():
     ]  # rows without a bandwidth are left out
     bars, copy = bandwidth_bars(PAGED_JSON)
     assert copy is None and [b[2] for b in bars] == ["kvcache", "baseline", "ceiling"]
-    assert all(b[3] == 2500.0 for b in bars)  # the same op and shape's ceiling row
+    assert all(b[3] == 2500.0 for b in bars)  # the same op and shape's (fastest) ceiling row
     assert throughput_bars(PAGED_JSON) == [("kvcache engine (fp16 KV)", 21000.0), ("HF generate + StaticCache", 6876.0)]
     with pytest.raises(ValueError, match="rows"):
         bandwidth_bars({"device": "x"})
@@ -143,7 +143,7 @@ def test_plot_writes_png(tmp_path, capsys, result):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     other = tmp_path / "x.png"
-    assert plot_bench(str(path), str(other)) == str(other) and other.exists()
+    assert plot_bench(str(path), str(other)) == [str(other)] and other.exists()
 
 
 def test_plot_errors(tmp_path, capsys):

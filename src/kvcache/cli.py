@@ -4,7 +4,7 @@
 * ``plan``: bytes per token, and tokens / sequences that fit in a memory budget, per kv_dtype, for a model.
 * ``info``: backends, devices and a smoke run of the linear and paged ops through the public API.
 * ``bench linear|paged``: GPU benchmarks; with ``--json FILE`` also a PNG plot beside it.
-* ``plot FILE.json``: the PNG of a bench result written earlier (e.g. on another machine).
+* ``plot FILE.json``: the PNGs of a bench result written earlier (e.g. on another machine), one per case family.
 """
 
 from __future__ import annotations
@@ -267,7 +267,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             from .bench.plot import plot_bench
 
-            print(f"plot: {plot_bench(args.json)}")
+            for png in plot_bench(args.json):
+                print(f"plot: {png}")
         except ImportError as e:  # matplotlib is in the bench extra
             print(f"plot: skipped ({e}; pip install 'kvcache[bench]')")
     return rc
@@ -277,7 +278,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from .bench.plot import plot_bench
 
     try:
-        print(plot_bench(args.json, args.png))
+        for png in plot_bench(args.json, args.png):
+            print(png)
     except (OSError, ValueError) as e:
         print(f"kvcache plot: {e}", file=sys.stderr)
         return 2

@@ -1,23 +1,35 @@
-"""``kvcache bench attention``: paged attention over every kv_dtype, side by side with copies and SDPA.
+"""``kvcache bench attention``: paged attention over every kv_dtype, beside its copy ceiling and dense SDPA.
 
 Conditions: one layer's pool as a server holds it (>= 8192 blocks, several GiB; 1.1x the largest shape's tokens),
 each batch's blocks drawn at random from all of it, L2 flushed between calls (``triton.testing.do_bench``), every
 call captured in a CUDA graph (launch cost out of the measurement; the graph also proves the op capturable).
-Shapes (issue 14): 32 q heads / 8 KV heads, head_dim 128, fp16 queries; decode 64 x {1k, 4k, 16k} and 1 x 128k
-cached tokens; prefill / extend 8 x 2048 new tokens with 0 and 4096 cached (causal); blocks of 16 and 64.
+Shapes: 32 q heads / 8 KV heads, head_dim 128, fp16 queries; decode 64 x {1k, 4k, 16k} and 1 x 128k cached tokens;
+prefill / extend 8 x 2048 new tokens with 0 and 4096 cached (causal); blocks of 16 and 64.
 
 Rows of each shape, in the same run:
 
-* ``kvcache <kv_dtype>``: :func:`kvcache.ops.paged_attention`; GB/s counts the K / V bytes it must read (stored
-  bytes, plus (scale, zero) for int8 / int4); prefill rows report TFLOP/s (causal FLOPs, 4 * D per (q head, key)).
-* ``copy contiguous``: ``copy_`` of as many bytes as the fp16 K / V (the device's copy bandwidth; GB/s =
-  read + written bytes), and ``copy same blocks``: ``index_select`` of the same blocks of the fp16 pool (the
-  same access pattern); "% copy" of a kvcache row = its GB/s over the contiguous copy's.
+* ``kvcache <kv_dtype>``: :func:`kvcache.ops.paged_attention`, one row per kv_dtype of the ``KVFormat`` table.
 * ``torch gather + sdpa``: the plain PyTorch a user would write (index the blocks into contiguous K / V, then
-  ``scaled_dot_product_attention`` with ``enable_gqa``), and ``sdpa contiguous``: SDPA on contiguous K / V of the
-  same shapes (the dense kernel of this machine). Extend rows with a cached prefix pass a bottom-right causal mask.
+  ``scaled_dot_product_attention``), and ``sdpa contiguous``: SDPA on contiguous K / V of the same shapes. Both
+  run SDPA's flash backend (``enable_gqa``; extend rows with a cached prefix pass a bottom-right causal bias).
+* decode only, per kv_dtype: ``copy contiguous`` and ``copy same blocks``, the two copies of
+  :mod:`kvcache.bench.ceiling` of the bytes that kv_dtype's attention reads (its blocks and their (scale, zero)
+  pairs).
 
-Output: a table on stdout; ``--json PATH`` writes every row. ``--quick``: a small subset (smoke test, < 30 s).
+What each row reports:
+
+* **decode** (memory-bound): GB/s = the K / V bytes the attention must read (stored bytes, plus (scale, zero) for
+  int8 / int4) per second, and "% ceiling" = that over the **ceiling** of its kv_dtype: the faster of the
+  contiguous and the same-blocks copy of the same bytes (each counted read + written, twice the bytes copied).
+  The baselines read fp16 K / V and are set against the fp16 ceiling.
+* **prefill** (compute-bound): TFLOP/s and "% SDPA" = that over ``sdpa contiguous``'s TFLOP/s for the same shape.
+  FLOPs = 4 * Hq * D per (query, visible key) pair (QK^T and PV, 2 FLOPs a multiply-add), summed over the
+  batch: a sequence of ``q`` new tokens after ``c`` cached ones has ``q * c + q * (q + 1) / 2`` pairs (the full
+  rectangle over the prefix, the causal half of the ``q x q`` square with its diagonal), see
+  :func:`attention_flops`.
+
+Output: a table on stdout; ``--json PATH`` writes every row with the figures above (``gbs``, ``ceiling_gbs``,
+``pct_ceiling``, ``tflops``, ``sdpa_tflops``, ``pct_sdpa``). ``--quick``: a small subset (smoke test, < 30 s).
 """
 
 from __future__ import annotations
@@ -27,26 +39,32 @@ import dataclasses
 import datetime
 import json
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..ops.paged.format import KV_FORMATS, kv_format
 from .timing import graph_replay_us
 
 HQ, H, D = 32, 8, 128
-FORMATS = ("auto", "fp8", "int8", "int4")
+FORMATS = KV_FORMATS  # every kv_dtype of the KVFormat table
 COMMAND = "kvcache bench attention"
+SUITE = "attention"
+SDPA = "sdpa contiguous"  # the dense reference of the prefill rows
 
 
 @dataclasses.dataclass
 class Result:
-    """One measured row. ``role``: ``kvcache``, ``baseline`` (PyTorch / SDPA) or ``ceiling`` (a copy)."""
+    """One measured row. ``role``: ``kvcache``, ``baseline`` (PyTorch / SDPA) or ``ceiling`` (a copy);
+    ``kv_dtype``: the format it reads (``auto`` for the fp16 baselines)."""
 
     op: str
     shape: str
     block_size: int
     impl: str
     role: str
+    kv_dtype: str
     us: float
     bytes: int = 0
     flops: float = 0.0
@@ -55,11 +73,11 @@ class Result:
 
     @property
     def gbs(self) -> float:
-        return self.bytes / (self.us * 1e-6) / 1e9 if self.us > 0 else 0.0
+        return self.bytes / (self.us * 1e3) if self.us > 0 else 0.0
 
     @property
     def tflops(self) -> float:
-        return self.flops / (self.us * 1e-6) / 1e12 if self.us > 0 else 0.0
+        return self.flops / (self.us * 1e6) if self.us > 0 else 0.0
 
 
 def bench_us(fn: Callable[[], object], rep: int) -> tuple[float, bool]:
@@ -69,15 +87,47 @@ def bench_us(fn: Callable[[], object], rep: int) -> tuple[float, bool]:
 
 
 def kv_bytes(n_tokens: int, kv_dtype: str) -> int:
-    """Bytes of K and V that attention over ``n_tokens`` tokens must read (8 KV heads, head_dim 128)."""
-    row = {"auto": 2 * D, "fp8": D, "int8": D + 8, "int4": D // 2 + 8}[kv_dtype]
-    return 2 * n_tokens * H * row
+    """Bytes of K and V that attention over ``n_tokens`` tokens must read (H KV heads of head_dim D, fp16 model
+    dtype): stored bytes plus (scale, zero) pairs, as :func:`kvcache.paged.cache_block_bytes` counts them.
+
+    Example
+    -------
+    >>> kv_bytes(1024, "auto")  # 2 (K, V) x 1024 tokens x 8 heads x 128 x 2 bytes
+    4194304
+    """
+    from ..paged import cache_block_bytes
+
+    return cache_block_bytes(1, H, D, 1, torch.float16, kv_dtype) * n_tokens
 
 
-def causal_flops(batch: int, q_len: int, cached: int) -> float:
-    """FLOPs of QK^T and PV for causal rows: row i of a sequence sees cached + i + 1 keys."""
-    keys = batch * (q_len * cached + q_len * (q_len + 1) // 2)
-    return 4.0 * D * HQ * keys
+def attention_flops(batch: int, q_len: int, cached: int, num_q_heads: int | None = None,
+                    head_dim: int | None = None) -> float:
+    """FLOPs of causal attention of ``batch`` sequences of ``q_len`` new tokens after ``cached`` cached ones.
+
+    ``4 * Hq * D`` per (query, visible key) pair (QK^T and PV, 2 FLOPs per multiply-add); query ``i`` (0-based)
+    sees ``cached + i + 1`` keys, so a sequence has ``q_len * cached + q_len * (q_len + 1) / 2`` pairs: the full
+    rectangle over the cached prefix and the causal half (diagonal included) of the new tokens' square. A decode
+    step (``q_len`` 1) is the full ``4 * Hq * D * (cached + 1)``.
+
+    Parameters
+    ----------
+    batch, q_len, cached : int
+        Sequences, new tokens per sequence (>= 1), cached tokens per sequence (>= 0).
+    num_q_heads, head_dim : int, optional
+        Default: the bench's ``HQ`` and ``D``.
+
+    Example
+    -------
+    >>> attention_flops(1, 2, 3, num_q_heads=1, head_dim=1)  # queries see 4 and 5 keys
+    36.0
+    """
+    for name, v, lo in (("batch", batch, 1), ("q_len", q_len, 1), ("cached", cached, 0)):
+        if not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    hq = HQ if num_q_heads is None else num_q_heads
+    d = D if head_dim is None else head_dim
+    pairs = q_len * cached + q_len * (q_len + 1) // 2
+    return 4.0 * hq * d * batch * pairs
 
 
 class Pool:
@@ -89,28 +139,33 @@ class Pool:
 
         cfg = PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=num_blocks,
                           dtype=torch.float16, kv_dtype=kv_dtype, layout=layout, device=dev)
+        fmt = kv_format(kv_dtype)
         self.kv_dtype, self.bs, self.num_blocks, self.layout = kv_dtype, bs, num_blocks, layout
         shape = cfg.pool_shape()
-        if kv_dtype == "auto":
-            self.pool = torch.randn(shape, dtype=torch.float16, device=dev, generator=gen)
-        elif kv_dtype == "fp8":
-            self.pool = torch.randn(shape, dtype=torch.float16, device=dev, generator=gen).to(torch.float8_e4m3fn)
-        else:
-            # int8 codes, or two random int4 codes per byte
+        if fmt.bits is None:  # fp16, or fp8 codes of fp16 values
+            values = torch.randn(shape, dtype=torch.float16, device=dev, generator=gen)
+            self.pool = values.to(fmt.storage_dtype(torch.float16))
+        else:  # int8 codes, or two random int4 codes per byte
             self.pool = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
         self.params = None
-        if cfg.quantized:
+        if fmt.row_params:
             self.params = torch.empty(cfg.params_shape(), dtype=torch.float32, device=dev)
-            levels = 255.0 if kv_dtype == "int8" else 15.0
-            self.params[..., 0] = 6.0 / levels
+            self.params[..., 0] = 6.0 / fmt.qmax
             self.params[..., 1] = -3.0
-        self.kv_scales = torch.ones(2, dtype=torch.float32, device=dev) if kv_dtype == "fp8" else None
+        self.kv_scales = torch.ones(2, dtype=torch.float32, device=dev) if fmt.per_layer_scale else None
 
     def tables(self, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
         """int32 [batch, ceil(seq_len / bs)] of distinct blocks drawn at random from the whole pool."""
         nblk = -(-seq_len // self.bs)
         perm = torch.randperm(self.num_blocks, device=self.pool.device, generator=gen)[: batch * nblk]
         return perm.view(batch, nblk).to(torch.int32)
+
+    def block_views(self) -> list[torch.Tensor]:
+        """The data pool and the (scale, zero) pool (int8 / int4), each viewed as [num_blocks, bytes of a block]."""
+        views = [self.pool.view(torch.uint8).view(self.num_blocks, -1)]
+        if self.params is not None:
+            views.append(self.params.view(torch.uint8).view(self.num_blocks, -1))
+        return views
 
 
 def _attention_fn(p: Pool, q: torch.Tensor, bt: torch.Tensor, cu: torch.Tensor, kl: torch.Tensor, max_kv: int,
@@ -139,93 +194,146 @@ def _torch_gather(pool: torch.Tensor, bt: torch.Tensor, seq_len: int) -> tuple[t
     return k, v
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int) -> torch.Tensor:
+    """SDPA's flash backend: q [B, HQ, q_len, D], k / v [B, H, cached + q_len, D]; causal, bottom-right aligned."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    q_len, seq = q.shape[2], k.shape[2]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        if q_len > 1 and cached > 0:  # row i sees keys <= cached + i
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, seq), enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, enable_gqa=True)
 
 
-def _copy_blocks_row(op: str, shape: str, bs: int, fmt: str, p: Pool, bt: torch.Tensor, rep: int) -> Result:
-    """``index_select`` of the blocks of ``bt`` from ``p``'s pool (and its (scale, zero) pairs): the same bytes in
-    the same pattern as attention over that table reads. GB/s counts read + written bytes."""
-    ids = bt.reshape(-1).long()
-    srcs = [p.pool.view(torch.uint8).view(p.num_blocks, -1)]
-    if p.params is not None:
-        srcs.append(p.params.view(p.num_blocks, -1))
-    dsts = [torch.empty((ids.numel(), s.shape[1]), dtype=s.dtype, device=s.device) for s in srcs]
+def ceiling_rows(op: str, shape: str, p: Pool, bt: torch.Tensor, rep: int) -> list[Result]:
+    """The contiguous and the same-blocks copy of the bytes that attention over ``bt`` reads from ``p``
+    (:func:`kvcache.bench.ceiling.measure_ceiling`); two ``ceiling`` rows, bytes read + written."""
+    from .ceiling import measure_ceiling
 
-    def copy() -> None:
-        for s, d in zip(srcs, dsts):
-            torch.index_select(s, 0, ids, out=d)
-
-    us, graphed = bench_us(copy, rep)
-    nbytes = sum(d.numel() * d.element_size() for d in dsts)
-    name = "copy same blocks" if fmt == "auto" else f"copy same blocks {fmt}"
-    return Result(op, shape, bs, name, "ceiling", us, 2 * nbytes, graph=graphed)
+    c = measure_ceiling(p.block_views(), bt.reshape(-1).long(), rep)
+    return [Result(op, shape, p.bs, "copy contiguous", "ceiling", p.kv_dtype, c.contiguous_us, c.bytes),
+            Result(op, shape, p.bs, "copy same blocks", "ceiling", p.kv_dtype, c.same_pattern_us, c.bytes)]
 
 
-def _shape_rows(op: str, shape: str, batch: int, q_len: int, cached: int, pools: dict[str, Pool], bs: int,
+def _baseline_rows(op: str, shape: str, batch: int, q_len: int, cached: int, fp16: Pool, bt16: torch.Tensor,
+                   q: torch.Tensor, rep: int) -> tuple[list[Result], torch.Tensor | None]:
+    """``torch gather + sdpa`` and ``sdpa contiguous`` on the fp16 pool's blocks of ``bt16``, and the former's
+    output [B, HQ, q_len, D] (the reference of the max error); no rows where memory runs out."""
+    seq = cached + q_len
+    nbytes, flops = kv_bytes(batch * seq, "auto"), attention_flops(batch, q_len, cached)
+    qb = q.view(batch, q_len, HQ, D).transpose(1, 2)  # [B, HQ, q_len, D]
+    rows: list[Result] = []
+    try:
+        def gather_sdpa() -> torch.Tensor:
+            k, v = _torch_gather(fp16.pool, bt16, seq)
+            return _sdpa(qb, k, v, cached)
+
+        ref_out = gather_sdpa()
+        us, graphed = bench_us(gather_sdpa, rep)
+        rows.append(Result(op, shape, fp16.bs, "torch gather + sdpa", "baseline", "auto", us, nbytes, flops,
+                           graph=graphed))
+        k, v = (t.contiguous() for t in _torch_gather(fp16.pool, bt16, seq))
+        us, graphed = bench_us(lambda k=k, v=v: _sdpa(qb, k, v, cached), rep)
+        rows.append(Result(op, shape, fp16.bs, SDPA, "baseline", "auto", us, nbytes, flops, graph=graphed))
+        del k, v
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # no memory, or no flash kernel for the shape
+        torch.cuda.empty_cache()
+        print(f"# {op} {shape} bs {fp16.bs}: PyTorch baselines skipped ({type(e).__name__}: {str(e)[:120]})")
+        return rows, None
+    return rows, ref_out
+
+
+def _shape_rows(op: str, shape: str, batch: int, q_len: int, cached: int, pools: dict[str, Pool],
                 gen: torch.Generator, rep: int, dev: torch.device) -> list[Result]:
-    """Every row of one (shape, block size): kvcache per kv_dtype, copies, gather + SDPA, contiguous SDPA."""
+    """Every row of one (shape, block size): kvcache per kv_dtype, the decode ceilings, the PyTorch baselines."""
     seq = cached + q_len
     n = batch * q_len
-    flops = causal_flops(batch, q_len, cached)
     q = torch.randn((n, HQ, D), dtype=torch.float16, device=dev, generator=gen)
     cu = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
     kl = torch.full((batch,), seq, dtype=torch.int32, device=dev)
     rows: list[Result] = []
-    ref_out = None
-    outs: dict[str, torch.Tensor] = {}
-    fp16 = pools["auto"]
-    bt16 = fp16.tables(batch, seq, gen)
-    tables: dict[str, torch.Tensor] = {}
+    tables = {fmt: p.tables(batch, seq, gen) for fmt, p in pools.items()}
+    out16 = torch.empty_like(q)
     for fmt, p in pools.items():
-        bt = bt16 if fmt == "auto" else p.tables(batch, seq, gen)
-        tables[fmt] = bt
-        out = torch.empty_like(q)
-        us, graphed = bench_us(_attention_fn(p, q, bt, cu, kl, seq, out), rep)
-        outs[fmt] = out
-        rows.append(Result(op, shape, bs, f"kvcache {fmt}", "kvcache", us, kv_bytes(batch * seq, fmt), flops,
-                           graph=graphed))
-    # ceilings: a copy of the blocks each format's attention reads (its own table), stored bytes and (scale, zero)
-    for fmt, p in pools.items():
-        if op == "decode":
-            rows.append(_copy_blocks_row(op, shape, bs, fmt, p, tables[fmt], rep))
-    # baselines on the fp16 pool's blocks of the same table
-    nbytes = kv_bytes(batch * seq, "auto")
-    if op != "decode":
-        rows.append(_copy_blocks_row(op, shape, bs, "auto", fp16, bt16, rep))
-    src = torch.empty(nbytes // 2, dtype=torch.float16, device=dev)
-    dst = torch.empty_like(src)
-    us, graphed = bench_us(lambda a=src, b=dst: b.copy_(a), rep)
-    rows.append(Result(op, shape, bs, "copy contiguous", "ceiling", us, 2 * nbytes, graph=graphed))
-    del src, dst
-    qb = q.view(batch, q_len, HQ, D).transpose(1, 2)  # [B, HQ, q_len, D]
-    mask = None
-    causal = q_len > 1 and cached == 0
-    if q_len > 1 and cached > 0:  # bottom-right causal: row i sees keys <= cached + i
-        mask = (torch.arange(seq, device=dev)[None, :] <= cached + torch.arange(q_len, device=dev)[:, None])
-    try:
-        def gather_sdpa() -> torch.Tensor:
-            k, v = _torch_gather(fp16.pool, bt16, seq)
-            return _sdpa(qb, k, v, mask, causal)
-
-        ref_out = gather_sdpa()
-        us, graphed = bench_us(gather_sdpa, rep)
-        rows.append(Result(op, shape, bs, "torch gather + sdpa", "baseline", us, nbytes, flops, graph=graphed))
-        k, v = _torch_gather(fp16.pool, bt16, seq)
-        k, v = k.contiguous(), v.contiguous()
-        us, graphed = bench_us(lambda k=k, v=v: _sdpa(qb, k, v, mask, causal), rep)
-        rows.append(Result(op, shape, bs, "sdpa contiguous", "baseline", us, nbytes, flops, graph=graphed))
-        del k, v
-    except torch.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        print(f"# {op} {shape} bs {bs}: out of memory for the PyTorch baselines, skipped")
+        out = out16 if fmt == "auto" else torch.empty_like(q)
+        us, graphed = bench_us(_attention_fn(p, q, tables[fmt], cu, kl, seq, out), rep)
+        rows.append(Result(op, shape, p.bs, f"kvcache {fmt}", "kvcache", fmt, us, kv_bytes(batch * seq, fmt),
+                           attention_flops(batch, q_len, cached), graph=graphed))
+    if op == "decode":  # memory-bound: each kv_dtype against the copies of its own bytes
+        for fmt, p in pools.items():
+            rows += ceiling_rows(op, shape, p, tables[fmt], rep)
+    base, ref_out = _baseline_rows(op, shape, batch, q_len, cached, pools["auto"], tables["auto"], q, rep)
+    rows += base
     if ref_out is not None:
-        err = (outs["auto"].view(batch, q_len, HQ, D).transpose(1, 2).float() - ref_out.float()).abs().max().item()
+        err = (out16.view(batch, q_len, HQ, D).transpose(1, 2).float() - ref_out.float()).abs().max().item()
         rows[0].max_err = err
     return rows
 
 
+def summarize(results: list[Result]) -> list[dict[str, Any]]:
+    """Every row as a dict (the JSON rows) with its figures: ``gbs`` and ``tflops``; decode rows ``ceiling_gbs``
+    (the faster of the two copies of their kv_dtype, same op, shape and block size) and ``pct_ceiling``; prefill
+    rows ``sdpa_tflops`` (``sdpa contiguous`` of the same shape and block size) and ``pct_sdpa``; kvcache rows
+    ``x_auto`` (speed over ``kvcache auto``). Figures that do not apply are None.
+
+    Example
+    -------
+    >>> rows = summarize([Result("decode", "1 x 1k", 16, "kvcache auto", "kvcache", "auto", 10.0, 40_000),
+    ...                   Result("decode", "1 x 1k", 16, "copy contiguous", "ceiling", "auto", 30.0, 120_000),
+    ...                   Result("decode", "1 x 1k", 16, "copy same blocks", "ceiling", "auto", 20.0, 120_000)])
+    >>> rows[0]["ceiling_gbs"], rows[0]["pct_ceiling"]
+    (6.0, 66.66666666666667)
+    """
+    ceiling: dict[tuple, float] = {}
+    sdpa: dict[tuple, float] = {}
+    auto_us: dict[tuple, float] = {}
+    for r in results:
+        key = (r.op, r.shape, r.block_size)
+        if r.role == "ceiling":
+            ceiling[key + (r.kv_dtype,)] = max(ceiling.get(key + (r.kv_dtype,), 0.0), r.gbs)
+        elif r.impl == SDPA:
+            sdpa[key] = r.tflops
+        elif r.impl == "kvcache auto":
+            auto_us[key] = r.us
+    out = []
+    for r in results:
+        key = (r.op, r.shape, r.block_size)
+        row = dict(dataclasses.asdict(r), gbs=r.gbs, tflops=r.tflops, ceiling_gbs=None, pct_ceiling=None,
+                   sdpa_tflops=None, pct_sdpa=None, x_auto=None)
+        if r.op == "decode" and ceiling.get(key + (r.kv_dtype,)):
+            row["ceiling_gbs"] = ceiling[key + (r.kv_dtype,)]
+            row["pct_ceiling"] = 100 * r.gbs / row["ceiling_gbs"]
+        if r.op != "decode" and r.role != "ceiling" and sdpa.get(key):
+            row["sdpa_tflops"] = sdpa[key]
+            row["pct_sdpa"] = 100 * r.tflops / sdpa[key]
+        if r.role == "kvcache" and key in auto_us and r.us > 0:
+            row["x_auto"] = auto_us[key] / r.us
+        out.append(row)
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown of :func:`summarize`'s rows: decode rows in GB/s and % of their ceiling, prefill rows in TFLOP/s
+    and % of SDPA."""
+    def f(v: float | None, fmt: str) -> str:
+        return "" if v is None else format(v, fmt)
+
+    lines = ["| op | shape | block | impl | us | GB/s | % ceiling | TFLOP/s | % SDPA | x auto | max err vs sdpa |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        decode = r["op"] == "decode"
+        us = f"{r['us']:.1f}" + ("" if r["graph"] else " (eager)")
+        impl = r["impl"] if r["role"] == "kvcache" or r["kv_dtype"] == "auto" else f"{r['impl']} {r['kv_dtype']}"
+        lines.append(f"| {r['op']} | {r['shape']} | {r['block_size']} | {impl} | {us} | "
+                     f"{f(r['gbs'], '.0f') if decode else ''} | {f(r['pct_ceiling'], '.0f')} | "
+                     f"{'' if decode else f(r['tflops'], '.0f')} | {f(r['pct_sdpa'], '.0f')} | "
+                     f"{f(r['x_auto'], '.2f')} | {f(r['max_err'], '.2e')} |")
+    return "\n".join(lines)
+
+
 def run(quick: bool, formats: tuple[str, ...] = FORMATS, block_sizes: tuple[int, ...] = (16, 64)) -> list[Result]:
+    """Every row of the bench on the current CUDA device (``quick``: two small shapes of each family, block 16)."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     if quick:
@@ -243,68 +351,49 @@ def run(quick: bool, formats: tuple[str, ...] = FORMATS, block_sizes: tuple[int,
         num_blocks = max(8192, int(1.1 * most / bs) + 1)
         pools = {fmt: Pool(fmt, bs, num_blocks, dev, gen) for fmt in ("auto",) + tuple(f for f in formats
                                                                                        if f != "auto")}
-        for batch, seq in decode:
-            shape = f"{batch} x {seq // 1024}k"
-            results += _shape_rows("decode", shape, batch, 1, seq - 1, pools, bs, gen, rep, dev)
-            print(table(results[-(2 * len(pools) + 3):]), flush=True)
-        for batch, q_len, cached in prefill:
-            shape = f"{batch} x {q_len} new, {cached} cached"
-            results += _shape_rows("prefill", shape, batch, q_len, cached, pools, bs, gen, rep, dev)
-            print(table(results[-(len(pools) + 4):]), flush=True)
+        cases = [("decode", f"{b} x {s // 1024}k", b, 1, s - 1) for b, s in decode]
+        cases += [("prefill", f"{b} x {q} new, {c} cached", b, q, c) for b, q, c in prefill]
+        for op, shape, batch, q_len, cached in cases:
+            rows = _shape_rows(op, shape, batch, q_len, cached, pools, gen, rep, dev)
+            print(table(summarize(rows)), flush=True)
+            results += rows
         del pools
         torch.cuda.empty_cache()
     return results
 
 
-def table(results: list[Result]) -> str:
-    copy = {(r.op, r.shape, r.block_size): r.gbs for r in results if r.impl == "copy contiguous"}
-    own = {(r.op, r.shape, r.block_size, r.impl.removeprefix("copy same blocks").strip() or "auto"): r.gbs
-           for r in results if r.impl.startswith("copy same blocks")}
-    fp16 = {(r.op, r.shape, r.block_size): r.us for r in results if r.impl == "kvcache auto"}
-    head = "| op | shape | block | impl | us | GB/s | % copy | % own-block copy | TFLOP/s | x fp16 | max err vs sdpa |"
-    lines = [head,
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in results:
-        key = (r.op, r.shape, r.block_size)
-        pct = f"{100 * r.gbs / copy[key]:.0f}%" if key in copy and r.role != "ceiling" and copy[key] else ""
-        okey = key + (r.impl.removeprefix("kvcache ").strip(),)
-        opct = f"{100 * r.gbs / own[okey]:.0f}%" if r.op == "decode" and r.role == "kvcache" and own.get(okey) else ""
-        speed = f"{fp16[key] / r.us:.2f}" if r.role == "kvcache" and key in fp16 else ""
-        tf = f"{r.tflops:.0f}" if r.op == "prefill" and r.role != "ceiling" else ""
-        err = f"{r.max_err:.2e}" if r.max_err is not None else ""
-        us = f"{r.us:.1f}" + ("" if r.graph else " (eager)")
-        lines.append(f"| {r.op} | {r.shape} | {r.block_size} | {r.impl} | {us} | {r.gbs:.0f} | {pct} | {opct} | {tf} | "
-                     f"{speed} | {err} |")
-    return "\n".join(lines)
+def write_json(path: str, results: list[Result], *, device: str, date: str, quick: bool) -> None:
+    """The bench's JSON: ``command``, ``suite`` ("attention"), ``device``, ``date``, ``torch``, ``quick`` and
+    ``rows`` (:func:`summarize`)."""
+    with open(path, "w") as f:
+        json.dump({"command": COMMAND, "suite": SUITE, "device": device, "date": date, "torch": torch.__version__,
+                   "quick": quick, "rows": summarize(results)}, f, indent=1)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``kvcache bench attention`` (``python -m kvcache.bench.attention``)."""
+    """Entry point of ``kvcache bench attention`` (``python -m kvcache.bench.attention``); 2 without a GPU."""
     ap = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small subset (smoke test, < 30 s)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--formats", default=",".join(FORMATS), help="kv_dtypes to measure (comma-separated)")
     ap.add_argument("--block-sizes", default="16,64", help="block sizes (comma-separated)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"{COMMAND}: needs a CUDA device")
-        return 1
     formats = tuple(f for f in args.formats.split(",") if f)
     bad = [f for f in formats if f not in FORMATS]
     if bad:
         ap.error(f"--formats: expected a subset of {FORMATS}, got {bad}")
+    if not torch.cuda.is_available():
+        print(f"{COMMAND}: needs a CUDA device")
+        return 2
     sizes = tuple(int(x) for x in args.block_sizes.split(",") if x)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     name = torch.cuda.get_device_name()
     print(f"# {COMMAND}{' --quick' if args.quick else ''}: {name}, torch {torch.__version__}, {date}")
     results = run(args.quick, formats, sizes)
     print("\n## all rows\n")
-    print(table(results))
+    print(table(summarize(results)))
     if args.json:
-        rows = [dict(dataclasses.asdict(r), gbs=r.gbs, tflops=r.tflops) for r in results]
-        with open(args.json, "w") as f:
-            json.dump({"command": COMMAND, "device": name, "date": date, "torch": torch.__version__,
-                       "quick": args.quick, "rows": rows}, f, indent=1)
+        write_json(args.json, results, device=name, date=date, quick=args.quick)
         print(f"\nwrote {args.json}")
     return 0
 
