@@ -1,32 +1,30 @@
-"""Runs one scheduled step of the paged engine: the step's metadata, the model, the sampled rows' logits.
+"""Runs one scheduled step of the paged engine: the step's plan, the model, the sampled rows' logits.
 
-Per step, the metadata every layer reads is built once (:class:`StepMeta`: block tables, ``cu_q_lens``, the
-lengths before and after the step). Each layer's attention then (1) writes the new keys and values with
-``PagedKVCache.append`` (RoPE rotates the keys inside the append, with the cache's ``RopeConfig``) and (2)
-attends over the blocks in place with ``kvcache.ops.paged_attention`` when that op exists; until then a
-*fallback* gathers the batch's blocks into contiguous K / V (``PagedKVCache.gather``) and runs torch's SDPA.
+Per step, the cache's :class:`~kvcache.paged.StepPlan` is built once (``PagedKVCache.plan``: block tables,
+``cu_q_lens``, the lengths before and after the step, the model's softmax scale, the query RoPE tables and the
+launch hints). Each layer's attention then only launches: ``PagedKVCache.append(layer, k, v, plan)`` writes the
+new keys and values (RoPE rotates the keys inside the append, with the cache's ``RopeConfig``) and
+``PagedKVCache.attention(layer, q, plan)`` attends over the blocks in place (on the fused path it also rotates
+the queries, with the plan's ``q_rope``).
 
 On CUDA, pure decode steps (one token per request) run as CUDA graphs captured per batch-size bucket (1, 2,
-4, 8, then multiples of 8) over static buffers; padded rows of a bucket write into one scratch block the
-runner holds for itself and attend to it, so every row of a graph is a well-defined sequence. Graphs need the
-in-place attention op (the fallback reads host lengths); without it decode runs eagerly.
+4, 8, then multiples of 8) over static buffers, the bucket's plan built from views of them; padded rows of a
+bucket write into one scratch block the runner holds for itself and attend to it, so every row of a graph is a
+well-defined sequence.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
-from .. import ops
-from ..paged import PagedKVCache
+from ..paged import PagedKVCache, StepPlan
 from . import kernels as fused
-from .model import LlamaForward
+from .model import AttentionFn, LlamaForward
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
-__all__ = ["PagedRunner", "StepMeta", "DecodeStep", "PendingTokens", "PLACEHOLDER"]
+__all__ = ["PagedRunner", "DecodeStep", "PendingTokens", "PLACEHOLDER"]
 
 
 class DecodeStep:
@@ -100,18 +98,6 @@ class PendingTokens:
 PLACEHOLDER = -1  # a sampled token the host has not read yet (PendingTokens)
 
 
-@dataclasses.dataclass(slots=True)
-class StepMeta:
-    """One step's batch, read by every layer (device tensors, and the host lists they were built from)."""
-
-    block_tables: torch.Tensor  # int32 [B, W]
-    cu_q_lens: torch.Tensor  # int32 [B + 1]
-    kv_lens: torch.Tensor  # int32 [B]: tokens held before the step
-    kv_lens_after: torch.Tensor  # int32 [B]: tokens held after the step (this chunk included)
-    q_lens: list[int]
-    kv_after: list[int]
-
-
 class PagedRunner:
     """Executes :class:`~kvcache.engine.scheduler.ScheduledBatch` es on a :class:`~kvcache.PagedKVCache`.
 
@@ -156,29 +142,23 @@ class PagedRunner:
 
     # ---------------------------------------------------------------------------------- attention
 
-    def _attention(self, meta: StepMeta):  # type: ignore[no-untyped-def]
-        cache = self.cache
-        cfg = cache.config
-        scale = self.model.scale
-        # a host bound of the lengths for the launch plan (never read from the device); graphs: the table's
-        max_kv = max(meta.kv_after) if meta.kv_after else self.width * cfg.block_size
-        # mixed steps: the leading one-token sequences (the scheduler puts running requests first) take decode tiles
-        num_decode = 0
-        for n in meta.q_lens:
-            if n != 1:
-                break
-            num_decode += 1
+    def _plan(self, block_tables: torch.Tensor, cu_q_lens: torch.Tensor, before: torch.Tensor, after: torch.Tensor,
+              *, max_kv_len: int, num_decode: int) -> StepPlan:
+        """The step's plan: int32 ``block_tables`` ``[B, W]``, ``cu_q_lens`` ``[B + 1]``, lengths ``before`` /
+        ``after`` the step ``[B]`` (device tensors); ``max_kv_len``, ``num_decode``: host hints of the launch."""
+        return self.cache.plan(block_tables, cu_q_lens, before, seq_lens=after, scale=self.model.scale,
+                               q_rope=self._q_rope, max_kv_len=max_kv_len, num_decode=num_decode)
 
-        q_rope = self._q_rope
+    def _attention(self, plan: StepPlan) -> AttentionFn:
+        """Every layer's attention for one step: the append and the attention of ``plan``, nothing built per
+        layer."""
+        cache = self.cache
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.append(i, k, v, block_tables=meta.block_tables, cu_q_lens=meta.cu_q_lens, kv_lens=meta.kv_lens)
-            return ops.paged_attention(q, cache.pool(i), cache.params(i), cache.kv_scales[i], kv_dtype=cfg.kv_dtype,
-                                       layout=cfg.layout, block_tables=meta.block_tables, cu_q_lens=meta.cu_q_lens,
-                                       kv_lens=meta.kv_lens_after, scale=scale, max_kv_len=max_kv,
-                                       num_decode=num_decode, q_rope=q_rope)
+            cache.append(i, k, v, plan)
+            return cache.attention(i, q, plan)
 
-        attend.rotates_queries = q_rope is not None  # type: ignore[attr-defined]
+        attend.rotates_queries = plan.q_rope is not None  # type: ignore[attr-defined]
         return attend
 
     # ---------------------------------------------------------------------------------- the step
@@ -231,11 +211,17 @@ class PagedRunner:
         if fix:
             self._patch_ids(tok[0], fix, pending)
         cu_q, before, after_d, flat = (ints[sp] for sp in spans)
-        meta = StepMeta(
-            block_tables=flat.view(len(batch.seqs), self.width), cu_q_lens=cu_q, kv_lens=before,
-            kv_lens_after=after_d, q_lens=list(batch.num_tokens), kv_after=after,
-        )
-        hidden = self.model.forward(tok[0, :n_tok], tok[1, :n_tok], self._attention(meta))
+        # mixed steps: the leading one-token sequences (the scheduler puts running requests first) take decode tiles
+        num_decode = 0
+        for n in batch.num_tokens:
+            if n != 1:
+                break
+            num_decode += 1
+        # a host bound of the lengths for the launch plan (never read from the device)
+        max_kv = max(after) if after else self.width * self.cache.config.block_size
+        plan = self._plan(flat.view(len(batch.seqs), self.width), cu_q, before, after_d, max_kv_len=max_kv,
+                          num_decode=num_decode)
+        hidden = self.model.forward(tok[0, :n_tok], tok[1, :n_tok], self._attention(plan))
         if all(batch.sample):  # every request's last row (the common case: no index from the host)
             return self.model.logits(hidden[cu_q[1:].long() - 1])
         cu = int_h[spans[0]].tolist()
@@ -381,9 +367,11 @@ class PagedRunner:
 
     def _forward_static(self, bs: int) -> torch.Tensor:
         st = self._static_buffers()
-        meta = StepMeta(block_tables=st["bt"][:bs], cu_q_lens=st["cu"][:bs + 1], kv_lens=st["before"][:bs],
-                        kv_lens_after=st["after"][:bs], q_lens=[1] * bs, kv_after=[])
-        hidden = self.model.forward(st["ids"][:bs], st["pos"][:bs], self._attention(meta))
+        # views of the static buffers; the lengths are the graph's inputs, so the launch is planned for the block
+        # table's capacity (a shape, not a value)
+        plan = self._plan(st["bt"][:bs], st["cu"][:bs + 1], st["before"][:bs], st["after"][:bs],
+                          max_kv_len=self.width * self.cache.config.block_size, num_decode=bs)
+        hidden = self.model.forward(st["ids"][:bs], st["pos"][:bs], self._attention(plan))
         logits = self.model.logits(hidden)
         fused.argmax(logits, out=st["next"][:bs])
         return logits
