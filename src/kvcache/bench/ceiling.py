@@ -8,7 +8,7 @@ thousands of blocks, GiBs of it; the same CUDA-graph replay with L2 flushed befo
 * **same pattern**: the rows the op touches (the blocks of its block table, drawn at random from all of the pool;
   the slots an append writes).
 
-Both copies run one kernel (:func:`copy_rows`: 16-byte loads and stores, 64 KiB a program), so they differ only
+Both copies run one kernel (:func:`copy_rows`: 16-byte loads and stores, up to 64 KiB a program), so they differ only
 in the access pattern, and both count bytes the same way: read + written, twice the bytes copied. Figures on the
 H200, 4.3 GB copied in a CUDA graph: :func:`copy_rows` 4.17 TB/s contiguous, 4.08 TB/s over random 64 KiB
 blocks; ``torch.index_select`` 3.73 TB/s whatever the pattern; a contiguous ``Tensor.copy_`` 2.71 TB/s, since in
@@ -33,10 +33,13 @@ from .timing import graph_replay_us
 __all__ = ["Ceiling", "copy_rows", "measure_ceiling"]
 
 _WORD = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-# bytes one program copies, and its warps: 64 KiB at 16 warps copies 4.3 GB at 4.17 TB/s on the H200 (8 KiB at
-# 4 warps: 3.88; 128 KiB at 32 warps: 4.19); eviction or cache hints on the loads and stores only slow it
+# bytes one program copies: 64 KiB at 16 warps copies 4.3 GB at 4.17 TB/s on the H200 (32 KiB at 8 warps: 3.98;
+# 8 KiB at 4 warps: 3.88; 128 KiB at 32 warps: 4.19; eviction or cache hints on the loads and stores only slow
+# it). Smaller copies take smaller pieces, down to 4 KiB, to keep >= _MIN_PROGRAMS programs in flight; a warp
+# per 4 KiB of a piece, 4 to 16.
 _PIECE_BYTES = 65536
-_WARPS = 16
+_MIN_PIECE_BYTES = 4096
+_MIN_PROGRAMS = 1024
 
 
 def _copy_rows_kernel(src, dst, ids, n, ROW: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
@@ -96,12 +99,14 @@ def copy_rows(src: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.
     row_bytes = src.shape[1] * src.element_size()
     word = next(w for w in _WORD if row_bytes % w == 0)
     s, d = src.view(torch.uint8).view(_WORD[word]), out.view(torch.uint8).view(_WORD[word])
-    row = row_bytes // word
-    block = min(triton.next_power_of_2(row), _PIECE_BYTES // word)
-    r = max(1, _PIECE_BYTES // word // block)  # rows per program when a row is smaller than a piece
-    n = ids.numel()
+    row, n = row_bytes // word, ids.numel()
+    piece = _PIECE_BYTES
+    while piece > _MIN_PIECE_BYTES and n * row_bytes < _MIN_PROGRAMS * piece:
+        piece //= 2
+    block = min(triton.next_power_of_2(row), piece // word)
+    r = max(1, piece // word // block)  # rows per program when a row is smaller than a piece
     _copy_rows.launch(src.device, (triton.cdiv(n, r), triton.cdiv(row, block)), s, d, ids, n, ROW=row, R=r,
-                      BLOCK=block, EVEN=row % block == 0, num_warps=_WARPS)
+                      BLOCK=block, EVEN=row % block == 0, num_warps=max(4, min(16, piece // 4096)))
     return out
 
 
