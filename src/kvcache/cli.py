@@ -1,6 +1,7 @@
-"""Command line: ``kvcache demo | plan | info | bench | plot`` and ``--version``.
+"""Command line: ``kvcache demo | plan | eval | info | bench | plot`` and ``--version``.
 
 * ``demo``: SmolLM2 answers chat questions on kvcache's engine (:mod:`kvcache.engine.demo`).
+* ``eval``: quality of each stored KV format against full precision on a model and a text (:mod:`kvcache.eval`).
 * ``plan``: bytes per token, and tokens / sequences that fit in a memory budget, per kv_dtype, for a model.
 * ``info``: backends, devices and a smoke run of the linear and paged ops through the public API.
 * ``bench linear|paged``: GPU benchmarks; with ``--json FILE`` also a PNG plot beside it.
@@ -333,11 +334,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
         return cmd_demo(argv[1:])  # every option belongs to the demo's own parser
+    if argv[:1] == ["eval"]:
+        from .eval.cli import eval_main
+
+        return eval_main(argv[1:])  # every option belongs to the eval's own parser
     parser = argparse.ArgumentParser(prog="kvcache", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="SmolLM2 answers chat questions on kvcache's engine (kvcache demo --help)")
+    sub.add_parser("eval", help="quality of each stored KV format against full precision: perplexity, KL, top-1 "
+                   "and greedy agreement, bytes per token (kvcache eval --help)")
     p_plan = sub.add_parser("plan", help="bytes per token and how many tokens / sequences fit, per kv_dtype")
     p_plan.add_argument("--model", default=None, help="config.json, a model folder or a .gguf file (default: "
                         "SmolLM2-135M-Instruct)")
