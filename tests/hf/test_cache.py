@@ -130,7 +130,7 @@ def test_quantized_kv_within_format_bound(tiny, kind, kv_dtype):
         if kind == "paged":
             tables = torch.tensor(cache.block_tables, dtype=torch.int32)
             lens = torch.full((B,), PROMPT, dtype=torch.int32)
-            k, v = cache.paged.gather(i, tables, kv_lens=lens, max_len=PROMPT)
+            k, v = cache.paged.gather(i, cache.paged.plan(tables, seq_lens=lens), max_len=PROMPT)
         else:
             k, v = (t[:B, :, :PROMPT].float() for t in cache.store.kv(i))
         for x, y in ((want_k, k), (want_v, v)):

@@ -6,8 +6,11 @@ sdpa mask builder to ``AttentionMaskInterface`` under the same name, so a model 
 ``attn_implementation="kvcache_paged"`` gets the usual 4-D boolean mask: its diagonal says which tokens of
 the chunk are real (left padding is not), and only those are written and attend.
 
-Attention over the blocks is :func:`kvcache.ops.paged_attention`: it reads and dequantizes the blocks in its
-kernel (no gather), causal over each row's real tokens.
+The step's :class:`~kvcache.paged.StepPlan` is built once per forward, by the first layer (which rows are real
+and where their tokens go); every layer then appends with ``PagedKVCache.append(layer, k, v, plan)`` and attends
+with ``PagedKVCache.attention(layer, q, plan)``, which reads and dequantizes the blocks in its kernel (no gather),
+causal over each row's real tokens. Layers whose scale, window or soft-cap differ from the first layer's share a
+plan of their own (``StepPlan.with_options``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import ops
 from .paged import ATTN_IMPLEMENTATION, PagedCache
 
 __all__ = ["ATTN_IMPLEMENTATION", "kvcache_paged_attention", "register"]
@@ -110,21 +112,20 @@ def attend(cache: PagedCache, layer: int, query: torch.Tensor, key: torch.Tensor
     """Write the step's real tokens of ``layer`` into ``cache`` and attend (``window``: transformers'
     ``sliding_window``, ``softcap``: logit soft-capping): ``[B, T, Hq, D]``."""
     B, Hq, T, D = query.shape
-    step = cache._step or cache._begin_step(T, _valid_tokens(attention_mask, B, cache._hf_len, T))
+    scale = float(scaling) if scaling is not None else D**-0.5
+    if cache._plan is None:
+        cache._begin_step(T, _valid_tokens(attention_mask, B, cache._hf_len, T), scale=scale, window=window,
+                          softcap=softcap)
     cache._write(layer, key, value)
     q = query.transpose(1, 2).reshape(B * T, Hq, D)
-    if step.rows is not None:
-        q = q.index_select(0, step.rows)
-    scale = scaling if scaling is not None else D**-0.5
-    paged = cache.paged
-    o = ops.paged_attention(
-        q.contiguous(), paged.pool(layer), paged.params(layer),  # type: ignore[union-attr]
-        paged.kv_scales[layer] if cache.kv_dtype == "fp8" else None,  # type: ignore[union-attr]
-        kv_dtype=cache.kv_dtype, layout=cache.layout, block_tables=step.block_tables,
-        cu_q_lens=step.cu_q_lens, kv_lens=step.kv_after, scale=scale, window=window, softcap=softcap)
+    rows = cache._rows
+    if rows is not None:
+        q = q.index_select(0, rows)
+    plan = cache._attention_plan(scale, window, softcap)
+    o = cache.paged.attention(layer, q.contiguous(), plan)  # type: ignore[union-attr]
     cache._finish_layer()
-    if step.rows is None:
+    if rows is None:
         return o.view(B, T, Hq, D)
     out = o.new_zeros((B * T, Hq, D))
-    out.index_copy_(0, step.rows, o)
+    out.index_copy_(0, rows, o)
     return out.view(B, T, Hq, D)

@@ -15,37 +15,19 @@ Two ways to run attention, chosen per step by the model's ``config._attn_impleme
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
 from .._validate import cdiv
-from ..paged import BlockAllocator, PagedConfig, PagedKVCache
+from ..paged import BlockAllocator, PagedConfig, PagedKVCache, StepPlan
 from ..paged.config import KV_FORMATS, LAYOUTS
 from ._common import CacheCapacity, LayerView, ModelShape, tokens_to_keep
 
 __all__ = ["PagedCache"]
 
 ATTN_IMPLEMENTATION = "kvcache_paged"
-
-
-@dataclasses.dataclass(slots=True)
-class Step:
-    """One forward's writes, shared by every layer: where each row's new tokens go and which tokens of the
-    ``[B, T]`` chunk are real (``rows``; None when all are). Built once per forward on the host, so no layer
-    syncs with the device."""
-
-    counts: list[int]  # real tokens per row in this chunk
-    before: list[int]  # tokens each row's blocks held before the chunk
-    max_after: int  # longest row after the chunk
-    rows: torch.Tensor | None  # int64 [n]: the real tokens' indices in the flattened [B * T] chunk (None: all)
-    block_tables: torch.Tensor  # int32 [B, max_blocks]
-    cu_q_lens: torch.Tensor  # int32 [B + 1]
-    kv_lens: torch.Tensor  # int32 [B]: before the chunk
-    kv_after: torch.Tensor  # int32 [B]: after the chunk
-    done: int = 0  # layers that have written
 
 
 class Pending:
@@ -145,7 +127,14 @@ class PagedCache(CacheCapacity, Cache):
         self._stored: list[int] = []  # tokens in each row's blocks (committed steps)
         self._layer_len = [0] * shape.num_layers  # transformers' length per layer (left padding included)
         self._hf_len = 0  # transformers' length after the last complete step
-        self._step: Step | None = None
+        # the forward in progress (None between forwards): its plan, shared by every layer, with the plans of
+        # layers whose attention options differ, keyed by (scale, window, softcap); which tokens of the [B, T]
+        # chunk are real; each row's length after it; how many layers have written
+        self._plan: StepPlan | None = None
+        self._attn_plans: dict[tuple, StepPlan] = {}
+        self._rows: torch.Tensor | None = None  # int64 [n]: the real tokens' indices in the flattened chunk
+        self._after: list[int] = []
+        self._done = 0
 
     # ------------------------------------------------------------------------------------------ storage
 
@@ -178,8 +167,7 @@ class PagedCache(CacheCapacity, Cache):
         if self._layer_len[i] != self._hf_len:
             raise ValueError(f"layer_idx: layer {i} was already updated in this step; every layer is updated once "
                              "per forward")
-        written = self._step.done if self._step is not None else 0
-        if sum(n != self._hf_len for n in self._layer_len) != written:
+        if sum(n != self._hf_len for n in self._layer_len) != self._done:
             raise ValueError(
                 f"attn_implementation: a layer updated before layer {i} in this step was never written: with "
                 f"'{ATTN_IMPLEMENTATION}' the attention function writes each layer after its update; call reset()")
@@ -193,17 +181,18 @@ class PagedCache(CacheCapacity, Cache):
             self._layer_len[i] += T
             key_states._kvcache_pending = Pending(self, i)  # type: ignore[attr-defined]
             return key_states, value_states
-        step = self._step or self._begin_step(T, None)
+        plan = self._plan or self._begin_step(T, None)
         self._write(i, key_states, value_states)
         self._layer_len[i] += T
         paged: PagedKVCache = self.paged  # type: ignore[assignment]
-        k, v = paged.gather(i, step.block_tables, kv_lens=step.kv_after, max_len=step.max_after)
+        k, v = paged.gather(i, plan, max_len=max(self._after, default=0))
         self._finish_layer()
         return k, v
 
-    def _begin_step(self, T: int, valid: torch.Tensor | None) -> Step:
+    def _begin_step(self, T: int, valid: torch.Tensor | None, **options: Any) -> StepPlan:
         """Allocate blocks for a chunk of ``T`` tokens per row (``valid`` bool ``[B, T]``: the real ones; None: all)
-        and describe where they go. Raises ValueError, nothing changed, when the pool is too small."""
+        and plan where they go (``options``: the attention options of ``PagedKVCache.plan``, the first layer's).
+        Raises ValueError, nothing changed, when the pool is too small."""
         B = len(self.block_tables)
         if valid is None:
             counts = [T] * B
@@ -241,32 +230,46 @@ class PagedCache(CacheCapacity, Cache):
         for c in counts:
             cu.append(cu[-1] + c)
         after = [n + c for n, c in zip(before, counts)]
-        rows = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)
-        self._step = Step(
-            counts=counts, before=before, max_after=max(after, default=0), rows=rows, block_tables=tables.to(dev),
-            cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
-            kv_lens=torch.tensor(before, dtype=torch.int32, device=dev),
-            kv_after=torch.tensor(after, dtype=torch.int32, device=dev),
-        )
-        return self._step
+        # cu_q_lens and the lengths before and after in one tensor (one copy to the device), each row starting on a
+        # 16-byte boundary as a tensor of its own would (the kernels specialise on their pointers' alignment)
+        pad = [0] * (-(-(B + 1) // 4) * 4 - B)
+        lens = torch.tensor([cu + pad[1:], before + pad, after + pad], dtype=torch.int32).to(dev)
+        plan = paged.plan(tables.to(dev), lens[0, :B + 1], lens[1, :B], seq_lens=lens[2, :B], **options)
+        self._plan, self._attn_plans = plan, {}
+        self._rows = None if valid is None else valid.reshape(-1).nonzero().squeeze(1)
+        self._after = after
+        self._done = 0
+        return plan
+
+    def _attention_plan(self, scale: float, window: int | None, softcap: float | None) -> StepPlan:
+        """The step's plan with a layer's attention options (the step's own when they are the first layer's; one
+        plan per distinct set, shared by the layers that have it)."""
+        plan: StepPlan = self._plan  # type: ignore[assignment]
+        if plan.scale == scale and plan.window == window and plan.softcap == softcap:
+            return plan
+        key = (scale, window, softcap)
+        if key not in self._attn_plans:
+            self._attn_plans[key] = plan.with_options(scale=scale, window=window, softcap=softcap)
+        return self._attn_plans[key]
 
     def _write(self, i: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append this step's real tokens of layer ``i`` (``[B, H, T, D]``) into the blocks."""
-        step: Step = self._step  # type: ignore[assignment]
         k, v = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [B, T, H, D]
         k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])  # [B * T, H, D]
-        if step.rows is not None:
-            k, v = k.index_select(0, step.rows), v.index_select(0, step.rows)
+        if self._rows is not None:
+            k, v = k.index_select(0, self._rows), v.index_select(0, self._rows)
         paged: PagedKVCache = self.paged  # type: ignore[assignment]
-        paged.append(i, k, v, block_tables=step.block_tables, cu_q_lens=step.cu_q_lens, kv_lens=step.kv_lens)
+        paged.append(i, k, v, self._plan)  # type: ignore[arg-type]
 
     def _finish_layer(self) -> None:
-        step: Step = self._step  # type: ignore[assignment]
-        step.done += 1
-        if step.done == len(self._layer_len):
-            self._stored = [n + c for n, c in zip(step.before, step.counts)]
+        self._done += 1
+        if self._done == len(self._layer_len):
+            self._stored = list(self._after)
             self._hf_len = self._layer_len[0]
-            self._step = None
+            self._end_step()
+
+    def _end_step(self) -> None:
+        self._plan, self._attn_plans, self._rows, self._after, self._done = None, {}, None, [], 0
 
     # ------------------------------------------------------------------------------------------ Cache API
 
@@ -290,13 +293,13 @@ class PagedCache(CacheCapacity, Cache):
         self._stored = []
         self._layer_len = [0] * len(self._layer_len)
         self._hf_len = 0
-        self._step = None
+        self._end_step()
 
     def _reset_layer(self, i: int) -> None:
         self.reset()
 
     def _between_steps(self, what: str) -> None:
-        if self._step is not None or any(n != self._hf_len for n in self._layer_len):
+        if self._plan is not None or any(n != self._hf_len for n in self._layer_len):
             raise ValueError(f"{what}: expected a cache between forwards, got one in the middle of a step")
 
     def crop(self, tokens_to_remove: int) -> None:
