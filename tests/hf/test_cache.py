@@ -235,6 +235,43 @@ def test_in_place_update_without_the_attention_function_is_an_error(tiny):
     assert cache.seq_lens == [4] * B and cache.get_seq_length() == 4
 
 
+def _windowed_attention(q, k, v, scale, window, softcap):
+    """fp64 causal attention of q ``[B, Hq, T, D]`` (the last T positions) over k / v ``[B, H, S, D]`` with a
+    sliding window and a logit soft-cap: ``[B, T, Hq, D]``."""
+    T, S, rep = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = q.double() @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    qpos, kpos = torch.arange(S - T, S)[:, None], torch.arange(S)[None, :]
+    allowed = (kpos <= qpos) & ((qpos - kpos < window) if window is not None else True)
+    s = s.masked_fill(~allowed, float("-inf"))
+    return (s.softmax(-1) @ v).transpose(1, 2)
+
+
+def test_layers_with_their_own_window_and_softcap(tiny):
+    """kvcache_paged attention whose layers differ in sliding window and soft-cap (the first layer's options are
+    the step's plan, the others take plans of their own) equals attention over every key with each layer's
+    options, through a prefill and two decode steps."""
+    cache = _make("paged", tiny, block_size=4)
+    tiny.set_attn_implementation("kvcache_paged")
+    g = torch.Generator().manual_seed(3)
+    layers = [(None, None, 0.25), (3, None, 0.25), (None, 2.0, 0.5)]  # (window, softcap, scale) per layer
+    keys: list = [None] * 3
+    values: list = [None] * 3
+    for T in (6, 1, 1):
+        for i, (window, softcap, scale) in enumerate(layers):
+            q, k, v = (torch.randn(B, h, T, 16, generator=g) for h in (4, 2, 2))
+            kk, vv = cache.update(k, v, i)
+            out, _ = kvcache_paged_attention(torch.nn.Module(), q, kk, vv, None, scaling=scale,
+                                             sliding_window=window, softcap=softcap)
+            keys[i] = k if keys[i] is None else torch.cat((keys[i], k), dim=2)
+            values[i] = v if values[i] is None else torch.cat((values[i], v), dim=2)
+            want = _windowed_attention(q, keys[i], values[i], scale, window, softcap)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert cache.seq_lens == [8] * B and cache.get_seq_length() == 8
+
+
 def test_errors(tiny):
     cfg = tiny.config
     with pytest.raises(ValueError, match="kv_dtype"):
