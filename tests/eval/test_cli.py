@@ -4,6 +4,7 @@ arguments refused with one line and exit code 2 before any model is loaded."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -32,6 +33,7 @@ def test_end_to_end(model_folder, tmp_path, capsys) -> None:
     d = json.loads(out_json.read_text())
     assert [f["kv_dtype"] for f in d["formats"]] == ["auto", "int4", "int8"]
     assert d["text"] == "as-you-like-it" and d["scored_tokens"] == 120 and d["prompts"] == 3
+    assert d["model"] == os.path.basename(model_folder) and d["window"] == 64 and d["chunk"] == 16
     assert d["formats"][0]["greedy_identical"] == 3
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "int4" in shown and "3/3" in shown  # the table: auto's greedy answers all identical

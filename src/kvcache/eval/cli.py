@@ -138,6 +138,8 @@ def eval_main(argv: list[str] | None = None) -> int:
     """
     import torch
 
+    from ..engine.loader import DEFAULT_MODEL
+
     args = _parser().parse_args(sys.argv[2:] if argv is None else argv)
     try:
         from ..engine.loader import load_model
@@ -163,6 +165,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError, ImportError) as e:
         print(f"kvcache eval: {e}", file=sys.stderr)
         return 2
+    report.model = os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL
     _print_table(report)
     if args.json:
         report.to_json(args.json)

@@ -59,9 +59,9 @@ def plot_report(report: EvalReport, path: str | os.PathLike) -> str:
         b.bar([i + w / 2 for i in x], [100 * r.greedy_identical / report.prompts for r in report.formats], w,
               label=f"greedy answers identical ({report.prompts} x {report.max_new_tokens} tokens)")
     b.set_xticks(list(x), names)
-    b.set_ylim(0, 105)
+    b.set_ylim(0, 125)
     b.set_ylabel("%")
-    b.legend(loc="lower left", fontsize=8)
+    b.legend(loc="upper center", fontsize=8, ncol=1)
     fig.suptitle(f"kvcache eval: {report.model} ({report.dtype}, {report.device})", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
