@@ -8,7 +8,15 @@ import torch
 
 import kvcache
 from kvcache import BlockAllocator
-from kvcache.distributed import cp_append, cp_attention, cp_blocks_needed, cp_gather, cp_local_len, cp_merge_attention
+from kvcache.distributed import (
+    cp_append,
+    cp_attention,
+    cp_blocks_needed,
+    cp_gather,
+    cp_local_len,
+    cp_merge_attention,
+    cp_plan,
+)
 
 from .conftest import world_params
 from .helpers import block_table, cu, ints, make_cache, merge_reference, partial_attention, randn
@@ -42,21 +50,22 @@ def _cp_roundtrip(ctx: RankContext, kv_dtype: str, layout: str, dtype_name: str,
     lens = [0] * len(steps[0])
     for step in steps:
         k, v = randn(gen, (sum(step), H, D), dtype, ctx.device), randn(gen, (sum(step), H, D), dtype, ctx.device)
+        # one plan per step and rank, read by every layer
+        plan = cp_plan(local, t_local, cu(step, ctx.device), ints(lens, ctx.device), check=True)
+        ref_plan = ref.plan(t_ref, cu(step, ctx.device), ints(lens, ctx.device), check=True)
         for layer in range(local.num_layers):
             kl = k * (layer + 1)
-            cp_append(local, layer, kl, v, block_tables=t_local, cu_q_lens=cu(step, ctx.device),
-                      kv_lens=ints(lens, ctx.device), check=True)
-            ref.append(layer, kl, v, block_tables=t_ref, cu_q_lens=cu(step, ctx.device), kv_lens=ints(lens, ctx.device),
-                       check=True)
+            cp_append(local, layer, kl, v, plan)
+            ref.append(layer, kl, v, ref_plan)
         lens = [a + b for a, b in zip(lens, step)]
         for layer in range(local.num_layers):
-            kg, vg = cp_gather(local, layer, block_tables=t_local, kv_lens=ints(lens, ctx.device))
-            kr, vr = ref.gather(layer, t_ref, kv_lens=ints(lens, ctx.device))
+            kg, vg = cp_gather(local, layer, plan)  # the sequences as they stand after the step
+            kr, vr = ref.gather(layer, ref_plan)
             assert kg.shape == kr.shape == (len(lens), H, max(lens), D)
             assert torch.equal(kg, kr), f"K of layer {layer} after {lens} differs"
             assert torch.equal(vg, vr), f"V of layer {layer} after {lens} differs"
     # this rank holds only its share: its own gather has cp_local_len tokens per sequence
-    kl, _ = local.gather(0, t_local, kv_lens=ints(lens, ctx.device), cp_rank=ctx.rank, cp_size=ctx.size)
+    kl, _ = local.gather(0, cp_plan(local, t_local, seq_lens=ints(lens, ctx.device)))
     nonzero = (kl.float().abs().sum(dim=(1, 3)) != 0).sum(dim=1)
     return nonzero.tolist()
 
@@ -95,11 +104,13 @@ def _cp_merge(ctx: RankContext, hq: int, use_ops: bool) -> tuple[torch.Tensor, t
         k, v = randn(gen, (sum(step), H, D), torch.float32, ctx.device), randn(gen, (sum(step), H, D), torch.float32,
                                                                                 ctx.device)
         q = randn(gen, (sum(step), hq, D), torch.float32, ctx.device)
-        cp_append(local, 0, k, v, block_tables=t_local, cu_q_lens=cu(step, ctx.device), kv_lens=ints(lens, ctx.device))
-        ref.append(0, k, v, block_tables=t_ref, cu_q_lens=cu(step, ctx.device), kv_lens=ints(lens, ctx.device))
+        plan = cp_plan(local, t_local, cu(step, ctx.device), ints(lens, ctx.device))
+        ref_plan = ref.plan(t_ref, cu(step, ctx.device), ints(lens, ctx.device))
+        cp_append(local, 0, k, v, plan)
+        ref.append(0, k, v, ref_plan)
         new = [a + b for a, b in zip(lens, step)]
-        kl, vl = local.gather(0, t_local, kv_lens=ints(new, ctx.device), cp_rank=ctx.rank, cp_size=ctx.size)
-        kr, vr = ref.gather(0, t_ref, kv_lens=ints(new, ctx.device))
+        kl, vl = local.gather(0, plan)  # this rank's share only
+        kr, vr = ref.gather(0, ref_plan)
         part_o, part_l, full_o, full_l = [], [], [], []
         row = 0
         for b, n_new in enumerate(step):
@@ -146,14 +157,20 @@ def _cp_attention(ctx: RankContext, kv_dtype: str) -> None:
                                                                                 ctx.device)
         q = randn(gen, (sum(step), hq, D), torch.float16, ctx.device)
         c, old = cu(step, ctx.device), ints(lens, ctx.device)
-        cp_append(local, 0, k, v, block_tables=t_local, cu_q_lens=c, kv_lens=old)
-        ref.append(0, k, v, block_tables=t_ref, cu_q_lens=c, kv_lens=old)
+        plan = cp_plan(local, t_local, c, old, scale=0.3)
+        ref_plan = ref.plan(t_ref, c, old, scale=0.3)
+        if step is STEPS[0]:  # a plan of another rank / size, or a rank given by hand: refused before writing
+            with pytest.raises(ValueError, match="plan: expected cp_rank / cp_size"):
+                cp_append(local, 0, k, v, local.plan(t_local, c, old))
+            with pytest.raises(ValueError, match="cp_rank: set by cp_plan"):
+                cp_plan(local, t_local, c, old, cp_rank=ctx.rank)
+            assert not local.buffer.any()
+        cp_append(local, 0, k, v, plan)
+        ref.append(0, k, v, ref_plan)
         lens = [a + b for a, b in zip(lens, step)]
-        out, lse = cp_attention(q, local, 0, block_tables=t_local, cu_q_lens=c, kv_lens=ints(lens, ctx.device))
+        out, lse = cp_attention(q, local, 0, plan)
         want_l = torch.empty(q.shape[:2], dtype=torch.float32, device=ctx.device)
-        want_o = kvcache.ops.paged_attention(
-            q, ref.pool(0), ref.params(0), ref.kv_scales[0] if kv_dtype == "fp8" else None, kv_dtype=kv_dtype,
-            layout="NHD", block_tables=t_ref, cu_q_lens=c, kv_lens=ints(lens, ctx.device), lse=want_l)
+        want_o = ref.attention(0, q, ref_plan, lse=want_l)
         # fp16 outputs merged in float32 per pair of ranks: within a few fp16 steps of the single-rank result
         torch.testing.assert_close(out.float(), want_o.float(), rtol=4e-3, atol=4e-3)
         torch.testing.assert_close(lse, want_l, rtol=1e-5, atol=1e-5)

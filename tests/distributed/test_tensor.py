@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-import kvcache
 from kvcache import BlockAllocator, CacheConfig, PagedConfig, PagedKVCache
 from kvcache.distributed import KVHeadShard, kv_heads_for_rank, shard_cache_config, shard_kv_heads, shard_paged_config
 
@@ -112,14 +111,12 @@ def _shard_weights(ws: list[dict[str, torch.Tensor]], s: KVHeadShard, hq: int,
 def _forward(x, ws, cache, table, lens, q_lens, all_reduce):  # type: ignore[no-untyped-def]
     """Attention (paged cache) + MLP blocks with residuals; ``all_reduce`` after each row-parallel product."""
     dev, H = cache.device, cache.config.num_kv_heads
-    c = cu(q_lens, dev)
-    total = ints([a + b for a, b in zip(lens, q_lens)], dev)
+    plan = cache.plan(table, cu(q_lens, dev), ints(lens, dev))  # one plan per step, read by every layer
     for layer, w in enumerate(ws):
         q = (x @ w["q"]).view(x.shape[0], -1, D)
         k, v = (x @ w["k"]).view(-1, H, D), (x @ w["v"]).view(-1, H, D)
-        cache.append(layer, k, v, block_tables=table, cu_q_lens=c, kv_lens=ints(lens, dev))
-        a = kvcache.ops.paged_attention(q, cache.pool(layer), kv_dtype="auto", layout=cache.config.layout,
-                                        block_tables=table, cu_q_lens=c, kv_lens=total)
+        cache.append(layer, k, v, plan)
+        a = cache.attention(layer, q, plan)
         x = x + all_reduce(a.reshape(x.shape[0], -1) @ w["o"])
         x = x + all_reduce(torch.nn.functional.silu(x @ w["up"]) @ w["down"])
     return x

@@ -33,8 +33,8 @@ def _prefilled(device: torch.device, seed: int, **kw):  # type: ignore[no-untype
     for layer in range(cache.num_layers):
         k = randn(gen, (sum(PROMPTS), H, D), cache.config.dtype, device)
         v = randn(gen, (sum(PROMPTS), H, D), cache.config.dtype, device)
-        cache.append(layer, k, v, block_tables=table, cu_q_lens=cu(PROMPTS, device),
-                     kv_lens=ints([0] * len(PROMPTS), device), check=True)
+        cache.append(layer, k, v, cache.plan(table, cu(PROMPTS, device), ints([0] * len(PROMPTS), device),
+                                             check=True))
     return cache, table
 
 
@@ -107,8 +107,8 @@ def _blocks_roundtrip(ctx: RankContext, kw: dict, checksum: bool) -> list[int] |
             table[b, :nblk] = torch.tensor(ids[off:off + nblk])
             off += nblk
         for layer in range(cache.num_layers):
-            k, v = cache.gather(layer, table.to(ctx.device), kv_lens=ints(PROMPTS, ctx.device))
-            ks, vs = src_cache.gather(layer, src_table, kv_lens=ints(PROMPTS, ctx.device))
+            k, v = cache.gather(layer, cache.plan(table.to(ctx.device), seq_lens=ints(PROMPTS, ctx.device)))
+            ks, vs = src_cache.gather(layer, src_cache.plan(src_table, seq_lens=ints(PROMPTS, ctx.device)))
             assert torch.equal(k, ks) and torch.equal(v, vs)
         all_ids += ids
     assert alloc.num_free_blocks == free0 - len(all_ids)
@@ -338,12 +338,9 @@ def _step(cache, model, tokens, table, lens_before, q_lens, kv_dtype):  # type: 
     q = (x @ model["wq"]).view(len(tokens), -1, D)
     k, v = (x @ model["wk"]).view(-1, H, D), (x @ model["wv"]).view(-1, H, D)
     c = cu(q_lens, dev)
-    cache.append(0, k, v, block_tables=table, cu_q_lens=c, kv_lens=ints(lens_before, dev))
-    lens = [a + b for a, b in zip(lens_before, q_lens)]
-    out = kvcache.ops.paged_attention(q, cache.pool(0), cache.params(0),
-                                      cache.kv_scales[0] if kv_dtype == "fp8" else None, kv_dtype=kv_dtype,
-                                      layout=cache.config.layout, block_tables=table, cu_q_lens=c,
-                                      kv_lens=ints(lens, dev))
+    plan = cache.plan(table, c, ints(lens_before, dev))
+    cache.append(0, k, v, plan)
+    out = cache.attention(0, q, plan)
     last = c[1:].long() - 1
     logits = out.reshape(len(tokens), -1)[last] @ model["wo"]
     return logits.argmax(-1), out

@@ -11,13 +11,22 @@ Every function takes an optional ``group`` (default: the world) and must be call
 in the same order, as torch.distributed's own collectives and point-to-point calls.
 """
 
-from .context import cp_append, cp_attention, cp_blocks_needed, cp_gather, cp_local_len, cp_merge_attention
+from .context import (
+    cp_append,
+    cp_attention,
+    cp_blocks_needed,
+    cp_gather,
+    cp_local_len,
+    cp_merge_attention,
+    cp_plan,
+)
 from .tensor import KVHeadShard, kv_heads_for_rank, shard_cache_config, shard_kv_heads, shard_paged_config
 from .transfer import recv_blocks, recv_snapshot, send_blocks, send_snapshot
 
 __all__ = [
     "cp_local_len",
     "cp_blocks_needed",
+    "cp_plan",
     "cp_append",
     "cp_gather",
     "cp_merge_attention",

@@ -2,24 +2,27 @@
 (token ``p`` on rank ``p % cp_size`` at local position ``p // cp_size``, TurboMind's split), gathers reassemble
 the single-rank K/V exactly, and per-rank partial attention is merged by log-sum-exp.
 
-Every rank is given the same step description (the new K/V of all tokens, global ``kv_lens``); it keeps its
-own block tables, sized by :func:`cp_local_len`, and its own allocator.
+Every rank is given the same step (the new K/V of all tokens, global ``kv_lens``); it keeps its own block tables,
+sized by :func:`cp_local_len`, and its own allocator. A step is described once per rank by :func:`cp_plan` (the
+cache's :class:`~kvcache.paged.StepPlan` with this process's rank and size in the group) and every layer's
+:func:`cp_append`, :func:`cp_attention` and :func:`cp_gather` takes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import ops
 from .._validate import check_int
-from ..paged import PagedKVCache
-from ..rope import RopeConfig, RopeKernelParams
+from ..paged import PagedKVCache, StepPlan
 from ._comm import as_bytes, comm_device, group_rank_size
 
-__all__ = ["cp_local_len", "cp_blocks_needed", "cp_append", "cp_gather", "cp_merge_attention", "cp_attention"]
+__all__ = ["cp_local_len", "cp_blocks_needed", "cp_plan", "cp_append", "cp_gather", "cp_merge_attention",
+           "cp_attention"]
 
 MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -57,20 +60,74 @@ def _check_cache(cache: object) -> PagedKVCache:
     return cache
 
 
+def _check_plan(plan: object, group: dist.ProcessGroup | None) -> tuple[StepPlan, int, int]:
+    """``plan`` with this process's ``(rank, size)`` in ``group``; ValueError if the plan was built for another."""
+    if not isinstance(plan, StepPlan):
+        raise TypeError(f"plan: expected a StepPlan (cp_plan(...)), got {type(plan).__name__}")
+    rank, size = group_rank_size(group)
+    if (plan.cp_rank, plan.cp_size) != (rank, size):
+        raise ValueError(f"plan: expected cp_rank / cp_size {rank} / {size} (this process in the group), got "
+                         f"{plan.cp_rank} / {plan.cp_size}; build it with cp_plan(cache, ..., group=group)")
+    return plan, rank, size
+
+
+def cp_plan(
+    cache: PagedKVCache,
+    block_tables: torch.Tensor,
+    cu_q_lens: torch.Tensor | None = None,
+    kv_lens: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    **options: Any,
+) -> StepPlan:
+    """This rank's plan of a context-parallel step: :meth:`PagedKVCache.plan` with ``cp_rank`` / ``cp_size`` of
+    this process in ``group``. Built once per step and handed to :func:`cp_append`, :func:`cp_attention` and
+    :func:`cp_gather` for every layer.
+
+    Parameters
+    ----------
+    cache : PagedKVCache
+        This rank's cache.
+    block_tables : torch.Tensor
+        int32 ``[B, max_blocks]``: this rank's blocks of each sequence (local positions; width at least
+        :func:`cp_blocks_needed` of the total length).
+    cu_q_lens : torch.Tensor, optional
+        int32 ``[B + 1]``: the step's rows per sequence (the same on every rank; None for a plan that only
+        gathers, with ``seq_lens=``).
+    kv_lens : torch.Tensor, optional
+        int32 ``[B]``: global tokens each sequence held before the step (all ranks together); or ``cu_k_lens=``.
+    group : ProcessGroup, optional
+        The context-parallel group (default: the world).
+    **options
+        The other arguments of :meth:`PagedKVCache.plan` (``cu_k_lens``, ``seq_lens`` (global), ``rope``,
+        ``scale``, ``window``, ``softcap``, ``check``, ...); not ``cp_rank`` / ``cp_size``.
+
+    Returns
+    -------
+    StepPlan
+
+    Example
+    -------
+    >>> plan = cp_plan(cache, bt_local, cu, lens)                       # doctest: +SKIP
+    >>> cp_append(cache, 0, k, v, plan)                                 # doctest: +SKIP
+    """
+    cache = _check_cache(cache)
+    for name in ("cp_rank", "cp_size"):
+        if name in options:
+            raise ValueError(f"{name}: set by cp_plan (this process's rank in the group / its size), not by the "
+                             "caller")
+    rank, size = group_rank_size(group)
+    return cache.plan(block_tables, cu_q_lens, kv_lens, cp_rank=rank, cp_size=size, **options)
+
+
 def cp_append(
     cache: PagedKVCache,
     layer: int,
     k: torch.Tensor,
     v: torch.Tensor,
+    plan: StepPlan,
     *,
-    block_tables: torch.Tensor,
-    cu_q_lens: torch.Tensor,
-    kv_lens: torch.Tensor | None = None,
-    cu_k_lens: torch.Tensor | None = None,
-    rope: RopeConfig | RopeKernelParams | bool | None = None,
-    rope_seq_len: int | None = None,
     group: dist.ProcessGroup | None = None,
-    check: bool = False,
 ) -> None:
     """Append a step's new K / V on every rank of a context-parallel group: this rank stores its share.
 
@@ -81,32 +138,21 @@ def cp_append(
     layer : int
     k, v : torch.Tensor
         shape ``[num_tokens, H, D]``, the cache's model dtype: the new tokens of *all* sequences (the same on
-        every rank); keys un-rotated when RoPE applies.
-    block_tables : torch.Tensor
-        int32 ``[B, max_blocks]``: this rank's blocks of each sequence (local positions; width at least
-        :func:`cp_blocks_needed` of the total length).
-    cu_q_lens : torch.Tensor
-        int32 ``[B + 1]``: rows of ``k`` / ``v`` per sequence.
-    kv_lens, cu_k_lens : torch.Tensor
-        Exactly one: int32 ``[B]`` global tokens already held (all ranks together), or int32 ``[B + 1]``
-        cumulative global totals after the append.
-    rope, rope_seq_len
-        As :meth:`PagedKVCache.append`; RoPE uses the global position.
+        every rank); keys un-rotated when RoPE applies (it uses the global position).
+    plan : StepPlan
+        This rank's plan of the step (:func:`cp_plan`); ``check=True`` there verifies the block tables on the
+        host (a sync) and raises ValueError before writing.
     group : ProcessGroup, optional
-        The context-parallel group (default: the world); ``cp_rank`` / ``cp_size`` are this process's rank in it
-        and its size.
-    check : bool
-        Debug mode (syncs): block tables checked on the host, ValueError before writing.
+        The context-parallel group the plan was built for (default: the world).
 
     Example
     -------
     >>> # on every rank of the group, the same k / v; each rank's own block table
-    >>> cp_append(cache, 0, k, v, block_tables=bt_local, cu_q_lens=cu, kv_lens=lens)  # doctest: +SKIP
+    >>> cp_append(cache, 0, k, v, cp_plan(cache, bt_local, cu, lens))  # doctest: +SKIP
     """
     cache = _check_cache(cache)
-    rank, size = group_rank_size(group)
-    cache.append(layer, k, v, block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens,
-                 cu_k_lens=cu_k_lens, rope=rope, rope_seq_len=rope_seq_len, cp_rank=rank, cp_size=size, check=check)
+    plan, _, _ = _check_plan(plan, group)
+    cache.append(layer, k, v, plan)
 
 
 def _all_gather_bytes(local: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
@@ -121,14 +167,13 @@ def _all_gather_bytes(local: torch.Tensor, size: int, group: dist.ProcessGroup |
 def cp_gather(
     cache: PagedKVCache,
     layer: int,
+    plan: StepPlan,
     *,
-    block_tables: torch.Tensor,
-    kv_lens: torch.Tensor,
     max_len: int | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reassemble the single-rank contiguous K / V of a context-parallel group (a collective: every rank
-    calls it with the same ``kv_lens`` and ``max_len``, and every rank gets the result).
+    calls it with the same global lengths and ``max_len``, and every rank gets the result).
 
     Each rank gathers its share (dequantized) and the shares are all-gathered as bytes and interleaved:
     the result equals, bit for bit, :meth:`PagedKVCache.gather` of one cache that holds every token.
@@ -138,12 +183,12 @@ def cp_gather(
     cache : PagedKVCache
         This rank's cache.
     layer : int
-    block_tables : torch.Tensor
-        int32 ``[B, max_blocks]``: this rank's blocks of the requested sequences.
-    kv_lens : torch.Tensor
-        int32 ``[B]``: global tokens of each sequence (all ranks together).
+    plan : StepPlan
+        This rank's ragged plan (:func:`cp_plan`): its block tables, and the sequences as they stand after its
+        step (``plan.seq_lens``: global tokens, all ranks together). A plan for gathers only:
+        ``cp_plan(cache, bt_local, seq_lens=lens)``.
     max_len : int, optional
-        ``S`` of the result; default the longest sequence (reads ``kv_lens``: one sync).
+        ``S`` of the result; default the longest sequence (reads ``plan.seq_lens``: one sync).
     group : ProcessGroup, optional
         The context-parallel group (default: the world).
 
@@ -155,17 +200,17 @@ def cp_gather(
 
     Example
     -------
-    >>> k, v = cp_gather(cache, 0, block_tables=bt_local, kv_lens=lens)  # doctest: +SKIP
+    >>> k, v = cp_gather(cache, 0, cp_plan(cache, bt_local, seq_lens=lens))  # doctest: +SKIP
     """
     cache = _check_cache(cache)
-    rank, size = group_rank_size(group)
-    if not isinstance(kv_lens, torch.Tensor):
-        raise TypeError(f"kv_lens: expected an int32 tensor [B], got {type(kv_lens).__name__}")
+    plan, _, size = _check_plan(plan, group)
+    plan.require("cp_gather", ragged=True, rows=False)
     if max_len is None:
-        max_len = int(kv_lens.max().item()) if kv_lens.numel() else 0
+        lens = plan.seq_lens
+        max_len = int(lens.max().item()) if lens.numel() else 0
     check_int("max_len", max_len, 0)
     local_len = -(-max_len // size)  # rank 0 holds the most tokens: every rank gathers this many
-    k, v = cache.gather(layer, block_tables, kv_lens=kv_lens, max_len=local_len, cp_rank=rank, cp_size=size)
+    k, v = cache.gather(layer, plan, max_len=local_len)
     both = torch.stack((k, v))  # [2, B, H, S_local, D]: one collective for K and V
     parts = _all_gather_bytes(both, size, group)
     full = torch.stack(parts, dim=4)  # [2, B, H, S_local, cp_size, D]: local t of rank r is token t * size + r
@@ -248,35 +293,29 @@ def cp_attention(
     q: torch.Tensor,
     cache: PagedKVCache,
     layer: int,
+    plan: StepPlan,
     *,
-    block_tables: torch.Tensor,
-    cu_q_lens: torch.Tensor,
-    kv_lens: torch.Tensor,
+    sinks: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
-    **attention_kwargs: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Context-parallel paged attention (a collective): each rank attends to its share of the keys with
-    ``kvcache.ops.paged_attention(..., cp_rank=, cp_size=)``, then :func:`cp_merge_attention` combines the
-    partials with ``kvcache.ops.merge_attention_states``.
+    :meth:`PagedKVCache.attention` (the plan's ``cp_rank`` / ``cp_size``, ``lse`` filled), then
+    :func:`cp_merge_attention` combines the partials with ``kvcache.ops.merge_attention_states``.
 
     Parameters
     ----------
     q : torch.Tensor
         shape ``[n_tokens, Hq, D]``, the cache's model dtype: the same queries on every rank.
     cache : PagedKVCache
-        This rank's cache (its share already appended, e.g. by :func:`cp_append`).
+        This rank's cache (its share already appended, e.g. by :func:`cp_append` with the same plan).
     layer : int
-    block_tables : torch.Tensor
-        int32 ``[B, max_blocks]``: this rank's blocks.
-    cu_q_lens : torch.Tensor
-        int32 ``[B + 1]``: query rows per sequence.
-    kv_lens : torch.Tensor
-        int32 ``[B]``: global tokens of each sequence, the new ones included.
+    plan : StepPlan
+        This rank's plan of the step (:func:`cp_plan`): its block tables, the step's rows, the global lengths,
+        and the query-side options (``scale``, ``window``, ``softcap``).
+    sinks : torch.Tensor, optional
+        float32 ``[Hq]``: this layer's sink logits; rank 0 alone adds them, so the merge is exact.
     group : ProcessGroup, optional
         The context-parallel group (default: the world).
-    **attention_kwargs
-        Passed on to ``paged_attention`` (``scale``, ``window``, ``softcap``, ``sinks``: rank 0 alone adds the
-        sinks, so the merge is exact).
 
     Returns
     -------
@@ -284,25 +323,18 @@ def cp_attention(
 
     Example
     -------
-    >>> out, lse = cp_attention(q, cache, 0, block_tables=bt_local, cu_q_lens=cu, kv_lens=lens)  # doctest: +SKIP
+    >>> plan = cp_plan(cache, bt_local, cu, lens_before)                   # doctest: +SKIP
+    >>> cp_append(cache, 0, k, v, plan)                                    # doctest: +SKIP
+    >>> out, lse = cp_attention(q, cache, 0, plan)                         # doctest: +SKIP
     """
-    attn = getattr(ops, "paged_attention", None)
-    if attn is None or getattr(ops, "merge_attention_states", None) is None:
-        raise RuntimeError("cp_attention: needs kvcache.ops.paged_attention and merge_attention_states, which this "
-                           "version does not have")
+    if getattr(ops, "merge_attention_states", None) is None:
+        raise RuntimeError("cp_attention: needs kvcache.ops.merge_attention_states, which this version does not "
+                           "have")
     cache = _check_cache(cache)
-    rank, size = group_rank_size(group)
-    i = check_int("layer", layer, 0, cache.num_layers - 1)
-    for name in ("cp_rank", "cp_size", "lse", "kv_scales"):
-        if name in attention_kwargs:
-            raise ValueError(f"{name}: set by cp_attention (the group's rank / size, this cache's scales), not "
-                             f"by the caller")
+    plan, _, _ = _check_plan(plan, group)
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q: expected a tensor [n_tokens, Hq, D], got "
                          f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-    cfg = cache.config
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    out = attn(q, cache.pool(i), cache.params(i), cache.kv_scales[i] if cfg.kv_dtype == "fp8" else None,
-               kv_dtype=cfg.kv_dtype, layout=cfg.layout, block_tables=block_tables, cu_q_lens=cu_q_lens,
-               kv_lens=kv_lens, lse=lse, cp_rank=rank, cp_size=size, **attention_kwargs)
+    out = cache.attention(layer, q, plan, sinks=sinks, lse=lse)
     return cp_merge_attention(out, lse, group=group)
