@@ -2,10 +2,11 @@
 
 The decoder's norms, projections and MLPs are the Hugging Face model's own modules (so their numerics are
 the model's); what changes is attention: the new keys and values go to a kvcache cache through its write
-(for the paged cache: ``PagedKVCache.append`` with the cache's fused RoPE, so keys are rotated by the append,
-never by the model), queries are rotated with transformers' cos / sin tables of the same :class:`kvcache.RopeConfig`
-(here, or on the fused path inside the attention kernel: ``paged_attention(q_rope=...)``), and attention reads the
-cache. The attention itself is a callable the runner passes in (paged or linear).
+(for the paged cache: ``PagedKVCache.append(layer, k, v, plan)`` with the cache's fused RoPE, so keys are rotated
+by the append, never by the model), queries are rotated with transformers' cos / sin tables of the same
+:class:`kvcache.RopeConfig` (here, or on the fused path inside the attention kernel: the step plan's ``q_rope``,
+read by ``PagedKVCache.attention(layer, q, plan)``), and attention reads the cache. The attention itself is a
+callable the runner passes in (paged or linear), built once per step.
 
 Supported: decoder-only models whose layers have ``self_attn.{q,k,v,o}_proj`` (biases allowed),
 ``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, SmolLM2, Mistral without sliding window,
@@ -35,7 +36,7 @@ __all__ = ["LlamaForward", "AttentionFn"]
 
 # attention(layer, q [N, Hq, D] rotated, k [N, H, D] un-rotated, v [N, H, D]) -> out [N, Hq, D]. A callable with
 # ``rotates_queries = True`` takes q un-rotated on the fused path (it rotates the queries itself, at their positions,
-# with the model's cos / sin tables: kvcache.ops.paged_attention's q_rope)
+# with the model's cos / sin tables: the q_rope of the paged cache's StepPlan)
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
