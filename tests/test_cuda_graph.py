@@ -107,7 +107,7 @@ def test_paged_decode_append_graph(kv_dtype: str, pdl: bool) -> None:
     cache, read at import)."""
     from kvcache import PagedConfig, PagedKVCache, RopeConfig
     from kvcache._backend import pdl_enabled
-    from kvcache.ops.paged import append_paged_kv_launch, plan_append
+    from kvcache.ops.paged import PagedLayer, append_paged_kv_launch, plan_append
     from kvcache.ops.paged.launch import pdl_supported
 
     dev = torch.device("cuda")
@@ -131,12 +131,10 @@ def test_paged_decode_append_graph(kv_dtype: str, pdl: bool) -> None:
 
     def append(cache: PagedKVCache, layer: int) -> None:
         if pdl:
-            cache.append(layer, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens)
+            cache.append(layer, k, v, cache.plan(block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens))
         else:
-            append_paged_kv_launch(
-                k, v, cache.pool(layer), cache.params(layer), kv_dtype=kv_dtype, layout="NHD", block_tables=tables,
-                cu_q_lens=cu_q, kv_lens=kv_lens, cu_k_lens=None, slot_mapping=None, positions=None, rope=params,
-                fp8_scales=cache.kv_scales[layer], cp_rank=0, cp_size=1, launch=launch)
+            storage = PagedLayer(cache.pool(layer), cache.params(layer), cache.kv_scales[layer], kv_dtype, "NHD")
+            append_paged_kv_launch(k, v, storage, cache.plan(tables, cu_q, kv_lens, rope=params), launch)
 
     def step() -> None:
         for layer in range(cfg.num_layers):

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from kvcache._backend import pdl_enabled
-from kvcache.ops.paged import AppendLaunch, append_paged_kv_launch, plan_append
+from kvcache.ops.paged import AppendLaunch, PagedLayer, append_paged_kv_launch, plan_append
 from kvcache.ops.paged.format import KV_FORMAT_TABLE
 from kvcache.ops.paged.launch import pdl_supported, ptx, rope_kind
 from kvcache.ops.paged.policy import SPLIT_BELOW
@@ -74,25 +74,21 @@ def kernel_rope(rope: RopeConfig | RopeKernelParams | None, device: torch.device
 
 
 def append_with(cache, layer: int, k: torch.Tensor, v: torch.Tensor, launch: AppendLaunch | str | None, *,  # type: ignore[no-untyped-def]
-                rope: RopeConfig | RopeKernelParams | None = None, block_tables: torch.Tensor | None = None,
-                cu_q_lens: torch.Tensor | None = None, kv_lens: torch.Tensor | None = None,
-                cu_k_lens: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, cp_rank: int = 0, cp_size: int = 1,
-                metadata_ready: bool = False, rope_ready: bool = False):
+                rope: RopeConfig | RopeKernelParams | None = None, rope_ready: bool = False, **index):
     """Append ``k`` / ``v`` into ``layer`` of the :class:`~kvcache.PagedKVCache` ``cache`` through
     :func:`kvcache.ops.paged.append_paged_kv_launch` with ``launch``: an :class:`AppendLaunch`, a name of
-    :data:`SHAPES` (:func:`variant`), or None (the policy's). Returns the launcher's plan (or None)."""
+    :data:`SHAPES` (:func:`variant`), or None (the policy's). ``rope`` None: no RoPE; ``index``: the step's
+    :meth:`~kvcache.PagedKVCache.plan` keywords (``rope_ready``: the plan's promise about ``inv_freq``). Returns
+    the launcher's plan (or None)."""
     cfg = cache.config
     params = kernel_rope(rope, k.device)
+    plan = dataclasses.replace(cache.plan(rope=params if params is not None else False, **index),
+                               rope_ready=rope_ready)
     if isinstance(launch, str):
-        n_seqs = None if slot_mapping is not None else cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
-        launch = variant(launch, k, kv_dtype=cfg.kv_dtype, n_seqs=n_seqs, rope=params)
-    return append_paged_kv_launch(
-        k, v, cache.pool(layer), cache.params(layer), kv_dtype=cfg.kv_dtype, layout=cfg.layout,
-        block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=cu_k_lens,
-        slot_mapping=slot_mapping, positions=positions, rope=params, fp8_scales=cache.kv_scales[layer],
-        cp_rank=cp_rank, cp_size=cp_size, launch=launch, metadata_ready=metadata_ready, rope_ready=rope_ready,
-    )
+        launch = variant(launch, k, kv_dtype=cfg.kv_dtype, n_seqs=None if plan.slot_mapping is not None
+                         else plan.num_seqs, rope=params)
+    storage = PagedLayer(cache.pool(layer), cache.params(layer), cache.kv_scales[layer], cfg.kv_dtype, cfg.layout)
+    return append_paged_kv_launch(k, v, storage, plan, launch)
 
 
 _LATE_WRITERS = None

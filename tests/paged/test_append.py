@@ -58,8 +58,8 @@ def test_ragged_append_bit_exact(device, case, layout, dtype):
     targets = pr.ragged_targets(k.shape[0], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=16)
     assert len(targets) == k.shape[0]  # every new token has a slot
     exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout=layout)
-    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32(kv_lens, device))
+    cache.append(0, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                                     kv_lens=pr.i32(kv_lens, device)))
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout=layout)
     pr.assert_bits_equal(k, k0, "k (input must not be written)")
     pr.assert_bits_equal(v, v0, "v (input must not be written)")
@@ -88,8 +88,9 @@ def test_kv_lens_and_cu_k_lens_agree(device, layout):
     k, v, tables, cu, totals = _ragged_case(device, gen, H, D, bs, q_lens, kv_lens, torch.float16)
     caches = [pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, layout=layout) for _ in range(2)]
     bt, cu_t = pr.i32(tables, device), pr.i32(cu, device)
-    caches[0].append(0, k, v, block_tables=bt, cu_q_lens=cu_t, kv_lens=pr.i32(kv_lens, device))
-    caches[1].append(0, k, v, block_tables=bt, cu_q_lens=cu_t, cu_k_lens=pr.i32(pr.cumsum0(totals), device))
+    caches[0].append(0, k, v, caches[0].plan(block_tables=bt, cu_q_lens=cu_t, kv_lens=pr.i32(kv_lens, device)))
+    caches[1].append(0, k, v, caches[1].plan(block_tables=bt, cu_q_lens=cu_t, cu_k_lens=pr.i32(pr.cumsum0(totals),
+                                                                                               device)))
     pr.assert_bits_equal(caches[1].buffer, caches[0].buffer, "cu_k_lens pool vs kv_lens pool")
     targets = pr.ragged_targets(k.shape[0], tables, cu, cu_k_lens=pr.cumsum0(totals), block_size=bs, num_blocks=16)
     fresh = pr.fill_sentinel(torch.empty_like(caches[1].pool(0)))
@@ -112,7 +113,7 @@ def test_prefill_then_decode_steps(device):
         v = pr.randn((cu[-1], H, D), torch.float16, gen, device)
         targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=lens, block_size=bs, num_blocks=16)
         expected = pr.append_expected(expected, None, k, v, targets, kv_dtype="auto", layout="NHD").pool
-        cache.append(0, k, v, block_tables=bt, cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(lens, device))
+        cache.append(0, k, v, cache.plan(block_tables=bt, cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(lens, device)))
         lens = [a + b for a, b in zip(lens, q_lens)]
     pr.assert_bits_equal(cache.pool(0), expected, "pool after five steps")
     assert lens == [11, 6]
@@ -132,8 +133,8 @@ def test_padding_rows_past_cu_q_lens_are_skipped(device):
     targets = pr.ragged_targets(n, tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=16)
     assert [t.row for t in targets] == list(range(cu[-1]))
     exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout="NHD")
-    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32(kv_lens, device))
+    cache.append(0, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                                     kv_lens=pr.i32(kv_lens, device)))
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout="NHD")
 
 
@@ -170,9 +171,9 @@ def test_no_tokens_is_a_no_op(device):
     cache = pr.sentinel_cache(device)
     before = cache.buffer.clone()
     empty = torch.empty((0, 2, 8), dtype=torch.float16, device=device)
-    cache.append(0, empty, empty, block_tables=pr.i32([[0]], device), cu_q_lens=pr.i32([0, 0], device),
-                 kv_lens=pr.i32([3], device))
-    cache.append(0, empty, empty, slot_mapping=torch.empty(0, dtype=torch.int64, device=device))
+    cache.append(0, empty, empty, cache.plan(block_tables=pr.i32([[0]], device), cu_q_lens=pr.i32([0, 0], device),
+                                             kv_lens=pr.i32([3], device)))
+    cache.append(0, empty, empty, cache.plan(slot_mapping=torch.empty(0, dtype=torch.int64, device=device)))
     pr.assert_bits_equal(cache.buffer, before, "pool")
 
 
@@ -207,8 +208,8 @@ def test_only_the_given_layer_is_written(device):
     k, v, tables, cu, _ = _ragged_case(device, gen, H, D, bs, [5, 2], [0, 7], torch.float16)
     targets = pr.ragged_targets(7, tables, cu, kv_lens=[0, 7], block_size=bs, num_blocks=16)
     exp = pr.append_expected(cache.pool(1), None, k, v, targets, kv_dtype="auto", layout="NHD")
-    cache.append(1, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32([0, 7], device))
+    cache.append(1, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                                     kv_lens=pr.i32([0, 7], device)))
     pr.assert_append_matches(cache.pool(1), None, exp, kv_dtype="auto", layout="NHD")
     for layer in (0, 2):
         pr.assert_bits_equal(cache.pool(layer), pr.fill_sentinel(torch.empty_like(cache.pool(layer))),
@@ -235,7 +236,7 @@ def test_slot_mapping_with_padding(device, layout, slot_dtype):
     targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb)
     assert len(targets) == n - 4
     exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout=layout)
-    cache.append(0, k, v, slot_mapping=torch.tensor(slots, dtype=slot_dtype, device=device))
+    cache.append(0, k, v, cache.plan(slot_mapping=torch.tensor(slots, dtype=slot_dtype, device=device)))
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout=layout)
 
 
@@ -285,8 +286,8 @@ def test_context_parallel_ranks_write_their_tokens(device, cp_size, layout):
         targets = pr.ragged_targets(n, tab, cu, kv_lens=kv_lens, block_size=bs, num_blocks=16, cp_rank=rank,
                                     cp_size=cp_size)
         exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout=layout)
-        cache.append(0, k, v, block_tables=pr.i32(tab, device), cu_q_lens=pr.i32(cu, device),
-                     kv_lens=pr.i32(kv_lens, device), cp_rank=rank, cp_size=cp_size)
+        cache.append(0, k, v, cache.plan(block_tables=pr.i32(tab, device), cu_q_lens=pr.i32(cu, device),
+                                         kv_lens=pr.i32(kv_lens, device), cp_rank=rank, cp_size=cp_size))
         pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout=layout, what=f"rank {rank}")
         caches.append(cache)
         tables.append(tab)
@@ -321,8 +322,8 @@ def test_kv_slices_of_a_fused_qkv_tensor(device):
     targets = pr.ragged_targets(n, tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=16)
     exp = pr.append_expected(cache.pool(0), None, k.contiguous(), v.contiguous(), targets, kv_dtype="auto",
                              layout="NHD")
-    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32(kv_lens, device))
+    cache.append(0, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                                     kv_lens=pr.i32(kv_lens, device)))
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout="NHD")
     pr.assert_bits_equal(qkv, qkv0, "qkv (input must not be written)")
 
@@ -347,7 +348,7 @@ def test_strided_kv_views(device, view):
     targets = pr.slot_targets(slots, block_size=bs, num_blocks=16)
     exp = pr.append_expected(cache.pool(0), None, k.contiguous(), v.contiguous(), targets, kv_dtype="auto",
                              layout="NHD")
-    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device))
+    cache.append(0, k, v, cache.plan(slot_mapping=torch.tensor(slots, device=device)))
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout="NHD")
 
 
@@ -396,8 +397,8 @@ def test_append_with_rope(device, rope_case, D):
     assert len(targets) == k.shape[0]
     exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout="NHD", rope=rope,
                              rope_seq_len=seq_len)
-    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32(kv_lens, device), rope=rope, rope_seq_len=seq_len)
+    cache.append(0, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                                     kv_lens=pr.i32(kv_lens, device), rope=rope, rope_seq_len=seq_len))
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout="NHD", rope=rope)
 
 
@@ -411,8 +412,8 @@ def test_append_with_rope_dtypes_and_layouts(device, layout, dtype):
     k, v, tables, cu, kv_lens = pr.long_position_batch(device, gen, H, D, bs, dtype)
     targets = pr.ragged_targets(k.shape[0], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=16)
     exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout=layout, rope=rope)
-    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32(kv_lens, device), rope=rope)
+    cache.append(0, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                                     kv_lens=pr.i32(kv_lens, device), rope=rope))
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout=layout, rope=rope)
 
 
@@ -439,7 +440,7 @@ def test_cache_default_rope_and_overrides(device):
         cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, rope=default)
         exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout="NHD",
                                  rope=expected_rope)
-        cache.append(0, k, v, slot_mapping=sm, positions=pos, rope=rope_arg)
+        cache.append(0, k, v, cache.plan(slot_mapping=sm, positions=pos, rope=rope_arg))
         pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout="NHD", rope=expected_rope,
                                  what=how)
 
@@ -455,8 +456,8 @@ def test_rope_in_slot_mapping_mode_uses_positions(device, pos_dtype):
     targets = pr.slot_targets(slots, block_size=bs, num_blocks=16, positions=positions)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs)
     exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout="NHD", rope=rope)
-    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device),
-                 positions=torch.tensor(positions, dtype=pos_dtype, device=device), rope=rope)
+    cache.append(0, k, v, cache.plan(slot_mapping=torch.tensor(slots, device=device),
+                                     positions=torch.tensor(positions, dtype=pos_dtype, device=device), rope=rope))
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout="NHD", rope=rope)
 
 
@@ -478,8 +479,8 @@ def test_rope_with_context_parallel_uses_global_positions(device, cp_size):
                                     cp_size=cp_size)
         assert all(t.position % cp_size == rank for t in targets)
         exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout="NHD", rope=rope)
-        cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                     kv_lens=pr.i32(kv_lens, device), rope=rope, cp_rank=rank, cp_size=cp_size)
+        cache.append(0, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                                         kv_lens=pr.i32(kv_lens, device), rope=rope, cp_rank=rank, cp_size=cp_size))
         pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout="NHD", rope=rope,
                                  what=f"rank {rank}")
 
@@ -504,8 +505,8 @@ def test_rope_matches_transformers_llama(device):
     v = pr.randn((len(positions), H, D), torch.float32, gen, device)
     slots = list(range(len(positions)))
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, dtype=torch.float32)
-    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device),
-                 positions=torch.tensor(positions, device=device), rope=rope)
+    cache.append(0, k, v, cache.plan(slot_mapping=torch.tensor(slots, device=device),
+                                     positions=torch.tensor(positions, device=device), rope=rope))
     pos = torch.tensor(positions)[None]
     cos, sin = module(k.cpu()[None], pos)
     kt = k.cpu().transpose(0, 1)[None]  # [1, H, n, D]
@@ -544,8 +545,8 @@ def test_append_sweep_large(device, layout, rope_case):
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, layout=layout)
     targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
     exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="auto", layout=layout, rope=rope)
-    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32(kv_lens, device), rope=rope)
+    cache.append(0, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                                     kv_lens=pr.i32(kv_lens, device), rope=rope))
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout=layout, rope=rope)
 
 
@@ -567,8 +568,8 @@ def test_offsets_past_2_31_elements(kv_dtype):
     k = pr.randn((n, H, D), torch.float16, gen, device)
     v = pr.randn((n, H, D), torch.float16, gen, device)
     tables = [[nb - 1, nb - 3, 0]]
-    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32([0, n], device),
-                 kv_lens=pr.i32([0], device))
+    cache.append(0, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32([0, n], device),
+                                     kv_lens=pr.i32([0], device)))
     for blk in (nb - 2, nb - 4, 1):
         assert pr.is_all_sentinel(cache.pool(0)[blk]), f"block {blk} was written"
     small_pool = torch.stack([cache.pool(0)[b] for b in (nb - 1, nb - 3, 0)])
@@ -578,7 +579,7 @@ def test_offsets_past_2_31_elements(kv_dtype):
     fresh_par = None if small_par is None else pr.fill_sentinel(torch.empty_like(small_par))
     exp = pr.append_expected(fresh, fresh_par, k, v, targets, kv_dtype=kv_dtype, layout="NHD")
     pr.assert_append_matches(small_pool, small_par, exp, kv_dtype=kv_dtype, layout="NHD")
-    k_out, v_out = cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32([n], device))
+    k_out, v_out = cache.gather(0, cache.plan(pr.i32(tables, device), seq_lens=pr.i32([n], device)))
     gexp = pr.gather_expected(small_pool, small_par, [[0, 1, 2]], [n], kv_dtype=kv_dtype, layout="NHD", s_out=n,
                               dtype=torch.float16)
     pr.assert_gather_matches(k_out, v_out, gexp, kv_dtype=kv_dtype)

@@ -20,7 +20,7 @@ import torch
 import triton
 
 from kvcache._backend import pdl_enabled, use_triton
-from kvcache.ops.paged import append_paged_kv, append_paged_kv_launch
+from kvcache.ops.paged import PagedLayer, append_paged_kv, append_paged_kv_launch
 from kvcache.ops.paged.kernels.lookup import _GUESS_ONE, _GUESS_SHIFT, _guess_mul
 from kvcache.ops.paged.kernels.numerics import _SINCOS_MAX
 from kvcache.ops.paged.launch import pdl_supported, ptx
@@ -154,8 +154,8 @@ def _append_slots_and_compare(cache, k, v, slots: list[int], positions: list[int
     targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb, positions=positions)
     exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype, layout="NHD",
                              rope=rope)
-    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=k.device),
-                 positions=torch.tensor(positions, device=k.device), rope=rope_arg)
+    cache.append(0, k, v, cache.plan(slot_mapping=torch.tensor(slots, device=k.device),
+                                     positions=torch.tensor(positions, device=k.device), rope=rope_arg))
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 
@@ -257,14 +257,14 @@ def test_repeated_appends_reuse_prepared_launches(device, kv_dtype, mode, ready)
             exp = pr.append_expected(cache.pool(layer), cache.params(layer), k, v, targets, kv_dtype=kv_dtype,
                                      layout="NHD", rope=rope, fp8_scales=scales[layer])
             if mode == "ragged":
-                cache.append(layer, k, v, block_tables=bt, cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv, device),
-                             metadata_ready=ready)
+                cache.append(layer, k, v, cache.plan(bt, pr.i32(cu, device), pr.i32(kv, device),
+                                                     metadata_ready=ready))
             else:
                 slots = [t.block * bs + t.offset for t in targets] + [-1, -1]
                 positions = [t.position for t in targets] + [0, 0]
-                cache.append(layer, k, v, slot_mapping=torch.tensor(slots, device=device),
-                             positions=torch.tensor(positions, dtype=torch.int32, device=device),
-                             metadata_ready=ready)
+                cache.append(layer, k, v, cache.plan(slot_mapping=torch.tensor(slots, device=device),
+                                                     positions=torch.tensor(positions, dtype=torch.int32,
+                                                                            device=device), metadata_ready=ready))
             pr.assert_append_matches(cache.pool(layer), cache.params(layer), exp, kv_dtype=kv_dtype, layout="NHD",
                                      rope=rope, fp8_scales=scales[layer], what=f"step {step} layer {layer}")
         lens = [x + 1 for x in lens]
@@ -414,8 +414,8 @@ def test_bad_max_inv_freq_is_rejected(device, bad):
     k = torch.randn(3, 2, 16).half().to(device)
     params = RopeConfig(head_dim=16).kernel_params(device=device)._replace(max_inv_freq=bad)
     with pytest.raises(ValueError, match="max_inv_freq"):
-        cache.append(0, k, k, slot_mapping=torch.tensor([0, 1, 2], device=device),
-                     positions=torch.tensor([0, 1, 2], device=device), rope=params)
+        cache.append(0, k, k, cache.plan(slot_mapping=torch.tensor([0, 1, 2], device=device),
+                                         positions=torch.tensor([0, 1, 2], device=device), rope=params))
     assert torch.equal(pr.bits(cache.pool(0)), before)
 
 
@@ -427,8 +427,8 @@ def test_check_true_rejects_a_bound_below_the_frequencies(device):
     k = torch.randn(3, 2, 16).half().to(device)
     params = RopeConfig(head_dim=16).kernel_params(device=device)._replace(max_inv_freq=0.5)
     with pytest.raises(ValueError, match="max_inv_freq"):
-        cache.append(0, k, k, slot_mapping=torch.tensor([0, 1, 2], device=device),
-                     positions=torch.tensor([0, 1, 2], device=device), rope=params, check=True)
+        cache.append(0, k, k, cache.plan(slot_mapping=torch.tensor([0, 1, 2], device=device),
+                                         positions=torch.tensor([0, 1, 2], device=device), rope=params, check=True))
     assert torch.equal(pr.bits(cache.pool(0)), before)
 
 
@@ -503,10 +503,8 @@ def test_pair_store_falls_back_where_params_are_not_8_byte_aligned(device, kv_dt
     targets = pr.slot_targets(slots, block_size=bs, num_blocks=nb)
     exp = pr.append_expected(cache.pool(0), params, k, v, targets, kv_dtype=kv_dtype, layout="NHD")
     launch = dataclasses.replace(la.variant("per-row", k, kv_dtype=kv_dtype, n_seqs=None, rope=None), pair_asm=True)
-    append_paged_kv_launch(
-        k, v, cache.pool(0), params, kv_dtype=kv_dtype, layout="NHD", block_tables=None, cu_q_lens=None,
-        kv_lens=None, cu_k_lens=None, slot_mapping=torch.tensor(slots, device=device), positions=None, rope=None,
-        fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, launch=launch)
+    storage = PagedLayer(cache.pool(0), params, cache.kv_scales[0], kv_dtype, "NHD")
+    append_paged_kv_launch(k, v, storage, cache.plan(slot_mapping=torch.tensor(slots, device=device)), launch)
     pr.assert_append_matches(cache.pool(0), params, exp, kv_dtype=kv_dtype, layout="NHD")
 
 
@@ -548,11 +546,10 @@ def test_pair_store_and_tl_store_write_the_same_bytes(device, kv_dtype, hints, h
             assert params.data_ptr() % 8 == 4
         exp = pr.append_expected(cache.pool(0), params, k, v, targets, kv_dtype=kv_dtype, layout=layout,
                                  rope=rope)
-        append_paged_kv_launch(
-            k, v, cache.pool(0), params, kv_dtype=kv_dtype, layout=layout, block_tables=pr.i32(tables, device),
-            cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device), cu_k_lens=None, slot_mapping=None,
-            positions=None, rope=rope.kernel_params(device=device), fp8_scales=cache.kv_scales[0], cp_rank=0,
-            cp_size=1, launch=launch)
+        plan = cache.plan(pr.i32(tables, device), pr.i32(cu, device), pr.i32(kv_lens, device),
+                          rope=rope.kernel_params(device=device))
+        storage = PagedLayer(cache.pool(0), params, cache.kv_scales[0], kv_dtype, layout)
+        append_paged_kv_launch(k, v, storage, plan, launch)
         pr.assert_append_matches(cache.pool(0), params, exp, kv_dtype=kv_dtype, layout=layout, rope=rope)
         return cache.pool(0).clone(), params.clone()
 
@@ -665,7 +662,7 @@ def test_metadata_ready_must_be_a_bool(device):
     before = cache.pool(0).clone()
     for bad in (1, "yes", None):
         with pytest.raises(TypeError, match="metadata_ready"):
-            cache.append(0, k, k, slot_mapping=torch.tensor([0], device=device), metadata_ready=bad)
+            cache.append(0, k, k, cache.plan(slot_mapping=torch.tensor([0], device=device), metadata_ready=bad))
     with pytest.raises(TypeError, match=r"metadata_ready: expected a bool, got 1 \(int\)"):
         append_paged_kv(k, k, cache.pool(0), cache.params(0), kv_dtype="int8",
                         slot_mapping=torch.tensor([0], device=device), metadata_ready=1)
@@ -705,7 +702,7 @@ def test_cache_append_with_metadata_ready(device, mode, kv_dtype):
             exp = pr.append_expected(cache.pool(0), cache.params(0), k, v, targets, kv_dtype=kv_dtype,
                                      layout="NHD", rope=rope)
             if way == "cache":
-                cache.append(0, k, v, metadata_ready=True, **index)
+                cache.append(0, k, v, cache.plan(metadata_ready=True, **index))
             elif way == "op":
                 append_paged_kv(k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, rope=params,
                                 fp8_scales=cache.kv_scales[0], metadata_ready=True, **index)
@@ -810,7 +807,7 @@ def test_metadata_ready_still_waits_for_k_and_v(device, mode, kv_dtype):
     # next one starts); the real append below overwrites every row this one writes
     writer[grid](fresh, kv, fresh.numel(), SPIN=500000, BLOCK=block, launch_pdl=True)
     eager_copy[grid](kv, snap, kv.numel(), BLOCK=block, launch_pdl=True)
-    cache.append(0, kv[0], kv[1], metadata_ready=True, **index)
+    cache.append(0, kv[0], kv[1], cache.plan(metadata_ready=True, **index))
     torch.cuda.synchronize()
     kv.zero_()
     # control: a PDL kernel that reads without waiting sees the stale K / V (else this test could not tell). On a
@@ -831,7 +828,7 @@ def test_metadata_ready_still_waits_for_k_and_v(device, mode, kv_dtype):
     kv.zero_()
     torch.cuda.synchronize()
     writer[grid](fresh, kv, fresh.numel(), SPIN=500000, BLOCK=block, launch_pdl=True)
-    cache.append(0, kv[0], kv[1], metadata_ready=True, **index)
+    cache.append(0, kv[0], kv[1], cache.plan(metadata_ready=True, **index))
     torch.cuda.synchronize()
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
@@ -863,8 +860,8 @@ def test_decode_graph_with_metadata_ready(device, kv_dtype, ready):
     def step(cache: PagedKVCache) -> None:
         for layer in range(L):
             writer[grid](src[layer], kv[layer], 2 * n * H * D, SPIN=20000, BLOCK=1024, launch_pdl=True)
-            cache.append(layer, kv[layer, 0], kv[layer, 1], block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens,
-                         metadata_ready=ready)
+            cache.append(layer, kv[layer, 0], kv[layer, 1], cache.plan(block_tables=tables, cu_q_lens=cu_q,
+                                                                       kv_lens=kv_lens, metadata_ready=ready))
 
     step(graphed)  # compiles, prepares the plans
     torch.cuda.synchronize()

@@ -14,7 +14,14 @@ import unittest.mock
 import pytest
 import torch
 
-from kvcache.ops.paged import AppendLaunch, GatherLaunch, append_paged_kv_launch, plan_append, plan_gather
+from kvcache.ops.paged import (
+    AppendLaunch,
+    GatherLaunch,
+    PagedLayer,
+    append_paged_kv_launch,
+    plan_append,
+    plan_gather,
+)
 from kvcache.ops.paged.format import KV_FORMAT_TABLE
 from kvcache.ops.paged.launch import default_append_launch, pdl_supported, ptx, rope_kind
 from kvcache.ops.paged.policy import GATHER_WIDE_FROM, SPLIT_BELOW, check_launch
@@ -271,16 +278,16 @@ def test_the_launcher_checks_a_launch_before_anything_runs(kv_dtype):
         ("pdl", spec, whole),
     ):
         with pytest.raises(ValueError, match=pr.names(name)):
-            append_paged_kv_launch(
-                k, k, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD", block_tables=None,
-                cu_q_lens=None, kv_lens=None, cu_k_lens=None, slot_mapping=torch.arange(3), positions=torch.arange(3),
-                rope=rope, fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, launch=launch)
+            plan_ = cache.plan(slot_mapping=torch.arange(3), positions=torch.arange(3),
+                               rope=rope if rope is not None else False)
+            storage = PagedLayer(cache.pool(0), cache.params(0), cache.kv_scales[0], kv_dtype, "NHD")
+            append_paged_kv_launch(k, k, storage, plan_, launch)
     assert torch.equal(pr.bits(cache.buffer), before)
 
 
 def test_default_append_launch_is_the_policy_on_the_pools_device():
-    """The launcher's default: plan_append with what the pool's device offers (the CPU: no PDL, no PTX) and the
-    RoPE's kind."""
+    """The launcher's default: plan_append with what the pool's device offers (the CPU: no PDL, no PTX), the
+    plan's RoPE kind, sequences and promises."""
     cache = pr.sentinel_cache("cpu", num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, kv_dtype="int8")
     k = torch.zeros(5, 2, 16, dtype=torch.float16)
     assert not pdl_supported(torch.device("cpu")) and not ptx(torch.device("cpu"))
@@ -289,11 +296,22 @@ def test_default_append_launch_is_the_policy_on_the_pools_device():
                        (RopeConfig(head_dim=16, rotary_dim=8), "partial")):
         params = rope.kernel_params() if rope is not None else None
         assert rope_kind(params, 16) == kind
+        storage = PagedLayer(cache.pool(0), cache.params(0), None, "int8", "NHD")
         for seqs, ready in ((None, False), (5, True), (2, False)):
-            got = default_append_launch(k, cache.pool(0), kv_dtype="int8", n_seqs=seqs, rope=params,
-                                        metadata_ready=ready)
+            if seqs is None:
+                index = dict(slot_mapping=torch.arange(5), positions=torch.arange(5))
+            else:
+                index = dict(block_tables=torch.zeros(seqs, 2, dtype=torch.int32),
+                             cu_q_lens=torch.tensor([0] * seqs + [5], dtype=torch.int32),
+                             kv_lens=torch.zeros(seqs, dtype=torch.int32))
+            step = cache.plan(rope=params if params is not None else False, metadata_ready=ready, **index)
+            got = default_append_launch(k.shape[0], storage, step)
             assert got == plan_append(n_rows=5, n_seqs=seqs, num_kv_heads=2, head_dim=16, kv_dtype="int8", rope=kind,
                                       pdl=False, ptx=False, metadata_ready=ready)
+            ready_rope = dataclasses.replace(step, rope_ready=True)
+            assert default_append_launch(5, storage, ready_rope) == plan_append(
+                n_rows=5, n_seqs=seqs, num_kv_heads=2, head_dim=16, kv_dtype="int8", rope=kind, pdl=False, ptx=False,
+                metadata_ready=ready, rope_ready=True)
 
 
 def test_ptx_means_an_nvidia_build():

@@ -302,7 +302,7 @@ def test_speculation_sees_index_tensors_written_late(device, mode, kv_dtype):
             append_paged_kv(k, v, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, rope=params,
                             fp8_scales=cache.kv_scales[0], metadata_ready=ready, **args)
         else:
-            cache.append(0, k, v, metadata_ready=ready, **args)
+            cache.append(0, k, v, cache.plan(metadata_ready=ready, **args))
         torch.cuda.synchronize()
         assert torch.equal(buf, fresh), "the writer did not run"
         return cache

@@ -38,8 +38,8 @@ def _append_in_steps(cache, ks, vs, tables, device, steps=2, layer=0, **kw):  # 
             take = [max(0, (n - d) // 2) if step == 0 else min(1, n - d) for n, d in zip(lens, done)]
         rows_k = torch.cat([k[d:d + t] for k, d, t in zip(ks, done, take)])
         rows_v = torch.cat([v[d:d + t] for v, d, t in zip(vs, done, take)])
-        cache.append(layer, rows_k.to(device), rows_v.to(device), block_tables=bt,
-                     cu_q_lens=pr.i32(pr.cumsum0(take), device), kv_lens=pr.i32(done, device), **kw)
+        plan = cache.plan(bt, pr.i32(pr.cumsum0(take), device), pr.i32(done, device), **kw)
+        cache.append(layer, rows_k.to(device), rows_v.to(device), plan)
         done = [d + t for d, t in zip(done, take)]
     assert done == lens
 
@@ -75,7 +75,8 @@ def test_auto_round_trip_bit_exact(device, D, layout, dtype, permuted):
     else:
         k_out, v_out = buf[0, :, :, 1:-1], buf[1, :, :, 1:-1]
     assert not k_out.is_contiguous()
-    rk, rv = cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device), k_out=k_out, v_out=v_out)
+    rk, rv = cache.gather(0, cache.plan(pr.i32(tables, device), seq_lens=pr.i32(lens, device)), k_out=k_out,
+                          v_out=v_out)
     assert rk.data_ptr() == k_out.data_ptr() and rv.data_ptr() == v_out.data_ptr()
     exp = pr.gather_expected(cache.pool(0), None, tables, lens, kv_dtype="auto", layout=layout, s_out=s_out,
                              dtype=dtype)
@@ -96,7 +97,7 @@ def test_gather_allocates_with_max_len_from_lengths(device):
     ks, vs = _sequences(device, gen, H, D, lens, torch.bfloat16)
     tables = pr.block_tables_for(gen, lens, block_size=bs, num_blocks=16)
     _append_in_steps(cache, ks, vs, tables, device)
-    k_out, v_out = cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device))
+    k_out, v_out = cache.gather(0, cache.plan(pr.i32(tables, device), seq_lens=pr.i32(lens, device)))
     assert k_out.shape == v_out.shape == (3, H, 11, D)
     assert k_out.dtype == torch.bfloat16 and k_out.device.type == torch.device(device).type
     exp = pr.gather_expected(cache.pool(0), None, tables, lens, kv_dtype="auto", layout="NHD", s_out=11,
@@ -104,7 +105,7 @@ def test_gather_allocates_with_max_len_from_lengths(device):
     pr.assert_gather_matches(k_out, v_out, exp, kv_dtype="auto")
     # max_len given: longer (zero tail) and shorter (the first tokens only)
     for max_len in (13, 4):
-        k2, v2 = cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device), max_len=max_len)
+        k2, v2 = cache.gather(0, cache.plan(pr.i32(tables, device), seq_lens=pr.i32(lens, device)), max_len=max_len)
         assert k2.shape == (3, H, max_len, D)
         exp = pr.gather_expected(cache.pool(0), None, tables, lens, kv_dtype="auto", layout="NHD", s_out=max_len,
                                  dtype=torch.bfloat16)
@@ -132,9 +133,9 @@ def test_cu_k_lens_mode_equals_kv_lens(device):
     tables = pr.block_tables_for(gen, lens, block_size=bs, num_blocks=16)
     _append_in_steps(cache, ks, vs, tables, device)
     bt = pr.i32(tables, device)
-    a = cache.gather(0, bt, kv_lens=pr.i32(lens, device), max_len=12)
-    b = cache.gather(0, bt, cu_k_lens=pr.i32(pr.cumsum0(lens), device), max_len=12)
-    c = cache.gather(0, bt, cu_k_lens=pr.i32(pr.cumsum0(lens), device))  # max_len from the lengths
+    a = cache.gather(0, cache.plan(bt, seq_lens=pr.i32(lens, device)), max_len=12)
+    b = cache.gather(0, cache.plan(bt, cu_k_lens=pr.i32(pr.cumsum0(lens), device)), max_len=12)
+    c = cache.gather(0, cache.plan(bt, cu_k_lens=pr.i32(pr.cumsum0(lens), device)))  # max_len from the lengths
     for x, y, z, name in zip(a, b, c, "kv"):
         pr.assert_bits_equal(y, x, f"{name}: cu_k_lens vs kv_lens")
         pr.assert_bits_equal(z, x, f"{name}: cu_k_lens, default max_len")
@@ -147,7 +148,8 @@ def test_zero_length_sequences_gather_zeros(device):
     H, D = 2, 8
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D)
     base = pr.fill_sentinel(torch.empty((2, 2, H, 5, D), dtype=torch.float16, device=device))
-    cache.gather(0, pr.i32([[3], [-1]], device), kv_lens=pr.i32([0, 0], device), k_out=base[0], v_out=base[1])
+    cache.gather(0, cache.plan(pr.i32([[3], [-1]], device), seq_lens=pr.i32([0, 0], device)), k_out=base[0],
+                 v_out=base[1])
     assert not base.any(), "zero-length sequences must gather as zeros"
 
 
@@ -176,8 +178,8 @@ def test_gather_applies_rope_to_unrotated_keys(device, kv_dtype, rope_case):
     ks, vs = _sequences(device, gen, H, D, lens)
     tables = pr.block_tables_for(gen, lens, block_size=bs, num_blocks=16)
     _append_in_steps(cache, ks, vs, tables, device, rope=False)
-    k_out, v_out = cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device), rope=rope,
-                                rope_seq_len=seq_len)
+    k_out, v_out = cache.gather(0, cache.plan(pr.i32(tables, device), seq_lens=pr.i32(lens, device),
+                                              rope_seq_len=seq_len), rope=rope)
     exp = pr.gather_expected(cache.pool(0), cache.params(0), tables, lens, kv_dtype=kv_dtype, layout="NHD",
                              s_out=10, dtype=torch.float16, rope=rope, rope_seq_len=seq_len, device=device)
     pr.assert_gather_matches(k_out, v_out, exp, kv_dtype=kv_dtype, rope=rope)
@@ -200,7 +202,8 @@ def test_append_with_rope_then_gather_round_trip(device):
     ks, vs = _sequences(device, gen, H, D, lens)
     tables = pr.block_tables_for(gen, lens, block_size=bs, num_blocks=16)
     _append_in_steps(cache, ks, vs, tables, device)
-    k_out, v_out = cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device))  # rope off by default
+    k_out, v_out = cache.gather(0, cache.plan(pr.i32(tables, device), seq_lens=pr.i32(lens,
+                                                                                      device)))  # rope off by default
     exp = pr.gather_expected(cache.pool(0), None, tables, lens, kv_dtype="auto", layout="NHD", s_out=9,
                              dtype=torch.float16)
     pr.assert_gather_matches(k_out, v_out, exp, kv_dtype="auto")
@@ -235,14 +238,14 @@ def test_context_parallel_gather_reconstructs_sequences(device, cp_size, use_rop
         _append_in_steps(cache, ks, vs, tables, device, cp_rank=rank, cp_size=cp_size)
         s_out = pr.local_len(max(lens), rank, cp_size) + 1
         base = pr.fill_sentinel(torch.empty((2, len(lens), H, s_out, D), dtype=torch.float16, device=device))
-        cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device), k_out=base[0], v_out=base[1],
-                     rope=rope, cp_rank=rank, cp_size=cp_size)
+        cache.gather(0, cache.plan(pr.i32(tables, device), seq_lens=pr.i32(lens, device), cp_rank=rank,
+                                   cp_size=cp_size), k_out=base[0], v_out=base[1], rope=rope)
         exp = pr.gather_expected(cache.pool(0), None, tables, lens, kv_dtype="auto", layout="NHD", s_out=s_out,
                                  dtype=torch.float16, rope=rope, cp_rank=rank, cp_size=cp_size, device=device)
         pr.assert_gather_matches(base[0], base[1], exp, kv_dtype="auto", rope=rope, what=f"rank {rank}")
         # default max_len on this rank: its longest local length
-        k_def, _ = cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device), cp_rank=rank,
-                                cp_size=cp_size)
+        k_def, _ = cache.gather(0, cache.plan(pr.i32(tables, device), seq_lens=pr.i32(lens, device), cp_rank=rank,
+                                              cp_size=cp_size))
         assert k_def.shape[2] == pr.local_len(max(lens), rank, cp_size)
         gathered.append(base.cpu())
     for b, n in enumerate(lens):
@@ -294,8 +297,8 @@ def test_random_ragged_append_then_gather(device, kv_dtype, case):
     zeros = [0] * len(kv_lens)
     t0 = pr.ragged_targets(sum(kv_lens), tables, pr.cumsum0(kv_lens), kv_lens=zeros, block_size=bs, num_blocks=nb)
     exp = pr.append_expected(cache.pool(0), cache.params(0), old_k, old_v, t0, kv_dtype=kv_dtype, layout=layout)
-    cache.append(0, old_k, old_v, block_tables=bt, cu_q_lens=pr.i32(pr.cumsum0(kv_lens), device),
-                 kv_lens=pr.i32(zeros, device))
+    cache.append(0, old_k, old_v, cache.plan(block_tables=bt, cu_q_lens=pr.i32(pr.cumsum0(kv_lens), device),
+                                             kv_lens=pr.i32(zeros, device)))
     # the new tokens: mixed prefill / decode, padding rows at the end
     cu = pr.cumsum0(q_lens)
     k = pr.randn((cu[-1] + padding, H, D), torch.float16, gen, device)
@@ -303,11 +306,11 @@ def test_random_ragged_append_then_gather(device, kv_dtype, case):
     t1 = pr.ragged_targets(k.shape[0], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=nb)
     assert len(t0) == sum(kv_lens) and len(t1) == cu[-1]
     exp = pr.append_expected(exp.pool, exp.params, k, v, t1, kv_dtype=kv_dtype, layout=layout)
-    cache.append(0, k, v, block_tables=bt, cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device))
+    cache.append(0, k, v, cache.plan(block_tables=bt, cu_q_lens=pr.i32(cu, device), kv_lens=pr.i32(kv_lens, device)))
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout=layout)
     s_out = max(totals) + 1
     base = pr.fill_sentinel(torch.empty((2, len(totals), H, s_out, D), dtype=torch.float16, device=device))
-    cache.gather(0, bt, kv_lens=pr.i32(totals, device), k_out=base[0], v_out=base[1])
+    cache.gather(0, cache.plan(bt, seq_lens=pr.i32(totals, device)), k_out=base[0], v_out=base[1])
     gexp = pr.gather_expected(exp.pool, exp.params, tables, totals, kv_dtype=kv_dtype, layout=layout, s_out=s_out,
                               dtype=torch.float16)
     pr.assert_gather_matches(base[0], base[1], gexp, kv_dtype=kv_dtype)
@@ -331,7 +334,8 @@ def test_gather_sweep_large(device, kv_dtype):
     _append_in_steps(cache, ks, vs, tables, device, rope=False)
     rope = RopeConfig(head_dim=D, rope_type="yarn", factor=4.0, original_max_position_embeddings=64)
     for r in (None, rope):
-        k_out, v_out = cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device), rope=r or False)
+        k_out, v_out = cache.gather(0, cache.plan(pr.i32(tables, device), seq_lens=pr.i32(lens, device)),
+                                    rope=r or False)
         exp = pr.gather_expected(cache.pool(0), cache.params(0), tables, lens, kv_dtype=kv_dtype, layout="NHD",
                                  s_out=max(lens), dtype=torch.float16, rope=r, device=device)
         pr.assert_gather_matches(k_out, v_out, exp, kv_dtype=kv_dtype, rope=r)
@@ -359,7 +363,7 @@ def test_gather_into_odd_strided_outputs(device, kv_dtype):
     buf = pr.fill_sentinel(torch.empty((2, len(lens), H, s_out, D + 1), dtype=torch.float16, device=device))
     k_out, v_out = buf[0, ..., :D], buf[1, ..., 1:]
     assert k_out.stride(2) == D + 1
-    cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(lens, device), k_out=k_out, v_out=v_out)
+    cache.gather(0, cache.plan(pr.i32(tables, device), seq_lens=pr.i32(lens, device)), k_out=k_out, v_out=v_out)
     exp = pr.gather_expected(cache.pool(0), cache.params(0), tables, lens, kv_dtype=kv_dtype, layout="NHD",
                              s_out=s_out, dtype=torch.float16)
     pr.assert_gather_matches(k_out, v_out, exp, kv_dtype=kv_dtype)
@@ -372,7 +376,7 @@ def test_gather_with_64bit_output_offsets(device, kv_dtype):
     """Outputs spanning 2**31 elements or more take 64-bit address arithmetic (the launch's ``wide``, chosen by
     plan_gather: tests/paged/test_append_policy.py); forced on here for small outputs, that code path writes
     what the 32-bit one does, into strided outputs (a padded head stride and a permuted view)."""
-    from kvcache.ops.paged import gather_paged_kv_launch, plan_gather
+    from kvcache.ops.paged import PagedLayer, gather_paged_kv_launch, plan_gather
 
     H, D, bs = 3, 16, 4
     lens = [7, 2]
@@ -385,10 +389,9 @@ def test_gather_with_64bit_output_offsets(device, kv_dtype):
         k_out, v_out = kb[:, :, 3:], vb.permute(0, 2, 1, 3)
         launch = plan_gather(k_out, v_out, num_kv_heads=H, head_dim=D)
         assert launch.wide is False
-        gather_paged_kv_launch(
-            k_out, v_out, cache.pool(0), cache.params(0), kv_dtype=kv_dtype, layout="NHD",
-            block_tables=pr.i32(tables, device), kv_lens=pr.i32(lens, device), cu_k_lens=None, rope=None,
-            fp8_scales=cache.kv_scales[0], cp_rank=0, cp_size=1, launch=dataclasses.replace(launch, wide=wide))
+        storage = PagedLayer(cache.pool(0), cache.params(0), cache.kv_scales[0], kv_dtype, "NHD")
+        plan = cache.plan(pr.i32(tables, device), seq_lens=pr.i32(lens, device))
+        gather_paged_kv_launch(k_out, v_out, storage, plan, None, dataclasses.replace(launch, wide=wide))
         outs[wide] = (kb, vb)
     exp = pr.gather_expected(cache.pool(0), cache.params(0), tables, lens, kv_dtype=kv_dtype, layout="NHD",
                              s_out=s_out, dtype=torch.float16)
@@ -412,11 +415,11 @@ def test_gather_output_past_2_pow_31_elements(device):
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=4)
     k = pr.randn((3, H, D), torch.float16, gen, device)
     v = pr.randn((3, H, D), torch.float16, gen, device)
-    cache.append(0, k, v, block_tables=pr.i32([[2]], device), cu_q_lens=pr.i32([0, 3], device),
-                 kv_lens=pr.i32([0], device))
+    cache.append(0, k, v, cache.plan(block_tables=pr.i32([[2]], device), cu_q_lens=pr.i32([0, 3], device),
+                                     kv_lens=pr.i32([0], device)))
     bufs = [torch.full((head_stride + 4 * D,), 7.0, dtype=torch.float16, device=device) for _ in range(2)]
     k_out, v_out = (b.as_strided((1, H, 4, D), (head_stride + 4 * D, head_stride, D, 1)) for b in bufs)
-    cache.gather(0, pr.i32([[2]], device), kv_lens=pr.i32([3], device), k_out=k_out, v_out=v_out)
+    cache.gather(0, cache.plan(pr.i32([[2]], device), seq_lens=pr.i32([3], device)), k_out=k_out, v_out=v_out)
     for got, want in ((k_out, k), (v_out, v)):
         assert torch.equal(got[0, :, :3], want.transpose(0, 1))
         assert torch.equal(got[0, :, 3], torch.zeros_like(got[0, :, 3]))  # past the sequence: zeros

@@ -24,9 +24,9 @@ def _roundtrip(device: torch.device, kv_dtype: str, layout: str, x: torch.Tensor
     cache = PagedKVCache(cfg, rope=RopeConfig(head_dim=D) if rope else None)
     n = x.shape[0]
     tables = torch.tensor([[2, 0]], dtype=torch.int32, device=device)
-    cache.append(0, x, x, block_tables=tables, cu_q_lens=torch.tensor([0, n], dtype=torch.int32, device=device),
-                 kv_lens=torch.zeros(1, dtype=torch.int32, device=device))
-    k, v = cache.gather(0, tables, kv_lens=torch.tensor([n], dtype=torch.int32, device=device))
+    cache.append(0, x, x, cache.plan(tables, torch.tensor([0, n], dtype=torch.int32, device=device),
+                                     torch.zeros(1, dtype=torch.int32, device=device)))
+    k, v = cache.gather(0, cache.plan(tables, seq_lens=torch.tensor([n], dtype=torch.int32, device=device)))
     return k[0].transpose(0, 1).float().cpu(), v[0].transpose(0, 1).float().cpu(), cache
 
 

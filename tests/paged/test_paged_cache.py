@@ -497,12 +497,12 @@ CHECK_ERRORS = {
 def _check_call(cache, k, device, *, tables=([0], [1]), cu=(0, 3, 5), kv_lens=(0, 2), cu_k=None, slots=None,  # type: ignore[no-untyped-def]
                 **extra):
     if slots is not None:
-        return cache.append(0, k, k, slot_mapping=torch.tensor(slots, device=device), check=True, **extra)
+        return cache.append(0, k, k, cache.plan(slot_mapping=torch.tensor(slots, device=device), check=True, **extra))
     lens = dict(kv_lens=pr.i32(list(kv_lens), device)) if cu_k is None else dict(cu_k_lens=pr.i32(list(cu_k), device))
     width = max(len(t) for t in tables)
     padded = [list(t) + [0] * (width - len(t)) for t in tables]
-    return cache.append(0, k, k, block_tables=pr.i32(padded, device), cu_q_lens=pr.i32(list(cu), device),
-                        check=True, **lens, **extra)
+    return cache.append(0, k, k, cache.plan(block_tables=pr.i32(padded, device), cu_q_lens=pr.i32(list(cu), device),
+                                            check=True, **lens, **extra))
 
 
 @pytest.mark.parametrize("case", list(CHECK_ERRORS))
@@ -529,10 +529,10 @@ def test_check_true_cp_rank_exact_table(device):
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=1, num_blocks=NB)
     k = pr.randn((5, H, D), torch.float16, pr.generator(407), device)
     common = dict(cu_q_lens=pr.i32([0, 5], device), kv_lens=pr.i32([0], device), cp_size=2, check=True)
-    cache.append(0, k, k, block_tables=pr.i32([[0, 1, 2]], device), cp_rank=0, **common)
+    cache.append(0, k, k, cache.plan(block_tables=pr.i32([[0, 1, 2]], device), cp_rank=0, **common))
     with pytest.raises(ValueError, match=pr.names("block_tables")):
-        cache.append(0, k, k, block_tables=pr.i32([[0, 1]], device), cp_rank=0, **common)
-    cache.append(0, k, k, block_tables=pr.i32([[3, 2]], device), cp_rank=1, **common)
+        cache.append(0, k, k, cache.plan(block_tables=pr.i32([[0, 1]], device), cp_rank=0, **common))
+    cache.append(0, k, k, cache.plan(block_tables=pr.i32([[3, 2]], device), cp_rank=1, **common))
     for t, blk in ((1, 3), (3, 2)):
         pr.assert_bits_equal(cache.pool(0)[blk, 0, 0], k[t], f"rank 1 position {t}")
 
@@ -666,40 +666,48 @@ def test_cache_append_and_gather_reject(device, other_device):
     k64 = pr.randn((3, H, 64), torch.float16, gen, device)
     sm = torch.tensor([0, 1, 2], device=device)
     bt = pr.i32([[0]], device)
+    out4 = torch.zeros(1, H, 4, D, device=device)
     cases = [
-        (lambda: cache.append(2, k, k, slot_mapping=sm), ValueError, "layer"),
-        (lambda: cache.append(-1, k, k, slot_mapping=sm), ValueError, "layer"),
-        (lambda: cache.append("0", k, k, slot_mapping=sm), TypeError, "layer"),
-        (lambda: cache.append(0, k, k, slot_mapping=sm, rope=True), ValueError, "rope"),
-        (lambda: cache.append(0, k[:, :1], k[:, :1], slot_mapping=sm), ValueError, "k"),
-        (lambda: cache.append(0, k, k, slot_mapping=sm.float()), ValueError, "slot_mapping"),
-        (lambda: cache.append(0, k, k, slot_mapping=sm, check=True, cp_size=2), ValueError, "cp_size"),
-        (lambda: cache.gather(2, bt, kv_lens=pr.i32([1], device)), ValueError, "layer"),
-        (lambda: cache.gather(1.0, bt, kv_lens=pr.i32([1], device)), TypeError, "layer"),
-        (lambda: cache.gather(0, bt, kv_lens=pr.i32([1], device), rope=True), ValueError, "rope"),
-        (lambda: cache.gather(0, bt.long(), kv_lens=pr.i32([1], device)), ValueError, "block_tables"),
-        (lambda: cache.gather(0, bt), ValueError, "(kv_lens|cu_k_lens)"),
-        (lambda: rope_cache.append(0, k64, k64, slot_mapping=sm, positions=sm, rope_seq_len=0), ValueError,
+        (lambda: cache.append(2, k, k, cache.plan(slot_mapping=sm)), ValueError, "layer"),
+        (lambda: cache.append(-1, k, k, cache.plan(slot_mapping=sm)), ValueError, "layer"),
+        (lambda: cache.append("0", k, k, cache.plan(slot_mapping=sm)), TypeError, "layer"),
+        (lambda: cache.append(0, k, k, cache.plan(slot_mapping=sm, rope=True)), ValueError, "rope"),
+        (lambda: cache.append(0, k[:, :1], k[:, :1], cache.plan(slot_mapping=sm)), ValueError, "k"),
+        (lambda: cache.append(0, k, k, cache.plan(slot_mapping=sm.float())), ValueError, "slot_mapping"),
+        (lambda: cache.append(0, k, k, cache.plan(slot_mapping=sm, check=True, cp_size=2)), ValueError, "cp_size"),
+        (lambda: cache.gather(2, cache.plan(bt, seq_lens=pr.i32([1], device))), ValueError, "layer"),
+        (lambda: cache.gather(1.0, cache.plan(bt, seq_lens=pr.i32([1], device))), TypeError, "layer"),
+        (lambda: cache.gather(0, cache.plan(bt, seq_lens=pr.i32([1], device)), rope=True), ValueError, "rope"),
+        (lambda: cache.gather(0, cache.plan(bt.long(), seq_lens=pr.i32([1], device))), ValueError, "block_tables"),
+        (lambda: cache.gather(0, cache.plan(bt)), ValueError, "seq_lens"),
+        (lambda: cache.gather(0, bt), TypeError, "plan"),
+        (lambda: cache.append(0, k, k, rope_cache.plan(slot_mapping=sm, rope=False)), ValueError, "plan"),
+        (lambda: rope_cache.append(0, k64, k64, rope_cache.plan(slot_mapping=sm, positions=sm, rope_seq_len=0)),
+         ValueError,
          "(rope_seq_len|seq_len)"),
-        (lambda: rope_cache.append(0, k64, k64, slot_mapping=sm, positions=sm, rope_seq_len="9"), TypeError,
+        (lambda: rope_cache.append(0, k64, k64, rope_cache.plan(slot_mapping=sm, positions=sm, rope_seq_len="9")),
+         TypeError,
          "(rope_seq_len|seq_len)"),
-        (lambda: rope_cache.append(0, k64, k64, slot_mapping=sm, positions=None, rope_seq_len=4), ValueError,
+        (lambda: rope_cache.append(0, k64, k64, rope_cache.plan(slot_mapping=sm, positions=None, rope_seq_len=4)),
+         ValueError,
          "positions"),
         # dynamic scaling needs the current length (transformers derives it from the positions)
-        (lambda: rope_cache.append(0, k64, k64, slot_mapping=sm, positions=sm), ValueError, "rope_seq_len"),
-        (lambda: rope_cache.gather(0, bt, kv_lens=pr.i32([1], device), rope=True), ValueError, "rope_seq_len"),
-        (lambda: cache.append(0, k, k, slot_mapping=sm, rope=RopeConfig(head_dim=D, rope_type="dynamic", factor=2.0,
-                                                                       max_position_embeddings=8)),
-         ValueError, "rope_seq_len"),
+        (lambda: rope_cache.append(0, k64, k64, rope_cache.plan(slot_mapping=sm, positions=sm)), ValueError,
+         "rope_seq_len"),
+        (lambda: rope_cache.gather(0, rope_cache.plan(bt, seq_lens=pr.i32([1], device)), rope=True), ValueError,
+         "rope_seq_len"),
+        (lambda: cache.append(0, k, k, cache.plan(slot_mapping=sm, rope=RopeConfig(
+            head_dim=D, rope_type="dynamic", factor=2.0, max_position_embeddings=8))), ValueError, "rope_seq_len"),
         # the cache's model dtype (float16) for every format, and a bool check
-        (lambda: cache.append(0, k.float(), k.float(), slot_mapping=sm), ValueError, "k"),
-        (lambda: cache.append(0, k, k.bfloat16(), slot_mapping=sm), ValueError, "v"),
-        (lambda: cache.append(0, k, k, slot_mapping=sm, check="no"), TypeError, "check"),
-        (lambda: cache.gather(1, bt, kv_lens=pr.i32([1], device), k_out=torch.zeros(1, H, 4, D, device=device),
-                              v_out=torch.zeros(1, H, 4, D, device=device), max_len=5), ValueError, "max_len"),
-        (lambda: cache.gather(1, bt, kv_lens=pr.i32([1], device), k_out=torch.zeros(1, H, 4, D, device=device),
-                              v_out=torch.zeros(1, H, 4, D, device=device), max_len=4.0), TypeError, "max_len"),
-        (lambda: rope_cache.append(0, k64, k64, slot_mapping=sm, positions=sm, rope="x"), TypeError, "rope"),
+        (lambda: cache.append(0, k.float(), k.float(), cache.plan(slot_mapping=sm)), ValueError, "k"),
+        (lambda: cache.append(0, k, k.bfloat16(), cache.plan(slot_mapping=sm)), ValueError, "v"),
+        (lambda: cache.append(0, k, k, cache.plan(slot_mapping=sm, check="no")), TypeError, "check"),
+        (lambda: cache.gather(1, cache.plan(bt, seq_lens=pr.i32([1], device)), k_out=out4, v_out=out4, max_len=5),
+         ValueError, "max_len"),
+        (lambda: cache.gather(1, cache.plan(bt, seq_lens=pr.i32([1], device)), k_out=out4, v_out=out4,
+                              max_len=4.0), TypeError, "max_len"),
+        (lambda: rope_cache.append(0, k64, k64, rope_cache.plan(slot_mapping=sm, positions=sm, rope="x")), TypeError,
+         "rope"),
     ]
     snaps = (_snapshot(cache), _snapshot(rope_cache))
     for i, (fn, exc, name) in enumerate(cases):
@@ -708,8 +716,8 @@ def test_cache_append_and_gather_reject(device, other_device):
         _assert_unchanged(cache, snaps[0], f"cache after rejected call {i}")
         _assert_unchanged(rope_cache, snaps[1], f"rope cache after rejected call {i}")
     # the valid forms of the same calls
-    rope_cache.append(0, k64, k64, slot_mapping=sm, positions=sm, rope_seq_len=40)
-    cache.append(1, k, k, slot_mapping=sm)
-    cache.gather(1, bt, kv_lens=pr.i32([3], device))
-    cache.gather(1, bt, kv_lens=pr.i32([3], device), k_out=torch.zeros(1, H, 4, D, device=device),
+    rope_cache.append(0, k64, k64, rope_cache.plan(slot_mapping=sm, positions=sm, rope_seq_len=40))
+    cache.append(1, k, k, cache.plan(slot_mapping=sm))
+    cache.gather(1, cache.plan(bt, seq_lens=pr.i32([3], device)))
+    cache.gather(1, cache.plan(bt, seq_lens=pr.i32([3], device)), k_out=torch.zeros(1, H, 4, D, device=device),
                  v_out=torch.zeros(1, H, 4, D, device=device), max_len=4)

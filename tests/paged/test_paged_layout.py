@@ -157,8 +157,8 @@ def test_flash_attention_k_cache_view(device):
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs)
     k = pr.randn((10, H, D), torch.float16, gen, device)
     tables = [[5, 2, 9]]
-    cache.append(0, k, k, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32([0, 10], device),
-                 kv_lens=pr.i32([0], device))
+    cache.append(0, k, k, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32([0, 10], device),
+                                     kv_lens=pr.i32([0], device)))
     k_cache, v_cache = cache.kv(0)
     assert k_cache.shape == (16, bs, H, D)
     for t in range(10):

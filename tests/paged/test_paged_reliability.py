@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache import PagedBatch, PagedConfig, PagedKVCache, ops
+from kvcache import PagedConfig, PagedKVCache, ops
 
 
 def _i32(x: list, device: torch.device) -> torch.Tensor:
@@ -28,9 +28,10 @@ def test_check_refuses_a_slot_written_twice(device):
     cache = _cache(device)
     k = _rows(3, device)
     with pytest.raises(ValueError, match=r"^slot_mapping: expected each slot at most once.*\[5\]"):
-        cache.append(0, k, k, slot_mapping=torch.tensor([5, 2, 5], device=device), check=True)
+        cache.append(0, k, k, cache.plan(slot_mapping=torch.tensor([5, 2, 5], device=device), check=True))
     assert not cache.buffer.any()
-    cache.append(0, k, k, slot_mapping=torch.tensor([5, -1, -1], device=device), check=True)  # -1 twice is fine
+    cache.append(0, k, k, cache.plan(slot_mapping=torch.tensor([5, -1, -1], device=device),
+                                     check=True))  # -1 twice is fine
 
 
 def test_check_refuses_a_block_shared_by_two_writers(device):
@@ -38,12 +39,11 @@ def test_check_refuses_a_block_shared_by_two_writers(device):
     k = _rows(4, device)
     tables = _i32([[3], [3]], device)  # both sequences write block 3 at offsets 0..1
     with pytest.raises(ValueError, match="^block_tables: sequences 0 and 1 both write slot 12"):
-        cache.append(0, k, k, block_tables=tables, cu_q_lens=_i32([0, 2, 4], device), kv_lens=_i32([0, 0], device),
-                     check=True)
+        cache.append(0, k, k, cache.plan(tables, _i32([0, 2, 4], device), _i32([0, 0], device), check=True))
     assert not cache.buffer.any()
     # a shared prefix block that only one sequence writes into is fine (prefix caching)
-    cache.append(0, k[:2], k[:2], block_tables=_i32([[3, 4], [3, 5]], device), cu_q_lens=_i32([0, 1, 2], device),
-                 kv_lens=_i32([4, 4], device), check=True)
+    cache.append(0, k[:2], k[:2], cache.plan(_i32([[3, 4], [3, 5]], device), _i32([0, 1, 2], device),
+                                             _i32([4, 4], device), check=True))
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), float("nan")])
@@ -52,7 +52,7 @@ def test_check_refuses_bad_fp8_scales(device, scale):
     cache.kv_scales[0, 1] = scale
     k = _rows(2, device)
     with pytest.raises(ValueError, match="^fp8_scales: expected finite scales > 0"):
-        cache.append(0, k, k, slot_mapping=torch.tensor([0, 1], device=device), check=True)
+        cache.append(0, k, k, cache.plan(slot_mapping=torch.tensor([0, 1], device=device), check=True))
     assert not cache.buffer.view(torch.uint8).any()
 
 
@@ -60,15 +60,15 @@ def test_unwritable_rows_are_counted_without_a_sync(device):
     cache = _cache(device)
     # sequence 0: 6 new tokens with a 1-block table (positions 4 and 5 have no block); sequence 1: block id 9
     # is past the 8-block pool; row 7 is padding past cu_q_lens[-1] (not counted)
-    batch = PagedBatch.ragged(_i32([[1], [9]], device), _i32([0, 6, 7], device), _i32([0, 3], device))
-    n = cache.unwritable_rows(batch, 8)
+    plan = cache.plan(_i32([[1], [9]], device), _i32([0, 6, 7], device), _i32([0, 3], device))
+    n = cache.unwritable_rows(plan, 8)
     assert n.dtype == torch.int64 and n.device.type == device.type and int(n) == 3
     k = _rows(8, device)
-    cache.append(0, k, k, batch=batch)  # no check: the 4 writable rows land, the 3 others are skipped
+    cache.append(0, k, k, plan)  # no check: the 4 writable rows land, the 3 others are skipped
     assert int(cache.pool(0)[1, 0].ne(0).any(-1).any(-1).sum()) == 4  # block 1 K: 4 token rows
-    slots = PagedBatch.slots(torch.tensor([3, -1, 32, -7], device=device))
+    slots = cache.plan(slot_mapping=torch.tensor([3, -1, 32, -7], device=device))
     assert int(cache.unwritable_rows(slots, 4)) == 2  # slot 32 is past the pool, -7 is not a slot
-    cp = PagedBatch.ragged(_i32([[1]], device), _i32([0, 6], device), _i32([0], device), cp_rank=1, cp_size=2)
+    cp = cache.plan(_i32([[1]], device), _i32([0, 6], device), _i32([0], device), cp_rank=1, cp_size=2)
     assert int(cache.unwritable_rows(cp, 6)) == 0  # rank 1 holds positions 1, 3, 5: local 0..2, one block
 
 
@@ -76,10 +76,10 @@ def test_debug_cache_checks_every_append(device):
     cache = _cache(device, debug=True)
     k = _rows(2, device)
     with pytest.raises(ValueError, match="^slot_mapping"):
-        cache.append(0, k, k, slot_mapping=torch.tensor([40, 1], device=device))
+        cache.append(0, k, k, cache.plan(slot_mapping=torch.tensor([40, 1], device=device)))
     with pytest.raises(ValueError, match="^block_tables"):
-        cache.append(0, k, k, block_tables=_i32([[0]], device), cu_q_lens=_i32([0, 2], device),
-                     kv_lens=_i32([3], device))
+        cache.append(0, k, k, cache.plan(block_tables=_i32([[0]], device), cu_q_lens=_i32([0, 2], device),
+                                         kv_lens=_i32([3], device)))
     assert not cache.buffer.any()
     with pytest.raises(TypeError, match="^debug"):
         _cache(device, debug=1)

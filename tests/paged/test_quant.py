@@ -35,8 +35,8 @@ def _batch(device, gen, H, D, bs, dtype=torch.float16, q_lens=(5, 1, 0, 3), kv_l
 
 
 def _append(cache, k, v, tables, cu, kv_lens, device, **kw):  # type: ignore[no-untyped-def]
-    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32(kv_lens, device), **kw)
+    cache.append(0, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                                     kv_lens=pr.i32(kv_lens, device), **kw))
 
 
 def _check_quant_properties(cache, exp, kv_dtype, layout, rope):  # type: ignore[no-untyped-def]
@@ -112,7 +112,7 @@ def _write_rows(cache, rows_k, rows_v, device, rope=None, positions=None):  # ty
     kw = {}
     if rope is not None:
         kw = dict(rope=rope, positions=torch.tensor(positions, device=device))
-    cache.append(0, rows_k.to(device), rows_v.to(device), slot_mapping=torch.arange(n, device=device), **kw)
+    cache.append(0, rows_k.to(device), rows_v.to(device), cache.plan(slot_mapping=torch.arange(n, device=device), **kw))
 
 
 def test_int4_nibble_order_and_exact_codes(device):
@@ -188,9 +188,9 @@ def test_constant_rows_round_trip_exactly(device, kv_dtype):
     k = pr.randn((6, H, D), torch.float16, gen, "cpu")
     # slots 0..5: K random and rotated, V constant (V is never rotated)
     first = torch.arange(6, device=device)
-    cache.append(0, k.to(device), x.to(device), slot_mapping=first, positions=first)
+    cache.append(0, k.to(device), x.to(device), cache.plan(slot_mapping=first, positions=first))
     # slots 6..11: constant keys written without RoPE
-    cache.append(0, x.to(device), x.to(device), slot_mapping=first + 6, rope=False)
+    cache.append(0, x.to(device), x.to(device), cache.plan(slot_mapping=first + 6, rope=False))
     par = cache.params(0).cpu()
     p = cache.pool(0).cpu()
     for slot in range(12):
@@ -199,7 +199,7 @@ def test_constant_rows_round_trip_exactly(device, kv_dtype):
             for kv in (1,) if slot < 6 else (0, 1):
                 assert par[blk, kv, off, h].tolist() == [0.0, consts[h]], (slot, kv, h, par[blk, kv, off, h])
                 assert not p[blk, kv, off, h].any(), "codes of a constant row must be 0"
-    k_out, v_out = cache.gather(0, pr.i32([[0, 1, 2]], device), kv_lens=pr.i32([12], device))
+    k_out, v_out = cache.gather(0, cache.plan(pr.i32([[0, 1, 2]], device), seq_lens=pr.i32([12], device)))
     assert not torch.isnan(k_out).any() and not torch.isnan(v_out).any()
     for slot in range(12):
         pr.assert_bits_equal(v_out[0, :, slot].cpu(), x[0], f"gathered constant V at slot {slot}")
@@ -230,7 +230,7 @@ def test_masked_lanes_never_enter_min_max(device, kv_dtype, D, use_rope):
     exp = pr.append_expected(cache.pool(0), cache.params(0), k.contiguous(), v.contiguous(), targets,
                              kv_dtype=kv_dtype, layout="NHD", rope=rope)
     kw = dict(rope=rope, positions=torch.tensor(positions, device=device)) if use_rope else {}
-    cache.append(0, k, v, slot_mapping=torch.tensor(slots, device=device), **kw)
+    cache.append(0, k, v, cache.plan(slot_mapping=torch.tensor(slots, device=device), **kw))
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
     scales = torch.stack([cache.params(0)[s // 4, :, s % 4, :, 0] for s in slots]).cpu()
     assert float(scales.max()) < 10.0 / pr.QMAX[kv_dtype], "a scale reflects the 1e4 lanes past the row"
@@ -257,8 +257,8 @@ def test_fp8_append_bit_exact(device, D, layout, scales):
     v[1, 1, :3] = torch.tensor([1200.0, -1121.0, 1e-4])
     targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=16)
     exp = pr.append_expected(cache.pool(1), None, k, v, targets, kv_dtype="fp8", layout=layout, fp8_scales=scales)
-    cache.append(1, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32(kv_lens, device))
+    cache.append(1, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                                     kv_lens=pr.i32(kv_lens, device)))
     pr.assert_append_matches(cache.pool(1), None, exp, kv_dtype="fp8", layout=layout, fp8_scales=scales)
     assert pr.is_all_sentinel(cache.pool(0)), "layer 0 was written"
     assert not torch.isnan(cache.pool(1).float()).any()
@@ -275,8 +275,8 @@ def test_fp8_append_with_rope(device, scales):
     targets = pr.ragged_targets(cu[-1], tables, cu, kv_lens=kv_lens, block_size=bs, num_blocks=16)
     exp = pr.append_expected(cache.pool(0), None, k, v, targets, kv_dtype="fp8", layout="NHD", rope=rope,
                              fp8_scales=scales)
-    cache.append(0, k, v, block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
-                 kv_lens=pr.i32(kv_lens, device), rope=rope)
+    cache.append(0, k, v, cache.plan(block_tables=pr.i32(tables, device), cu_q_lens=pr.i32(cu, device),
+                                     kv_lens=pr.i32(kv_lens, device), rope=rope))
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="fp8", layout="NHD", rope=rope, fp8_scales=scales)
 
 
@@ -318,8 +318,8 @@ def test_quantized_gather(device, kv_dtype, layout):
     _append(cache, k, v, tables, cu, list(kv_lens), device)
     s_out = 9
     base = pr.fill_sentinel(torch.empty((2, 3, H, s_out, D), dtype=torch.float16, device=device))
-    k_out, v_out = cache.gather(0, pr.i32(tables, device), kv_lens=pr.i32(list(q_lens), device), k_out=base[0],
-                                v_out=base[1])
+    k_out, v_out = cache.gather(0, cache.plan(pr.i32(tables, device), seq_lens=pr.i32(list(q_lens), device)),
+                                k_out=base[0], v_out=base[1])
     exp = pr.gather_expected(cache.pool(0), cache.params(0), tables, list(q_lens), kv_dtype=kv_dtype,
                              layout=layout, s_out=s_out, dtype=torch.float16, fp8_scales=scales)
     pr.assert_gather_matches(k_out, v_out, exp, kv_dtype=kv_dtype)

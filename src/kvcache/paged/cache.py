@@ -8,8 +8,10 @@ import torch
 
 from .._device import check_memory
 from .._validate import check_int
-from ..ops import attention as attention_ops
 from ..ops import paged as paged_ops
+from ..ops.attention.paged import attend
+from ..ops.paged.layer import PagedLayer
+from ..ops.paged.run import append_rows, gather_rows
 from ..rope import RopeConfig, RopeKernelParams
 from .config import PagedConfig, cache_block_bytes
 from .plan import StepPlan, resolve_rope
@@ -81,8 +83,13 @@ class PagedKVCache:
         self._rope_params = None
         if rope is not None and not rope.is_dynamic:
             self._rope_params = rope.kernel_params(device=dev)
-        self._geometry = (config.num_blocks, config.block_size, config.num_kv_heads, config.head_dim,
-                          config.kv_dtype, config.layout)
+        # each layer's storage as the launchers take it (geometry, pointers and their alignment worked out once)
+        self._layers = [PagedLayer(self._pools[i], self._params[i], self._scales[i], config.kv_dtype, config.layout,
+                                   config.dtype) for i in range(L)]
+        self._geometry = self._layers[0].geometry
+        for lay in self._layers:
+            lay.geometry = self._geometry  # one tuple: a plan of this cache is recognised by identity
+        self.prepared_launches = 0  # appends that repeated a prepared launch (a diagnostic)
 
     @staticmethod
     def nbytes_for(config: PagedConfig) -> int:
@@ -238,6 +245,8 @@ class PagedKVCache:
                               rope_seq_len=rope_seq_len)
 
     def _check_plan(self, plan: object) -> StepPlan:
+        if type(plan) is StepPlan and plan.geometry is self._geometry:
+            return plan
         if not isinstance(plan, StepPlan):
             raise TypeError(f"plan: expected a StepPlan (PagedKVCache.plan(...)), got {type(plan).__name__}")
         if plan.geometry != self._geometry or plan.device != self.device:
@@ -245,27 +254,33 @@ class PagedKVCache:
                              f"{self._geometry} on {self.device}")
         return plan
 
+    def _layer_storage(self, layer: int) -> PagedLayer:
+        if type(layer) is int and 0 <= layer < self._config.num_layers:
+            return self._layers[layer]
+        return self._layers[self._layer(layer)]
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
         """Write one layer's new K / V into its blocks where ``plan`` says (RoPE on K and quantization fused): see
         :func:`kvcache.ops.append_paged_kv`.
 
         ``k``, ``v``: ``[N, H, D]`` of the cache's model dtype (head_dim contiguous, other strides free). Rows of
-        a ragged plan past ``cu_q_lens[B]`` are padding and skipped.
+        a ragged plan past ``cu_q_lens[B]`` are padding and skipped. Per call only ``k`` / ``v`` are checked; the
+        first append of a plan derives its launch, which every later layer repeats. One kernel launch, no
+        allocation, no host sync (unless the plan's ``check``): capturable in a CUDA graph.
+
+        Example
+        -------
+        >>> cache = PagedKVCache(PagedConfig(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+        ...                                  num_blocks=8, dtype=torch.float32, device="cpu"))
+        >>> plan = cache.plan(slot_mapping=torch.tensor([0, 5, -1]))
+        >>> for layer in range(2):
+        ...     cache.append(layer, torch.ones(3, 2, 8), torch.zeros(3, 2, 8), plan)
+        >>> cache.kv(1)[0][1, 1, 0, 0].item()  # slot 5: block 1, offset 1
+        1.0
         """
-        plan = self._check_plan(plan)
-        i = self._layer(layer)
-        dtype = self._config.dtype
-        for name, t in (("k", k), ("v", v)):
-            if isinstance(t, torch.Tensor) and t.dtype != dtype:
-                raise ValueError(f"{name}: expected dtype {dtype} (the cache's model dtype), got {t.dtype}")
-        plan.require("append", ragged=False, rows=True)
-        paged_ops.append_paged_kv(
-            k, v, self._pools[i], self._params[i], kv_dtype=self._config.kv_dtype, layout=self._config.layout,
-            block_tables=plan.block_tables, cu_q_lens=plan.cu_q_lens, kv_lens=plan.kv_lens,
-            cu_k_lens=plan.cu_k_lens, slot_mapping=plan.slot_mapping, positions=plan.positions, rope=plan.rope,
-            fp8_scales=self._scales[i], cp_rank=plan.cp_rank, cp_size=plan.cp_size, check=plan.check,
-            metadata_ready=plan.metadata_ready,
-        )
+        lay = self._layer_storage(layer)
+        if append_rows(k, v, lay, self._check_plan(plan)):
+            self.prepared_launches += 1
 
     def gather(
         self,
@@ -282,15 +297,9 @@ class PagedKVCache:
         :func:`kvcache.ops.gather_paged_kv`. ``rope`` (default off): True rotates keys stored un-rotated with the
         cache's RoPE (``"dynamic"`` scaling at the plan's ``rope_seq_len``), or a RopeConfig / RopeKernelParams."""
         plan = self._check_plan(plan)
-        i = self._layer(layer)
-        plan.require("gather", ragged=True, rows=False)
+        lay = self._layer_storage(layer)
         params = resolve_rope(self._rope, self._rope_params, rope, plan.rope_seq_len, self.device)
-        return paged_ops.gather_paged_kv(
-            self._pools[i], self._params[i], kv_dtype=self._config.kv_dtype, layout=self._config.layout,
-            block_tables=plan.block_tables, kv_lens=plan.seq_lens, k_out=k_out, v_out=v_out, max_len=max_len,
-            dtype=self._config.dtype, rope=params, fp8_scales=self._scales[i], cp_rank=plan.cp_rank,
-            cp_size=plan.cp_size,
-        )
+        return gather_rows(lay, plan, k_out, v_out, max_len, self._config.dtype, params)  # type: ignore[arg-type]
 
     def attention(
         self,
@@ -321,16 +330,7 @@ class PagedKVCache:
         >>> cache.attention(0, torch.randn(6, 4, 8), plan).shape
         torch.Size([6, 4, 8])
         """
-        plan = self._check_plan(plan)
-        plan.require("attention", ragged=True, rows=True)
-        i = self._layer(layer)
-        return attention_ops.paged_attention(
-            q, self._pools[i], self._params[i], self._scales[i], kv_dtype=self._config.kv_dtype,
-            layout=self._config.layout, block_tables=plan.block_tables, cu_q_lens=plan.cu_q_lens,
-            kv_lens=plan.seq_lens, scale=plan.scale, window=plan.window, softcap=plan.softcap, sinks=sinks, out=out,
-            lse=lse, cp_rank=plan.cp_rank, cp_size=plan.cp_size, max_kv_len=plan.max_kv_len,
-            num_splits=plan.num_splits, workspace=plan.workspace, num_decode=plan.num_decode, q_rope=plan.q_rope,
-        )
+        return attend(q, self._layer_storage(layer), self._check_plan(plan), sinks, out, lse)
 
     # ------------------------------------------------------------------------------------------ blocks
 

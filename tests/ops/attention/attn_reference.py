@@ -115,9 +115,9 @@ def make_paged(device, *, kv_dtype, layout, H, D, bs, lens, dtype=torch.float16,
         ks, vs = kv
     if sum(lens):
         with torch_backend():
-            cache.append(0, torch.cat(ks).to(device), torch.cat(vs).to(device), block_tables=bt,
-                         cu_q_lens=i32(cumsum0(list(lens)), device), kv_lens=i32([0] * len(lens), device),
-                         cp_rank=cp_rank, cp_size=cp_size)
+            plan = cache.plan(bt, i32(cumsum0(list(lens)), device), i32([0] * len(lens), device), cp_rank=cp_rank,
+                              cp_size=cp_size)
+            cache.append(0, torch.cat(ks).to(device), torch.cat(vs).to(device), plan)
     return cache, bt, (ks, vs)
 
 

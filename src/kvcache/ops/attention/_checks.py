@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from ..._validate import check_choice, check_index_vector, check_int, check_tensor_arg, fmt_shape
+from ..._validate import check_choice, check_index_vector, check_tensor_arg, fmt_shape
+from ..paged.checks import check_attention_options
 from ..paged.format import LAYOUTS, kv_format
 
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -17,46 +18,19 @@ Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def check_options(scale: object, window: object, softcap: object, sinks: object, hq: int, d: int,
                   device: torch.device) -> tuple[float, int | None, float | None]:
     """Validated (scale, window, softcap); ``scale`` defaults to ``1 / sqrt(head_dim)``."""
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
-    if window is not None:
-        check_int("window", window, 1, 2**31 - 1)
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
-        if not math.isfinite(softcap) or softcap <= 0:
-            raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
-        softcap = float(softcap)
+    scale, window, softcap = check_attention_options(scale, window, softcap)
     if sinks is not None:
-        check_tensor_arg("sinks", sinks, dtypes=(torch.float32,), ndim=1, device=device, ref="q")
-        if sinks.shape[0] != hq or (hq > 1 and sinks.stride(0) != 1):
-            raise ValueError(f"sinks: expected a contiguous float32 [{hq}] (one logit per q head), got "
-                             f"{fmt_shape(sinks.shape)} strides {tuple(sinks.stride())}")
-    return float(scale), window, softcap
+        check_sinks(sinks, hq, device)
+    return (1.0 / math.sqrt(d) if scale is None else scale), window, softcap
 
 
-def check_q_rope(q_rope: object, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``q_rope``: None or (cos, sin), contiguous float tables ``[max_pos, D]`` of q's dtype on q's device (D even)."""
-    if q_rope is None:
-        return None
-    if not isinstance(q_rope, (tuple, list)) or len(q_rope) != 2:
-        raise TypeError(f"q_rope: expected None or a (cos, sin) pair of tensors, got {type(q_rope).__name__}")
-    d = q.shape[-1]
-    if d % 2:
-        raise ValueError(f"q_rope: rotate-half RoPE needs an even head_dim, got {d}")
-    for name, t in zip(("cos", "sin"), q_rope):
-        check_tensor_arg(f"q_rope {name}", t, dtypes=(q.dtype,), ndim=2, device=q.device, ref="q")
-        if t.shape[1] != d or t.shape[0] < 1 or not t.is_contiguous():
-            raise ValueError(f"q_rope {name}: expected a contiguous [max_pos, {d}] table (one row per position, "
-                             f"its head_dim / 2 frequencies twice), got {fmt_shape(t.shape)}")
-    if q_rope[0].shape != q_rope[1].shape:
-        raise ValueError(f"q_rope: cos and sin differ in shape: {fmt_shape(q_rope[0].shape)} / "
-                         f"{fmt_shape(q_rope[1].shape)}")
-    return q_rope[0], q_rope[1]
+def check_sinks(sinks: object, hq: int, device: torch.device) -> torch.Tensor:
+    """``sinks``: a contiguous float32 ``[Hq]`` on q's device (one logit per q head)."""
+    check_tensor_arg("sinks", sinks, dtypes=(torch.float32,), ndim=1, device=device, ref="q")
+    if sinks.shape[0] != hq or (hq > 1 and sinks.stride(0) != 1):  # type: ignore[union-attr]
+        raise ValueError(f"sinks: expected a contiguous float32 [{hq}] (one logit per q head), got "
+                         f"{fmt_shape(sinks.shape)} strides {tuple(sinks.stride())}")  # type: ignore[union-attr]
+    return sinks  # type: ignore[return-value]
 
 
 def check_q(q: object, ndim: int, what: str) -> torch.Tensor:

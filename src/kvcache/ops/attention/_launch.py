@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
 from ..._validate import cdiv, next_pow2
 from .._pdl import pdl_options
 from ..paged.format import KV_FORMAT_TABLE
+from ..paged.layer import PagedLayer
+from ..paged.step import StepPlan
 from ._combine import _combine_kernel, _merge_kernel
 from ._kernel import _attention_kernel
 from .policy import AttentionPlan
@@ -42,77 +45,100 @@ def _strides3(t: torch.Tensor | None, linear: bool) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), 0
 
 
-def launch_attention(
-    q: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    pool: torch.Tensor,
-    params: torch.Tensor | None,
-    kv_scales: torch.Tensor | None,
-    sinks: torch.Tensor | None,
-    *,
-    kv_dtype: str,
-    layout: str,
-    block_tables: torch.Tensor | None,
-    cu_q_lens: torch.Tensor | None,
-    kv_lens: torch.Tensor,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    cp_rank: int,
-    cp_size: int,
-    plan: AttentionPlan,
-    workspace: torch.Tensor | None,
-    q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    """Launch on validated arguments. Linear mode when ``block_tables`` is None: ``pool`` is a layer ``[B, 2, H,
-    S, D]``, q / out ``[B, Hq, q_len, D]``, lse ``[B, Hq, q_len]``, ``kv_lens`` the lengths before the new rows.
-    ``q_rope``: (cos, sin) ``[max_pos, D]`` tables rotating the queries in the kernel (paged mode).
-    """
-    linear = block_tables is None
+class AttentionPart(NamedTuple):
+    """One attention launch of a step: its sequences' block tables, cu_q_lens and lengths (the whole batch, or
+    the decode or the prefill sequences of a mixed one), its tiles and the resolved score scale."""
+
+    block_tables: torch.Tensor
+    cu_q_lens: torch.Tensor
+    kv_lens: torch.Tensor
+    plan: AttentionPlan
+    scale: float
+
+
+class _KV(NamedTuple):
+    """The KV side of one launch as the kernel takes it: tensors, pool / params strides and the batch's shape."""
+
+    pool: torch.Tensor
+    params: torch.Tensor | None
+    kv_scales: torch.Tensor | None
+    block_tables: torch.Tensor | None
+    cu_q_lens: torch.Tensor | None
+    kv_lens: torch.Tensor
+    strides: tuple[int, int, int, int]  # block, K/V, token, head (elements of the pool)
+    p_strides: tuple[int, int, int, int]  # the same of params
+    bs: int
+    h: int
+    table: tuple[int, int, int]  # block-table width and row stride, blocks in the pool
+    rows: tuple[int, int, int, int]  # query rows, q_len (linear), sequences, programs per KV head
+
+
+def launch_paged_attention(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, sinks: torch.Tensor | None,
+                           layer: PagedLayer, step: StepPlan, part: AttentionPart,
+                           workspace: torch.Tensor | None) -> None:
+    """Launch ``part`` of ``step``'s attention over ``layer`` (validated): q / out ``[n, Hq, D]``, lse
+    ``[n, Hq]``; the step gives context parallelism, window, soft-cap and ``q_rope``."""
+    pool, params = layer.pool, layer.params
+    n_rows = q.shape[0]
+    bt = part.block_tables
+    nhd = layer.layout == "NHD"
+    s_tok, s_head = (pool.stride(2), pool.stride(3)) if nhd else (pool.stride(3), pool.stride(2))
+    p_strides = (0, 0, 0, 0)
+    if params is not None:
+        ps = params.stride()
+        p_strides = (ps[0], ps[1], ps[2], ps[3]) if nhd else (ps[0], ps[1], ps[3], ps[2])
+    n_seqs = bt.shape[0]
+    kv = _KV(pool, params, layer.scales, bt, part.cu_q_lens, part.kv_lens,
+             (pool.stride(0), pool.stride(1), s_tok, s_head), p_strides, layer.geometry[1], layer.geometry[2],
+             (bt.shape[1], bt.stride(0), pool.shape[0]),
+             (n_rows, 0, n_seqs, n_rows // part.plan.block_q + n_seqs if n_seqs else 0))
+    _launch(q, out, lse, sinks, kv, layer.kv_dtype, part.plan, workspace, (step.cp_rank, step.cp_size),
+            (part.scale, step.window, step.softcap), step.q_rope)
+
+
+def launch_linear_attention(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                            sinks: torch.Tensor | None, layer: torch.Tensor, kv_scales: torch.Tensor | None,
+                            lengths: torch.Tensor, options: tuple[float, int | None, float | None],
+                            plan: AttentionPlan, workspace: torch.Tensor | None) -> None:
+    """Launch attention over a linear cache layer ``[B, 2, H, S, D]`` (validated): q / out ``[B, Hq, q_len, D]``,
+    lse ``[B, Hq, q_len]``, ``lengths`` the tokens cached before the new rows; ``options`` = (scale, window,
+    softcap)."""
+    bsz, _, q_len, _ = q.shape
+    kv = _KV(layer, None, kv_scales, None, None, lengths, tuple(layer.stride()[:4]), (0, 0, 0, 0),  # type: ignore[arg-type]
+             layer.shape[3], layer.shape[2], (1, 0, layer.shape[0]),
+             (bsz * q_len, q_len, bsz, bsz * cdiv(q_len, plan.block_q) if q_len else 0))
+    # the linear layer's strides are (batch, K/V, head, token): token and head swap places against a paged pool
+    st = kv.strides
+    kv = kv._replace(strides=(st[0], st[1], st[3], st[2]))
+    _launch(q, out, lse, sinks, kv, "fp8" if layer.dtype == torch.float8_e4m3fn else "auto", plan, workspace,
+            (0, 1), options, None)
+
+
+def _launch(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, sinks: torch.Tensor | None, kv: _KV,
+            kv_dtype: str, plan: AttentionPlan, workspace: torch.Tensor | None, cp: tuple[int, int],
+            options: tuple[float, int | None, float | None], q_rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """One attention launch (plus one merge launch when the KV range is split); linear mode when
+    ``kv.block_tables`` is None."""
+    linear = kv.block_tables is None
     dev = q.device
-    if linear:
-        bsz, hq, q_len, d = q.shape
-        n_rows = bsz * q_len
-        n_seqs = bsz
-        h = pool.shape[2]
-        bs = pool.shape[3]
-        s_blk, s_kv, s_head, s_tok = pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3)
-        p_strides = (0, 0, 0, 0)
-        table_width, bt_stride, n_blocks = 1, 0, pool.shape[0]
-        grid0 = bsz * cdiv(q_len, plan.block_q) if q_len else 0
-    else:
-        n_rows, hq, d = q.shape
-        q_len = 0
-        n_seqs = block_tables.shape[0]
-        if layout == "NHD":
-            h, bs = pool.shape[3], pool.shape[2]
-            s_tok, s_head = pool.stride(2), pool.stride(3)
-        else:
-            h, bs = pool.shape[2], pool.shape[3]
-            s_head, s_tok = pool.stride(2), pool.stride(3)
-        s_blk, s_kv = pool.stride(0), pool.stride(1)
-        if params is not None:
-            ps = params.stride()
-            p_strides = (ps[0], ps[1], ps[2], ps[3]) if layout == "NHD" else (ps[0], ps[1], ps[3], ps[2])
-        else:
-            p_strides = (0, 0, 0, 0)
-        table_width, bt_stride, n_blocks = block_tables.shape[1], block_tables.stride(0), pool.shape[0]
-        grid0 = n_rows // plan.block_q + n_seqs if n_seqs else 0
+    n_rows, q_len, n_seqs, grid0 = kv.rows
+    hq, d = q.shape[1], q.shape[-1]
     if grid0 == 0 or n_rows == 0:
         return
-    g = hq // h
+    scale, window, softcap = options
+    pool = kv.pool
+    g = hq // kv.h
     h1 = (d + 1) // 2
-    half_p = max(16, next_pow2(h1))
     splits = plan.num_splits
-    dummy = kv_lens
+    dummy = kv.kv_lens
     if splits > 1:
-        ws_out = workspace[: splits * n_rows * hq * d]
-        ws_lse = workspace[splits * n_rows * hq * d: splits * n_rows * hq * (d + 1)]
+        ws_out = workspace[: splits * n_rows * hq * d]  # type: ignore[index]
+        ws_lse = workspace[splits * n_rows * hq * d: splits * n_rows * hq * (d + 1)]  # type: ignore[index]
     else:
         ws_out = ws_lse = dummy
     sq, so, sl = _strides3(q, linear), _strides3(out, linear), _strides3(lse, linear)
     quant = KV_FORMAT_TABLE[kv_dtype].code
+    kv_scales = kv.kv_scales if quant == 1 else None
     # triton's interpreter computes bf16 dots wrongly (it multiplies the raw bits): float32 operands there
     dot_f32 = dev.type != "cuda" and q.dtype == torch.bfloat16
     if quant == 1:
@@ -121,21 +147,23 @@ def launch_attention(
         raise ValueError(f"warp-split attention tiles need an int8 / int4 cache, got kv_dtype {kv_dtype!r}")
     # int8 / int4 decode tiles (16 rows) and warp-split tiles fold V's (scale, zero) per token (_kernel docstring)
     v_fold = quant >= 2 and (plan.block_q * next_pow2(g) <= 16 or plan.warp_split)
+    s_blk, s_kv, s_tok, s_head = kv.strides
+    table_width, bt_stride, n_blocks = kv.table
     _attention_kernel.launch(
-        dev, (grid0 * h, splits),
+        dev, (grid0 * kv.h, splits),
         q, out, lse if lse is not None else dummy, ws_out, ws_lse, pool,
-        params if params is not None else dummy, kv_scales if kv_scales is not None else dummy,
-        sinks if sinks is not None else dummy, block_tables if block_tables is not None else dummy,
-        cu_q_lens if cu_q_lens is not None else dummy, kv_lens,
+        kv.params if kv.params is not None else dummy, kv_scales if kv_scales is not None else dummy,
+        sinks if sinks is not None else dummy, kv.block_tables if not linear else dummy,
+        kv.cu_q_lens if kv.cu_q_lens is not None else dummy, kv.kv_lens,
         q_rope[0] if q_rope is not None else dummy, q_rope[1] if q_rope is not None else dummy,
         sq[0], sq[1], sq[2], so[0], so[1], so[2], sl[0], sl[1], sl[2], bt_stride, table_width, n_blocks, q_len,
-        n_seqs, n_rows, cp_rank, cp_size, window if window is not None else 0, splits, grid0,
+        n_seqs, n_rows, cp[0], cp[1], window if window is not None else 0, splits, grid0,
         q_rope[0].shape[0] if q_rope is not None else 0,
-        SM_SCALE=float(scale), SOFTCAP=float(softcap) if softcap is not None else 0.0, D=d, H1=h1, HALF_P=half_p,
-        HQ=hq, G=g, G_P=next_pow2(g), BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, BS=bs, S_BLK=s_blk, S_KV=s_kv,
-        S_TOK=s_tok, S_HEAD=s_head, P_BLK=p_strides[0], P_KV=p_strides[1], P_TOK=p_strides[2],
-        P_HEAD=p_strides[3], QUANT=quant, FP8_SCALED=kv_scales is not None and quant == 1, LINEAR=linear,
-        LOG_B=_search_steps(n_seqs), HAS_WINDOW=window is not None,
+        SM_SCALE=float(scale), SOFTCAP=float(softcap) if softcap is not None else 0.0, D=d, H1=h1,
+        HALF_P=max(16, next_pow2(h1)), HQ=hq, G=g, G_P=next_pow2(g), BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n,
+        BS=kv.bs, S_BLK=s_blk, S_KV=s_kv, S_TOK=s_tok, S_HEAD=s_head, P_BLK=kv.p_strides[0], P_KV=kv.p_strides[1],
+        P_TOK=kv.p_strides[2], P_HEAD=kv.p_strides[3], QUANT=quant, FP8_SCALED=kv_scales is not None,
+        LINEAR=linear, LOG_B=_search_steps(n_seqs), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,
         V_FOLD=v_fold, Q_RESCALE=v_fold and quant == 2 and q.dtype == torch.bfloat16,
@@ -149,7 +177,7 @@ def launch_attention(
         _combine_kernel.launch(
             dev, (n_rows, hq),
             ws_out, ws_lse, out, lse if lse is not None else dummy,
-            cu_q_lens if cu_q_lens is not None else dummy,
+            kv.cu_q_lens if kv.cu_q_lens is not None else dummy,
             so[0], so[1], so[2], sl[0], sl[1], sl[2], n_rows, q_len, n_seqs, splits,
             D=d, D_P=next_pow2(d), HQ=hq, SPLITS_P=max(2, next_pow2(splits)), LINEAR=linear,
             HAS_LSE=lse is not None, num_warps=4 if d >= 128 else 2,

@@ -9,7 +9,7 @@ import torch
 from ..._backend import use_triton
 from ..._validate import check_int, fmt_shape
 from . import _checks as c
-from ._launch import launch_attention, num_sms
+from ._launch import launch_linear_attention, num_sms
 from .policy import attention_plan, attention_workspace_size
 from .reference import linear_attention_reference
 
@@ -119,7 +119,5 @@ def linear_attention(
         return out
     if need and workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=dev)
-    launch_attention(q, out, lse, layer, None, kv_scales, sinks, kv_dtype=kv_dtype, layout="HND", block_tables=None,
-                     cu_q_lens=None, kv_lens=lengths, scale=scale, window=window, softcap=softcap, cp_rank=0,
-                     cp_size=1, plan=plan, workspace=workspace)
+    launch_linear_attention(q, out, lse, sinks, layer, kv_scales, lengths, (scale, window, softcap), plan, workspace)
     return out

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
 from ..._backend import use_triton
-from ..._validate import check_cp, check_int
+from ..paged.layer import PagedLayer
+from ..paged.step import StepPlan
 from . import _checks as c
-from ._launch import launch_attention, num_sms
+from ._launch import AttentionPart, launch_paged_attention, num_sms
 from .policy import DECODE_ROWS, AttentionPlan, attention_plan, attention_workspace_size
 from .reference import paged_attention_reference
 
-__all__ = ["paged_attention"]
+__all__ = ["paged_attention", "attend"]
 
 
 def paged_attention(
@@ -142,67 +146,108 @@ def paged_attention(
     torch.Size([5, 4, 64])
     """
     q = c.check_q(q, 3, "[n_tokens, num_q_heads, head_dim]")
-    n, hq, d = q.shape
+    c.check_pool(pool, params, kv_scales, kv_dtype, layout, q)
+    layer = PagedLayer(pool, params, kv_scales if kv_dtype == "fp8" else None, kv_dtype, layout)
+    index = dict(block_tables=block_tables, cu_q_lens=cu_q_lens, seq_lens=kv_lens, cp_rank=cp_rank, cp_size=cp_size)
+    options = dict(scale=scale, window=window, softcap=softcap, q_rope=q_rope, max_kv_len=max_kv_len,
+                   num_decode=num_decode, num_splits=num_splits, workspace=workspace)
+    plan = StepPlan.build(layer.geometry, q.device, index, options, lens_name="kv_lens", q_dtype=q.dtype)
+    return attend(q, layer, plan, sinks, out, lse)
+
+
+@dataclasses.dataclass(slots=True)
+class _AttentionMemo:
+    """A plan's attention for queries of one kind (rows, heads, dtype): its launches and their workspace."""
+
+    key: tuple
+    parts: list[AttentionPart]
+    workspace: torch.Tensor | None
+
+
+def attend(q: torch.Tensor, layer: PagedLayer, plan: StepPlan, sinks: torch.Tensor | None, out: torch.Tensor | None,
+           lse: torch.Tensor | None) -> torch.Tensor:
+    """Attention of ``q`` ``[n_tokens, Hq, D]`` over ``layer`` as ``plan`` describes the step (built for the
+    layer's geometry: the caller checks): the one path of :meth:`kvcache.PagedKVCache.attention` and
+    :func:`paged_attention`. Per call only q, sinks, out and lse are checked; the launches (tiles, splits,
+    workspace) are derived by the first call for queries of this kind and reused by the others."""
+    plan.require("attention", ragged=True, rows=True)
+    _check_q(q, layer)
+    n, hq, _ = q.shape
     dev = q.device
-    nb, bs, h = c.check_pool(pool, params, kv_scales, kv_dtype, layout, q)
-    c.check_gqa(hq, h)
-    scale, window, softcap = c.check_options(scale, window, softcap, sinks, hq, d, dev)
-    cp_rank, cp_size = check_cp(cp_rank, cp_size)
-    c.check_tensor_arg("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev, ref="q")
-    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables: expected contiguous rows, got strides {tuple(block_tables.stride())}")
-    b = block_tables.shape[0]
-    c.check_int_vec("cu_q_lens", cu_q_lens, b + 1, dev)
-    c.check_int_vec("kv_lens", kv_lens, b, dev)
+    if sinks is not None:
+        c.check_sinks(sinks, hq, dev)
     if out is None:
         out = torch.empty_like(q)
     else:
         c.check_out(out, q)
     if lse is not None:
         c.check_lse(lse, (n, hq), dev)
-    cap = block_tables.shape[1] * bs * cp_size
-    if max_kv_len is None:
-        max_kv_len = cap
-    check_int("max_kv_len", max_kv_len, 0)
-    if num_splits is not None:
-        check_int("num_splits", num_splits, 1, 1024)
-    check_int("num_decode", num_decode, 0, b)
-    q_rope = c.check_q_rope(q_rope, q)
-
-    def plan_for(n_rows: int, n_seqs: int) -> AttentionPlan:
-        return attention_plan(num_q_heads=hq, num_kv_heads=h, head_dim=d, n_tokens=n_rows, num_seqs=n_seqs,
-                              max_kv_len=min(max_kv_len, cap) // cp_size, num_sms=num_sms(dev),
-                              num_splits=num_splits, kv_dtype=kv_dtype, q_bytes=q.element_size())
-
-    # (sequences, plan) per launch: a mixed batch splits into its leading decode sequences and the rest when the
-    # whole batch would take prefill tiles
-    plan = plan_for(n, b)
-    launches = [(slice(0, b), plan)]
-    if 0 < num_decode < b and n > DECODE_ROWS * b:
-        launches = [(slice(0, num_decode), plan_for(num_decode, num_decode)),
-                    (slice(num_decode, b), plan_for(max(n - num_decode, 0), b - num_decode))]
-    need = max(attention_workspace_size(n, hq, d, p.num_splits) for _, p in launches)
-    if workspace is not None:
-        c.check_workspace(workspace, need, dev)
+    memo = plan.attention_memo
+    if memo is None or memo.key != (n, hq, q.dtype):
+        memo = plan.attention_memo = _plan_attention(q, layer, plan)
     if not use_triton(dev):
-        if q_rope is not None:
-            q = _rotate_rows(q, q_rope, cu_q_lens, kv_lens)
-        paged_attention_reference(q, pool, params, kv_scales, kv_dtype=kv_dtype, layout=layout,
-                                  block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, out=out, lse=lse,
-                                  scale=scale, window=window, softcap=softcap, sinks=sinks, cp_rank=cp_rank,
-                                  cp_size=cp_size)
+        seq_lens = plan.seq_lens
+        if plan.q_rope is not None:
+            q = _rotate_rows(q, plan.q_rope, plan.cu_q_lens, seq_lens)  # type: ignore[arg-type]
+        paged_attention_reference(q, layer.pool, layer.params, layer.scales, kv_dtype=layer.kv_dtype,
+                                  layout=layer.layout, block_tables=plan.block_tables, cu_q_lens=plan.cu_q_lens,
+                                  kv_lens=seq_lens, out=out, lse=lse, scale=memo.parts[0].scale, window=plan.window,
+                                  softcap=plan.softcap, sinks=sinks, cp_rank=plan.cp_rank, cp_size=plan.cp_size)
         return out
-    if need and workspace is None:
-        workspace = torch.empty(need, dtype=torch.float32, device=dev)
-    for seqs, p in launches:
+    for part in memo.parts:
         # rows are addressed by cu_q_lens' absolute offsets: each launch reads the whole q and writes only the rows
         # of its own sequences
-        launch_attention(q, out, lse, pool, params, kv_scales if kv_dtype == "fp8" else None, sinks,
-                         kv_dtype=kv_dtype, layout=layout, block_tables=block_tables[seqs],
-                         cu_q_lens=cu_q_lens[seqs.start: seqs.stop + 1], kv_lens=kv_lens[seqs], scale=scale,
-                         window=window, softcap=softcap, cp_rank=cp_rank, cp_size=cp_size, plan=p,
-                         workspace=workspace, q_rope=q_rope)
+        launch_paged_attention(q, out, lse, sinks, layer, plan, part, memo.workspace)
     return out
+
+
+def _check_q(q: object, layer: PagedLayer) -> None:
+    """q ``[n_tokens, Hq, D]`` for ``layer``: its head_dim, a multiple of its KV heads, the pool's dtype for
+    ``kv_dtype="auto"`` (any of float16 / bfloat16 / float32 for the quantized formats), its device. A few int
+    compares when q has the layer's model dtype; the detailed checks otherwise."""
+    if type(q) is torch.Tensor:
+        sh = q.shape
+        _, _, h, d, kv_dtype, _ = layer.geometry
+        if (len(sh) == 3 and sh[2] == d and sh[1] % h == 0 and q.dtype is layer.dtype and q.stride(2) == 1
+                and q.get_device() == layer.dev_id and (q.is_cuda if layer.dev_id >= 0 else q.is_cpu)):
+            return
+    q = c.check_q(q, 3, "[n_tokens, num_q_heads, head_dim]")
+    c.check_pool(layer.pool, layer.params, layer.scales, layer.kv_dtype, layer.layout, q)
+    c.check_gqa(q.shape[1], layer.geometry[2])
+
+
+def _plan_attention(q: torch.Tensor, layer: PagedLayer, plan: StepPlan) -> _AttentionMemo:
+    """The launches of ``plan``'s attention for queries like ``q``: one, or, for a mixed batch whose tiles would
+    suit neither half, one over its leading decode sequences and one over the rest."""
+    n, hq, d = q.shape
+    dev = q.device
+    b = plan.num_seqs
+    q_rope = plan.q_rope
+    if q_rope is not None and q_rope[0].dtype != q.dtype:
+        raise ValueError(f"q_rope cos: expected dtype {q.dtype} (q's), got {q_rope[0].dtype}")
+    bt, cu, lens = plan.block_tables, plan.cu_q_lens, plan.seq_lens
+    cap = bt.shape[1] * layer.geometry[1] * plan.cp_size  # type: ignore[union-attr]
+    max_kv_len = cap if plan.max_kv_len is None else plan.max_kv_len
+    scale = plan.scale if plan.scale is not None else 1.0 / math.sqrt(d)
+
+    def plan_for(n_rows: int, n_seqs: int) -> AttentionPlan:
+        return attention_plan(num_q_heads=hq, num_kv_heads=layer.geometry[2], head_dim=d, n_tokens=n_rows,
+                              num_seqs=n_seqs, max_kv_len=min(max_kv_len, cap) // plan.cp_size, num_sms=num_sms(dev),
+                              num_splits=plan.num_splits, kv_dtype=layer.kv_dtype, q_bytes=q.element_size())
+
+    nd = plan.num_decode
+    if 0 < nd < b and n > DECODE_ROWS * b:
+        parts = [AttentionPart(bt[:nd], cu[: nd + 1], lens[:nd], plan_for(nd, nd), scale),  # type: ignore[index]
+                 AttentionPart(bt[nd:], cu[nd:], lens[nd:], plan_for(max(n - nd, 0), b - nd), scale)]  # type: ignore[index]
+    else:
+        parts = [AttentionPart(bt, cu, lens, plan_for(n, b), scale)]  # type: ignore[arg-type]
+    need = max(attention_workspace_size(n, hq, d, p.plan.num_splits) for p in parts)
+    workspace = plan.workspace
+    if workspace is not None:
+        c.check_workspace(workspace, need, dev)
+    elif need and use_triton(dev):
+        workspace = torch.empty(need, dtype=torch.float32, device=dev)  # once per plan: every layer reuses it
+    return _AttentionMemo((n, hq, q.dtype), parts, workspace)
 
 
 def _rotate_rows(q: torch.Tensor, q_rope: tuple[torch.Tensor, torch.Tensor], cu_q_lens: torch.Tensor,

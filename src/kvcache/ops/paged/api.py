@@ -25,21 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from ..._validate import MODEL_DTYPES, check_cp, check_dtype_in, fmt_shape
+from ..._validate import fmt_shape
 from ...rope import RopeKernelParams
-from .checks import (
-    check_arg_tensor,
-    check_fp8_scales,
-    check_index_vector,
-    check_kv_rows,
-    check_rope,
-    host_check_fp8_scales,
-    host_check_ragged,
-    host_check_rope_bound,
-    host_check_slots,
-    pool_geometry,
-)
-from .launch import append_paged_kv_launch, copy_blocks_launch, gather_paged_kv_launch
+from .launch import copy_blocks_launch
+from .layer import PagedLayer
+from .run import append_rows, gather_rows
+from .step import StepPlan
 
 __all__ = ["append_paged_kv", "gather_paged_kv", "copy_blocks"]
 
@@ -129,60 +120,12 @@ def append_paged_kv(
     ----
     One kernel launch, no allocation, no host sync: capturable in a CUDA graph.
     """
-    if type(metadata_ready) is not bool:
-        raise TypeError(f"metadata_ready: expected a bool, got {metadata_ready!r} ({type(metadata_ready).__name__})")
-    if type(check) is not bool:
-        raise TypeError(f"check: expected a bool, got {check!r} ({type(check).__name__})")
-    nb, bs, h, dp = pool_geometry(pool, params, kv_dtype, layout)
-    d = check_kv_rows(k, v, pool, kv_dtype, h, dp)
-    n = k.shape[0]
-    dev = pool.device
-    cp_rank, cp_size = check_cp(cp_rank, cp_size)
-    rope = check_rope(rope, d, dev)
-    fp8_scales = check_fp8_scales(fp8_scales, kv_dtype, dev)
-    if check:
-        host_check_rope_bound(rope)
-        if fp8_scales is not None:
-            host_check_fp8_scales(fp8_scales)
-    if slot_mapping is not None:
-        if any(x is not None for x in (block_tables, cu_q_lens, kv_lens, cu_k_lens)):
-            raise ValueError("slot_mapping: expected alone, without block_tables / cu_q_lens / kv_lens / cu_k_lens")
-        check_index_vector("slot_mapping", slot_mapping, n, dev, (torch.int64, torch.int32))
-        if cp_size != 1:
-            raise ValueError(f"cp_size: slot mapping addresses local slots directly; expected 1, got {cp_size}")
-        if rope is not None:
-            if positions is None:
-                raise ValueError("positions: expected int32/int64 [num_tokens] with rope in slot-mapping mode")
-            check_index_vector("positions", positions, n, dev, (torch.int64, torch.int32))
-        if check:
-            host_check_slots(slot_mapping.tolist(), nb, bs)
-    else:
-        if cu_q_lens is None or block_tables is None or (kv_lens is None) == (cu_k_lens is None):
-            raise ValueError("cu_q_lens: expected block_tables, cu_q_lens and exactly one of kv_lens / cu_k_lens "
-                             "(or slot_mapping alone)")
-        if positions is not None:
-            raise ValueError("positions: expected None in ragged mode (positions follow from kv_lens / cu_k_lens)")
-        check_index_vector("cu_q_lens", cu_q_lens, None, dev)
-        b = cu_q_lens.shape[0] - 1
-        if b < 0:
-            raise ValueError("cu_q_lens: expected B + 1 >= 1 entries, got 0")
-        check_arg_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev)
-        if block_tables.shape[0] != b or (block_tables.stride(1) != 1 and block_tables.shape[1] > 1):
-            raise ValueError(f"block_tables: expected int32 [{b}, max_blocks] with contiguous rows, got "
-                             f"{fmt_shape(block_tables.shape)} strides {tuple(block_tables.stride())}")
-        if kv_lens is not None:
-            check_index_vector("kv_lens", kv_lens, b, dev)
-        else:
-            check_index_vector("cu_k_lens", cu_k_lens, b + 1, dev)
-        if check:
-            host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp_rank, cp_size)
-    append_paged_kv_launch(
-        k, v, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, cu_q_lens=cu_q_lens,
-        kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping, positions=positions, rope=rope,
-        fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size, metadata_ready=metadata_ready,
-    )
-
-
+    layer = PagedLayer(pool, params, fp8_scales, kv_dtype, layout)
+    index = dict(block_tables=block_tables, cu_q_lens=cu_q_lens, kv_lens=kv_lens, cu_k_lens=cu_k_lens,
+                 slot_mapping=slot_mapping, positions=positions, cp_rank=cp_rank, cp_size=cp_size)
+    plan = StepPlan.build(layer.geometry, pool.device, index, dict(metadata_ready=metadata_ready, check=check),
+                          rope=rope)
+    append_rows(k, v, layer, plan)
 
 
 def gather_paged_kv(
@@ -233,63 +176,10 @@ def gather_paged_kv(
     -------
     (k, v) : ``[B, H, S_out, D]`` each.
     """
-    nb, bs, h, dp = pool_geometry(pool, params, kv_dtype, layout)
-    dev = pool.device
-    cp_rank, cp_size = check_cp(cp_rank, cp_size)
-    fp8_scales = check_fp8_scales(fp8_scales, kv_dtype, dev)
-    check_arg_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev)
-    b = block_tables.shape[0]
-    if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:
-        raise ValueError(f"block_tables: expected contiguous rows, got strides {tuple(block_tables.stride())}")
-    if (kv_lens is None) == (cu_k_lens is None):
-        raise ValueError(f"kv_lens: expected exactly one of kv_lens / cu_k_lens, got "
-                         f"{'both' if kv_lens is not None else 'neither'}")
-    if kv_lens is not None:
-        check_index_vector("kv_lens", kv_lens, b, dev)
-    else:
-        check_index_vector("cu_k_lens", cu_k_lens, b + 1, dev)
-    d = dp * 2 if kv_dtype == "int4" else dp
-    rope = check_rope(rope, d, dev)
-    if (k_out is None) != (v_out is None):
-        raise ValueError(f"k_out: expected both k_out and v_out, or neither, got only "
-                         f"{'k_out' if k_out is not None else 'v_out'}")
-    if k_out is None:
-        if dtype is None:
-            if kv_dtype != "auto":
-                raise ValueError(f"dtype: expected the model dtype for a {kv_dtype!r} pool, got None")
-            dtype = pool.dtype
-        check_dtype_in("dtype", dtype, MODEL_DTYPES)
-        if max_len is None:
-            lens = kv_lens if kv_lens is not None else cu_k_lens[1:] - cu_k_lens[:-1]  # type: ignore[index]
-            max_len = int(lens.max().item()) if b else 0
-            max_len = max(max_len - cp_rank + cp_size - 1, 0) // cp_size
-        if isinstance(max_len, bool) or not isinstance(max_len, int):
-            raise TypeError(f"max_len: expected an int, got {type(max_len).__name__}")
-        if max_len < 0:
-            raise ValueError(f"max_len: expected an int >= 0, got {max_len!r}")
-        k_out = torch.empty((b, h, max_len, d), dtype=dtype, device=dev)
-        v_out = torch.empty((b, h, max_len, d), dtype=dtype, device=dev)
-    else:
-        check_arg_tensor("k_out", k_out, dtypes=MODEL_DTYPES, ndim=4, device=dev)
-        check_arg_tensor("v_out", v_out, dtypes=MODEL_DTYPES, ndim=4, device=dev)
-        for name, t in (("k_out", k_out), ("v_out", v_out)):
-            if t.shape[0] != b or t.shape[1] != h or t.shape[3] != d or t.stride(3) != 1:
-                raise ValueError(f"{name}: expected [{b}, {h}, S_out, {d}] with head_dim contiguous, got "
-                                 f"{fmt_shape(t.shape)} strides {tuple(t.stride())}")
-        if v_out.shape != k_out.shape or v_out.dtype != k_out.dtype:
-            raise ValueError(f"v_out: expected {k_out.dtype} {fmt_shape(k_out.shape)} (as k_out), got {v_out.dtype} "
-                             f"{fmt_shape(v_out.shape)}")
-        if kv_dtype == "auto" and k_out.dtype != pool.dtype:
-            raise ValueError(f"k_out: expected dtype {pool.dtype} (the pool's), got {k_out.dtype}")
-        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)):
-            raise TypeError(f"max_len: expected an int or None, got {type(max_len).__name__}")
-        if max_len is not None and max_len != k_out.shape[2]:
-            raise ValueError(f"max_len: expected None or {k_out.shape[2]} (S_out of k_out / v_out), got {max_len}")
-    gather_paged_kv_launch(
-        k_out, v_out, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, kv_lens=kv_lens,
-        cu_k_lens=cu_k_lens, rope=rope, fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size,
-    )
-    return k_out, v_out
+    layer = PagedLayer(pool, params, fp8_scales, kv_dtype, layout)
+    index = dict(block_tables=block_tables, seq_lens=kv_lens, cu_k_lens=cu_k_lens, cp_rank=cp_rank, cp_size=cp_size)
+    plan = StepPlan.build(layer.geometry, pool.device, index, lens_name="kv_lens")
+    return gather_rows(layer, plan, k_out, v_out, max_len, dtype, rope)
 
 
 def copy_blocks(buffers: list[torch.Tensor], pairs: torch.Tensor, *, check: bool = True) -> None:

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..._validate import MODEL_DTYPES, check_choice, check_tensor_arg, fmt_shape
+from ..._validate import MODEL_DTYPES, check_choice, check_int, check_tensor_arg, fmt_shape
 from ..._validate import check_index_vector as _check_index_vector
 from ...rope import RopeKernelParams
 from .format import LAYOUTS, kv_format
@@ -97,6 +97,27 @@ def check_rope(rope, d: int, device: torch.device):  # type: ignore[no-untyped-d
     if isinstance(top, bool) or not isinstance(top, (int, float)) or not math.isfinite(top) or top < 0:
         raise ValueError(f"rope: expected max_inv_freq a finite float >= 0 (0.0: unknown), got {top!r}")
     return rope
+
+
+def check_attention_options(scale: object, window: object, softcap: object
+                            ) -> tuple[float | None, int | None, float | None]:
+    """Attention's ``scale`` (None: ``1 / sqrt(head_dim)``, resolved by the launch), sliding ``window`` and
+    ``softcap``, validated; TypeError / ValueError naming the argument."""
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
+        scale = float(scale)
+    if window is not None:
+        check_int("window", window, 1, 2**31 - 1)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
+        if not math.isfinite(softcap) or softcap <= 0:
+            raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
+        softcap = float(softcap)
+    return scale, window, softcap  # type: ignore[return-value]
 
 
 def host_check_rope_bound(rope) -> None:  # type: ignore[no-untyped-def]

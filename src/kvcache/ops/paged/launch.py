@@ -1,12 +1,13 @@
 """Launchers of the paged kernels: turn validated arguments and a launch description (:mod:`.policy`) into a
 kernel launch (compiled on CUDA, interpreted on the CPU with ``KVCACHE_TRITON_INTERPRET=1``, else the pure-torch
-reference). :class:`AppendPlan` repeats a compiled append with raw pointers (the cache's hot path)."""
+reference). :class:`AppendPlan` repeats a compiled append with raw pointers (every layer of a step after the first)."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+import triton.language as tl
 
 from ..._backend import PreparedLaunch, pdl_enabled, use_triton
 from ..._validate import cdiv, next_pow2, vec_elems
@@ -17,11 +18,13 @@ from .kernels.codes import BY_CU_K_LENS, BY_KV_LENS, BY_SLOTS
 from .kernels.copy_blocks import _copy_blocks_kernel
 from .kernels.gather import _gather_kernel
 from .kernels.lookup import _GUESS_ONE, _guess_mul
+from .layer import PagedLayer
 from .policy import AppendLaunch, GatherLaunch, RopeKind, check_launch, plan_append, plan_gather
 from .reference import append_paged_kv_reference, gather_paged_kv_reference
+from .step import StepPlan
 
 __all__ = ["AppendPlan", "append_paged_kv_launch", "gather_paged_kv_launch", "copy_blocks_launch", "rope_kind",
-           "pdl_supported", "default_append_launch"]
+           "pdl_supported", "default_append_launch", "append_index", "gather_lens"]
 
 
 def ptx(device: torch.device) -> bool:
@@ -42,15 +45,15 @@ def rope_kind(rope: RopeKernelParams | None, head_dim: int) -> RopeKind:
     return "full" if (not rope.interleaved and int(rope.rotary_dim) == head_dim) else "partial"
 
 
-def default_append_launch(k: torch.Tensor, pool: torch.Tensor, *, kv_dtype: str, n_seqs: int | None,
-                          rope: RopeKernelParams | None, metadata_ready: bool = False,
-                          rope_ready: bool = False) -> AppendLaunch:
-    """:func:`.policy.plan_append` for an append of ``k`` ``[N, H, D]`` into ``pool`` on its device."""
-    dev = pool.device
-    return plan_append(n_rows=k.shape[0], n_seqs=n_seqs, num_kv_heads=k.shape[1], head_dim=k.shape[2],
-                       kv_dtype=kv_dtype, rope=rope_kind(rope, k.shape[2]),
-                       pdl=pdl_enabled() and pdl_supported(dev), ptx=ptx(dev), metadata_ready=metadata_ready,
-                       rope_ready=rope_ready)
+def default_append_launch(n_rows: int, layer: PagedLayer, plan: StepPlan) -> AppendLaunch:
+    """:func:`.policy.plan_append` for an append of ``n_rows`` rows into ``layer`` as ``plan`` describes, on the
+    layer's device (``plan.rope_ready``: the cache's own RoPE frequencies, which no running kernel writes)."""
+    dev = layer.device
+    d = layer.geometry[3]
+    return plan_append(n_rows=n_rows, n_seqs=plan.num_seqs if plan.slot_mapping is None else None,
+                       num_kv_heads=layer.geometry[2], head_dim=d, kv_dtype=layer.kv_dtype,
+                       rope=rope_kind(plan.rope, d), pdl=pdl_enabled() and pdl_supported(dev), ptx=ptx(dev),
+                       metadata_ready=plan.metadata_ready, rope_ready=plan.rope_ready)
 
 
 def _block_strides(hnd: bool, H: int, DP: int, bs: int) -> dict[str, int]:
@@ -75,80 +78,47 @@ def _max_freq(rope) -> float:  # type: ignore[no-untyped-def]
     return float(top) if top > 0 else 0.0  # (validated by the callers: a finite number >= 0)
 
 
-def append_paged_kv_launch(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pool: torch.Tensor,
-    params: torch.Tensor | None,
-    *,
-    kv_dtype: str,
-    layout: str,
-    block_tables: torch.Tensor | None,
-    cu_q_lens: torch.Tensor | None,
-    kv_lens: torch.Tensor | None,
-    cu_k_lens: torch.Tensor | None,
-    slot_mapping: torch.Tensor | None,
-    positions: torch.Tensor | None,
-    rope: RopeKernelParams | None,
-    fp8_scales: torch.Tensor | None,
-    cp_rank: int,
-    cp_size: int,
-    launch: AppendLaunch | None = None,
-    metadata_ready: bool = False,
-    rope_ready: bool = False,
-) -> AppendPlan | None:
-    """Launch the append kernel; the arguments are those of :func:`kvcache.ops.append_paged_kv`, already
-    validated (``k`` / ``v`` model dtype ``[N, H, D]``, ``pool`` / ``params`` one layer's pools, index tensors
-    int32 / int64 on the pool's device, ``rope.inv_freq`` float32 on it, ``fp8_scales`` float32 ``[2]``).
+def append_paged_kv_launch(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepPlan,
+                           launch: AppendLaunch | None = None) -> AppendPlan | None:
+    """Launch the append kernel: ``k`` / ``v`` ``[N, H, D]`` into ``layer`` where ``plan`` says, both already
+    validated (see :func:`kvcache.ops.append_paged_kv`).
 
-    ``launch``: the launch description; default :func:`default_append_launch` (the policy, from
-    ``metadata_ready`` and ``rope_ready``: no running kernel writes ``rope.inv_freq``). A variant built with
+    ``launch``: the launch description; default :func:`default_append_launch` (the policy). A variant built with
     ``dataclasses.replace`` is checked (:func:`.policy.check_launch`) before anything runs.
 
-    Returns an :class:`AppendPlan` for repeating this launch with new tensors of the same kind (compiled
+    Returns an :class:`AppendPlan` for repeating this launch with other tensors of the same kind (compiled
     kernels on CUDA), else None.
     """
-    n_seqs = None if slot_mapping is not None else cu_q_lens.shape[0] - 1  # type: ignore[union-attr]
-    H, D = k.shape[1], k.shape[2]
-    kind = rope_kind(rope, D)
+    nb, bs, H, D = layer.geometry[:4]
+    kind = rope_kind(plan.rope, D)
     if launch is None:
-        launch = default_append_launch(k, pool, kv_dtype=kv_dtype, n_seqs=n_seqs, rope=rope,
-                                       metadata_ready=metadata_ready, rope_ready=rope_ready)
-    check_launch(launch, num_kv_heads=H, rope=kind, pdl_supported=pdl_supported(pool.device))
+        launch = default_append_launch(k.shape[0], layer, plan)
+    check_launch(launch, num_kv_heads=H, rope=kind, pdl_supported=pdl_supported(layer.device))
     n_tokens = k.shape[0]
     if n_tokens == 0:
         return None
-    if not use_triton(pool.device):
-        append_paged_kv_reference(
-            k, v, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables, cu_q_lens=cu_q_lens,
-            kv_lens=kv_lens, cu_k_lens=cu_k_lens, slot_mapping=slot_mapping, positions=positions, rope=rope,
-            fp8_scales=fp8_scales, cp_rank=cp_rank, cp_size=cp_size,
-        )
+    if not use_triton(layer.device):
+        append_paged_kv_reference(k, v, layer, plan)
         return None
-    if n_seqs == 0:
+    ragged = plan.slot_mapping is None
+    if ragged and plan.num_seqs == 0:
         return None  # no sequence: every row is padding
-    quant = KV_FORMAT_TABLE[kv_dtype].code
-    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope)
-    hnd = layout == "HND"
-    bs = pool.shape[3] if hnd else pool.shape[2]
+    has_rope, rot, inter, attn_scale, _ = _rope_args(plan.rope)
+    pool, params = layer.pool, layer.params
+    dp = pool.shape[-1]
     split, hg = launch.split, (launch.head_groups if launch.split else 1)
     # vector loads of k / v rows: the row strides (runtime ints) are passed in units of VEC elements (up to 16
     # bytes); the head strides and the half-row offset are constexprs, whose divisibility the compiler sees
     vec = vec_elems(k.element_size(), (k.stride(0), v.stride(0)))
-    ns = n_seqs or 0
-    args = _append_args(
-        k=k, v=v, pool=pool, params=params, block_tables=block_tables, cu_q=cu_q_lens,
-        k_lens=kv_lens if kv_lens is not None else cu_k_lens, slots=slot_mapping, positions=positions,
-        inv_freq=inv_freq, fp8_scales=fp8_scales, stride_kn=k.stride(0) // vec, stride_vn=v.stride(0) // vec,
-        bt_stride=block_tables.stride(0) if block_tables is not None else 0,
-        table_width=block_tables.shape[1] if block_tables is not None else 0, n_seqs=ns, n_rows=n_tokens,
-    )
+    ns = plan.num_seqs
+    index = append_index(plan)
+    args = _append_args(k, v, pool, params, layer.scales, index, k.stride(0) // vec, v.stride(0) // vec, n_tokens)
     consts = dict(
-        MODE=(BY_SLOTS if slot_mapping is not None else BY_KV_LENS if kv_lens is not None else BY_CU_K_LENS).value,
-        QUANT=quant, ROPE=has_rope,
-        ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, FMAX=_max_freq(rope), H=H, D=D, DP=pool.shape[-1],
-        BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0], **_block_strides(hnd, H, pool.shape[-1], bs), CP_RANK=cp_rank,
-        CP_SIZE=cp_size,
+        MODE=(BY_SLOTS if not ragged else BY_KV_LENS if plan.kv_lens is not None else BY_CU_K_LENS).value,
+        QUANT=KV_FORMAT_TABLE[layer.kv_dtype].code, ROPE=has_rope,
+        ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, FMAX=_max_freq(plan.rope), H=H, D=D, DP=dp,
+        BLOCK_SIZE=bs, NUM_BLOCKS=nb, **_block_strides(layer.layout == "HND", H, dp, bs), CP_RANK=plan.cp_rank,
+        CP_SIZE=plan.cp_size,
         SEARCH=next_pow2(ns) if 0 < ns <= 1024 else 0, LOG_B=max(ns - 1, 0).bit_length(),
         STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=next_pow2(H) // hg, HG=hg,
         BLOCK_HF=next_pow2((D + 1) // 2),
@@ -158,7 +128,7 @@ def append_paged_kv_launch(
         CS_FIRST=launch.cs_first and kind == "full", SPECULATE=launch.speculate,
         FREQS_LATE=launch.freqs_late and kind == "full",
         # the 8-byte (scale, zero) store needs 8-byte aligned params
-        PAIR_ASM=launch.pair_asm and params is not None and params.data_ptr() % 8 == 0,
+        PAIR_ASM=launch.pair_asm and params is not None and layer.align[3],
         num_warps=launch.num_warps,
     )
     if launch.pdl:
@@ -170,27 +140,36 @@ def append_paged_kv_launch(
     return AppendPlan(prepared, vec, per_row)
 
 
-def _append_args(k, v, pool, params, block_tables, cu_q, k_lens, slots, positions, inv_freq, fp8_scales,  # type: ignore[no-untyped-def]
-                 stride_kn, stride_vn, bt_stride, table_width, n_seqs, n_rows) -> tuple:
-    """The append kernel's runtime arguments in its order (tensors, or their ``data_ptr()`` ints). A pointer
-    the launch does not use (None) is passed as ``pool``: never read, and a valid address."""
+def append_index(plan: StepPlan) -> tuple:
+    """What the append kernel reads of ``plan``: block tables, cu_q_lens, kv_lens (or cu_k_lens), slot mapping,
+    positions and RoPE's inv_freq (None where absent), then the block-table row stride, its width and ``B``."""
+    bt = plan.block_tables
+    ragged = plan.slot_mapping is None
+    return (bt, plan.cu_q_lens, plan.kv_lens if plan.kv_lens is not None else plan.cu_k_lens, plan.slot_mapping,
+            plan.positions if plan.rope is not None else None, plan.rope.inv_freq if plan.rope is not None else None,
+            bt.stride(0) if ragged else 0, bt.shape[1] if ragged else 0, plan.num_seqs)  # type: ignore[union-attr]
+
+
+def _append_args(k, v, pool, params, scales, index: tuple, stride_kn: int, stride_vn: int, n_rows: int) -> tuple:  # type: ignore[no-untyped-def]
+    """The append kernel's runtime arguments in its order (tensors, or their ``data_ptr()`` ints; ``index`` as
+    :func:`append_index` gives it, or its pointers). A pointer the launch does not use (None) is passed as
+    ``pool``: never read, and a valid address."""
+    bt, cu, kl, sl, pos, inv, bt_stride, width, n_seqs = index
     return (
-        k, v, pool, pool if params is None else params, pool if block_tables is None else block_tables,
-        pool if cu_q is None else cu_q, pool if k_lens is None else k_lens, pool if slots is None else slots,
-        pool if positions is None else positions, pool if inv_freq is None else inv_freq,
-        pool if fp8_scales is None else fp8_scales, stride_kn, stride_vn, bt_stride, table_width, n_seqs,
-        _GUESS_ONE if n_seqs == n_rows else _guess_mul(n_seqs, n_rows),  # a decode batch: no call (host time)
+        k, v, pool, pool if params is None else params, pool if bt is None else bt, pool if cu is None else cu,
+        pool if kl is None else kl, pool if sl is None else sl, pool if pos is None else pos,
+        pool if inv is None else inv, pool if scales is None else scales, stride_kn, stride_vn, bt_stride, width,
+        n_seqs, _GUESS_ONE if n_seqs == n_rows else _guess_mul(n_seqs, n_rows),  # a decode batch: no call
     )
 
 
 class AppendPlan:
-    """A compiled append launch, repeated with raw pointers for new tensors of the same kind.
+    """A compiled append launch, repeated with raw pointers for other tensors of the same kind.
 
-    "The same kind": the same dtypes, 16-byte alignment of every pointer (and 8-byte alignment of ``params``,
-    which selects the inline-PTX (scale, zero) store), k / v strides, mode, RoPE, format, number of sequences,
-    and the :class:`~.policy.AppendLaunch`; the caller keys plans by those (see ``PagedKVCache.append``).
-    :meth:`launch` skips argument binding and the launcher's per-tensor pointer checks, which are most of an eager
-    call's host time.
+    "The same kind": the same step plan (index tensors, RoPE, launch description, rows), and per layer the same
+    16-byte alignment of every pointer (8-byte of ``params``, which selects the inline-PTX (scale, zero) store),
+    k / v strides; :func:`~kvcache.ops.paged.run.append_rows` keys them by those. :meth:`launch` skips argument
+    binding and the launcher's per-tensor pointer checks, which are most of an eager call's host time.
     """
 
     __slots__ = ("prepared", "vec", "per_row")
@@ -200,79 +179,60 @@ class AppendPlan:
         self.vec = vec  # k / v row strides (elements) are passed divided by vec
         self.per_row = per_row  # programs per row: 1, or 2 x head groups (split: K and V separately)
 
-    def launch(
-        self, stream: int, n: int, k: int, v: int, stride_kn: int, stride_vn: int, pool: int, params: int | None,
-        inv_freq: int | None, fp8_scales: int, block_tables: int | None, cu_q: int | None, kv_lens: int | None,
-        slots: int | None, positions: int | None, bt_stride: int, table_width: int, n_seqs: int,
-    ) -> None:
-        """Launch on ``stream`` for ``n`` rows. Pointers are ``data_ptr()`` ints (None: unused); ``k`` / ``v``
-        rows ``stride_kn`` / ``stride_vn`` elements apart; ``block_tables`` int32 ``[n_seqs, table_width]``
-        with rows ``bt_stride`` apart, ``cu_q`` int32 ``[n_seqs + 1]``, ``kv_lens`` int32 ``[n_seqs]``
-        (ragged), or ``slots`` / ``positions`` int32 or int64 ``[n]`` (slot mapping)."""
+    def launch(self, stream: int, n: int, k: int, v: int, stride_kn: int, stride_vn: int, layer_ptrs: tuple,
+               index: tuple) -> None:
+        """Launch on ``stream`` for ``n`` rows. ``k`` / ``v``: ``data_ptr()`` ints, rows ``stride_kn`` /
+        ``stride_vn`` elements apart; ``layer_ptrs``: :attr:`PagedLayer.ptrs`; ``index``: :func:`append_index`
+        with ``data_ptr()`` ints in place of its tensors."""
         pl = self.prepared
-        args = _append_args(k, v, pool, params, block_tables, cu_q, kv_lens, slots, positions, inv_freq, fp8_scales,
-                            stride_kn // self.vec, stride_vn // self.vec, bt_stride, table_width, n_seqs, n)
+        pool, params, scales = layer_ptrs
+        args = _append_args(k, v, pool, params, scales, index, stride_kn // self.vec, stride_vn // self.vec, n)
         pl.run(self.per_row * n, 1, 1, stream, *pl.head, *args, *pl.consts)
 
 
-def gather_paged_kv_launch(
-    k_out: torch.Tensor,
-    v_out: torch.Tensor,
-    pool: torch.Tensor,
-    params: torch.Tensor | None,
-    *,
-    kv_dtype: str,
-    layout: str,
-    block_tables: torch.Tensor,
-    kv_lens: torch.Tensor | None,
-    cu_k_lens: torch.Tensor | None,
-    rope: RopeKernelParams | None,
-    fp8_scales: torch.Tensor | None,
-    cp_rank: int,
-    cp_size: int,
-    launch: GatherLaunch | None = None,
-) -> None:
-    """Launch the gather kernel (arguments already validated). ``k_out`` / ``v_out``: ``[B, H, S_out, D]``.
-    ``launch``: default :func:`.policy.plan_gather` of the outputs (a variant is checked against the block size)."""
+def gather_paged_kv_launch(k_out: torch.Tensor, v_out: torch.Tensor, layer: PagedLayer, plan: StepPlan,
+                           rope: RopeKernelParams | None, launch: GatherLaunch | None = None) -> None:
+    """Launch the gather kernel (arguments already validated): ``layer``'s blocks of ``plan``'s sequences into
+    ``k_out`` / ``v_out`` ``[B, H, S_out, D]``; ``rope`` rotates the keys. ``launch``: default
+    :func:`.policy.plan_gather` of the outputs (a variant is checked against the block size)."""
     B, H, s_out, D = k_out.shape
     if B == 0 or s_out == 0:
         return
-    if not use_triton(pool.device):
-        gather_paged_kv_reference(
-            k_out, v_out, pool, params, kv_dtype=kv_dtype, layout=layout, block_tables=block_tables,
-            kv_lens=kv_lens, cu_k_lens=cu_k_lens, rope=rope, fp8_scales=fp8_scales, cp_rank=cp_rank,
-            cp_size=cp_size,
-        )
+    if not use_triton(layer.device):
+        gather_paged_kv_reference(k_out, v_out, layer, plan, rope)
         return
-    quant = KV_FORMAT_TABLE[kv_dtype].code
-    hnd = layout == "HND"
-    bs = pool.shape[3] if hnd else pool.shape[2]
+    pool = layer.pool
+    nb, bs = layer.geometry[:2]
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope)
-    dummy = pool
     if launch is None:
         launch = plan_gather(k_out, v_out, num_kv_heads=H, head_dim=D)
     tok = launch.tok
     if type(tok) is not int or tok < 1 or bs % tok or tok & (tok - 1):
         raise ValueError(f"tok: expected a power of two dividing block_size {bs}, got {tok!r}")
-    out_strides = (k_out.stride(0), k_out.stride(1), k_out.stride(2), v_out.stride(0), v_out.stride(1),
-                   v_out.stride(2))
+    out_strides = (*k_out.stride()[:3], *v_out.stride()[:3])
     vec = vec_elems(k_out.element_size(), out_strides)  # vector stores of output rows
+    lens, mode = gather_lens(plan)
+    bt = plan.block_tables
     _gather_kernel.launch(
         pool.device, (cdiv(s_out, tok), B),
-        k_out, v_out, pool, params if params is not None else dummy, block_tables,
-        kv_lens if kv_lens is not None else cu_k_lens,
-        inv_freq if inv_freq is not None else dummy,
-        fp8_scales if fp8_scales is not None else dummy,
-        *[st // vec for st in out_strides],
-        block_tables.stride(0), block_tables.shape[1], s_out,
-        MODE=(BY_KV_LENS if kv_lens is not None else BY_CU_K_LENS).value, QUANT=quant, ROPE=has_rope, ROT=rot,
-        INTERLEAVED=inter,
-        ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=pool.shape[0],
-        **_block_strides(hnd, H, pool.shape[-1], bs),
-        CP_RANK=cp_rank, CP_SIZE=cp_size, TOK=tok, BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),
+        k_out, v_out, pool, pool if layer.params is None else layer.params, bt, lens,
+        pool if inv_freq is None else inv_freq, pool if layer.scales is None else layer.scales,
+        *[st // vec for st in out_strides], bt.stride(0), bt.shape[1], s_out,  # type: ignore[union-attr]
+        MODE=mode.value, QUANT=KV_FORMAT_TABLE[layer.kv_dtype].code, ROPE=has_rope, ROT=rot, INTERLEAVED=inter,
+        ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=nb,
+        **_block_strides(layer.layout == "HND", H, pool.shape[-1], bs),
+        CP_RANK=plan.cp_rank, CP_SIZE=plan.cp_size, TOK=tok, BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),
         LIBDEVICE=pool.device.type == "cuda", VEC=vec, WIDE=launch.wide,
         num_warps=launch.num_warps,
     )
+
+
+def gather_lens(plan: StepPlan) -> tuple[torch.Tensor, tl.constexpr]:
+    """The lengths a gather of ``plan``'s sequences reads, and how: its cumulative lengths after the step when it
+    has them (no device op), else ``seq_lens``."""
+    if plan.cu_k_lens is not None:
+        return plan.cu_k_lens, BY_CU_K_LENS
+    return plan.seq_lens, BY_KV_LENS
 
 
 def copy_blocks_launch(buf: torch.Tensor, pairs: torch.Tensor) -> None:

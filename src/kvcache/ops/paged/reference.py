@@ -6,6 +6,8 @@ import torch
 
 from ...rope import RopeKernelParams
 from .format import KV_FORMAT_TABLE
+from .layer import PagedLayer
+from .step import StepPlan
 
 __all__ = ["append_paged_kv_reference", "gather_paged_kv_reference", "quantize_rows_reference",
            "dequantize_rows_reference"]
@@ -55,11 +57,10 @@ def _rope_rows(x: torch.Tensor, pos: torch.Tensor, rope, inverse: bool = False) 
     return out
 
 
-def _token_targets(
-    n_tokens: int, block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, block_size: int,
-    num_blocks: int, cp_rank: int, cp_size: int,
-) -> list[tuple[int, int, int, int]]:  # type: ignore[no-untyped-def]
+def _token_targets(n_tokens: int, plan: StepPlan, block_size: int, num_blocks: int
+                   ) -> list[tuple[int, int, int, int]]:
     """(row, block, offset, global position) of every row that is written."""
+    slot_mapping, positions, cp_rank, cp_size = plan.slot_mapping, plan.positions, plan.cp_rank, plan.cp_size
     out = []
     if slot_mapping is not None:
         slots = slot_mapping.tolist()
@@ -68,13 +69,13 @@ def _token_targets(
             if slot >= 0 and slot // block_size < num_blocks:
                 out.append((n, slot // block_size, slot % block_size, int(pos[n])))
         return out
-    cu = cu_q_lens.tolist()
-    tables = block_tables.tolist()
-    width = block_tables.shape[1]
-    if kv_lens is not None:
-        starts = kv_lens.tolist()
+    cu = plan.cu_q_lens.tolist()  # type: ignore[union-attr]
+    tables = plan.block_tables.tolist()  # type: ignore[union-attr]
+    width = plan.block_tables.shape[1]  # type: ignore[union-attr]
+    if plan.kv_lens is not None:
+        starts = plan.kv_lens.tolist()
     else:
-        ck = cu_k_lens.tolist()
+        ck = plan.cu_k_lens.tolist()  # type: ignore[union-attr]
         starts = [(ck[b + 1] - ck[b]) - (cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
     for b in range(len(cu) - 1):
         for n in range(max(cu[b], 0), min(cu[b + 1], n_tokens)):  # rows are >= 0: no index wraps around
@@ -91,19 +92,13 @@ def _token_targets(
     return out
 
 
-def append_paged_kv_reference(
-    k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, params: torch.Tensor | None, *, kv_dtype: str, layout: str,
-    block_tables: torch.Tensor | None, cu_q_lens: torch.Tensor | None, kv_lens: torch.Tensor | None,
-    cu_k_lens: torch.Tensor | None, slot_mapping: torch.Tensor | None, positions: torch.Tensor | None,
-    rope: RopeKernelParams | None, fp8_scales: torch.Tensor | None, cp_rank: int, cp_size: int,
-) -> None:
+def append_paged_kv_reference(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepPlan) -> None:
     """Pure-torch reference of the append kernel (same arguments as :func:`append_paged_kv_launch`, already
-    validated: ``k`` / ``v`` ``[N, H, D]`` model dtype, ``pool`` / ``params`` one layer's pools, index tensors
-    int32 / int64 on the pool's device)."""
-    hnd = layout == "HND"
-    bs = pool.shape[3] if hnd else pool.shape[2]
-    targets = _token_targets(k.shape[0], block_tables, cu_q_lens, kv_lens, cu_k_lens, slot_mapping, positions, bs,
-                             pool.shape[0], cp_rank, cp_size)
+    validated: ``k`` / ``v`` ``[N, H, D]`` model dtype into ``layer`` where ``plan`` says)."""
+    pool, params, fp8_scales, kv_dtype = layer.pool, layer.params, layer.scales, layer.kv_dtype
+    hnd = layer.layout == "HND"
+    rope = plan.rope
+    targets = _token_targets(k.shape[0], plan, layer.geometry[1], layer.geometry[0])
     if not targets:
         return
     rows = torch.tensor([t[0] for t in targets], dtype=torch.long, device=k.device)
@@ -137,19 +132,17 @@ def append_paged_kv_reference(
             pool[blks, kv, offs] = data
 
 
-def gather_paged_kv_reference(
-    k_out: torch.Tensor, v_out: torch.Tensor, pool: torch.Tensor, params: torch.Tensor | None, *, kv_dtype: str,
-    layout: str, block_tables: torch.Tensor, kv_lens: torch.Tensor | None, cu_k_lens: torch.Tensor | None,
-    rope: RopeKernelParams | None, fp8_scales: torch.Tensor | None, cp_rank: int, cp_size: int,
-) -> None:
+def gather_paged_kv_reference(k_out: torch.Tensor, v_out: torch.Tensor, layer: PagedLayer, plan: StepPlan,
+                              rope: RopeKernelParams | None) -> None:
     """Pure-torch reference of the gather kernel (arguments as :func:`gather_paged_kv_launch`, validated):
     fills ``k_out`` / ``v_out`` ``[B, H, S_out, D]``."""
-    hnd = layout == "HND"
-    bs = pool.shape[3] if hnd else pool.shape[2]
+    pool, params, fp8_scales, kv_dtype = layer.pool, layer.params, layer.scales, layer.kv_dtype
+    hnd = layer.layout == "HND"
+    bs = layer.geometry[1]
+    cp_rank, cp_size, block_tables = plan.cp_rank, plan.cp_size, plan.block_tables
     B, H, s_out, D = k_out.shape
-    totals = kv_lens.tolist() if kv_lens is not None else [
-        b - a for a, b in zip(cu_k_lens.tolist()[:-1], cu_k_lens.tolist()[1:])
-    ]
+    lens, by_cu = (plan.cu_k_lens, True) if plan.cu_k_lens is not None else (plan.seq_lens, False)
+    totals = [b - a for a, b in zip(lens.tolist()[:-1], lens.tolist()[1:])] if by_cu else lens.tolist()
     tables = block_tables.tolist()
     width = block_tables.shape[1]
     k_out.zero_()

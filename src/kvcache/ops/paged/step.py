@@ -9,13 +9,12 @@ loose keyword ops (:func:`~kvcache.ops.append_paged_kv`, :func:`~kvcache.ops.pag
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
 from ..._validate import check_cp, check_index_vector, check_int, check_tensor_arg, fmt_shape
 from ...rope import RopeKernelParams
-from .checks import check_rope, host_check_ragged, host_check_rope_bound, host_check_slots
+from .checks import check_attention_options, check_rope, host_check_ragged, host_check_rope_bound, host_check_slots
 
 __all__ = ["StepPlan", "Geometry"]
 
@@ -125,6 +124,8 @@ class StepPlan:
         rope: RopeKernelParams | None = None,
         rope_ready: bool = False,
         rope_seq_len: int | None = None,
+        lens_name: str = "seq_lens",
+        q_dtype: torch.dtype | None = None,
     ) -> StepPlan:
         """Validate and build a plan for pools of ``geometry`` on ``device``.
 
@@ -132,7 +133,9 @@ class StepPlan:
         ``positions``, ``cp_rank``, ``cp_size`` (absent: None / 0 / 1). ``options``: ``scale``, ``window``,
         ``softcap``, ``q_rope``, ``max_kv_len``, ``num_decode``, ``num_splits``, ``workspace``,
         ``metadata_ready``, ``check``. ``rope``: the keys' RoPE parameters (``rope_ready``: no running kernel
-        writes its ``inv_freq``; ``rope_seq_len``: the length it was built for, kept for gathers).
+        writes its ``inv_freq``; ``rope_seq_len``: the length it was built for, kept for gathers). ``lens_name``: what
+        errors call ``seq_lens`` (the loose ops' ``kv_lens``); ``q_dtype``: the queries' dtype where it is known
+        (``q_rope`` must have it).
         TypeError / ValueError naming the argument, before anything is written.
         """
         opts = dict(options or {})
@@ -148,14 +151,14 @@ class StepPlan:
         if idx["slot_mapping"] is not None:
             n_seqs = _check_slots(idx, device, cp_size, rope)
         else:
-            n_seqs = _check_ragged(idx, device)
+            n_seqs = _check_ragged(idx, device, lens_name)
         rope = check_rope(rope, geometry[3], device)
         plan = cls(
             block_tables=idx["block_tables"], cu_q_lens=idx["cu_q_lens"], kv_lens=idx["kv_lens"],
             cu_k_lens=idx["cu_k_lens"], _seq_lens=idx["seq_lens"], slot_mapping=idx["slot_mapping"],
             positions=idx["positions"], cp_rank=cp_rank, cp_size=cp_size, rope=rope, rope_seq_len=rope_seq_len,
             num_seqs=n_seqs, geometry=geometry, device=device, rope_ready=rope_ready,
-            **_check_options(opts, geometry[3], n_seqs, device),
+            **_check_options(opts, geometry[3], n_seqs, device, q_dtype),
         )
         return plan
 
@@ -209,13 +212,17 @@ class StepPlan:
             host_check_ragged(num_rows, nb, bs, self.block_tables, self.cu_q_lens, self.kv_lens, self.cu_k_lens,
                               self.cp_rank, self.cp_size)
 
-    def require(self, what: str, *, ragged: bool, rows: bool) -> None:
-        """TypeError naming ``plan`` unless it is ragged (``ragged``: attention, gather) and describes the step's
-        rows (``rows``: append, attention; a plan built without ``cu_q_lens`` serves gathers only)."""
+    def require(self, what: str, *, ragged: bool, rows: bool, writes: bool = False) -> None:
+        """TypeError naming ``plan`` unless it is ragged (``ragged``: attention, gather), describes the step's
+        rows (``rows``: append, attention; a plan built without ``cu_q_lens`` serves gathers only) and, for an
+        append (``writes``), where its first new token goes (``kv_lens`` or ``cu_k_lens``)."""
         if ragged and self.slot_mapping is not None:
             raise TypeError(f"plan: {what} needs a ragged plan (block tables + lengths), got a slot-mapping plan")
         if rows and self.slot_mapping is None and self.cu_q_lens is None:
             raise TypeError(f"plan: {what} needs the step's rows (cu_q_lens), got a plan built for gathers only")
+        if writes and self.slot_mapping is None and self.kv_lens is None and self.cu_k_lens is None:
+            raise TypeError(f"plan: {what} needs kv_lens or cu_k_lens (where each sequence's new rows start), got "
+                            f"a plan with seq_lens only")
 
     def unwritable_rows(self, num_rows: int) -> torch.Tensor:
         """Rows of an append of ``num_rows`` rows that the kernel would skip although they are meant to be
@@ -285,57 +292,46 @@ def _check_slots(idx: dict, device: torch.device, cp_size: int, rope: object) ->
     return 0
 
 
-def _check_ragged(idx: dict, device: torch.device) -> int:
+def _check_ragged(idx: dict, device: torch.device, lens_name: str) -> int:
     bt, cu = idx["block_tables"], idx["cu_q_lens"]
+    kv, ck, sl = idx["kv_lens"], idx["cu_k_lens"], idx["seq_lens"]
+    if bt is None:
+        raise ValueError("block_tables: expected int32 [B, max_blocks] with cu_q_lens and exactly one of kv_lens / "
+                         "cu_k_lens (or slot_mapping alone), got None")
+    if cu is not None and kv is None and ck is None and sl is None:
+        raise ValueError("cu_q_lens: expected block_tables, cu_q_lens and exactly one of kv_lens / cu_k_lens "
+                         "(or slot_mapping alone)")
     if idx["positions"] is not None:
         raise ValueError("positions: expected None in ragged mode (positions follow from kv_lens / cu_k_lens)")
-    if not isinstance(bt, torch.Tensor):
-        raise TypeError(f"block_tables: expected a torch.Tensor int32 [B, max_blocks] (or slot_mapping alone), got "
-                        f"{type(bt).__name__}")
     if cu is not None:
         check_index_vector("cu_q_lens", cu, None, device)
         b = cu.shape[0] - 1
         if b < 0:
             raise ValueError("cu_q_lens: expected B + 1 >= 1 entries, got 0")
     else:
-        b = bt.shape[0] if bt.dim() == 2 else -1
+        b = bt.shape[0] if isinstance(bt, torch.Tensor) and bt.dim() == 2 else -1
     check_tensor_arg("block_tables", bt, dtypes=(torch.int32,), ndim=2, device=device, ref="pool")
     if bt.shape[0] != b or (bt.shape[1] > 1 and bt.stride(1) != 1):
         raise ValueError(f"block_tables: expected int32 [{b}, max_blocks] with contiguous rows, got "
                          f"{fmt_shape(bt.shape)} strides {tuple(bt.stride())}")
-    kv, ck, sl = idx["kv_lens"], idx["cu_k_lens"], idx["seq_lens"]
-    if cu is not None and (kv is None) == (ck is None):
-        raise ValueError(f"kv_lens: expected exactly one of kv_lens / cu_k_lens with cu_q_lens, got "
-                         f"{'both' if kv is not None else 'neither'}")
+    if kv is not None and ck is not None:
+        raise ValueError("kv_lens: expected exactly one of kv_lens / cu_k_lens, got both")
     if cu is None and kv is not None:
-        raise ValueError("kv_lens: expected cu_q_lens with it (the tokens held before the step's rows); a plan "
-                         "for gathers only takes seq_lens or cu_k_lens")
+        raise ValueError("cu_q_lens: expected with kv_lens (the tokens held before the step's rows); a plan for "
+                         "gathers only takes seq_lens or cu_k_lens")
     if cu is None and (sl is None) == (ck is None):
-        raise ValueError(f"seq_lens: expected exactly one of seq_lens / cu_k_lens without cu_q_lens, got "
+        raise ValueError(f"{lens_name}: expected exactly one of {lens_name} / cu_k_lens without cu_q_lens, got "
                          f"{'both' if sl is not None else 'neither'}")
-    for name, t, n in (("kv_lens", kv, b), ("cu_k_lens", ck, b + 1), ("seq_lens", sl, b)):
+    for name, t, n in (("kv_lens", kv, b), ("cu_k_lens", ck, b + 1), (lens_name, sl, b)):
         if t is not None:
             check_index_vector(name, t, n, device)
     return b
 
 
-def _check_options(opts: dict, head_dim: int, n_seqs: int, device: torch.device) -> dict:
+def _check_options(opts: dict, head_dim: int, n_seqs: int, device: torch.device,
+                   q_dtype: torch.dtype | None = None) -> dict:
     """The query-side options and launch hints, validated (``scale`` stays None for the default)."""
-    scale, window, softcap = opts["scale"], opts["window"], opts["softcap"]
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
-        scale = float(scale)
-    if window is not None:
-        check_int("window", window, 1, 2**31 - 1)
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
-        if not math.isfinite(softcap) or softcap <= 0:
-            raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
-        softcap = float(softcap)
+    scale, window, softcap = check_attention_options(opts["scale"], opts["window"], opts["softcap"])
     if opts["max_kv_len"] is not None:
         check_int("max_kv_len", opts["max_kv_len"], 0)
     if opts["num_splits"] is not None:
@@ -346,28 +342,32 @@ def _check_options(opts: dict, head_dim: int, n_seqs: int, device: torch.device)
         check_tensor_arg("workspace", ws, dtypes=(torch.float32,), ndim=1, device=device, ref="pool")
         if ws.numel() > 1 and ws.stride(0) != 1:
             raise ValueError(f"workspace: expected a contiguous float32 tensor, got strides {tuple(ws.stride())}")
-    return dict(scale=scale, window=window, softcap=softcap, q_rope=_check_q_rope(opts["q_rope"], head_dim, device),
+    q_rope = _check_q_rope(opts["q_rope"], head_dim, device, q_dtype)
+    return dict(scale=scale, window=window, softcap=softcap, q_rope=q_rope,
                 max_kv_len=opts["max_kv_len"], num_decode=opts["num_decode"], num_splits=opts["num_splits"],
                 workspace=ws, metadata_ready=opts["metadata_ready"], check=opts["check"])
 
 
-def _check_q_rope(q_rope: object, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``q_rope``: None or (cos, sin), contiguous float tables ``[max_pos, D]`` (D even) of one dtype on the
-    plan's device (that they are q's dtype is checked per call)."""
+def _check_q_rope(q_rope: object, d: int, device: torch.device, q_dtype: torch.dtype | None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``q_rope``: None or (cos, sin), contiguous float tables ``[max_pos, D]`` (D even) of ``q_dtype`` (when
+    known; else of one dtype, which attention checks against q's) on the plan's device."""
     if q_rope is None:
         return None
     if not isinstance(q_rope, (tuple, list)) or len(q_rope) != 2:
         raise TypeError(f"q_rope: expected None or a (cos, sin) pair of tensors, got {type(q_rope).__name__}")
     if d % 2:
         raise ValueError(f"q_rope: rotate-half RoPE needs an even head_dim, got {d}")
+    dtypes = (q_dtype,) if q_dtype is not None else _Q_DTYPES
     for name, t in zip(("cos", "sin"), q_rope):
-        check_tensor_arg(f"q_rope {name}", t, dtypes=_Q_DTYPES, ndim=2, device=device, ref="q")
+        check_tensor_arg(f"q_rope {name}", t, dtypes=dtypes, ndim=2, device=device, ref="q")
         if t.shape[1] != d or t.shape[0] < 1 or not t.is_contiguous():
             raise ValueError(f"q_rope {name}: expected a contiguous [max_pos, {d}] table (one row per position, "
                              f"its head_dim / 2 frequencies twice), got {fmt_shape(t.shape)}")
-    if q_rope[0].shape != q_rope[1].shape or q_rope[0].dtype != q_rope[1].dtype:
-        raise ValueError(f"q_rope: cos and sin differ: {q_rope[0].dtype} {fmt_shape(q_rope[0].shape)} / "
-                         f"{q_rope[1].dtype} {fmt_shape(q_rope[1].shape)}")
+        dtypes = (t.dtype,)  # sin: cos's dtype
+    if q_rope[0].shape != q_rope[1].shape:
+        raise ValueError(f"q_rope: cos and sin differ in shape: {fmt_shape(q_rope[0].shape)} / "
+                         f"{fmt_shape(q_rope[1].shape)}")
     return q_rope[0], q_rope[1]
 
 
