@@ -61,3 +61,20 @@ def prompt_ids(smollm, conversations) -> list[list[int]]:
         ids = enc["input_ids"] if hasattr(enc, "keys") else enc
         out.append([int(t) for t in ids])
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """``make(rope=None)``: a random-weight toy Llama (2 layers, 4 q / 2 KV heads of 16, vocab 256, EOS 1; seed 0),
+    with the default RoPE (theta 1e4) unless ``rope`` gives other ``rope_parameters``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make(rope: dict | None = None):
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
+                          rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=0,
+                          eos_token_id=1, pad_token_id=1)
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg).eval()
+
+    return make

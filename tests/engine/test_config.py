@@ -112,20 +112,9 @@ def test_sizes_for_a_model(model):
 # ------------------------------------------------------------------------------------------ LLM with a config
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=0,
-                      eos_token_id=1, pad_token_id=1)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
-
-
 @pytest.fixture(scope="module")
-def model():
-    return _tiny_llama()
+def model(tiny_llama):
+    return tiny_llama()
 
 
 def _prompts() -> list[list[int]]:

@@ -228,16 +228,6 @@ def test_cuda_graphs_equal_eager_on_gpu(smollm, conversations):
         assert graphs.stats.graph_steps > 0
 
 
-def _tiny_llama(rope: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
-                      rope_parameters=rope, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
-
-
 class _NoText:
     def decode(self, ids, skip_special_tokens=True):
         return " ".join(map(str, ids))
@@ -248,9 +238,9 @@ class _NoText:
     {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64},
 ], ids=["default", "llama3"])
-def test_random_weight_llama_equals_hf(rope):
+def test_random_weight_llama_equals_hf(tiny_llama, rope):
     # the bench's model family (llama3 RoPE, GQA) at toy size: engine greedy == transformers greedy, EOS ignored
-    model = _tiny_llama(rope)
+    model = tiny_llama(rope)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in (5, 17, 40)]
     llm = LLM(model, tokenizer=_NoText(), max_num_seqs=3, block_size=4, max_num_batched_tokens=32, max_model_len=96)
@@ -264,12 +254,12 @@ def test_random_weight_llama_equals_hf(rope):
         assert o.finish_reason == "length" and o.text == " ".join(map(str, ref))
 
 
-def test_overlapped_decode_equals_step_by_step():
+def test_overlapped_decode_equals_step_by_step(tiny_llama):
     # graph decode steps launch the next step before their tokens are read (the host's work overlaps the
     # device's); a request finished by a stop token has run one step ahead, whose row is dropped. On the CPU
     # cuda_graphs=True runs the same path uncaptured: tokens, finish reasons and freed blocks must equal the
     # plain step-by-step loop's, with requests finishing by length and by stop token at different steps
-    model = _tiny_llama({"rope_type": "default", "rope_theta": 10000.0})
+    model = tiny_llama()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in (3, 9, 14, 6)]
     plain = LLM(model, tokenizer=_NoText(), max_num_seqs=4, block_size=4, max_num_batched_tokens=64,

@@ -19,7 +19,7 @@ from .loader import _resolve_dtype
 if TYPE_CHECKING:
     from .model import LlamaForward
 
-__all__ = ["EngineConfig", "CACHE_MODES"]
+__all__ = ["EngineConfig", "CACHE_MODES", "check_config"]
 
 CACHE_MODES = ("paged", "linear")
 CPU_CACHE_BYTES = 256 * 2**20  # default KV memory on the CPU (no device memory to size it from)
@@ -98,7 +98,7 @@ class EngineConfig:
         Bytes for the KV cache (overrides ``gpu_memory_utilization``; default 256 MiB on the CPU).
     layout : str
         Paged pool layout, ``"HND"`` (default: each head's rows of a block contiguous; the int8 engine runs 2%
-        faster on it and matches bf16, see BENCHMARKS.md) or ``"NHD"``.
+        faster on it than on NHD and matches bf16; H100, 2026-11-26) or ``"NHD"``.
     cuda_graphs : bool, optional
         Run pure decode steps as CUDA graphs, captured per batch-size bucket (default: on with CUDA and no
         ``tp_group``). ``True`` on the CPU runs them through the same static, padded buffers without capture.
@@ -218,3 +218,16 @@ class EngineConfig:
         budget = self.batched_tokens(model.device)
         reserve = 2**30 + budget * (16 * cfg.hidden_size + 2 * inter) * 4 + 2 * self.max_num_seqs * model.vocab_size * 4
         return max(int(total * self.gpu_memory_utilization) - (total - free) - reserve, 64 * 2**20)
+
+
+def check_config(config: object, name: str = "config") -> EngineConfig:
+    """``config`` if it is an :class:`EngineConfig`; TypeError naming ``name`` otherwise.
+
+    Example
+    -------
+    >>> check_config(EngineConfig()).cache
+    'paged'
+    """
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"{name}: expected an EngineConfig, got {type(config).__name__}")
+    return config

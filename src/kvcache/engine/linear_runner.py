@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..linear import CacheConfig, KVSnapshot, LinearKVCache
-from .config import EngineConfig
+from .config import EngineConfig, check_config
 from .core import EngineStats, FinishReason, Progress
 from .model import LlamaForward
 from .sampling import sample
@@ -71,8 +71,7 @@ class LinearEngineCore:
     attention = "slot-sdpa"
 
     def __init__(self, model: LlamaForward, config: EngineConfig) -> None:
-        if not isinstance(config, EngineConfig):
-            raise TypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
+        check_config(config)
         self.model = model
         max_num_seqs = config.max_num_seqs
         max_model_len = config.max_model_len

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, check_config
 from .core import EngineCore, EngineStats, Progress
 from .linear_runner import LinearEngineCore
 from .loader import load_model
@@ -32,12 +32,11 @@ def _engine_config(config: object, kwargs: dict[str, Any]) -> EngineConfig:
         raise TypeError(f"{unknown[0]}: not an argument of LLM, expected one of {_FIELDS}")
     if config is None:
         return EngineConfig(**kwargs)
-    if not isinstance(config, EngineConfig):
-        raise TypeError(f"config: expected an EngineConfig or None, got {type(config).__name__}")
+    cfg = check_config(config)
     if kwargs:
         raise TypeError(f"config: expected an EngineConfig or keyword arguments, not both (got config and "
                         f"{', '.join(kwargs)}; use dataclasses.replace(config, ...))")
-    return config
+    return cfg
 
 
 def _load(model: Any, config: EngineConfig) -> tuple[Any, Any]:

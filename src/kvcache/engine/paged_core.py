@@ -16,7 +16,7 @@ import torch
 
 from .._validate import cdiv
 from ..paged import BlockAllocator, PagedConfig, PagedKVCache, cache_block_bytes
-from .config import EngineConfig
+from .config import EngineConfig, check_config
 from .core import EngineStats, FinishReason, Progress
 from .model import LlamaForward
 from .paged_loop import PagedLoop
@@ -83,8 +83,7 @@ class PagedEngineCore:
     attention = "paged_attention"
 
     def __init__(self, model: LlamaForward, config: EngineConfig) -> None:
-        if not isinstance(config, EngineConfig):
-            raise TypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
+        check_config(config)
         self.model = model
         self.max_model_len = config.model_len(model)
         num_blocks = pool_blocks(model, config)
