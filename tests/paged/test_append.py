@@ -146,9 +146,9 @@ cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=2, head_dim=8, block
 cache.buffer.view(torch.uint8).fill_(0x5A)
 before = cache.buffer.clone()
 k = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0)).half().to(dev)
-cache.append(0, k, k.clone(), block_tables=torch.zeros((0, 2), dtype=torch.int32, device=dev),
-             cu_q_lens=torch.zeros(1, dtype=torch.int32, device=dev),
-             kv_lens=torch.zeros(0, dtype=torch.int32, device=dev))
+cache.append(0, k, k.clone(), cache.plan(torch.zeros((0, 2), dtype=torch.int32, device=dev),
+                                         torch.zeros(1, dtype=torch.int32, device=dev),
+                                         torch.zeros(0, dtype=torch.int32, device=dev)))
 if dev.type == "cuda":
     torch.cuda.synchronize()
 print("unchanged" if torch.equal(cache.buffer.view(torch.int16), before.view(torch.int16)) else "written")

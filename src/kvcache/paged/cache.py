@@ -151,28 +151,17 @@ class PagedKVCache:
 
     def plan(
         self,
-        block_tables: torch.Tensor | None = None,
-        cu_q_lens: torch.Tensor | None = None,
-        kv_lens: torch.Tensor | None = None,
-        *,
-        cu_k_lens: torch.Tensor | None = None,
-        seq_lens: torch.Tensor | None = None,
-        slot_mapping: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        cp_rank: int = 0,
-        cp_size: int = 1,
-        rope: RopeConfig | RopeKernelParams | bool | None = None,
-        rope_seq_len: int | None = None,
-        scale: float | None = None,
-        window: int | None = None,
-        softcap: float | None = None,
-        q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        max_kv_len: int | None = None,
-        num_decode: int = 0,
-        num_splits: int | None = None,
-        workspace: torch.Tensor | None = None,
-        metadata_ready: bool = False,
-        check: bool = False,
+        block_tables: torch.Tensor | None = None, cu_q_lens: torch.Tensor | None = None,
+        kv_lens: torch.Tensor | None = None, *, cu_k_lens: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,  # the ragged batch
+        slot_mapping: torch.Tensor | None = None, positions: torch.Tensor | None = None,  # or a slot mapping
+        cp_rank: int = 0, cp_size: int = 1,
+        rope: RopeConfig | RopeKernelParams | bool | None = None, rope_seq_len: int | None = None,  # the keys' RoPE
+        scale: float | None = None, window: int | None = None, softcap: float | None = None,
+        q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,  # the query side of every layer's attention
+        max_kv_len: int | None = None, num_decode: int = 0, num_splits: int | None = None,
+        workspace: torch.Tensor | None = None,  # host hints and scratch of the attention launches
+        metadata_ready: bool = False, check: bool = False,
     ) -> StepPlan:
         """The step's :class:`~kvcache.paged.StepPlan`: built and validated once (host-side checks from tensor
         metadata, no device sync), then handed to every layer's :meth:`append`, :meth:`attention` and

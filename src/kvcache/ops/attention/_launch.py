@@ -78,19 +78,12 @@ def launch_paged_attention(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
                            workspace: torch.Tensor | None) -> None:
     """Launch ``part`` of ``step``'s attention over ``layer`` (validated): q / out ``[n, Hq, D]``, lse
     ``[n, Hq]``; the step gives context parallelism, window, soft-cap and ``q_rope``."""
-    pool, params = layer.pool, layer.params
     n_rows = q.shape[0]
     bt = part.block_tables
-    nhd = layer.layout == "NHD"
-    s_tok, s_head = (pool.stride(2), pool.stride(3)) if nhd else (pool.stride(3), pool.stride(2))
-    p_strides = (0, 0, 0, 0)
-    if params is not None:
-        ps = params.stride()
-        p_strides = (ps[0], ps[1], ps[2], ps[3]) if nhd else (ps[0], ps[1], ps[3], ps[2])
     n_seqs = bt.shape[0]
-    kv = _KV(pool, params, layer.scales, bt, part.cu_q_lens, part.kv_lens,
-             (pool.stride(0), pool.stride(1), s_tok, s_head), p_strides, layer.geometry[1], layer.geometry[2],
-             (bt.shape[1], bt.stride(0), pool.shape[0]),
+    num_blocks, bs, h = layer.geometry[:3]
+    kv = _KV(layer.pool, layer.params, layer.scales, bt, part.cu_q_lens, part.kv_lens, *layer.strides, bs, h,
+             (bt.shape[1], bt.stride(0), num_blocks),
              (n_rows, 0, n_seqs, n_rows // part.plan.block_q + n_seqs if n_seqs else 0))
     _launch(q, out, lse, sinks, kv, layer.kv_dtype, part.plan, workspace, (step.cp_rank, step.cp_size),
             (part.scale, step.window, step.softcap), step.q_rope)

@@ -19,29 +19,13 @@ __all__ = ["paged_attention", "attend"]
 
 
 def paged_attention(
-    q: torch.Tensor,
-    pool: torch.Tensor,
-    params: torch.Tensor | None = None,
-    kv_scales: torch.Tensor | None = None,
-    *,
-    kv_dtype: str,
-    layout: str,
-    block_tables: torch.Tensor,
-    cu_q_lens: torch.Tensor,
-    kv_lens: torch.Tensor,
-    scale: float | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-    max_kv_len: int | None = None,
-    num_splits: int | None = None,
-    workspace: torch.Tensor | None = None,
-    num_decode: int = 0,
-    q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    q: torch.Tensor, pool: torch.Tensor, params: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
+    *, kv_dtype: str, layout: str,  # the pool's format
+    block_tables: torch.Tensor, cu_q_lens: torch.Tensor, kv_lens: torch.Tensor,  # the ragged batch
+    scale: float | None = None, window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    cp_rank: int = 0, cp_size: int = 1, max_kv_len: int | None = None, num_splits: int | None = None,
+    workspace: torch.Tensor | None = None, num_decode: int = 0, q_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch's new query rows over one layer of a paged KV cache.
 
@@ -157,11 +141,12 @@ def paged_attention(
 
 @dataclasses.dataclass(slots=True)
 class _AttentionMemo:
-    """A plan's attention for queries of one kind (rows, heads, dtype): its launches and their workspace."""
+    """A plan's attention for queries of one kind (rows, heads, dtype): its launches and the workspace elements
+    they need."""
 
     key: tuple
     parts: list[AttentionPart]
-    workspace: torch.Tensor | None
+    need: int
 
 
 def attend(q: torch.Tensor, layer: PagedLayer, plan: StepPlan, sinks: torch.Tensor | None, out: torch.Tensor | None,
@@ -178,7 +163,8 @@ def attend(q: torch.Tensor, layer: PagedLayer, plan: StepPlan, sinks: torch.Tens
         c.check_sinks(sinks, hq, dev)
     if out is None:
         out = torch.empty_like(q)
-    else:
+    elif not (type(out) is torch.Tensor and out.shape == q.shape and out.dtype is q.dtype and out.stride(2) == 1
+              and out.device == dev):
         c.check_out(out, q)
     if lse is not None:
         c.check_lse(lse, (n, hq), dev)
@@ -194,10 +180,14 @@ def attend(q: torch.Tensor, layer: PagedLayer, plan: StepPlan, sinks: torch.Tens
                                   kv_lens=seq_lens, out=out, lse=lse, scale=memo.parts[0].scale, window=plan.window,
                                   softcap=plan.softcap, sinks=sinks, cp_rank=plan.cp_rank, cp_size=plan.cp_size)
         return out
+    workspace = plan.workspace
+    if memo.need and workspace is None:
+        # per call, as the caller's own buffer would be: a captured graph owns what it allocates
+        workspace = torch.empty(memo.need, dtype=torch.float32, device=dev)
     for part in memo.parts:
         # rows are addressed by cu_q_lens' absolute offsets: each launch reads the whole q and writes only the rows
         # of its own sequences
-        launch_paged_attention(q, out, lse, sinks, layer, plan, part, memo.workspace)
+        launch_paged_attention(q, out, lse, sinks, layer, plan, part, workspace)
     return out
 
 
@@ -242,12 +232,9 @@ def _plan_attention(q: torch.Tensor, layer: PagedLayer, plan: StepPlan) -> _Atte
     else:
         parts = [AttentionPart(bt, cu, lens, plan_for(n, b), scale)]  # type: ignore[arg-type]
     need = max(attention_workspace_size(n, hq, d, p.plan.num_splits) for p in parts)
-    workspace = plan.workspace
-    if workspace is not None:
-        c.check_workspace(workspace, need, dev)
-    elif need and use_triton(dev):
-        workspace = torch.empty(need, dtype=torch.float32, device=dev)  # once per plan: every layer reuses it
-    return _AttentionMemo((n, hq, q.dtype), parts, workspace)
+    if plan.workspace is not None:
+        c.check_workspace(plan.workspace, need, dev)
+    return _AttentionMemo((n, hq, q.dtype), parts, need)
 
 
 def _rotate_rows(q: torch.Tensor, q_rope: tuple[torch.Tensor, torch.Tensor], cu_q_lens: torch.Tensor,

@@ -36,25 +36,13 @@ __all__ = ["append_paged_kv", "gather_paged_kv", "copy_blocks"]
 
 
 def append_paged_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pool: torch.Tensor,
-    params: torch.Tensor | None = None,
-    *,
-    kv_dtype: str = "auto",
-    layout: str = "NHD",
-    block_tables: torch.Tensor | None = None,
-    cu_q_lens: torch.Tensor | None = None,
-    kv_lens: torch.Tensor | None = None,
-    cu_k_lens: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
-    positions: torch.Tensor | None = None,
-    rope=None,  # RopeKernelParams | None
-    fp8_scales: torch.Tensor | None = None,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-    check: bool = False,
-    metadata_ready: bool = False,
+    k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, params: torch.Tensor | None = None, *,
+    kv_dtype: str = "auto", layout: str = "NHD",  # the pool's format
+    block_tables: torch.Tensor | None = None, cu_q_lens: torch.Tensor | None = None,
+    kv_lens: torch.Tensor | None = None, cu_k_lens: torch.Tensor | None = None,  # a ragged batch
+    slot_mapping: torch.Tensor | None = None, positions: torch.Tensor | None = None,  # or a slot mapping
+    rope: RopeKernelParams | None = None, fp8_scales: torch.Tensor | None = None, cp_rank: int = 0,
+    cp_size: int = 1, check: bool = False, metadata_ready: bool = False,
 ) -> None:
     """Write new keys and values into paged blocks in one pass: RoPE on K and quantization fused.
 
@@ -129,21 +117,12 @@ def append_paged_kv(
 
 
 def gather_paged_kv(
-    pool: torch.Tensor,
-    params: torch.Tensor | None = None,
-    *,
-    kv_dtype: str = "auto",
-    layout: str = "NHD",
-    block_tables: torch.Tensor | None = None,
-    kv_lens: torch.Tensor | None = None,
-    cu_k_lens: torch.Tensor | None = None,
-    k_out: torch.Tensor | None = None,
-    v_out: torch.Tensor | None = None,
-    max_len: int | None = None,
-    dtype: torch.dtype | None = None,
-    rope: RopeKernelParams | None = None,
-    fp8_scales: torch.Tensor | None = None,
-    cp_rank: int = 0,
+    pool: torch.Tensor, params: torch.Tensor | None = None, *, kv_dtype: str = "auto", layout: str = "NHD",
+    block_tables: torch.Tensor | None = None, kv_lens: torch.Tensor | None = None,
+    cu_k_lens: torch.Tensor | None = None,  # the sequences, as they stand
+    k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None, max_len: int | None = None,
+    dtype: torch.dtype | None = None,  # the outputs
+    rope: RopeKernelParams | None = None, fp8_scales: torch.Tensor | None = None, cp_rank: int = 0,
     cp_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read sequences' blocks back into contiguous, dequantized K and V (TurboMind ``FlattenKV``).

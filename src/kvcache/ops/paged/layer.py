@@ -38,6 +38,9 @@ class PagedLayer:
     align : tuple of bool
         Which of ``ptrs`` are 16-byte aligned, and whether ``params`` is 8-byte aligned: part of the key of a
         prepared launch (layers of one cache share one where these agree).
+    strides : tuple of tuple of int
+        Element strides (block, K / V, token, head) of ``pool`` and of ``params`` (zeros without), as the
+        attention kernel takes them.
 
     Example
     -------
@@ -47,7 +50,7 @@ class PagedLayer:
     """
 
     __slots__ = ("pool", "params", "scales", "kv_dtype", "layout", "dtype", "geometry", "device", "dev_id", "ptrs",
-                 "align")
+                 "align", "strides")
 
     def __init__(self, pool: torch.Tensor, params: torch.Tensor | None, scales: torch.Tensor | None, kv_dtype: str,
                  layout: str, dtype: torch.dtype | None = None) -> None:
@@ -66,3 +69,6 @@ class PagedLayer:
                                                  pool if self.scales is None else self.scales))
         par = params.data_ptr() if params is not None else 0
         self.align = (*(p % 16 == 0 for p in self.ptrs), par % 8 == 0)
+        order = (0, 1, 2, 3) if layout == "NHD" else (0, 1, 3, 2)  # (block, K / V, token, head)
+        ps = params.stride() if params is not None else (0, 0, 0, 0)
+        self.strides = (tuple(pool.stride(i) for i in order), tuple(ps[i] for i in order))

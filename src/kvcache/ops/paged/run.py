@@ -77,13 +77,14 @@ def append_rows(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepP
     did = layer.dev_id
     key = None
     if did >= 0 and not _hooks_active() and _current_device() == did:
-        # everything that selects the compiled kernel besides the plan: alignment and strides of the layer's
-        # tensors (the Kernel's own key, read from the values that vary between layers)
+        # everything that selects the compiled kernel besides the plan: dtype, alignment and strides of the
+        # layer's tensors (the Kernel's own key, read from the values that may vary between layers; a plan may
+        # serve caches of one geometry and different model dtypes)
         kp, vp = k.data_ptr(), v.data_ptr()
-        key = (layer.align, k.stride(), v.stride(), kp & 15 == 0, vp & 15 == 0)
+        key = (layer.align, k.dtype, k.stride(), v.stride(), kp & 15 == 0, vp & 15 == 0)
         prepared = memo.prepared.get(key)
         if prepared is not None:
-            prepared.launch(_current_stream(did), n, kp, vp, key[1][0], key[2][0], layer.ptrs, memo.index_ptrs)
+            prepared.launch(_current_stream(did), n, kp, vp, key[2][0], key[3][0], layer.ptrs, memo.index_ptrs)
             return True
     prepared = append_paged_kv_launch(k, v, layer, plan, memo.launch)
     if key is not None and prepared is not None:
