@@ -212,6 +212,48 @@ def test_graph_batch_layout_equals_eager(smollm, conversations, prompt_ids, hf_g
     assert llm.allocator.num_used_blocks == 0
 
 
+def test_one_step_plan_per_step_through_the_cache_api(smollm, conversations, monkeypatch):
+    """Each step builds one StepPlan (PagedKVCache.plan) and every layer appends and attends with that same plan
+    through the public cache methods, eagerly and on the graph path (its static buffers, uncaptured here)."""
+    from kvcache import PagedKVCache
+
+    plans: list = []
+    calls: list = []  # (method, layer, plan)
+    plan_fn, append_fn, attention_fn = PagedKVCache.plan, PagedKVCache.append, PagedKVCache.attention
+
+    def plan(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        plans.append(plan_fn(self, *args, **kwargs))
+        return plans[-1]
+
+    def append(self, layer, k, v, plan):  # type: ignore[no-untyped-def]
+        calls.append(("append", layer, plan))
+        return append_fn(self, layer, k, v, plan)
+
+    def attention(self, layer, q, plan, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(("attention", layer, plan))
+        return attention_fn(self, layer, q, plan, **kwargs)
+
+    monkeypatch.setattr(PagedKVCache, "plan", plan)
+    monkeypatch.setattr(PagedKVCache, "append", append)
+    monkeypatch.setattr(PagedKVCache, "attention", attention)
+    model, tok = smollm
+    n_layers = model.config.num_hidden_layers
+    tokens = []
+    for graphs in (False, True):
+        plans.clear()
+        calls.clear()
+        llm = LLM(model, tokenizer=tok, max_num_seqs=8, cuda_graphs=graphs)
+        outs = llm.generate(conversations[:2], SamplingParams(max_tokens=4, temperature=0.0))
+        tokens.append([o.token_ids for o in outs])
+        assert len(plans) == llm.stats.steps > 0
+        assert (llm.stats.graph_steps > 0) == graphs
+        want = [(m, i, p) for p in plans for i in range(n_layers) for m in ("append", "attention")]
+        assert len(calls) == len(want)
+        assert all(m == wm and i == wi and p is wp for (m, i, p), (wm, wi, wp) in zip(calls, want))
+        assert all(p.scale == model.config.head_dim**-0.5 and p.q_rope is plans[0].q_rope for p in plans)
+    assert tokens[0] == tokens[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_equal_eager_on_gpu(smollm, conversations):
