@@ -8,9 +8,9 @@ by the append, never by the model), queries are rotated with transformers' cos /
 read by ``PagedKVCache.attention(layer, q, plan)``), and attention reads the cache. The attention itself is a
 callable the runner passes in (paged or linear), built once per step.
 
-Supported: decoder-only models whose layers have ``self_attn.{q,k,v,o}_proj`` (biases allowed),
-``input_layernorm``, ``post_attention_layernorm`` and ``mlp`` (Llama, SmolLM2, Mistral without sliding window,
-Qwen2, Qwen3 with its q / k norms), rotate-half RoPE as transformers computes it.
+Supported: the families of :data:`kvcache.support.ENGINE_FAMILIES` (Llama, SmolLM2, Mistral and Qwen2 without a
+sliding window, Qwen3 with its q / k norms, StableLM with its partial rotary and LayerNorm), rotate-half RoPE as
+transformers computes it; any other model property is refused by name (:mod:`kvcache.support`).
 
 Where kvcache's kernels run (CUDA, or the CPU under ``KVCACHE_TRITON_INTERPRET=1``) the decoder runs *fused*:
 q / k / v are one GEMM and gate / up another (the modules' weights become views of the concatenated matrices,
@@ -30,6 +30,7 @@ import torch
 
 from .._backend import use_triton
 from ..rope import RopeConfig
+from ..support import check_supported, unsupported_features
 from . import kernels as fused
 
 __all__ = ["LlamaForward", "AttentionFn"]
@@ -51,7 +52,9 @@ class LlamaForward:
     Raises
     ------
     ValueError
-        The model's layout is not a Llama-family decoder (the message says what is missing).
+        The model has a property the engine does not implement (:func:`kvcache.support.check_supported` with
+        ``"engine-module"``: a sliding window, soft-capping, another query scale, layer layout or rotary embedding,
+        an unverified architecture); the message names it.
 
     Example
     -------
@@ -61,20 +64,18 @@ class LlamaForward:
     """
 
     def __init__(self, hf_model: Any) -> None:
-        config = getattr(hf_model, "config", None)
+        if not isinstance(hf_model, torch.nn.Module) or getattr(hf_model, "config", None) is None:
+            raise ValueError(f"hf_model: expected a transformers causal LM with .model.layers and .lm_head, got "
+                             f"{type(hf_model).__name__}")
+        # every property the engine does not implement (a window, soft-capping, another query scale or layer
+        # layout, an unverified architecture, ...) is refused here, by name, before any work
+        check_supported(hf_model, "engine-module")
+        config = hf_model.config
         base = getattr(hf_model, "model", None)
         layers = getattr(base, "layers", None)
         if config is None or base is None or layers is None or not hasattr(hf_model, "lm_head"):
             raise ValueError(f"hf_model: expected a transformers causal LM with .model.layers and .lm_head, got "
                              f"{type(hf_model).__name__}")
-        for i, layer in enumerate(layers):
-            attn = getattr(layer, "self_attn", None)
-            missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(attn, n)]
-            missing += [n for n in ("input_layernorm", "post_attention_layernorm", "mlp") if not hasattr(layer, n)]
-            if missing:
-                raise ValueError(f"hf_model: layer {i} is not a Llama-family decoder layer (missing {missing})")
-        if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-            raise ValueError("hf_model: sliding-window attention is not supported by the engine")
         self.hf_model = hf_model
         self.config = config
         self.embed = base.embed_tokens
@@ -88,8 +89,6 @@ class LlamaForward:
         self.scale = self.head_dim ** -0.5
         self.vocab_size = config.vocab_size
         self.rope = RopeConfig.from_hf(config)
-        if self.rope.interleaved:
-            raise ValueError("hf_model: interleaved (GPT-J) RoPE is not supported by the engine's query rotation")
         p = next(hf_model.parameters())
         self.dtype = p.dtype
         self.device = p.device
@@ -130,6 +129,8 @@ class LlamaForward:
     def _fuse(self) -> list[dict[str, Any]] | None:
         """Concatenate each layer's q / k / v and gate / up weights (the modules keep views of them); None where
         a layer is not the plain Llama layout (then the modules run)."""
+        if unsupported_features(self.hf_model, "engine-fused"):  # norm formulas, activation, MLP layout
+            return None
         norms = [self.norm] + [m for layer in self.layers for m in (layer.input_layernorm,
                                                                         layer.post_attention_layernorm)]
         if not all(_plain_rms_norm(m, self.dtype) for m in norms):

@@ -102,8 +102,10 @@ def kvcache_paged_attention(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
                                              scale=scaling, enable_gqa=Hq != H)
         return out.transpose(1, 2).contiguous(), None
-    return attend(pending.cache, pending.layer, query, key, value, attention_mask, scaling,
-                  window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap")), None
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    pending.cache.check_layer(pending.layer, module, window, softcap, kwargs)  # sinks, a window the mask alone sets
+    return attend(pending.cache, pending.layer, query, key, value, attention_mask, scaling, window=window,
+                  softcap=softcap), None
 
 
 def attend(cache: PagedCache, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

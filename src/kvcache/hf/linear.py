@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache
 
 from .._validate import bits
 from ..linear import CacheConfig, KVCacheManager, KVLayerConfig, LinearKVCache, ManagerConfig
+from ..support import check_supported
 from ._common import LINEAR_KV_DTYPES, CacheCapacity, LayerView, ModelShape, to_storage, tokens_to_keep
 
 __all__ = ["LinearCache"]
@@ -85,6 +86,7 @@ class LinearCache(CacheCapacity, Cache):
         specs = [(shape.num_kv_heads, shape.head_dim)] * shape.num_layers if layers is None else list(layers)
         if len(specs) != shape.num_layers:
             raise ValueError(f"layers: expected {shape.num_layers} (num_kv_heads, head_dim) pairs, got {len(specs)}")
+        check_supported(config, "hf-linear", name="config")  # a property of the model this path does not run
         super().__init__(layers=[LayerView(self, i) for i in range(shape.num_layers)])
         # behind CacheCapacity's read-only properties (transformers 5.17's Cache defines them read-only)
         self._max_batch = max_batch_size

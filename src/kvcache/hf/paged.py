@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache
 from .._validate import cdiv
 from ..paged import BlockAllocator, PagedConfig, PagedKVCache, StepPlan
 from ..paged.config import KV_FORMATS, LAYOUTS
+from ..support import check_supported, layer_window
 from ._common import CacheCapacity, LayerView, ModelShape, tokens_to_keep
 
 __all__ = ["PagedCache"]
@@ -109,8 +110,11 @@ class PagedCache(CacheCapacity, Cache):
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         if kv_dtype == "int4" and shape.head_dim % 2:
             raise ValueError(f"kv_dtype: 'int4' needs an even head_dim, the model's is {shape.head_dim}")
-        super().__init__(layers=[LayerView(self, i) for i in range(shape.num_layers)])
         self.model_config = config
+        check_supported(config, self._path(), name="config")  # a property of the model this path does not run
+        self._checked = {self._path()}  # the paths checked (a model may change its attention implementation)
+        self._checked_layers: set[int] = set()  # layers whose attention module kvcache_paged has inspected
+        super().__init__(layers=[LayerView(self, i) for i in range(shape.num_layers)])
         self.shape = shape
         # behind CacheCapacity's read-only properties (transformers 5.17's Cache defines them read-only)
         self._max_batch = max_batch_size
@@ -153,7 +157,34 @@ class PagedCache(CacheCapacity, Cache):
         """True when the model's attention is ``"kvcache_paged"`` (reads the blocks in place)."""
         return getattr(self.model_config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
 
+    def _path(self) -> str:
+        return "hf-paged" if self.in_place else "hf-gathered"
+
+    def check_layer(self, i: int, module: Any, window: int | None, softcap: float | None, extra: dict) -> None:
+        """What ``kvcache_paged`` is handed for layer ``i`` must be what it implements, checked once per layer:
+        no attention sinks (a ``sinks`` parameter or ``s_aux``), and the window transformers passes equal to the
+        one the config gives the layer (a model that applies its window through the mask alone would otherwise
+        attend over every key). ValueError naming the property otherwise."""
+        if i in self._checked_layers:
+            return
+        sinks = [n for n, _ in module.named_parameters(recurse=False) if "sink" in n]
+        sinks += [k for k in ("s_aux", "sinks") if extra.get(k) is not None]
+        if sinks:
+            raise ValueError(f"model: attention sinks (layer {i}: {sinks[0]}) are not implemented by kvcache.hf's "
+                             f"PagedCache with attn_implementation='{ATTN_IMPLEMENTATION}'; paths that run it: "
+                             "hf-gathered, hf-linear")
+        want = layer_window(self.model_config, i)
+        if window != want:
+            raise ValueError(f"model: sliding-window attention of layer {i} (the config gives {want}, the attention "
+                             f"passes sliding_window={window}) is not implemented by kvcache.hf's PagedCache with "
+                             f"attn_implementation='{ATTN_IMPLEMENTATION}'; paths that run it: hf-gathered, hf-linear")
+        self._checked_layers.add(i)
+
     def _check_update(self, i: int, key_states: torch.Tensor) -> None:
+        path = self._path()
+        if path not in self._checked:
+            check_supported(self.model_config, path, name="config")
+            self._checked.add(path)
         self._allocate(key_states)
         B = key_states.shape[0]
         if not self.block_tables and not any(self._layer_len):
