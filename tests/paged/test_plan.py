@@ -111,7 +111,7 @@ def test_bad_plans_are_refused_before_any_write(device):
         (lambda: cache.plan(slot_mapping=[0, 1]), TypeError, "slot_mapping"),  # type: ignore[arg-type]
         (lambda: cache.plan(slot_mapping=zeros, block_tables=tables), ValueError, "slot_mapping: expected alone"),
         (lambda: cache.plan(tables, seq_lens=kv, kv_lens=kv), ValueError, "cu_q_lens: expected with kv_lens"),
-        (lambda: cache.plan(), ValueError, "block_tables"),
+        (lambda: cache.plan(), TypeError, "block_tables"),
         (lambda: cache.plan(tables, cu_q, kv, window=0), ValueError, "window"),
         (lambda: cache.plan(tables, cu_q, kv, scale=float("nan")), ValueError, "scale"),
         (lambda: cache.plan(tables, cu_q, kv, softcap="1"), TypeError, "softcap"),

@@ -69,6 +69,9 @@ def append_rows(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepP
             host_check_fp8_scales(layer.scales)
     memo = plan.append_memo
     if memo is None or memo.n_rows != n:
+        sm = plan.slot_mapping
+        if sm is not None and sm.shape[0] != n:
+            raise ValueError(f"slot_mapping: expected shape [{n}] (one slot per row of k), got [{sm.shape[0]}]")
         index = append_index(plan)
         ptrs = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in index)
         memo = plan.append_memo = _AppendMemo(n, default_append_launch(n, layer, plan), ptrs, {})
@@ -139,8 +142,6 @@ def _check_outputs(k_out: object, v_out: object, layer: PagedLayer, b: int, max_
                          f"{v_out.dtype} {fmt_shape(v_out.shape)}")  # type: ignore[union-attr]
     if kv_dtype == "auto" and k_out.dtype != layer.pool.dtype:  # type: ignore[union-attr]
         raise ValueError(f"k_out: expected dtype {layer.pool.dtype} (the pool's), got {k_out.dtype}")  # type: ignore[union-attr]
-    if layer.dtype is not None and k_out.dtype != layer.dtype:  # type: ignore[union-attr]
-        raise ValueError(f"k_out: expected dtype {layer.dtype} (the cache's model dtype), got {k_out.dtype}")  # type: ignore[union-attr]
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)):
         raise TypeError(f"max_len: expected an int or None, got {type(max_len).__name__}")
     if max_len is not None and max_len != k_out.shape[2]:  # type: ignore[union-attr]

@@ -295,9 +295,12 @@ def _check_slots(idx: dict, device: torch.device, cp_size: int, rope: object) ->
 def _check_ragged(idx: dict, device: torch.device, lens_name: str) -> int:
     bt, cu = idx["block_tables"], idx["cu_q_lens"]
     kv, ck, sl = idx["kv_lens"], idx["cu_k_lens"], idx["seq_lens"]
+    if bt is None and cu is not None:
+        raise ValueError("cu_q_lens: expected block_tables, cu_q_lens and exactly one of kv_lens / cu_k_lens "
+                         "(or slot_mapping alone)")
     if bt is None:
-        raise ValueError("block_tables: expected int32 [B, max_blocks] with cu_q_lens and exactly one of kv_lens / "
-                         "cu_k_lens (or slot_mapping alone), got None")
+        raise TypeError("block_tables: expected a torch.Tensor int32 [B, max_blocks] with cu_q_lens and exactly one "
+                        "of kv_lens / cu_k_lens (or slot_mapping alone), got None")
     if cu is not None and kv is None and ck is None and sl is None:
         raise ValueError("cu_q_lens: expected block_tables, cu_q_lens and exactly one of kv_lens / cu_k_lens "
                          "(or slot_mapping alone)")
