@@ -103,21 +103,19 @@ def check_attention_options(scale: object, window: object, softcap: object
                             ) -> tuple[float | None, int | None, float | None]:
     """Attention's ``scale`` (None: ``1 / sqrt(head_dim)``, resolved by the launch), sliding ``window`` and
     ``softcap``, validated; TypeError / ValueError naming the argument."""
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale: expected a finite float > 0, got {scale!r}")
-        scale = float(scale)
     if window is not None:
         check_int("window", window, 1, 2**31 - 1)
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
-        if not math.isfinite(softcap) or softcap <= 0:
-            raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
-        softcap = float(softcap)
-    return scale, window, softcap  # type: ignore[return-value]
+    return _positive_float("scale", scale, "a float"), window, _positive_float("softcap", softcap, "a float or None")
+
+
+def _positive_float(name: str, value: object, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a finite float > 0{'' if name == 'scale' else ' or None'}, got {value!r}")
+    return float(value)
 
 
 def host_check_rope_bound(rope) -> None:  # type: ignore[no-untyped-def]
