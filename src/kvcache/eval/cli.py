@@ -109,6 +109,9 @@ class _Bar:
 def _print_table(report: Any) -> None:
     from .report import COLUMNS, format_table
 
+    if not sys.stdout.isatty():  # a log or a pipe: the Markdown table, whole, ready to paste
+        print(format_table(report))
+        return
     try:
         from rich.console import Console
         from rich.table import Table
