@@ -36,8 +36,9 @@ SPECS: dict[str, tuple[str, dict]] = {
     "mistral_window": ("MistralConfig", {"sliding_window": WINDOW}),
     "qwen2_window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 0}),
     "gemma2": ("Gemma2Config", {"sliding_window": WINDOW, "query_pre_attn_scalar": 4, "attn_logit_softcapping": 1.0,
-                                "final_logit_softcapping": 2.0, "hidden_activation": "gelu_pytorch_tanh"}),
-    "gemma3": ("Gemma3TextConfig", {"sliding_window": WINDOW, "query_pre_attn_scalar": 4,
+                                "final_logit_softcapping": 2.0, "hidden_activation": "gelu_pytorch_tanh",
+                                "initializer_range": 0.02}),
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": WINDOW, "query_pre_attn_scalar": 4, "initializer_range": 0.02,
                                     "layer_types": ["sliding_attention", "full_attention"]}),
     "phi3": ("Phi3Config", {"head_dim": ..., "sliding_window": None}),
     "cohere": ("CohereConfig", {"head_dim": ..., "logit_scale": 0.5}),
@@ -45,6 +46,9 @@ SPECS: dict[str, tuple[str, dict]] = {
     "stablelm": ("StableLmConfig", {"head_dim": ..., "partial_rotary_factor": 0.5}),
     "granite": ("GraniteConfig", {"head_dim": ..., "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                                   "attention_multiplier": 0.5, "logits_scaling": 0.5}),
+    "gpt_oss": ("GptOssConfig", {"sliding_window": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "layer_types": ["sliding_attention", "full_attention"],
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "hidden_size": ...,
                             "intermediate_size": ..., "num_hidden_layers": ..., "num_attention_heads": ...,
                             "num_key_value_heads": ..., "head_dim": ..., "max_position_embeddings": ...}),
@@ -80,6 +84,11 @@ def greedy(model, prompt: list[int] = PROMPT, n: int = NEW_TOKENS, **kwargs) -> 
     x = torch.tensor([prompt])
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, **kwargs)
     return out[0, len(prompt):].tolist()
+
+
+def logits_differ(a, b) -> bool:
+    """The two models' logits after the prompt differ by more than rounding (fp32)."""
+    return bool((last_logits(a) - last_logits(b)).abs().max() > 1e-4)
 
 
 @torch.inference_mode()

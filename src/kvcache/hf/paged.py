@@ -162,9 +162,10 @@ class PagedCache(CacheCapacity, Cache):
 
     def check_layer(self, i: int, module: Any, window: int | None, softcap: float | None, extra: dict) -> None:
         """What ``kvcache_paged`` is handed for layer ``i`` must be what it implements, checked once per layer:
-        no attention sinks (a ``sinks`` parameter or ``s_aux``), and the window transformers passes equal to the
-        one the config gives the layer (a model that applies its window through the mask alone would otherwise
-        attend over every key). ValueError naming the property otherwise."""
+        no attention sinks (a ``sinks`` parameter or ``s_aux``), and where the config gives the layer a window, the
+        attention passes that window (a model that applies its window through the mask alone would otherwise attend
+        over every key; a window the attention passes on its own is honoured). ValueError naming the property
+        otherwise."""
         if i in self._checked_layers:
             return
         sinks = [n for n, _ in module.named_parameters(recurse=False) if "sink" in n]
@@ -174,7 +175,7 @@ class PagedCache(CacheCapacity, Cache):
                              f"PagedCache with attn_implementation='{ATTN_IMPLEMENTATION}'; paths that run it: "
                              "hf-gathered, hf-linear")
         want = layer_window(self.model_config, i)
-        if window != want:
+        if want is not None and window != want:
             raise ValueError(f"model: sliding-window attention of layer {i} (the config gives {want}, the attention "
                              f"passes sliding_window={window}) is not implemented by kvcache.hf's PagedCache with "
                              f"attn_implementation='{ATTN_IMPLEMENTATION}'; paths that run it: hf-gathered, hf-linear")
