@@ -148,9 +148,10 @@ def _config_features(config: Any) -> list[Feature]:
 
     flag("attn_logit_softcapping", "attention logit soft-capping", _ENGINE)
     flag("final_logit_softcapping", "final logit soft-capping", _ENGINE)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = _head_dim(cfg)
     flag("query_pre_attn_scalar", "a query scale other than 1/sqrt(head_dim)", _ENGINE, off=head_dim)
-    flag("attention_multiplier", "a query scale other than 1/sqrt(head_dim)", _ENGINE, off=head_dim ** -0.5)
+    flag("attention_multiplier", "a query scale other than 1/sqrt(head_dim)", _ENGINE,
+         off=head_dim ** -0.5 if head_dim else None)
     flag("alibi", "ALiBi position biases", _ENGINE + ("hf-paged",))
     if getattr(cfg, "position_embedding_type", None) == "alibi" or getattr(cfg, "model_type", None) == "bloom":
         out.append(Feature("ALiBi position biases", f"{cname}", _ENGINE + ("hf-paged",)))
@@ -168,6 +169,11 @@ def _config_features(config: Any) -> list[Feature]:
         out.append(Feature("latent attention (keys and values of other widths)", f"{cname}.kv_lora_rank", _ALL))
     flag("num_kv_shared_layers", "layers sharing another layer's K / V", _ALL, off=0)
     return out
+
+
+def _head_dim(cfg: Any) -> int | None:
+    heads, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)
+    return getattr(cfg, "head_dim", None) or (hidden // heads if heads and hidden else None)
 
 
 def _forward_owner(obj: Any) -> type:
@@ -208,9 +214,9 @@ def _structure_features(model: Any) -> list[Feature]:
         missing = [n for n in _LAYER_CHILDREN if n not in layer._modules]
         missing += [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if attn is not None and not fused
                     and n not in attn._modules]
-        extra = [n for n, m in layer.named_children() if n not in _LAYER_CHILDREN and _has_weights(m)]
+        extra = [n for n, m in layer.named_children() if n not in _LAYER_CHILDREN and _runs_something(m)]
         extra += [f"self_attn.{n}" for n, m in ([] if attn is None else attn.named_children())
-                  if n not in _ATTN_CHILDREN + _FUSED_QKV and _has_weights(m)]
+                  if n not in _ATTN_CHILDREN + _FUSED_QKV and _runs_something(m)]
         if extra:
             kind = "extra norms" if all("norm" in n for n in extra) else "extra modules"
             out.append(Feature(f"{kind} the engine does not run", f"{pre}: {', '.join(extra)}", _ENGINE))
@@ -223,17 +229,17 @@ def _structure_features(model: Any) -> list[Feature]:
     return out
 
 
-def _has_weights(m: torch.nn.Module) -> bool:
+def _runs_something(m: torch.nn.Module) -> bool:
     return any(True for _ in m.parameters()) or not isinstance(m, (torch.nn.Dropout, torch.nn.Identity))
 
 
 def _attention_features(model: Any, attn: Any, pre: str) -> list[Feature]:
     if attn is None:
         return []
-    cfg = _text_config(model.config)
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    out = []
+    head_dim = _head_dim(_text_config(model.config))
+    out: list[Feature] = []
+    if not head_dim:
+        return out
     scaling = _num(getattr(attn, "scaling", None))
     if scaling is not None and abs(scaling - head_dim ** -0.5) > 1e-6 * head_dim ** -0.5:
         out.append(Feature("a query scale other than 1/sqrt(head_dim)", f"{pre}.self_attn.scaling={scaling:g}, "
