@@ -27,8 +27,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: auto, fp8, int8, int4)")
     p.add_argument("--chunk", type=int, default=128, help="tokens per forward (default 128)")
     p.add_argument("--window", type=int, default=1024, help="tokens per sequence (default 1024)")
-    p.add_argument("--max-tokens", default="4096", help="cap on scored tokens, or 'all' (default 4096: about "
-                   "3 minutes for 4 formats with the default model on one CPU core)")
+    p.add_argument("--max-tokens", default="4096", help="cap on scored tokens, or 'all' (default 4096: a few "
+                   "minutes for 4 formats with the default model on one CPU core; all of alice: about 15)")
     p.add_argument("--prompts", default=None, metavar="FILE", help="greedy prompts, one per line (default: 24 "
                    "chat questions); 'none' skips the greedy check")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per greedy answer (default 64)")
