@@ -15,6 +15,7 @@ from .linear_runner import LinearEngineCore
 from .loader import load_model
 from .model import LlamaForward
 from .paged_core import PagedEngineCore
+from .prompts import check_conversation
 from .sampling import SamplingParams
 from .sequence import RequestOutput, Sequence
 from .tp import TPLlamaForward
@@ -75,7 +76,8 @@ class LLM:
     core : PagedEngineCore or LinearEngineCore
         The cache mode (:class:`~kvcache.engine.core.EngineCore`), chosen by ``config.cache``.
     stats : EngineStats
-        Counters of the last :meth:`generate` call.
+        Counters of the last :meth:`generate` call only (requests, tokens, time, prefix-cache hit rate, blocks
+        and bytes used): each call replaces it with a new object, so keep the one you need before the next call.
 
     Raises
     ------
@@ -154,6 +156,12 @@ class LLM:
         return ids
 
     def _encode(self, i: int, prompt: Any) -> list[int]:
+        ids = self._encode_any(i, prompt)
+        if not ids:  # nothing to prefill: no logits to sample the first token from
+            raise ValueError(f"prompts[{i}]: expected a prompt of at least one token, got {prompt!r:.80} (0 tokens)")
+        return ids
+
+    def _encode_any(self, i: int, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -161,6 +169,7 @@ class LLM:
         if isinstance(prompt, dict) and "prompt" in prompt:
             return self._encode(i, prompt["prompt"])
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, dict) for t in prompt):
+            check_conversation(prompt, f"prompts[{i}]")  # by name, before the chat template fails on it
             enc = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
             ids = enc["input_ids"] if hasattr(enc, "keys") else enc
             if ids and isinstance(ids[0], list):
@@ -178,8 +187,8 @@ class LLM:
         if isinstance(prompts, str) or isinstance(prompts, dict):
             return [prompts]
         if isinstance(prompts, (list, tuple)):
-            if prompts and (all(type(t) is int for t in prompts) or all(isinstance(t, dict) and "role" in t
-                                                                         for t in prompts)):
+            if prompts and (all(type(t) is int for t in prompts) or all(isinstance(t, dict) and ("role" in t or
+                                                                         "content" in t) for t in prompts)):
                 return [prompts]  # one token-id prompt, or one conversation
             return list(prompts)
         raise TypeError(f"prompts: expected a prompt or a list of prompts, got {type(prompts).__name__}")
@@ -209,7 +218,15 @@ class LLM:
         Returns
         -------
         list of RequestOutput
-            One per prompt, in prompt order.
+            One per prompt, in prompt order. ``self.stats`` is replaced by this call's counters.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Before any work: a prompt of an unknown type, an empty prompt (``""`` or one that encodes to no
+            token), a malformed chat message (no ``role`` or ``content``, an unknown ``role``, a non-str
+            ``content``), token ids out of the vocabulary, or a prompt + ``max_tokens`` over ``max_model_len``;
+            the message names the prompt (``prompts[i]``).
 
         Example
         -------
