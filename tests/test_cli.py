@@ -87,8 +87,98 @@ def test_plan_errors(tmp_path, capsys):
     assert main(["plan", "--model", str(cfg), "--memory", "1GiB", "--seq-len", "0"]) == 2
     assert "seq_len" in capsys.readouterr().err
     assert parse_memory("80GiB") == 80 * 2**30 and parse_memory("2.5 GB") == 2_500_000_000
+    assert parse_memory("1000B") == 1000
     with pytest.raises(ValueError, match="memory"):
         parse_memory("-1GB")
+
+
+def _one_line_error(capsys, *words: str) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvcache: error: "), err
+    assert "Traceback" not in err and all(w in lines[0] for w in words), err
+    return lines[0]
+
+
+def test_plan_memory_requires_a_unit(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B))
+    assert main(["plan", "--model", str(cfg), "--memory", "80"]) == 2  # was read as 80 bytes: every row 0
+    line = _one_line_error(capsys, "memory", "'80'")
+    assert all(u in line for u in ("B,", "KB", "MB", "GB", "KiB", "MiB", "GiB"))
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match="unit"):
+        parse_memory("80")
+
+
+def test_bad_input_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
+    missing = str(tmp_path / "missing")
+    assert main(["plan", "--model", missing, "--memory", "1GiB"]) == 2
+    _one_line_error(capsys, "model", missing)
+    assert main(["plot", str(tmp_path / "missing.json")]) == 2
+    _one_line_error(capsys, "missing.json")
+    with pytest.raises(FileNotFoundError, match="model"):
+        main(["--debug", "plan", "--model", missing, "--memory", "1GiB"])
+    with pytest.raises(FileNotFoundError, match="model"):
+        main(["plan", "--model", missing, "--memory", "1GiB", "--debug"])
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    import kvcache.hf.plan
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")  # not a validation error: it must not be folded into one line
+
+    monkeypatch.setattr(kvcache.hf.plan, "parse_memory", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        main(["plan", "--memory", "1GiB"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "/nonexistent/model"], ["model", "/nonexistent/model", "not found"]),
+    (["--device", "cuda"], ["--device", "no CUDA device"]),
+    (["--device", "gpu0"], ["--device", "gpu0"]),
+    (["--dtype", "float64"], ["dtype", "float64"]),
+])
+def test_demo_bad_values_are_one_line(capsys, args, words):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    pytest.importorskip("transformers")
+    assert main(["demo", *args, "--max-tokens", "1"]) == 2
+    _one_line_error(capsys, *words)
+
+
+def test_demo_refuses_a_gpt2_folder_in_one_line(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0,
+                                  eos_token_id=0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    assert main(["demo", "--model", str(tmp_path), "--max-tokens", "1"]) == 2
+    line = _one_line_error(capsys, "model", "GPT2LMHeadModel")
+    assert "not implemented by the kvcache engine" in line  # kvcache.support's message
+
+
+@pytest.mark.parametrize("suite", ["linear", "paged", "attention", "engine"])
+def test_every_bench_without_a_gpu_exits_2_in_one_line(capsys, suite):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the bench runs")
+    assert main(["bench", suite, "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs a CUDA device" in err and "Traceback" not in err
+
+
+def test_help_is_plain_text_and_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and ":mod:" not in text and ":func:" not in text
+    for cmd in ("demo", "plan", "eval", "info", "bench", "plot", "--debug"):
+        assert cmd in text
+    assert "linear | paged | attention | engine" in text
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "{linear,paged,attention,engine}" in capsys.readouterr().out
 
 
 def test_info_smoke_runs_paged_half(capsys):
@@ -150,7 +240,7 @@ def test_plot_errors(tmp_path, capsys):
     path = tmp_path / "empty.json"
     path.write_text(json.dumps({"rows": [{"case": "a", "impl": "b"}]}))
     assert main(["plot", str(path)]) == 2
-    assert "no rows" in capsys.readouterr().err
+    _one_line_error(capsys, "no rows")
     assert main(["plot", str(tmp_path / "missing.json")]) == 2
 
 

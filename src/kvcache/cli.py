@@ -1,11 +1,14 @@
-"""Command line: ``kvcache demo | plan | eval | info | bench | plot`` and ``--version``.
+"""Command line: kvcache demo | plan | eval | info | bench | plot, and --version.
 
-* ``demo``: SmolLM2 answers chat questions on kvcache's engine (:mod:`kvcache.engine.demo`).
-* ``eval``: quality of each stored KV format against full precision on a model and a text (:mod:`kvcache.eval`).
-* ``plan``: bytes per token, and tokens / sequences that fit in a memory budget, per kv_dtype, for a model.
-* ``info``: backends, devices and a smoke run of the linear and paged ops through the public API.
-* ``bench linear|paged``: GPU benchmarks; with ``--json FILE`` also a PNG plot beside it.
-* ``plot FILE.json``: the PNGs of a bench result written earlier (e.g. on another machine), one per case family.
+  demo        SmolLM2 answers chat questions on kvcache's engine (kvcache demo --help).
+  eval        quality of each stored KV format against full precision on a model and a text (kvcache eval --help).
+  plan        bytes per token, and tokens / sequences that fit in a memory budget, per kv_dtype, for a model.
+  info        backends, devices and a smoke run of the linear and paged ops through the public API.
+  bench       GPU benchmarks: linear | paged | attention | engine; with --json FILE also a PNG plot beside it.
+  plot        the PNGs of a bench result written earlier (e.g. on another machine), one per case family.
+
+Bad input (a missing file, an unknown dtype or device, an unsupported model) is reported in one line,
+"kvcache: error: ...", with exit code 2; --debug (before or after the command) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -246,6 +249,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():  # every suite times CUDA kernels
+        print(f"kvcache: error: bench {args.suite}: needs a CUDA device (torch {torch.__version__} sees none)",
+              file=sys.stderr)
+        return 2
     if args.suite == "linear":
         from .bench.linear import main as bench_main
 
@@ -278,12 +285,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from .bench.plot import plot_bench
 
-    try:
-        for png in plot_bench(args.json, args.png):
-            print(png)
-    except (OSError, ValueError) as e:
-        print(f"kvcache plot: {e}", file=sys.stderr)
-        return 2
+    for png in plot_bench(args.json, args.png):  # bad input raises: main prints one line, exit 2
+        print(png)
     return 0
 
 
@@ -293,14 +296,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from .hf.plan import load_model_config, parse_memory, plan
 
-    try:
-        memory = parse_memory(args.memory)
-        config = load_model_config(args.model)
-        dtype = getattr(torch, args.dtype) if args.dtype else None
-        shape, dtype, rows = plan(config, memory, args.seq_len, block_size=args.block_size, dtype=dtype)
-    except (OSError, ValueError, TypeError) as e:
-        print(f"kvcache plan: {e}", file=sys.stderr)
-        return 2
+    memory = parse_memory(args.memory)  # bad input raises: main prints one line, exit 2
+    config = load_model_config(args.model)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    shape, dtype, rows = plan(config, memory, args.seq_len, block_size=args.block_size, dtype=dtype)
     print(f"model: {args.model or 'SmolLM2-135M-Instruct (default)'}: {shape.num_layers} layers, "
           f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim}, model dtype {str(dtype).removeprefix('torch.')}")
     print(f"memory: {memory / 2**30:.2f} GiB for the cache, sequences of {args.seq_len} tokens, "
@@ -327,11 +326,46 @@ def cmd_demo(argv: list[str]) -> int:
     return int(demo_main(argv))
 
 
+# What kvcache raises for bad input (validation names the argument): printed as one line. Anything else is a bug
+# and keeps its traceback.
+_USER_ERRORS = (ValueError, TypeError, OSError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvcache`` console script (and ``python -m kvcache``); returns the exit code."""
+    """Entry point of the ``kvcache`` console script (and ``python -m kvcache``); returns the exit code.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments after ``kvcache`` (default ``sys.argv[1:]``). ``--debug`` anywhere shows tracebacks.
+
+    Returns
+    -------
+    int
+        The command's exit code; 2 for bad input, reported as one line ``kvcache: error: ...`` on stderr.
+
+    Example
+    -------
+    >>> main(["plan", "--memory", "80"])   # doctest: +SKIP
+    kvcache: error: memory: expected a number with a unit ...
+    2
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return _dispatch(argv)
+    except _USER_ERRORS as e:
+        if debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"kvcache: error: {message} (--debug shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     from . import __version__
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
         return cmd_demo(argv[1:])  # every option belongs to the demo's own parser
     if argv[:1] == ["eval"]:
@@ -341,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvcache", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="SmolLM2 answers chat questions on kvcache's engine (kvcache demo --help)")
     sub.add_parser("eval", help="quality of each stored KV format against full precision: perplexity, KL, top-1 "
@@ -357,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.set_defaults(fn=cmd_plan)
     p_info = sub.add_parser("info", help="backends, devices and a smoke run of every op")
     p_info.set_defaults(fn=cmd_info)
-    p_bench = sub.add_parser("bench", help="GPU benchmarks against copy bandwidth and plain PyTorch")
+    p_bench = sub.add_parser("bench", help="GPU benchmarks against copy bandwidth and plain PyTorch: linear | paged | "
+                             "attention | engine")
     p_bench.add_argument("suite", choices=["linear", "paged", "attention", "engine"])
     p_bench.add_argument("--quick", action="store_true", help="smaller shapes (a smoke test of the bench)")
     p_bench.add_argument("--json", default=None, help="also write the results to this JSON file, and a PNG plot "

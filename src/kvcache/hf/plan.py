@@ -24,13 +24,14 @@ from ._common import ModelShape
 
 __all__ = ["PlanRow", "parse_memory", "load_model_config", "plan"]
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+_UNITS = {"b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def parse_memory(text: str) -> int:
-    """Bytes of a size such as ``"80GiB"``, ``"40 GB"``, ``"512MiB"`` or ``"1000000"``.
+    """Bytes of a size such as ``"80GiB"``, ``"40 GB"``, ``"512MiB"`` or ``"1000000B"``; the unit is required
+    (a bare ``"80"`` raises ValueError rather than being read as 80 bytes).
 
     Examples
     --------
@@ -39,7 +40,8 @@ def parse_memory(text: str) -> int:
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"memory: expected a size such as 80GiB, 40GB or 512MiB, got {text!r}")
+        raise ValueError(f"memory: expected a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), such as "
+                         f"80GiB, 40GB or 512MiB, got {text!r}")
     n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
         raise ValueError(f"memory: expected a positive size, got {text!r}")
