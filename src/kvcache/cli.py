@@ -383,7 +383,8 @@ def _dispatch(argv: list[str]) -> int:
     p_plan = sub.add_parser("plan", help="bytes per token and how many tokens / sequences fit, per kv_dtype")
     p_plan.add_argument("--model", default=None, help="config.json, a model folder or a .gguf file (default: "
                         "SmolLM2-135M-Instruct)")
-    p_plan.add_argument("--memory", required=True, help="memory for the KV cache, e.g. 80GiB, 40GB, 512MiB")
+    p_plan.add_argument("--memory", required=True, help="memory for the KV cache with its unit (B, KB, MB, GB, "
+                        "TB, KiB, MiB, GiB, TiB), e.g. 80GiB, 40GB, 512MiB")
     p_plan.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p_plan.add_argument("--block-size", type=int, default=16, help="paged block size (default 16)")
     p_plan.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
