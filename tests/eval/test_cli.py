@@ -49,7 +49,7 @@ def test_end_to_end(model_folder, tmp_path, capsys) -> None:
 def test_bad_arguments(args, message, capsys) -> None:
     assert main(["eval", "--model", "/no/such/model", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("kvcache eval: ") and message in err[0]
+    assert len(err) == 1 and err[0].startswith("kvcache: error: eval: ") and message in err[0]
 
 
 def test_missing_model(capsys) -> None:

@@ -166,7 +166,7 @@ def eval_main(argv: list[str] | None = None) -> int:
                               max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                               batch_size=args.batch_size, progress=bar)
     except (OSError, ValueError, TypeError, ImportError) as e:
-        print(f"kvcache eval: {e}", file=sys.stderr)
+        print(f"kvcache: error: eval: {e}", file=sys.stderr)
         return 2
     report.model = os.path.basename(os.path.normpath(args.model)) if args.model else DEFAULT_MODEL
     _print_table(report)
