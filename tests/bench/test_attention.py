@@ -125,7 +125,8 @@ def test_without_a_gpu_exits_2_with_one_line(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out == "kvcache bench attention: needs a CUDA device\n"
     assert cli_main(["bench", "attention", "--json", "unused.json"]) == 2
-    assert capsys.readouterr().out.strip().splitlines() == ["kvcache bench attention: needs a CUDA device"]
+    err = capsys.readouterr().err.strip().splitlines()  # the CLI checks first, in its one-line error form
+    assert len(err) == 1 and err[0].startswith("kvcache: error: bench attention: needs a CUDA device")
     with pytest.raises(SystemExit) as e:
         main(["--formats", "auto,fp16"])
     assert e.value.code == 2 and "--formats" in capsys.readouterr().err
