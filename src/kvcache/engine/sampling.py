@@ -26,7 +26,11 @@ class SamplingParams:
     top_k : int
         Keep the ``top_k`` most likely tokens (0 or -1: all).
     seed : int, optional
-        Seeds the request's own generator: the same seed gives the same tokens whatever else runs in the batch.
+        Seeds the request's own generator: its random draws are the same whatever else runs in the batch. Its
+        tokens are the same only where its logits are: a matrix multiply's rounding depends on how many rows it
+        gets (BLAS and cuBLAS pick kernels by size) and so does the split of a long decode's attention, so a request
+        alone and in a batch can differ in the last bit of its logits; a quantized cache (int8 / int4 / fp8) can
+        turn that into another draw within tens of tokens. Repeating the same batch repeats the tokens.
         None: drawn from torch's global generator.
     stop : str or list of str, optional
         Strings that end generation (``finish_reason="stop"``); the text is cut before the stop string.
