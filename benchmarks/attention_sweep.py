@@ -73,12 +73,16 @@ def _pool(kv_dtype: str, bs: int, num_blocks: int, dev: torch.device, gen: torch
 
 
 def _launch_fn(p, q, bt, cu, kl, out, plan, ws):
-    from kvcache.ops.attention._launch import launch_attention
+    from kvcache.ops.attention._launch import AttentionPart, launch_paged_attention
+    from kvcache.ops.paged import PagedLayer, StepPlan
+
+    layer = PagedLayer(p.pool, p.params, p.kv_scales if p.kv_dtype == "fp8" else None, p.kv_dtype, p.layout)
+    step = StepPlan.build(layer.geometry, q.device, dict(block_tables=bt, cu_q_lens=cu, seq_lens=kl),
+                          dict(scale=D ** -0.5), lens_name="kv_lens")
+    part = AttentionPart(bt, cu, kl, plan, D ** -0.5)
 
     def fn() -> None:
-        launch_attention(q, out, None, p.pool, p.params, p.kv_scales, None, kv_dtype=p.kv_dtype, layout=p.layout,
-                         block_tables=bt, cu_q_lens=cu, kv_lens=kl, scale=D ** -0.5, window=None, softcap=None,
-                         cp_rank=0, cp_size=1, plan=plan, workspace=ws)
+        launch_paged_attention(q, out, None, None, layer, step, part, ws)
 
     return fn
 

@@ -29,5 +29,5 @@ kv_lens = torch.zeros(n_seqs, dtype=torch.int32, device=dev)
 if seq == 1:  # decode: 0-999 cached tokens per sequence
     kv_lens = torch.randint(0, 1000, (n_seqs,), dtype=torch.int32, device=dev)
 for _ in range(2):
-    c.append(0, k, v, block_tables=tables, cu_q_lens=cu_q, kv_lens=kv_lens, rope=None if use_rope else False)
+    c.append(0, k, v, c.plan(tables, cu_q, kv_lens, rope=None if use_rope else False))
 torch.cuda.synchronize()
