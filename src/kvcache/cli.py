@@ -18,11 +18,15 @@ import contextlib
 import platform
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads inside the commands that run something: --help answers without it
+    import torch
 
 
 def _devices() -> list[torch.device]:
+    import torch
+
     devs = [torch.device("cpu")]
     if torch.cuda.is_available():
         devs.insert(0, torch.device("cuda", torch.cuda.current_device()))
@@ -31,6 +35,8 @@ def _devices() -> list[torch.device]:
 
 def _smoke(device: torch.device) -> list[tuple[str, bool, str]]:
     """Run every op once on small random data and compare with an explicit expectation."""
+    import torch
+
     from . import ops
     from .linear import CacheConfig, KVCacheManager, KVLayerConfig, LinearKVCache, ManagerConfig
 
@@ -140,6 +146,8 @@ def _smoke(device: torch.device) -> list[tuple[str, bool, str]]:
 
 def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Callable[[], bool]]]:
     """Paged half of the smoke run: allocator, append -> gather per kv_dtype, copy_blocks, paged attention."""
+    import torch
+
     from . import ops
     from .paged import BlockAllocator, PagedConfig, PagedKVCache
 
@@ -219,6 +227,7 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    import torch
     import triton
 
     from . import __version__
@@ -249,6 +258,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
     if not torch.cuda.is_available():  # every suite times CUDA kernels
         print(f"kvcache: error: bench {args.suite}: needs a CUDA device (torch {torch.__version__} sees none)",
               file=sys.stderr)
@@ -293,6 +304,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
+
+    import torch
 
     from .hf.plan import load_model_config, parse_memory, plan
 
