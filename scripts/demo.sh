@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh io,bench,hf
 # shellcheck disable=SC1091
 . .venv/bin/activate
+echo "demo: kvcache demo $*"
 exec kvcache demo "$@"

@@ -9,4 +9,7 @@ bash scripts/setup.sh test,io,hf
 . .venv/bin/activate
 MARK=(-m "not slow")
 if [ "${KVCACHE_TEST_SLOW:-0}" = "1" ]; then MARK=(); fi
+SLOW="skipped (KVCACHE_TEST_SLOW=1 runs them)"
+if [ ${#MARK[@]} -eq 0 ]; then SLOW="included"; fi
+echo "test: pytest on ${KVCACHE_TEST_WORKERS:-auto} workers, slow tests ${SLOW}: several minutes on 2 cores"
 exec python -m pytest -n "${KVCACHE_TEST_WORKERS:-auto}" --timeout=900 "${MARK[@]}" "$@"
