@@ -18,6 +18,7 @@ from .paged_core import PagedEngineCore
 from .prompts import check_conversation
 from .sampling import SamplingParams
 from .sequence import RequestOutput, Sequence
+from .stats import GenerateStats, TotalStats, accumulate
 from .tp import TPLlamaForward
 
 __all__ = ["LLM", "EngineStats"]
@@ -75,9 +76,11 @@ class LLM:
         The engine's forward over the model's weights (``TPLlamaForward`` under tensor parallel).
     core : PagedEngineCore or LinearEngineCore
         The cache mode (:class:`~kvcache.engine.core.EngineCore`), chosen by ``config.cache``.
-    stats : EngineStats
-        Counters of the last :meth:`generate` call only (requests, tokens, time, prefix-cache hit rate, blocks
-        and bytes used): each call replaces it with a new object, so keep the one you need before the next call.
+    stats : GenerateStats
+        Counters of the last :meth:`generate` call (requests, tokens, time, prefix-cache hit rate, blocks and
+        bytes used: the fields of :class:`EngineStats`), and ``stats.total``, a
+        :class:`~kvcache.engine.stats.TotalStats` summed over every completed call (``stats.total.calls`` of
+        them). Each call replaces ``stats`` with a new object; one kept from before keeps its figures.
 
     Raises
     ------
@@ -92,6 +95,8 @@ class LLM:
     >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
     >>> out[0].text, out[0].finish_reason                                    # doctest: +SKIP
     (' Paris. ...', 'length')
+    >>> llm.stats.generated_tokens, llm.stats.total.generated_tokens, llm.stats.total.calls   # doctest: +SKIP
+    (8, 8, 1)
     """
 
     def __init__(self, model: Any = None, config: EngineConfig | None = None, **kwargs: Any) -> None:
@@ -140,9 +145,9 @@ class LLM:
         """The paged core's ``PagedRunner`` (AttributeError with the linear cache)."""
         return self.core.runner  # type: ignore[attr-defined]
 
-    def _new_stats(self, **counts: int) -> EngineStats:
-        return EngineStats(kv_dtype=self.config.kv_dtype, cache=self.config.cache, num_blocks=self.core.num_blocks,
-                           cache_bytes=self.core.cache_bytes, attention=self.core.attention, **counts)
+    def _new_stats(self, total: TotalStats | None = None, **counts: int) -> GenerateStats:
+        return GenerateStats(kv_dtype=self.config.kv_dtype, cache=self.config.cache, num_blocks=self.core.num_blocks,
+                             cache_bytes=self.core.cache_bytes, attention=self.core.attention, total=total, **counts)
 
     # ---------------------------------------------------------------------------------- prompts
 
@@ -218,7 +223,8 @@ class LLM:
         Returns
         -------
         list of RequestOutput
-            One per prompt, in prompt order. ``self.stats`` is replaced by this call's counters.
+            One per prompt, in prompt order. ``self.stats`` is replaced by this call's counters, and
+            ``self.stats.total`` by the totals with this call added (once it completed).
 
         Raises
         ------
@@ -246,7 +252,8 @@ class LLM:
             core.check(s)
         # before anything is queued: a step may replay a CUDA graph first (prompts cached but for their last token)
         self.model.check_weights()
-        st = self.stats = self._new_stats(requests=len(seqs), prompt_tokens=sum(s.num_prompt_tokens for s in seqs))
+        st = self.stats = self._new_stats(self.stats.total, requests=len(seqs),
+                                          prompt_tokens=sum(s.num_prompt_tokens for s in seqs))
         t0 = time.perf_counter()
         try:
             core.run(seqs, st, self._finish_reason, progress)
@@ -259,6 +266,7 @@ class LLM:
         st.generated_tokens = sum(s.num_generated for s in seqs)
         st.tokens_per_s = st.generated_tokens / st.elapsed_s if st.elapsed_s > 0 else 0.0
         st.prefix_cache_hit_rate = st.cached_prompt_tokens / st.prompt_tokens if st.prompt_tokens else 0.0
+        st.total = accumulate(st.total, st)
         return [self._output(s) for s in seqs]
 
     @staticmethod
