@@ -26,11 +26,16 @@ class SamplingParams:
     top_k : int
         Keep the ``top_k`` most likely tokens (0 or -1: all).
     seed : int, optional
-        Seeds the request's own generator: its random draws are the same whatever else runs in the batch. Its
-        tokens are the same only where its logits are: a matrix multiply's rounding depends on how many rows it
-        gets (BLAS and cuBLAS pick kernels by size) and so does the split of a long decode's attention, so a request
-        alone and in a batch can differ in the last bit of its logits; a quantized cache (int8 / int4 / fp8) can
-        turn that into another draw within tens of tokens. Repeating the same batch repeats the tokens.
+        Seeds the request's own generator (on the CPU): its random draws are its own, whatever else runs in the
+        batch (other requests' seeds do not change them; two seeds in one batch share no draws). Its tokens are
+        the same only where its logits are, and those are bit-identical only when every step has the same
+        shapes: BLAS and cuBLAS pick matrix-multiply kernels by the row count (MKL rounds 1, 2-3 and >= 4 rows
+        differently), a long decode's attention is split by the batch on the GPU, and prefix-cache hits leave
+        fewer prompt rows to compute. So alone and in a batch, or the same batch again on an engine whose prefix
+        cache holds its prompts, the logits can differ: in the last bits with ``kv_dtype="auto"``, while a
+        quantized cache (int8 / int4 / fp8) can turn that into another token within tens of tokens. With the same
+        prompt lengths in the same places, every request finishing at the same step, prefix caching off and no
+        preemption, the tokens are the same for every kv_dtype (docs/engine.md, "Seeds and the batch").
         None: drawn from torch's global generator.
     stop : str or list of str, optional
         Strings that end generation (``finish_reason="stop"``); the text is cut before the stop string.
