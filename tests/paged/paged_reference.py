@@ -1,8 +1,7 @@
 """Independent reference of the paged KV ops, written from the documents, not from the library's code.
 
 Sources: the byte-format docstring of :mod:`kvcache.paged.config` (layouts, TurboMind asymmetric int8 / int4
-quantization, int4 nibble order (planar halves), fp8 with per-layer scales, the rotation of fp8 / int4 rows) and
-the docstrings of
+quantization, int4 nibble order (planar halves), fp8 with per-layer scales) and the docstrings of
 :func:`kvcache.ops.append_paged_kv` / :func:`kvcache.ops.gather_paged_kv` (which row goes where: ragged batch
 with ``kv_lens`` or ``cu_k_lens``, slot mapping with ``-1`` = skip, context parallel ``cp_rank`` / ``cp_size``).
 
@@ -125,44 +124,6 @@ def rope_slack(x_rows: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     for ``x_rows`` ``[n, H, D]`` (see the module docstring)."""
     a = max(float(rope.attention_scaling), 1.0)
     return x_rows.detach().cpu().double().abs().amax(dim=-1, keepdim=True) * a * 2.0**-19
-
-
-ROTATED = ("fp8", "int4")  # formats that store rows times R (kvcache.paged.config, "Rotation")
-
-
-def rotation_order(d: int) -> int:
-    """``2 P``: each rotated element is a +-1 / sqrt(2 P) combination of ``2 P`` elements of the row (``P`` the
-    largest power of two dividing ``D / 2``)."""
-    half = d // 2
-    return 2 * (half & -half)
-
-
-def rotate_row(x: torch.Tensor) -> torch.Tensor:
-    """``x R`` in float32 over the last dim, as the byte format documents it: halves ``a``, ``b`` -> ``[a + b,
-    a - b]``, then within each half Sylvester butterflies ``(u, w) -> (u + w, u - w)`` of span 1, 2, ..., P / 2
-    inside blocks of ``P`` elements, then one multiply by ``1 / sqrt(2 P)`` (float32 throughout, in that order)."""
-    x = x.float()
-    d = x.shape[-1]
-    half, p = d // 2, rotation_order(d) // 2
-    y = torch.cat([x[..., :half] + x[..., half:], x[..., :half] - x[..., half:]], dim=-1)
-    h = 1
-    while h < p:
-        out = y.clone()
-        for j in range(0, d, 2 * h):  # pairs (i, i + h) of each run of 2h elements (runs never straddle a half)
-            u, w = y[..., j:j + h], y[..., j + h:j + 2 * h]
-            out[..., j:j + h] = u + w
-            out[..., j + h:j + 2 * h] = u - w
-        y = out
-        h *= 2
-    return y * (1.0 / (2.0 * p) ** 0.5)
-
-
-def rotation_slack(x_rows: torch.Tensor) -> torch.Tensor:
-    """The float32 rounding of :func:`rotate_row` (log2(2P) sums, one product, each within an ulp of values at
-    most ``sqrt(2 P) max|x_row|``) and any reassociation of it, bounded by ``2^-19 * 2P * max|x_row|``; shape
-    ``[..., 1]`` (rows ``[..., D]``)."""
-    x = x_rows.detach().cpu().double()
-    return x.abs().amax(dim=-1, keepdim=True) * rotation_order(x.shape[-1]) * 2.0**-19
 
 
 def quant_bound(scale: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
@@ -356,8 +317,6 @@ def append_expected(
     for t in targets:
         for kv in (0, 1):
             x = keys[t.row] if kv == 0 else vals_v[t.row]
-            if kv_dtype in ROTATED:
-                x = rotate_row(x)
             values[(t.row, kv)] = x
             for h in range(H):
                 idx = row_index(layout, t.block, kv, t.offset, h)
@@ -441,9 +400,6 @@ def gather_expected(
                 idx_v = row_index(layout, blk, 1, off, h)
                 kk[t, h] = decode_row(p, par, idx_k, kv_dtype, fp8_scales[0])
                 v32[b, h, t] = decode_row(p, par, idx_v, kv_dtype, fp8_scales[1])
-                if kv_dtype in ROTATED:  # rows are stored times R, and R R = I
-                    kk[t, h] = rotate_row(kk[t, h])
-                    v32[b, h, t] = rotate_row(v32[b, h, t])
                 if kv_dtype == "auto":  # a copy of the stored element
                     v_out[b, h, t] = p[idx_v].to(dtype)
                     k_out[b, h, t] = p[idx_k].to(dtype)
@@ -496,12 +452,8 @@ def assert_append_matches(
     if rope is None:
         return
     for t in exp.targets:
-        x = exp.values[(t.row, 0)]  # [H, D] float32 keys after RoPE (and R: rotated formats)
+        x = exp.values[(t.row, 0)]  # [H, D] rotated float32 keys
         slack = rope_slack(x[None], rope)[0]  # [H, 1]
-        if kv_dtype in ROTATED:
-            # the RoPE slack of the unrotated row (whose max is at most sqrt(2P) times the rotated row's) through
-            # R (each element a combination of 2P of them, weights 1 / sqrt(2P)), plus R's own rounding
-            slack = slack * rotation_order(x.shape[-1]) + rotation_slack(x)
         for h in range(H):
             idx = row_index(layout, t.block, 0, t.offset, h)
             where = f"{what}: key of row {t.row} (position {t.position}), head {h}"
@@ -530,15 +482,6 @@ def assert_append_matches(
                 assert_close(deq, x[h], bound, where + " dequantized")
 
 
-def _read_slack(x32: torch.Tensor, kv_dtype: str) -> torch.Tensor:
-    """:func:`_fma_slack`, and for the rotated formats that slack carried through R (``2P`` elements of weight
-    ``1 / sqrt(2P)``) plus R's own rounding."""
-    slack = _fma_slack(x32)
-    if kv_dtype in ROTATED:
-        slack = slack * rotation_order(x32.shape[-1]) + rotation_slack(x32)
-    return slack
-
-
 def _fma_slack(x32: torch.Tensor) -> torch.Tensor:
     """int8 / int4 dequantization ``q * scale + zero``: the GPU may fuse it into one FMA (one rounding instead
     of two). The two results differ by at most half an ulp of the product ``q * scale`` plus one ulp of the
@@ -564,26 +507,26 @@ def assert_gather_matches(
     k, v = k_out.detach().cpu(), v_out.detach().cpu()
     dtype = k.dtype
     pad = ~exp.valid
-    quant = kv_dtype in ("int8", "int4", *ROTATED)  # fp8: rotated back, sums the compiler may reassociate
+    quant = kv_dtype in ("int8", "int4")
     for name, got in (("k", k), ("v", v)):
         tail = got.transpose(1, 2)[pad]  # [n_pad, H, D]
         assert_bits_equal(tail, torch.zeros_like(tail), f"{what}: {name} padded tail (must be zero)")
     if not quant:
         assert_bits_equal(v, exp.v, f"{what}: v")
     else:
-        tol = ulp(torch.maximum(v.double().abs(), exp.v32.double().abs()), dtype) + _read_slack(exp.v32, kv_dtype)
+        tol = ulp(torch.maximum(v.double().abs(), exp.v32.double().abs()), dtype) + _fma_slack(exp.v32)
         assert_close(v, exp.v32, tol, f"{what}: v")
     if rope is None:
         if not quant:
             assert_bits_equal(k, exp.k, f"{what}: k")
         else:
-            tol = ulp(torch.maximum(k.double().abs(), exp.k32.double().abs()), dtype) + _read_slack(exp.k32, kv_dtype)
+            tol = ulp(torch.maximum(k.double().abs(), exp.k32.double().abs()), dtype) + _fma_slack(exp.k32)
             assert_close(k, exp.k32, tol, f"{what}: k")
         return
     B, H, S, D = k.shape
     slack = rope_slack(exp.k32.reshape(B * H, S, D).transpose(0, 1), rope).transpose(0, 1).reshape(B, H, S, 1)
     if quant:
-        slack = slack + 4 * _read_slack(exp.k32, kv_dtype)  # x and its partner dequantized, then times cos / sin
+        slack = slack + 4 * _fma_slack(exp.k32)  # x and its partner dequantized, then times cos / sin
     tol = ulp(torch.maximum(k.double().abs(), exp.k32.double().abs()), dtype) + slack
     assert_close(k, exp.k32, tol, f"{what}: k (RoPE applied)")
 

@@ -121,12 +121,9 @@ def test_int4_nibble_order_and_exact_codes(device):
     D = 16
     vals = [[0, 15, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 7, 8],
             [15, 0, 7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13]]
-    # int4 stores rows times R: give R vals (R R = I; at D = 16 every entry of R is +-1/4, so R vals and its
-    # rotation back are exact in float32)
-    rows = torch.tensor(vals, dtype=torch.float32)[:, None, :]  # [2, 1, 16]
-    cache = pr.sentinel_cache(device, num_kv_heads=1, head_dim=D, block_size=4, kv_dtype="int4",
-                              dtype=torch.float32)
-    _write_rows(cache, pr.rotate_row(rows), pr.rotate_row(rows + 100), device)
+    x = torch.tensor(vals, dtype=torch.float16)[:, None, :]  # [2, 1, 16]
+    cache = pr.sentinel_cache(device, num_kv_heads=1, head_dim=D, block_size=4, kv_dtype="int4")
+    _write_rows(cache, x, x + 100, device)
     p, par = cache.pool(0).cpu(), cache.params(0).cpu()
     for r, row in enumerate(vals):
         want = [row[i] | (row[D // 2 + i] << 4) for i in range(D // 2)]
@@ -170,8 +167,6 @@ def test_round_half_to_even(device, kv_dtype):
     row += [1.0] * (-len(row) % 4)
     D = len(row)
     x = torch.tensor(row, dtype=torch.float32)[None, None, :]  # exact halves need float32 past fp16's 2048
-    if kv_dtype in pr.ROTATED:  # stored rows are x R: give R row (R's entries +-1/2 at D = 12: exact)
-        x = pr.rotate_row(x)
     cache = pr.sentinel_cache(device, num_kv_heads=1, head_dim=D, block_size=4, kv_dtype=kv_dtype,
                               dtype=torch.float32)
     _write_rows(cache, x, x, device)
@@ -187,8 +182,6 @@ def test_constant_rows_round_trip_exactly(device, kv_dtype):
     H, D = 4, 80
     consts = [-2.5, 0.0, 1000.0, 3.140625]
     x = torch.tensor(consts, dtype=torch.float16)[None, :, None].expand(6, H, D).contiguous()
-    if kv_dtype in pr.ROTATED:  # stored rows are x R: give R (constant row), exact (R's entries are +-1/4 at D = 80)
-        x = pr.rotate_row(x).to(torch.float16)
     rope = RopeConfig(head_dim=D)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=4, kv_dtype=kv_dtype, rope=rope)
     gen = pr.generator(112)
@@ -341,11 +334,7 @@ def test_quantized_gather(device, kv_dtype, layout):
                     scale = par[pr.row_index(layout, blk, kv, off, h)][0]
                     x = src[cu[b] + t, h].float()
                     got = out[b, h, t]
-                    ulps = pr.ulp(got.double().abs(), torch.float16)
-                    if kv_dtype in pr.ROTATED:  # compared where they were quantized: rotated (R R = I)
-                        x, got = pr.rotate_row(x), pr.rotate_row(got.float())
-                        ulps = ulps.max() * pr.rotation_order(D) ** 0.5 + pr.rotation_slack(x[None])[0]
-                    bound = pr.quant_bound(scale, x[None])[0] + ulps
+                    bound = pr.quant_bound(scale, x[None])[0] + pr.ulp(got.double().abs(), torch.float16)
                     pr.assert_close(got, x, bound, f"{name} seq {b} token {t} head {h}: gather vs appended")
 
 

@@ -34,12 +34,6 @@ Quantization (TurboMind's, per token and head, asymmetric):
 * fp8: ``float8_e4m3fn(clamp(x * (1 / scale), -448, 448))`` (round to nearest even, saturating) with one
   float32 scale per layer for K and one for V
   (``PagedKVCache.kv_scales[layer] = (k_scale, v_scale)``, default 1.0), as vLLM's ``fp8`` cache.
-* Rotation (fp8 and int4): ``x`` above is the row times ``R``, the orthonormal Walsh-Hadamard transform of
-  :mod:`kvcache.ops.paged.rotation` (keys after RoPE): ``x R = [(a + b) Hp, (a - b) Hp] / sqrt(2 P)`` for a row
-  ``[a, b]`` of two halves, ``Hp`` the ``P x P`` Sylvester blocks, ``P`` the largest power of two dividing
-  ``D / 2`` (``R`` is the Hadamard matrix of order ``D`` when ``D`` is a power of two). ``R`` spreads the few
-  large key channels over the row: per (token, head) int4 and per-layer-scaled fp8 lose far less (README,
-  "Choosing a format"). Every read (gather, attention) undoes it; ``R R = I``. ``head_dim`` must be even.
 """
 
 from __future__ import annotations
@@ -80,9 +74,9 @@ def cache_block_bytes(
     check_int("block_size", block_size, 1)
     check_dtype_in("dtype", dtype, MODEL_DTYPES)
     check_choice("kv_dtype", kv_dtype, KV_FORMATS)
+    if kv_dtype == "int4" and head_dim % 2:
+        raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {head_dim}")
     fmt = kv_format(kv_dtype)
-    if fmt.rotated and head_dim % 2:
-        raise ValueError(f"head_dim: expected an even head_dim for kv_dtype={kv_dtype!r}, got {head_dim}")
     elt = torch.empty((), dtype=fmt.storage_dtype(dtype)).element_size()
     per_row = fmt.row_elems(head_dim) * elt
     if fmt.row_params:
@@ -97,7 +91,7 @@ class PagedConfig:
     Parameters
     ----------
     num_layers, num_kv_heads, head_dim : int
-        Any head_dim (even for fp8 and int4).
+        Any head_dim (even for int4).
     block_size : int
         Tokens per block (page), any positive int (16 and 64 are common).
     num_blocks : int
@@ -130,9 +124,8 @@ class PagedConfig:
         check_dtype_in("dtype", self.dtype, MODEL_DTYPES)
         check_choice("kv_dtype", self.kv_dtype, KV_FORMATS)
         check_choice("layout", self.layout, LAYOUTS)
-        if kv_format(self.kv_dtype).rotated and self.head_dim % 2:
-            raise ValueError(f"head_dim: expected an even head_dim for kv_dtype={self.kv_dtype!r}, "
-                             f"got {self.head_dim}")
+        if self.kv_dtype == "int4" and self.head_dim % 2:
+            raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {self.head_dim}")
         object.__setattr__(self, "device", resolve_device(self.device))
 
     @property

@@ -140,33 +140,10 @@ def dequantized(cache, bt, lens, *, cp_rank=0, cp_size=1):  # type: ignore[no-un
     return out_k, out_v
 
 
-ROTATED = ("fp8", "int4")  # paged formats that store K R and V R (kvcache.paged.config, "Rotation")
-
-
-def effective_query(q: torch.Tensor) -> torch.Tensor:
-    """float64 ``round(q R) R``: over a rotated pool the kernel dots ``q R`` rounded once to the query's dtype
-    (float32 R, then the cast) with ``K R``, which is ``(round(q R) R) . K`` (``R R = I``). The reference attends
-    with this query, so the kernel's tolerance stays that of its dtype."""
-    d = q.shape[-1]
-    half = d // 2
-    p = half & -half
-    # R as documented: [(a + b) Hp, (a - b) Hp] / sqrt(2P) per row, built from Sylvester blocks
-    hp = torch.ones(1, 1, dtype=torch.float64)
-    while hp.shape[0] < p:
-        hp = torch.cat([torch.cat([hp, hp], 1), torch.cat([hp, -hp], 1)], 0)
-    blk = torch.block_diag(*([hp] * (half // p)))
-    rot = torch.cat([torch.cat([blk, blk], 1), torch.cat([blk, -blk], 1)], 0) / math.sqrt(2 * p)
-    qr = (q.double() @ rot).to(torch.float32).to(q.dtype)  # float32 R in the kernel: within an ulp of float64's
-    return qr.double() @ rot
-
-
 def paged_expected(q, cache, bt, q_lens, kv_lens, *, scale, window=None, softcap=None, sinks=None, cp_rank=0,
                    cp_size=1):  # type: ignore[no-untyped-def]
-    """float64 (out, lse) of every real row of q (padding rows zero / -inf) from the dense reference (over a
-    rotated pool, of :func:`effective_query`)."""
+    """float64 (out, lse) of every real row of q (padding rows zero / -inf) from the dense reference."""
     ks, vs = dequantized(cache, bt, kv_lens, cp_rank=cp_rank, cp_size=cp_size)
-    if cache.config.kv_dtype in ROTATED:
-        q = effective_query(q.cpu())
     n = q.shape[0]
     out = torch.zeros((n, *q.shape[1:]), dtype=torch.float64)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64)

@@ -51,7 +51,7 @@ def attention(qdt, quant, d, g, block_q, block_n, bs, splits, layout="NHD", line
                   Q_RESCALE=quant == 2 and qdt == "*bf16" and block_q * triton.next_power_of_2(g) <= 16,
                   WARPS_K=warps_k, HEADS_INNER=block_q * triton.next_power_of_2(g) <= 16,
                   MIN_SPLIT_TILES=max(1, 512 // block_n) if splits > 1 else 1, INTERP=False, PDL=True,
-                  Q_ROPE=q_rope, ROTATE=quant in (1, 3) and not linear)
+                  Q_ROPE=q_rope)
     return compile_kernel(_attention_kernel, ptr, consts, dict(num_warps=warps, num_stages=stages))
 
 
@@ -83,9 +83,6 @@ CASES = [dict(qdt=qdt, quant=quant, d=128, g=4, block_q=4, block_n=64, bs=16, sp
     dict(qdt="*bf16", quant=0, d=64, g=4, block_q=4, block_n=64, bs=16, splits=1, stages=2, q_rope=True),
     dict(qdt="*bf16", quant=2, d=64, g=4, block_q=4, block_n=64, bs=16, splits=1, stages=2, q_rope=True),
     dict(qdt="*bf16", quant=0, d=64, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=4, stages=2, q_rope=True),
-    # rotated formats (fp8, int4) with RoPE'd queries: decode and prefill
-    dict(qdt="*bf16", quant=3, d=64, g=4, block_q=4, block_n=64, bs=16, splits=1, stages=2, q_rope=True),
-    dict(qdt="*bf16", quant=1, d=64, g=4, block_q=32, block_n=64, bs=16, splits=1, warps=4, stages=2, q_rope=True),
 ]
 
 

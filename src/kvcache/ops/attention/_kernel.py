@@ -67,8 +67,7 @@ import triton
 import triton.language as tl
 
 from ..._backend import kernel
-from ..paged.kernels.hadamard import _rotate_halves
-from ._convert import MAGIC, _round_to, dequant
+from ._convert import MAGIC, dequant
 from ._loads import LN2, LOG2E, PV_RANGE, _find_tile, _key_rows, _load_kv, _load_params
 from ._warp_tile import _merge_warps, _tile_w
 
@@ -215,7 +214,7 @@ def _attention_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr, WARPS_K: tl.constexpr,
     HEADS_INNER: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
-    Q_ROPE: tl.constexpr, ROTATE: tl.constexpr,
+    Q_ROPE: tl.constexpr,
 ):
     # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
     if PDL:
@@ -297,20 +296,8 @@ def _attention_kernel(
         sin_q = tl.load(rope_sin + cs_rows, mask=ok_c, other=0.0).to(tl.float32)
         qa = q_lo.to(tl.float32)
         qb = q_hi.to(tl.float32)
-        q_lo = qa * cos_q - qb * sin_q
-        q_hi = qb * cos_q + qa * sin_q
-        if not ROTATE:
-            q_lo = q_lo.to(q.dtype.element_ty)
-            q_hi = q_hi.to(q.dtype.element_ty)
-    if ROTATE:
-        # the pool holds K R and V R (the rotated formats, kvcache.ops.paged.rotation): scores from q R (R R = I),
-        # the output times R below; one rounding to the query's dtype after RoPE and R, in float32
-        q_lo, q_hi = _rotate_halves(q_lo.to(tl.float32), q_hi.to(tl.float32), D)
-        if INTERP:  # the interpreter's float32 -> bfloat16 cast truncates: round as the compiled cast does
-            q_lo = _round_to(q_lo, q.dtype.element_ty)
-            q_hi = _round_to(q_hi, q.dtype.element_ty)
-        q_lo = q_lo.to(q.dtype.element_ty)
-        q_hi = q_hi.to(q.dtype.element_ty)
+        q_lo = (qa * cos_q - qb * sin_q).to(q.dtype.element_ty)
+        q_hi = (qb * cos_q + qa * sin_q).to(q.dtype.element_ty)
     if QUANT >= 2:
         q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
     else:
@@ -476,8 +463,6 @@ def _attention_kernel(
         acc_hi = acc_hi + zacc[:, None]
     o_lo = acc_lo * inv[:, None]
     o_hi = acc_hi * inv[:, None]
-    if ROTATE:  # (p V R) R = p V; padded lanes stay in their own blocks of R (masked at the store)
-        o_lo, o_hi = _rotate_halves(o_lo, o_hi, D)
     row_lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
     if num_splits == 1:
         o_rows = b.to(tl.int64) * s_ob + (row0 + qi).to(tl.int64) * s_ot + hq * s_oh

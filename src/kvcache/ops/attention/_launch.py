@@ -131,7 +131,6 @@ def _launch(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, sinks:
         ws_out = ws_lse = dummy
     sq, so, sl = _strides3(q, linear), _strides3(out, linear), _strides3(lse, linear)
     quant = KV_FORMAT_TABLE[kv_dtype].code
-    rotated = KV_FORMAT_TABLE[kv_dtype].rotated and not linear  # linear caches store their dtype as given
     kv_scales = kv.kv_scales if quant == 1 else None
     # triton's interpreter computes bf16 dots wrongly (it multiplies the raw bits): float32 operands there
     dot_f32 = dev.type != "cuda" and q.dtype == torch.bfloat16
@@ -163,7 +162,7 @@ def _launch(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, sinks:
         V_FOLD=v_fold, Q_RESCALE=v_fold and quant == 2 and q.dtype == torch.bfloat16,
         WARPS_K=plan.num_warps if plan.warp_split else 1, HEADS_INNER=plan.block_q * next_pow2(g) <= 16,
         MIN_SPLIT_TILES=max(1, plan.min_split_keys // plan.block_n), INTERP=dev.type != "cuda",
-        Q_ROPE=q_rope is not None, ROTATE=rotated, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        Q_ROPE=q_rope is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
         # programmatic dependent launch where available: the launch overlaps the previous kernel's tail
         **pdl_options(dev),
     )

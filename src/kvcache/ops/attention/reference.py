@@ -22,8 +22,6 @@ import math
 
 import torch
 
-from ..paged.rotation import rotate_rows
-
 __all__ = ["dequantize_rows", "attend_rows", "paged_attention_reference", "linear_attention_reference",
            "merge_attention_states_reference"]
 
@@ -38,8 +36,7 @@ def dequantize_rows(
     offsets: torch.Tensor,
     which: int,
 ) -> torch.Tensor:
-    """float32 ``[n, H, D]`` K (``which=0``) or V (``which=1``) rows at (block, offset) pairs of a paged pool,
-    rotated back for the rotated formats (fp8, int4: :mod:`kvcache.ops.paged.rotation`)."""
+    """float32 ``[n, H, D]`` K (``which=0``) or V (``which=1``) rows at (block, offset) pairs of a paged pool."""
     if layout == "NHD":
         raw = pool[blocks, which, offsets]  # [n, H, R]
         par = params[blocks, which, offsets] if params is not None else None
@@ -50,11 +47,10 @@ def dequantize_rows(
         return raw.float()
     if kv_dtype == "fp8":
         scale = kv_scales[which].float() if kv_scales is not None else torch.ones((), device=pool.device)
-        return rotate_rows(raw.float() * scale)  # stored rotated: R is its own inverse
+        return raw.float() * scale
     codes = raw.to(torch.int32)
     if kv_dtype == "int4":
         codes = torch.cat([codes & 15, codes >> 4], dim=-1)  # planar halves: low nibbles first
-        return rotate_rows(codes.float() * par[..., 0:1] + par[..., 1:2])
     return codes.float() * par[..., 0:1] + par[..., 1:2]
 
 
@@ -127,8 +123,6 @@ def paged_attention_reference(
     lens = kv_lens.tolist()
     table = block_tables.long()
     n_rows = q.shape[0]
-    if kv_dtype in ("fp8", "int4"):  # rotated pools: the kernels dot q R rounded once to q's dtype (R R = I)
-        q = rotate_rows(rotate_rows(q).to(q.dtype))
     for b in range(block_tables.shape[0]):
         q0, q1 = max(0, min(cu[b], n_rows)), max(0, min(cu[b + 1], n_rows))
         if q1 <= q0:

@@ -36,9 +36,6 @@ def pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> t
                          f"{kv_dtype!r}, got {pool.dtype}")
     nb = pool.shape[0]
     bs, h = (pool.shape[2], pool.shape[3]) if layout == "NHD" else (pool.shape[3], pool.shape[2])
-    if fmt.name == "fp8" and pool.shape[4] % 2:
-        raise ValueError(f"pool: expected an even head_dim for kv_dtype 'fp8' (rows are stored rotated, "
-                         f"kvcache.ops.paged.rotation), got {pool.shape[4]}")
     if fmt.row_params:
         if not isinstance(params, torch.Tensor):
             raise TypeError(f"params: expected a float32 tensor of scales and zeros for kv_dtype {kv_dtype!r}, "

@@ -33,11 +33,6 @@ class KVFormat:
         One float32 scale per layer for K and one for V (fp8: ``PagedKVCache.kv_scales``).
     row_params : bool
         A float32 (scale, zero) per (token, head) in a params pool (int8 / int4).
-    rotated : bool
-        Rows are stored rotated, ``quant(x R)`` (keys after RoPE), with ``R`` the orthonormal Walsh-Hadamard
-        transform of :mod:`kvcache.ops.paged.rotation` (fp8, int4): it spreads the few large key channels over
-        the row, which brings fp8 and int4 close to full precision; reads rotate back and attention rotates the
-        query and the output, so no caller sees it. Needs an even head_dim.
     """
 
     name: str
@@ -46,7 +41,6 @@ class KVFormat:
     bits: int | None
     per_layer_scale: bool
     row_params: bool
-    rotated: bool = False
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """dtype of the data pool for a model dtype."""
@@ -66,9 +60,9 @@ KV_FORMAT_TABLE: dict[str, KVFormat] = {
     f.name: f
     for f in (
         KVFormat("auto", 0, None, None, False, False),
-        KVFormat("fp8", 1, torch.float8_e4m3fn, None, True, False, rotated=True),
+        KVFormat("fp8", 1, torch.float8_e4m3fn, None, True, False),
         KVFormat("int8", 2, torch.uint8, 8, False, True),
-        KVFormat("int4", 3, torch.uint8, 4, False, True, rotated=True),
+        KVFormat("int4", 3, torch.uint8, 4, False, True),
     )
 }
 KV_FORMATS = tuple(KV_FORMAT_TABLE)  # the values of kv_dtype

@@ -20,7 +20,7 @@ from .kernels.gather import _gather_kernel
 from .kernels.lookup import _GUESS_ONE, _guess_mul
 from .layer import PagedLayer
 from .policy import AppendLaunch, GatherLaunch, RopeKind, check_launch, plan_append, plan_gather
-from .reference import _rope_rows, append_paged_kv_reference, gather_paged_kv_reference
+from .reference import append_paged_kv_reference, gather_paged_kv_reference
 from .step import StepPlan
 
 __all__ = ["AppendPlan", "append_paged_kv_launch", "gather_paged_kv_launch", "copy_blocks_launch", "rope_kind",
@@ -203,8 +203,7 @@ def gather_paged_kv_launch(k_out: torch.Tensor, v_out: torch.Tensor, layer: Page
         return
     pool = layer.pool
     nb, bs = layer.geometry[:2]
-    rotated = KV_FORMAT_TABLE[layer.kv_dtype].rotated
-    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(None if rotated else rope)
+    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(rope)
     if launch is None:
         launch = plan_gather(k_out, v_out, num_kv_heads=H, head_dim=D)
     tok = launch.tok
@@ -226,18 +225,6 @@ def gather_paged_kv_launch(k_out: torch.Tensor, v_out: torch.Tensor, layer: Page
         LIBDEVICE=pool.device.type == "cuda", VEC=vec, WIDE=launch.wide,
         num_warps=launch.num_warps,
     )
-    if rotated and rope is not None:  # a key's RoPE needs its whole row, rotated back: one pass after the gather
-        _rope_outputs(k_out, rope, plan.cp_rank, plan.cp_size)
-
-
-def _rope_outputs(k_out: torch.Tensor, rope: RopeKernelParams, cp_rank: int, cp_size: int) -> None:
-    """RoPE on gathered keys ``k_out`` ``[B, H, S, D]`` in place, local token ``t`` at position ``t * cp_size +
-    cp_rank`` (float32, as the kernel; the zero rows past a sequence stay zero)."""
-    B, H, S, D = k_out.shape
-    x = k_out.permute(0, 2, 1, 3).reshape(B * S, H, D).float()
-    pos = (torch.arange(S, device=k_out.device) * cp_size + cp_rank).repeat(B)
-    y = _rope_rows(x, pos, rope)
-    k_out.copy_(y.view(B, S, H, D).permute(0, 2, 1, 3))
 
 
 def gather_lens(plan: StepPlan) -> tuple[torch.Tensor, tl.constexpr]:

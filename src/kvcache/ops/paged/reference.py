@@ -7,7 +7,6 @@ import torch
 from ...rope import RopeKernelParams
 from .format import KV_FORMAT_TABLE
 from .layer import PagedLayer
-from .rotation import rotate_rows
 from .step import StepPlan
 
 __all__ = ["append_paged_kv_reference", "gather_paged_kv_reference", "quantize_rows_reference",
@@ -110,8 +109,6 @@ def append_paged_kv_reference(k: torch.Tensor, v: torch.Tensor, layer: PagedLaye
         x = src[rows]  # [n, H, D]
         if kv == 0 and rope is not None:
             x = _rope_rows(x.float(), pos, rope)
-        if KV_FORMAT_TABLE[kv_dtype].rotated:
-            x = rotate_rows(x)
         if kv_dtype == "auto":
             data = x.to(pool.dtype)
         elif kv_dtype == "fp8":
@@ -171,8 +168,6 @@ def gather_paged_kv_reference(k_out: torch.Tensor, v_out: torch.Tensor, layer: P
                 else:
                     q = data
                 x = dequantize_rows_reference(q, par[..., 0], par[..., 1])
-            if KV_FORMAT_TABLE[kv_dtype].rotated:
-                x = rotate_rows(x)
             if kv == 0 and rope is not None:
                 x = _rope_rows(x, t_idx * cp_size + cp_rank, rope)
             if kv_dtype == "auto" and not (kv == 0 and rope is not None):

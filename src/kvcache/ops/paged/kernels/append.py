@@ -6,8 +6,7 @@ import triton
 import triton.language as tl
 
 from ...._backend import kernel
-from .codes import Q_FP8, Q_INT4, Q_NONE
-from .hadamard import _rotate_halves
+from .codes import Q_FP8, Q_NONE
 from .lookup import _lookup, _spec_lookup, _spec_same
 from .numerics import _rcp
 from .quant import _encode, _store_row
@@ -105,8 +104,6 @@ def _row_codes(
             elif is_v == 0:
                 x1, x2 = _rope_k(x1, x2, pos, freqs, FMAX, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
                                  ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC, cs_c, cs_s, CS_GIVEN)
-        if (QUANT == Q_FP8) or (QUANT == Q_INT4):  # the rotated formats store x R (keys after RoPE)
-            x1, x2 = _rotate_halves(x1, x2, D)
         c1, c2, scale, zero = _encode(x1, x2, inv, hh, m1, m2, QUANT, H, BLOCK_H, LIBDEVICE)
     return c1, c2, scale, zero
 

@@ -1,5 +1,4 @@
-"""The gather kernel: paged blocks back to contiguous K / V, dequantized (rotated formats rotated back), optionally
-applying RoPE to keys."""
+"""The gather kernel: paged blocks back to contiguous K / V, dequantized, optionally rotating keys."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import triton.language as tl
 
 from ...._backend import kernel
 from .codes import BY_KV_LENS, Q_FP8, Q_INT4, Q_INT8, Q_NONE
-from .hadamard import _rotate_halves
 from .quant import _load_dequantized, _tile_params
 from .rope import _rope_pairs, _rotate
 
@@ -29,25 +27,14 @@ def _read_tile(
     if (QUANT == Q_NONE) and (not ROPE):
         x = tl.load(row + tt * S_TOK + hh * S_HEAD + dd, mask=lm, other=0.0)
         tl.store(out_ptr, x.to(dst.dtype.element_ty), mask=m)
-    elif (QUANT == Q_INT4) or (QUANT == Q_FP8):  # rotated formats (never with ROPE: the launcher ropes after)
-        # the two halves of each row, dequantized, then rotated back (R R = I, kvcache.ops.paged.rotation); lanes
-        # past D/2 stay in their own blocks of R and are not stored
-        HB: tl.constexpr = BLOCK_D // 2
-        d2 = tl.arange(0, HB)[None, None, :]
+    elif (QUANT == Q_INT4) and (not ROPE):
+        # bytes [TOK, H, D/2]: low nibbles are elements [0, D/2), high nibbles [D/2, D): two contiguous stores
+        d2 = tl.arange(0, BLOCK_D // 2)[None, None, :]
         hm = (hh < H) & tvalid & (tt >= 0)
-        if QUANT == Q_INT4:
-            byte = tl.load(row + tt * S_TOK + hh * S_HEAD + d2, mask=hm & (d2 < D // 2), other=0).to(tl.int32)
-            scale, zero = _tile_params(par, tt, hh, hm, P_TOK, P_HEAD, TOK, BLOCK_H)
-            lo = (byte & 15).to(tl.float32) * scale + zero
-            hi = ((byte >> 4) & 15).to(tl.float32) * scale + zero
-        else:
-            lo = _load_dequantized(row, par, d2, hm & (d2 < D // 2), fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD,
-                                   tt, hh, D // 2, LIBDEVICE)
-            hi = _load_dequantized(row, par, D // 2 + d2, hm & (d2 < D // 2), fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK,
-                                   P_HEAD, tt, hh, D // 2, LIBDEVICE)
-        lo, hi = _rotate_halves(tl.reshape(lo, [TOK * BLOCK_H, HB]), tl.reshape(hi, [TOK * BLOCK_H, HB]), D)
-        lo = tl.where(tvalid, tl.reshape(lo, [TOK, BLOCK_H, HB]), 0.0)
-        hi = tl.where(tvalid, tl.reshape(hi, [TOK, BLOCK_H, HB]), 0.0)
+        byte = tl.load(row + tt * S_TOK + hh * S_HEAD + d2, mask=hm & (d2 < D // 2), other=0).to(tl.int32)
+        scale, zero = _tile_params(par, tt, hh, hm, P_TOK, P_HEAD, TOK, BLOCK_H)
+        lo = tl.where(tvalid, (byte & 15).to(tl.float32) * scale + zero, 0.0)
+        hi = tl.where(tvalid, ((byte >> 4) & 15).to(tl.float32) * scale + zero, 0.0)
         sm = (hh < H) & (d2 < D // 2) & (tt >= 0)
         tl.store(dst + tt * OUT_S + hh * OUT_H + d2, lo.to(dst.dtype.element_ty), mask=sm)
         tl.store(dst + tt * OUT_S + hh * OUT_H + D // 2 + d2, hi.to(dst.dtype.element_ty), mask=sm)
