@@ -97,7 +97,8 @@ def main() -> int:
     ap.add_argument("--src", default="src", help="put this kvcache source tree first on sys.path")
     ap.add_argument("--kv-dtypes", default="auto,int8")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--gib", type=float, default=24.0, help="KV pool size (the decode case needs 8,192 blocks of 16 tokens)")
+    ap.add_argument("--gib", type=float, default=24.0,
+                    help="KV pool size (the decode case needs 8,192 blocks of 16 tokens)")
     ap.add_argument("--json-line", action="store_true", help="print one JSON line per case")
     args = ap.parse_args()
     sys.path.insert(0, args.src)
