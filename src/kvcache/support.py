@@ -12,9 +12,10 @@ compared with :class:`~kvcache.RopeConfig`'s).
 Paths (:data:`PATHS`):
 
 * ``"engine-module"`` / ``"engine-linear"``: :class:`kvcache.engine.LLM` (paged or linear cache). The engine runs
-  the model's own norms, projections and MLPs, and its own attention (full causal, scale ``1/sqrt(head_dim)``,
-  rotate-half RoPE); the layer, model and LM-head wiring is re-implemented, so only verified families pass
-  (:data:`ENGINE_FAMILIES`).
+  the model's own norms, projections and MLPs, and its own attention (causal, scale ``1/sqrt(head_dim)``,
+  rotate-half RoPE; on the paged cache each layer's sliding window as transformers applies it, :func:`layer_window`;
+  the linear cache attends to every key, so it refuses windows); the layer, model and LM-head wiring is
+  re-implemented, so only verified families pass (:data:`ENGINE_FAMILIES`).
 * ``"engine-fused"``: the engine's fused decoder (CUDA or the Triton interpreter) additionally needs plain RMSNorm
   (``w * x / rms``), a gated SiLU MLP and plain ``nn.Linear`` projections; a model without them runs the module path
   (slower, the same tokens): these features are reasons, not refusals.
@@ -124,8 +125,9 @@ def _window_features(cfg: Any, cname: str) -> list[Feature]:
     if any(w is not None for w in windows):
         how = (f"{cname}.layer_types: {sum(w is not None for w in windows)} of {n} layers 'sliding_attention'"
                if types is not None else f"{cname}.sliding_window")
+        # the paged engine attends each layer with its own window (the step plan's window option)
         out.append(Feature("sliding-window attention", f"{how}, sliding_window={max(w or 0 for w in windows)}",
-                           _ENGINE))
+                           ("engine-linear",)))
     other = sorted({t for t in types or () if t not in _LAYER_KINDS})
     if other:
         out.append(Feature("layers other than full or sliding-window attention", f"{cname}.layer_types has {other}",
@@ -360,8 +362,10 @@ def unsupported_features(model: Any, path: str) -> list[Feature]:
     Example
     -------
     >>> from transformers import MistralConfig
-    >>> [str(f) for f in unsupported_features(MistralConfig(sliding_window=16), "engine-module")]
+    >>> [str(f) for f in unsupported_features(MistralConfig(sliding_window=16), "engine-linear")]
     ['sliding-window attention (MistralConfig.sliding_window, sliding_window=16)']
+    >>> unsupported_features(MistralConfig(sliding_window=16), "engine-module")
+    []
     >>> unsupported_features(MistralConfig(sliding_window=16), "hf-paged")
     []
     """
@@ -397,7 +401,7 @@ def check_supported(model: Any, path: str, name: str = "model") -> None:
     ------
     ValueError
         ``"model: sliding-window attention (MistralConfig.sliding_window, sliding_window=16) is not implemented by
-        the kvcache engine; also: ...; implemented by: hf-paged, hf-gathered, hf-linear"``.
+        the kvcache engine (linear cache); also: ...; paths that run it: engine-module, hf-paged, ..."``.
 
     Example
     -------

@@ -23,16 +23,22 @@ def _engine_tokens(model, cache: str = "paged") -> list[int]:
     return out[0].token_ids
 
 
-def _refusal(model) -> str:
-    """LLM's ValueError for ``model`` (paged and linear alike), one line naming the engine."""
-    msgs = []
-    for cache in ("paged", "linear"):
+def _refusal(model, cache: str = "paged") -> str:
+    """LLM's ValueError for ``model`` with ``cache``, one line naming the engine. A model the paged engine refuses
+    is refused by the linear one too (which also refuses windows)."""
+    msgs = {}
+    for c in ("paged", "linear"):
         with pytest.raises(ValueError) as e:
-            LLM(model, tokenizer=_Tok(), cache=cache, max_num_seqs=2, max_model_len=64)
-        msgs.append(str(e.value))
-    assert msgs[0] == msgs[1] and "\n" not in msgs[0]
-    assert msgs[0].startswith("model: ") and "is not implemented by the kvcache engine" in msgs[0]
-    return msgs[0]
+            LLM(model, tokenizer=_Tok(), cache=c, max_num_seqs=2, max_model_len=64)
+        msgs[c] = str(e.value)
+        assert "\n" not in msgs[c] and msgs[c].startswith("model: ")
+        assert "is not implemented by the kvcache engine" in msgs[c]
+    return msgs[cache]
+
+
+def _linear_features(model) -> str:
+    """What the linear engine does not implement in ``model`` (the paged engine's refusals and windows), joined."""
+    return "; ".join(map(str, unsupported_features(model, "engine-linear")))
 
 
 @pytest.mark.parametrize("name", ["qwen2", "mistral", "stablelm"])
@@ -59,25 +65,32 @@ def test_fused_path_names_norm_formulas_it_does_not_compute():
     assert "a norm other than RMSNorm w * x / rms(x)" in [f.name for f in found]  # Gemma's (1 + w), by its output
 
 
-def test_mistral_window_refused():
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window"])
+def test_window_equals_transformers_on_the_paged_engine(name):
+    """Each layer attends with its own window (Mistral: sliding_window on every layer; Qwen2: use_sliding_window
+    from max_window_layers on), window 8 inside a longer prompt; the window changes transformers' own tokens."""
+    model = sm.build(name)
+    assert unsupported_features(model, "engine-module") == []
+    ref = sm.greedy(model)
+    assert _engine_tokens(model, "paged") == ref
+    no_window = sm.variant(model, sliding_window=None) if name == "mistral_window" else sm.build("qwen2")
+    assert ref != sm.greedy(no_window)  # the same weights (seed), no window
+
+
+def test_window_refused_by_the_linear_engine():
     model = sm.build("mistral_window")
-    msg = _refusal(model)
-    assert "sliding-window attention (MistralConfig.sliding_window, sliding_window=8)" in msg
-    assert "hf-paged" in msg  # the paths that run it are named
-    assert sm.greedy(model) != sm.greedy(sm.variant(model, sliding_window=None))
-
-
-def test_qwen2_use_sliding_window_refused():
-    model = sm.build("qwen2_window")
-    assert "sliding-window attention (Qwen2Config.layer_types" in _refusal(model)
-    assert sm.greedy(model) != sm.greedy(sm.build("qwen2"))  # the same weights (seed), no window
+    with pytest.raises(ValueError) as e:
+        LLM(model, tokenizer=_Tok(), cache="linear", max_num_seqs=2, max_model_len=64)
+    msg = str(e.value)
+    assert msg.startswith("model: sliding-window attention (MistralConfig.sliding_window, sliding_window=8) is not "
+                          "implemented by the kvcache engine (linear cache)")
+    assert "engine-module" in msg and "hf-paged" in msg  # the paths that run it are named
 
 
 def test_phi3_window_and_fused_qkv_refused():
     model = sm.build("phi3", sliding_window=sm.WINDOW)
-    msg = _refusal(model)
-    assert "sliding-window attention (Phi3Config.sliding_window" in msg
-    assert "a fused q / k / v projection" in msg
+    assert "sliding-window attention (Phi3Config.sliding_window" in _linear_features(model)
+    assert "a fused q / k / v projection" in _refusal(model)
     assert sm.greedy(model) != sm.greedy(sm.variant(model, sliding_window=None))
     assert "a fused q / k / v projection (model.layers.0.self_attn.qkv_proj)" in _refusal(sm.build("phi3"))
 
@@ -88,7 +101,7 @@ def gemma2():
 
 
 def test_gemma2_window_refused(gemma2):
-    assert "sliding-window attention (Gemma2Config.layer_types: 1 of 2" in _refusal(gemma2)
+    assert "sliding-window attention (Gemma2Config.layer_types: 1 of 2" in _linear_features(gemma2)
     assert sm.greedy(gemma2) != sm.greedy(sm.variant(gemma2, layer_types=["full_attention"] * 2))
 
 
@@ -121,7 +134,7 @@ def test_gemma2_extra_norms_refused(gemma2):
 def test_gemma3_refused():
     model = sm.build("gemma3")
     msg = _refusal(model)
-    assert "sliding-window attention (Gemma3TextConfig.layer_types: 1 of 2" in msg
+    assert "sliding-window attention (Gemma3TextConfig.layer_types: 1 of 2" in _linear_features(model)
     for name in ("a query scale other than 1/sqrt(head_dim)", "extra norms", "a rotary embedding kvcache does not"):
         assert name in msg
     assert sm.greedy(model) != sm.greedy(sm.variant(model, layer_types=["full_attention"] * 2))

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..linear import CacheConfig, KVSnapshot, LinearKVCache
+from ..support import check_supported
 from .config import EngineConfig, check_config
 from .core import EngineStats, FinishReason, Progress
 from .model import LlamaForward
@@ -72,6 +73,7 @@ class LinearEngineCore:
 
     def __init__(self, model: LlamaForward, config: EngineConfig) -> None:
         check_config(config)
+        check_supported(model.hf_model, "engine-linear")  # what the linear cache does not run (a window), by name
         self.model = model
         max_num_seqs = config.max_num_seqs
         max_model_len = config.max_model_len
