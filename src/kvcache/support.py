@@ -45,7 +45,7 @@ PATHS: dict[str, str] = {
 }
 # transformers model families whose CausalLM, model, decoder-layer and attention forwards the engine re-implements
 # (each checked equal to transformers' greedy tokens in tests/engine/test_support.py)
-ENGINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "stablelm")
+ENGINE_FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "stablelm")
 _ENGINE = ("engine-fused", "engine-module", "engine-linear")
 _HF = ("hf-paged", "hf-gathered", "hf-linear")
 _ALL = _ENGINE + _HF
@@ -204,7 +204,11 @@ def _structure_features(model: Any) -> list[Feature]:
         pre = f"model.layers.{i}"
         fused = [n for n in _FUSED_QKV if attn is not None and n in attn._modules]
         if fused:
-            out.append(Feature("a fused q / k / v projection", f"{pre}.self_attn.{fused[0]}", _ENGINE))
+            # Phi-3's qkv_proj (query, key, value heads in that order) runs on the module path, which splits it
+            # (its family verified); the fused decoder concatenates separate projections only
+            split = fused[0] == "qkv_proj" and _family(type(attn)) == "phi3"
+            out.append(Feature("a fused q / k / v projection", f"{pre}.self_attn.{fused[0]}",
+                               ("engine-fused",) if split else _ENGINE))
         mlp = getattr(layer, "mlp", None)
         if mlp is not None and "gate_up_proj" in mlp._modules:
             out.append(Feature("a fused gate / up projection", f"{pre}.mlp.gate_up_proj", ("engine-fused",)))

@@ -87,12 +87,22 @@ def test_window_refused_by_the_linear_engine():
     assert "engine-module" in msg and "hf-paged" in msg  # the paths that run it are named
 
 
-def test_phi3_window_and_fused_qkv_refused():
-    model = sm.build("phi3", sliding_window=sm.WINDOW)
-    assert "sliding-window attention (Phi3Config.sliding_window" in _linear_features(model)
-    assert "a fused q / k / v projection" in _refusal(model)
-    assert sm.greedy(model) != sm.greedy(sm.variant(model, sliding_window=None))
-    assert "a fused q / k / v projection (model.layers.0.self_attn.qkv_proj)" in _refusal(sm.build("phi3"))
+def test_phi3_equals_transformers():
+    """Phi-3: one qkv projection (split by heads on the module path) and a fused gate / up MLP (the model's own
+    module): the fused decoder declines it by name, the engine's tokens equal transformers' (paged and linear);
+    with a window, on the paged cache, and the window changes transformers' tokens."""
+    model = sm.build("phi3")
+    assert unsupported_features(model, "engine-module") == []
+    assert [f.name for f in unsupported_features(model, "engine-fused")] == [
+        "a fused q / k / v projection", "a fused gate / up projection"]
+    ref = sm.greedy(model)
+    assert _engine_tokens(model, "paged") == ref
+    assert _engine_tokens(model, "linear") == ref
+    windowed = sm.variant(model, sliding_window=sm.WINDOW)
+    ref_w = sm.greedy(windowed)
+    assert ref_w != ref
+    assert _engine_tokens(windowed, "paged") == ref_w
+    assert "sliding-window attention (Phi3Config.sliding_window" in _linear_features(windowed)
 
 
 @pytest.fixture(scope="module")

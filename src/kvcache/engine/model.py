@@ -232,9 +232,13 @@ class LlamaForward:
         for i, layer in enumerate(self.hf_model.model.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(n, H, D)
-            k = attn.k_proj(x).view(n, Hk, D)
-            v = attn.v_proj(x).view(n, Hk, D)
+            if "qkv_proj" in attn._modules:  # Phi-3: one projection, query heads then key heads then value heads
+                q, k, v = attn.qkv_proj(x).split([H * D, Hk * D, Hk * D], dim=-1)
+                q, k, v = q.reshape(n, H, D), k.reshape(n, Hk, D), v.reshape(n, Hk, D)
+            else:
+                q = attn.q_proj(x).view(n, H, D)
+                k = attn.k_proj(x).view(n, Hk, D)
+                v = attn.v_proj(x).view(n, Hk, D)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = self.rotate(q, cos, sin)
