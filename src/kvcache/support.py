@@ -45,7 +45,7 @@ PATHS: dict[str, str] = {
 }
 # transformers model families whose CausalLM, model, decoder-layer and attention forwards the engine re-implements
 # (each checked equal to transformers' greedy tokens in tests/engine/test_support.py)
-ENGINE_FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "stablelm")
+ENGINE_FAMILIES = ("gemma2", "llama", "mistral", "phi3", "qwen2", "qwen3", "stablelm")
 _ENGINE = ("engine-fused", "engine-module", "engine-linear")
 _HF = ("hf-paged", "hf-gathered", "hf-linear")
 _ALL = _ENGINE + _HF
@@ -53,6 +53,7 @@ _LAYER_KINDS = ("full_attention", "sliding_attention")
 _LAYER_CHILDREN = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 _ATTN_CHILDREN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _FUSED_QKV = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "W_pack")
+_GEMMA2_NORMS = ("post_feedforward_layernorm", "pre_feedforward_layernorm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,12 +149,10 @@ def _config_features(config: Any) -> list[Feature]:
         if value is not None and value is not False and value != off:
             out.append(Feature(name, f"{cname}.{attr}={value!r}", paths))
 
-    flag("attn_logit_softcapping", "attention logit soft-capping", _ENGINE)
-    flag("final_logit_softcapping", "final logit soft-capping", _ENGINE)
+    # the paged engine caps each layer's attention logits (the step plan's softcap) and both engines the final
+    # logits; both attend with each attention module's own ``scaling`` (_attention_features checks it is there)
+    flag("attn_logit_softcapping", "attention logit soft-capping", ("engine-linear",))
     head_dim = _head_dim(cfg)
-    flag("query_pre_attn_scalar", "a query scale other than 1/sqrt(head_dim)", _ENGINE, off=head_dim)
-    flag("attention_multiplier", "a query scale other than 1/sqrt(head_dim)", _ENGINE,
-         off=head_dim ** -0.5 if head_dim else None)
     flag("alibi", "ALiBi position biases", _ENGINE + ("hf-paged",))
     if getattr(cfg, "position_embedding_type", None) == "alibi" or getattr(cfg, "model_type", None) == "bloom":
         out.append(Feature("ALiBi position biases", f"{cname}", _ENGINE + ("hf-paged",)))
@@ -223,6 +222,8 @@ def _structure_features(model: Any) -> list[Feature]:
         extra = [n for n, m in layer.named_children() if n not in _LAYER_CHILDREN and _runs_something(m)]
         extra += [f"self_attn.{n}" for n, m in ([] if attn is None else attn.named_children())
                   if n not in _ATTN_CHILDREN + _FUSED_QKV and _runs_something(m)]
+        if sorted(extra) == list(_GEMMA2_NORMS) and _family(type(layer)) == "gemma2":
+            extra = []  # Gemma 2's norms around the MLP: the engine wires them as its decoder layer does
         if extra:
             kind = "extra norms" if all("norm" in n for n in extra) else "extra modules"
             out.append(Feature(f"{kind} the engine does not run", f"{pre}: {', '.join(extra)}", _ENGINE))
@@ -247,9 +248,11 @@ def _attention_features(model: Any, attn: Any, pre: str) -> list[Feature]:
     if not head_dim:
         return out
     scaling = _num(getattr(attn, "scaling", None))
-    if scaling is not None and abs(scaling - head_dim ** -0.5) > 1e-6 * head_dim ** -0.5:
-        out.append(Feature("a query scale other than 1/sqrt(head_dim)", f"{pre}.self_attn.scaling={scaling:g}, "
-                           f"1/sqrt({head_dim})={head_dim ** -0.5:g}", _ENGINE))
+    cfg = _text_config(model.config)
+    other = [a for a in ("query_pre_attn_scalar", "attention_multiplier") if getattr(cfg, a, None) is not None]
+    if scaling is None and other:  # the engine reads the scale from the attention module
+        out.append(Feature("a query scale other than 1/sqrt(head_dim)", f"{type(cfg).__name__}.{other[0]}, "
+                           f"{pre}.self_attn has no scaling", _ENGINE))
     for n in ("q_norm", "k_norm"):
         w = getattr(getattr(attn, n, None), "weight", None)
         if isinstance(w, torch.Tensor) and w.numel() != head_dim:

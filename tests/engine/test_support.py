@@ -110,42 +110,67 @@ def gemma2():
     return sm.build("gemma2")
 
 
-def test_gemma2_window_refused(gemma2):
-    assert "sliding-window attention (Gemma2Config.layer_types: 1 of 2" in _linear_features(gemma2)
-    assert sm.greedy(gemma2) != sm.greedy(sm.variant(gemma2, layer_types=["full_attention"] * 2))
+def _sampled(model, seeds=range(4)) -> list[list[int]]:
+    """The engine's seeded samples (temperature 1) of the test prompt, one list per seed."""
+    llm = LLM(model, tokenizer=_Tok(), max_num_seqs=2, max_model_len=64)
+    return [llm.generate([sm.PROMPT], SamplingParams(max_tokens=sm.NEW_TOKENS, temperature=1.0, seed=s))[0].token_ids
+            for s in seeds]
 
 
-def test_gemma2_attention_softcap_refused(gemma2):
-    assert "attention logit soft-capping" in _refusal(gemma2)
-    # with small random weights the capped attention logits move the output logits, not always the argmax
-    assert sm.logits_differ(gemma2, sm.variant(gemma2, attn_logit_softcapping=None))
+def test_gemma2_equals_transformers_on_the_paged_engine(gemma2):
+    """Gemma 2 (its scaled embedding and (1 + w) norms run as its modules, the norms around the MLP wired as its
+    decoder layer does, each layer's window, the query scale query_pre_attn_scalar^-0.5, attention and final logit
+    soft-capping): greedy tokens equal to transformers'; the linear engine refuses its window and soft-capping."""
+    assert unsupported_features(gemma2, "engine-module") == []
+    assert _engine_tokens(gemma2, "paged") == sm.greedy(gemma2)
+    names = [f.name for f in unsupported_features(gemma2, "engine-linear")]
+    assert names[:2] == ["sliding-window attention", "attention logit soft-capping"]
+    with pytest.raises(ValueError, match=r"sliding-window attention \(Gemma2Config.layer_types: 1 of 2"):
+        LLM(gemma2, tokenizer=_Tok(), cache="linear", max_num_seqs=2, max_model_len=64)
 
 
-def test_gemma2_final_softcap_refused(gemma2):
-    assert "final logit soft-capping" in _refusal(gemma2)
-    # monotonic: greedy tokens keep, the sampled distribution changes
-    assert sm.logits_differ(gemma2, sm.variant(gemma2, final_logit_softcapping=None))
+@pytest.mark.parametrize("change", [{"layer_types": ["full_attention"] * 2}, {"query_pre_attn_scalar": 16}],
+                         ids=["no-window", "query-scale"])
+def test_gemma2_features_change_tokens_and_the_engine_follows(gemma2, change):
+    # each property changes transformers' own greedy tokens (a prompt where it does), and the engine follows
+    other = sm.variant(gemma2, **change)
+    prompts = [sm.PROMPT] + [[(11 * i + 5 * j + 1) % 126 + 2 for i in range(30)] for j in range(6)]
+    differ = [p for p in prompts if sm.greedy(gemma2, prompt=p, n=16) != sm.greedy(other, prompt=p, n=16)]
+    assert differ
+    llm = LLM(other, tokenizer=_Tok(), max_num_seqs=2, max_model_len=64)
+    got = llm.generate([differ[0]], SamplingParams(max_tokens=16, temperature=0))[0].token_ids
+    assert got == sm.greedy(other, prompt=differ[0], n=16)
 
 
-def test_gemma2_query_scale_refused(gemma2):
-    assert "a query scale other than 1/sqrt(head_dim)" in _refusal(gemma2)
-    assert sm.logits_differ(gemma2, sm.variant(gemma2, query_pre_attn_scalar=16))
+@pytest.mark.parametrize("field", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_gemma2_softcaps_reach_the_engines_sampling(field):
+    # weights 10x the default init, so the caps bind (logits move by 2-7); they still leave this tiny model's
+    # argmax alone: the engine's seeded samples (the same seeds) change when transformers' logits do, and its greedy
+    # tokens equal transformers' with and without the cap
+    model = sm.build("gemma2", initializer_range=0.2)
+    other = sm.variant(model, **{field: None})
+    assert (sm.last_logits(model) - sm.last_logits(other)).abs().max() > 1.0
+    assert _sampled(model) != _sampled(other)
+    assert _engine_tokens(model, "paged") == sm.greedy(model)
+    assert _engine_tokens(other, "paged") == sm.greedy(other)
 
 
-def test_gemma2_extra_norms_refused(gemma2):
-    msg = _refusal(gemma2)
-    assert "extra norms the engine does not run" in msg
+def test_gemma2_extra_norms_are_run(gemma2):
     other = sm.variant(gemma2)
     for layer in other.model.layers:
         layer.pre_feedforward_layernorm = torch.nn.Identity()
     assert sm.greedy(gemma2) != sm.greedy(other)
+    assert "extra" not in " ".join(f.name for f in unsupported_features(gemma2, "engine-module"))
+    other = sm.variant(gemma2)
+    other.model.layers[0].extra_norm = torch.nn.LayerNorm(other.config.hidden_size)  # not Gemma 2's layout
+    assert "extra norms the engine does not run" in _refusal(other)
 
 
 def test_gemma3_refused():
     model = sm.build("gemma3")
     msg = _refusal(model)
     assert "sliding-window attention (Gemma3TextConfig.layer_types: 1 of 2" in _linear_features(model)
-    for name in ("a query scale other than 1/sqrt(head_dim)", "extra norms", "a rotary embedding kvcache does not"):
+    for name in ("extra norms", "a rotary embedding kvcache does not", "an architecture the engine has not verified"):
         assert name in msg
     assert sm.greedy(model) != sm.greedy(sm.variant(model, layer_types=["full_attention"] * 2))
 
@@ -158,8 +183,7 @@ def test_gpt2_refused():
 def test_granite_multipliers_refused():
     model = sm.build("granite")
     msg = _refusal(model)
-    assert "a query scale other than 1/sqrt(head_dim) (GraniteConfig.attention_multiplier=0.5)" in msg
-    assert "a scaled embedding, residual or logits" in msg
+    assert "a scaled embedding, residual or logits (GraniteConfig.embedding_multiplier=3.0)" in msg
     plain = sm.variant(model, embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=16 ** -0.5)
     assert sm.greedy(model) != sm.greedy(plain)
 

@@ -87,7 +87,15 @@ class LlamaForward:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scale = self.head_dim ** -0.5
+        # the query scale each attention applies (transformers' ``scaling``: Gemma 2's query_pre_attn_scalar^-0.5),
+        # attention logit soft-capping per layer, and the final logits' soft-cap (Gemma 2)
+        scales = {float(getattr(layer.self_attn, "scaling", self.head_dim ** -0.5)) for layer in self.layers}
+        if len(scales) > 1:
+            raise ValueError(f"hf_model: expected one query scale for every layer, got {sorted(scales)}")
+        self.scale = scales.pop()
+        self.softcaps = [_num_or_none(getattr(layer.self_attn, "attn_logit_softcapping", None))
+                         for layer in self.layers]
+        self.final_softcap = _num_or_none(getattr(config, "final_logit_softcapping", None))
         self.vocab_size = config.vocab_size
         self.rope = RopeConfig.from_hf(config)
         p = next(hf_model.parameters())
@@ -243,8 +251,13 @@ class LlamaForward:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = self.rotate(q, cos, sin)
             o = attention(i, q, k, v)
-            h = h + attn.o_proj(o.reshape(n, H * D))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            a = attn.o_proj(o.reshape(n, H * D))
+            if "pre_feedforward_layernorm" in layer._modules:  # Gemma 2: norms after attention and around the MLP
+                h = h + layer.post_attention_layernorm(a)
+                h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            else:
+                h = h + a
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
     def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
@@ -276,8 +289,16 @@ class LlamaForward:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head`` of ``hidden`` ``[M, hidden]`` -> ``[M, vocab]`` in the model dtype (transformers' values:
         its ``generate`` converts them to float32, which is exact, before picking: the same argmax without a
-        float32 copy of every step's logits)."""
-        return self.lm_head(hidden)
+        float32 copy of every step's logits); soft-capped as the model caps them (Gemma 2)."""
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+def _num_or_none(value: Any) -> float | None:
+    """A soft-cap's value as a float, None where the model has none."""
+    return None if value is None or value is False else float(value)
 
 
 def _plain_rms_norm(m: Any, dtype: torch.dtype) -> bool:

@@ -134,8 +134,8 @@ class PagedRunner:
         # the fused decoder leaves the query rotation to the attention kernel (rotate-half over all of head_dim)
         full = not model.rope.interleaved and cos.shape[-1] == model.head_dim
         self._q_rope = (cos.contiguous(), sin.contiguous()) if model.fused and full else None
-        # each layer's sliding window as transformers applies it (None: full attention)
-        self._windows = [layer_window(model.config, i) for i in range(model.num_layers)]
+        # each layer's sliding window as transformers applies it (None: full attention) and its soft-cap
+        self._kinds = [(layer_window(model.config, i), model.softcaps[i]) for i in range(model.num_layers)]
         self.max_graph_batch = max_graph_batch
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
@@ -156,13 +156,15 @@ class PagedRunner:
         """Every layer's attention for one step: the append and the attention of ``plan``, nothing built per
         layer."""
         cache = self.cache
-        windows = self._windows
-        # one plan per window the layers use (the same tensors; a window layer's launches derived once per step)
-        plans = {w: plan if w == plan.window else plan.with_options(window=w) for w in set(windows)}
+        kinds = self._kinds
+        # one plan per (window, soft-cap) the layers use (the same tensors; launches derived once per step)
+        plans = {kind: plan if kind == (plan.window, plan.softcap) else plan.with_options(window=kind[0],
+                                                                                          softcap=kind[1])
+                 for kind in set(kinds)}
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.append(i, k, v, plan)
-            return cache.attention(i, q, plans[windows[i]])
+            return cache.attention(i, q, plans[kinds[i]])
 
         attend.rotates_queries = plan.q_rope is not None  # type: ignore[attr-defined]
         return attend
