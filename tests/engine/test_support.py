@@ -239,3 +239,15 @@ def test_rotary_embedding_checked_by_its_values():
 def test_check_supported_validates_the_path():
     with pytest.raises(ValueError, match="path: expected one of"):
         check_supported(sm.build("llama"), "engine")
+
+
+def test_tensor_parallel_refuses_layers_beyond_llamas(gemma2):
+    # the sharded forward is the Llama layer: Gemma 2's norms around the MLP and Phi-3's qkv projection are refused
+    # by name before any process group is read
+    from kvcache.engine.tp import TPLlamaForward
+
+    for model in (gemma2, sm.build("phi3")):
+        with pytest.raises(ValueError, match="tensor parallelism runs Llama-layout layers only"):
+            TPLlamaForward(model, group=None)
+    with pytest.raises(ValueError, match="tp_group: torch.distributed is not initialized"):
+        TPLlamaForward(sm.build("llama"), group=None)  # a Llama passes the layout check

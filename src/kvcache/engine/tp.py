@@ -86,6 +86,15 @@ class TPLlamaForward(LlamaForward):
 
     def __init__(self, hf_model: Any, group: Any) -> None:
         super().__init__(hf_model)
+        # the sharded forward below is the Llama layer: what the single-GPU engine runs beyond it is refused here
+        for i, layer in enumerate(self.layers):
+            if "pre_feedforward_layernorm" in layer._modules or "qkv_proj" in layer.self_attn._modules:
+                raise ValueError(f"tp_group: tensor parallelism runs Llama-layout layers only (separate q / k / v "
+                                 f"projections, one norm before attention and one before the MLP); layer {i} of "
+                                 f"{type(hf_model).__name__} is not")
+        if self.final_softcap is not None:
+            raise ValueError(f"tp_group: tensor parallelism does not soft-cap the final logits "
+                             f"(final_logit_softcapping={self.final_softcap:g})")
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("tp_group: torch.distributed is not initialized (call init_process_group first)")
         if not isinstance(group, dist.ProcessGroup):
