@@ -89,7 +89,8 @@ class LlamaForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         # the query scale each attention applies (transformers' ``scaling``: Gemma 2's query_pre_attn_scalar^-0.5),
         # attention logit soft-capping per layer, and the final logits' soft-cap (Gemma 2)
-        scales = {float(getattr(layer.self_attn, "scaling", self.head_dim ** -0.5)) for layer in self.layers}
+        scales = {_num_or_none(getattr(layer.self_attn, "scaling", None)) or self.head_dim ** -0.5
+                  for layer in self.layers}
         if len(scales) > 1:
             raise ValueError(f"hf_model: expected one query scale for every layer, got {sorted(scales)}")
         self.scale = scales.pop()
