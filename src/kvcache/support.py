@@ -12,10 +12,10 @@ compared with :class:`~kvcache.RopeConfig`'s).
 Paths (:data:`PATHS`):
 
 * ``"engine-module"`` / ``"engine-linear"``: :class:`kvcache.engine.LLM` (paged or linear cache). The engine runs
-  the model's own norms, projections and MLPs, and its own attention (causal, scale ``1/sqrt(head_dim)``,
-  rotate-half RoPE; on the paged cache each layer's sliding window as transformers applies it, :func:`layer_window`;
-  the linear cache attends to every key, so it refuses windows); the layer, model and LM-head wiring is
-  re-implemented, so only verified families pass (:data:`ENGINE_FAMILIES`).
+  the model's own norms, projections and MLPs, and its own attention (causal, each attention module's ``scaling``,
+  rotate-half RoPE; on the paged cache each layer's sliding window as transformers applies it, :func:`layer_window`,
+  and its attention logit soft-cap; the linear cache attends to every key uncapped, so it refuses both); the layer,
+  model and LM-head wiring is re-implemented, so only verified families pass (:data:`ENGINE_FAMILIES`).
 * ``"engine-fused"``: the engine's fused decoder (CUDA or the Triton interpreter) additionally needs plain RMSNorm
   (``w * x / rms``), a gated SiLU MLP and plain ``nn.Linear`` projections; a model without them runs the module path
   (slower, the same tokens): these features are reasons, not refusals.

@@ -9,9 +9,10 @@ read by ``PagedKVCache.attention(layer, q, plan)``), and attention reads the cac
 callable the runner passes in (paged or linear), built once per step.
 
 Supported: the families of :data:`kvcache.support.ENGINE_FAMILIES` (Llama, SmolLM2, Mistral and Qwen2, with a
-sliding window on the paged cache: the runner gives each layer its window, Qwen3 with its q / k norms, StableLM
-with its partial rotary and LayerNorm), rotate-half RoPE as transformers computes it; any other model property is
-refused by name (:mod:`kvcache.support`).
+sliding window on the paged cache: the runner gives each layer its window; Qwen3 with its q / k norms; StableLM
+with its partial rotary and LayerNorm; Phi-3 with its qkv projection; Gemma 2 with its query scale, soft-caps and
+norms around the MLP), rotate-half RoPE as transformers computes it; any other model property is refused by name
+(:mod:`kvcache.support`).
 
 Where kvcache's kernels run (CUDA, or the CPU under ``KVCACHE_TRITON_INTERPRET=1``) the decoder runs *fused*:
 q / k / v are one GEMM and gate / up another (the modules' weights become views of the concatenated matrices,
@@ -54,7 +55,7 @@ class LlamaForward:
     ------
     ValueError
         The model has a property the engine does not implement (:func:`kvcache.support.check_supported` with
-        ``"engine-module"``: soft-capping, another query scale, layer layout or rotary embedding,
+        ``"engine-module"``: another layer layout or rotary embedding, sinks, ALiBi,
         an unverified architecture); the message names it.
 
     Example
@@ -68,8 +69,8 @@ class LlamaForward:
         if not isinstance(hf_model, torch.nn.Module) or getattr(hf_model, "config", None) is None:
             raise ValueError(f"hf_model: expected a transformers causal LM with .model.layers and .lm_head, got "
                              f"{type(hf_model).__name__}")
-        # every property the engine does not implement (soft-capping, another query scale or layer
-        # layout, an unverified architecture, ...) is refused here, by name, before any work
+        # every property the engine does not implement (another layer layout or rotary embedding, sinks, an
+        # unverified architecture, ...) is refused here, by name, before any work
         check_supported(hf_model, "engine-module")
         config = hf_model.config
         base = getattr(hf_model, "model", None)
