@@ -20,7 +20,8 @@ Paths (:data:`PATHS`):
   (``w * x / rms``), a gated SiLU MLP and plain ``nn.Linear`` projections; a model without them runs the module path
   (slower, the same tokens): these features are reasons, not refusals.
 * ``"hf-paged"``: :class:`kvcache.hf.PagedCache` with ``attn_implementation="kvcache_paged"``: transformers runs the
-  model; kvcache's kernel attends with transformers' ``scaling``, ``sliding_window`` and ``softcap``.
+  model; kvcache's kernel attends with transformers' ``scaling``, ``sliding_window``, ``softcap`` and sinks
+  (``s_aux``).
 * ``"hf-gathered"`` / ``"hf-linear"``: :class:`~kvcache.hf.PagedCache` with another attention, or
   :class:`~kvcache.hf.LinearCache`: the cache hands transformers' own attention every key; only the cache's layout
   (one ``[B, H, S, D]`` K and V per attention layer) is assumed.
@@ -215,7 +216,7 @@ def _structure_features(model: Any) -> list[Feature]:
             out.append(Feature("a mixture-of-experts MLP", f"{pre}.mlp ({type(mlp).__name__})", ("engine-fused",)))
         for name, _ in ([] if attn is None else attn.named_parameters(recurse=False)):
             if "sink" in name:
-                out.append(Feature("attention sinks", f"{pre}.self_attn.{name}", _ENGINE + ("hf-paged",)))
+                out.append(Feature("attention sinks", f"{pre}.self_attn.{name}", _ENGINE))
         missing = [n for n in _LAYER_CHILDREN if n not in layer._modules]
         missing += [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if attn is not None and not fused
                     and n not in attn._modules]

@@ -75,17 +75,36 @@ def gpt_oss():
     return model
 
 
-def test_gpt_oss_sinks_refused_in_place(gpt_oss):
-    with pytest.raises(ValueError, match=r"^model: attention sinks \(layer 0: sinks\) are not implemented by kvcache"
-                                         r"\.hf's PagedCache with attn_implementation='kvcache_paged'"):
-        _tokens(gpt_oss, "hf-paged")
-    gpt_oss.set_attn_implementation("eager")
-    assert [f.name for f in unsupported_features(gpt_oss, "hf-paged")] == ["attention sinks"]
+def test_gpt_oss_sinks_honoured_in_place(gpt_oss):
+    # the sinks gpt-oss's attention passes (s_aux) join the kernel's softmax: equal to transformers, and the sinks
+    # change transformers' own tokens
+    assert unsupported_features(gpt_oss, "hf-paged") == []
+    assert _tokens(gpt_oss, "hf-paged") == sm.greedy(gpt_oss)
     no_sinks = sm.variant(gpt_oss)
     with torch.no_grad():
         for layer in no_sinks.model.layers:
             layer.self_attn.sinks.fill_(-1e4)  # exp(-1e4) = 0: no sink
     assert sm.greedy(gpt_oss) != sm.greedy(no_sinks)
+
+
+def test_sinks_not_passed_refused_in_place(gpt_oss):
+    # a sinks parameter whose attention does not pass it would be left out of the softmax: refused by name
+    import transformers.models.gpt_oss.modeling_gpt_oss as gm
+
+    other = sm.variant(gpt_oss)
+
+    original = gm.ALL_ATTENTION_FUNCTIONS.get_interface
+
+    def drop_s_aux(name, default):
+        fn = original(name, default)
+        return lambda *a, s_aux=None, **k: fn(*a, **k)
+    gm.ALL_ATTENTION_FUNCTIONS.get_interface = drop_s_aux
+    try:
+        with pytest.raises(ValueError, match=r"^model: attention sinks \(layer 0: sinks, not passed as s_aux\)"):
+            _tokens(other, "hf-paged")
+    finally:
+        gm.ALL_ATTENTION_FUNCTIONS.get_interface = original
+        other.set_attn_implementation("eager")
 
 
 def test_gpt_oss_equal_transformers_gathered_and_linear(gpt_oss):

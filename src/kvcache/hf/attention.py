@@ -102,17 +102,18 @@ def kvcache_paged_attention(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
                                              scale=scaling, enable_gqa=Hq != H)
         return out.transpose(1, 2).contiguous(), None
-    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     pending.cache.check_layer(pending.layer, module, window, softcap, kwargs)  # sinks, a window the mask alone sets
     return attend(pending.cache, pending.layer, query, key, value, attention_mask, scaling, window=window,
-                  softcap=softcap), None
+                  softcap=softcap, sinks=sinks), None
 
 
 def attend(cache: PagedCache, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            attention_mask: torch.Tensor | None, scaling: float | None, *, window: int | None = None,
-           softcap: float | None = None) -> torch.Tensor:
+           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Write the step's real tokens of ``layer`` into ``cache`` and attend (``window``: transformers'
-    ``sliding_window``, ``softcap``: logit soft-capping): ``[B, T, Hq, D]``."""
+    ``sliding_window``, ``softcap``: logit soft-capping, ``sinks``: ``[Hq]`` attention sinks, gpt-oss's ``s_aux``):
+    ``[B, T, Hq, D]``."""
     B, Hq, T, D = query.shape
     scale = float(scaling) if scaling is not None else D**-0.5
     if cache._plan is None:
@@ -124,7 +125,9 @@ def attend(cache: PagedCache, layer: int, query: torch.Tensor, key: torch.Tensor
     if rows is not None:
         q = q.index_select(0, rows)
     plan = cache._attention_plan(scale, window, softcap)
-    o = cache.paged.attention(layer, q.contiguous(), plan)  # type: ignore[union-attr]
+    if sinks is not None:
+        sinks = sinks.detach().float().contiguous()
+    o = cache.paged.attention(layer, q.contiguous(), plan, sinks=sinks)  # type: ignore[union-attr]
     cache._finish_layer()
     if rows is None:
         return o.view(B, T, Hq, D)

@@ -162,18 +162,19 @@ class PagedCache(CacheCapacity, Cache):
 
     def check_layer(self, i: int, module: Any, window: int | None, softcap: float | None, extra: dict) -> None:
         """What ``kvcache_paged`` is handed for layer ``i`` must be what it implements, checked once per layer:
-        no attention sinks (a ``sinks`` parameter or ``s_aux``), and where the config gives the layer a window, the
-        attention passes that window (a model that applies its window through the mask alone would otherwise attend
-        over every key; a window the attention passes on its own is honoured). ValueError naming the property
-        otherwise."""
+        attention sinks only as the attention passes them (``s_aux``), and where the config gives the layer a
+        window, the attention passes that window (a model that applies its window through the mask alone would
+        otherwise attend over every key; a window the attention passes on its own is honoured). ValueError naming
+        the property otherwise."""
         if i in self._checked_layers:
             return
+        # sinks the attention passes (gpt-oss: s_aux) join the softmax in the kernel; a sinks parameter the
+        # attention does not pass would be left out: refused
         sinks = [n for n, _ in module.named_parameters(recurse=False) if "sink" in n]
-        sinks += [k for k in ("s_aux", "sinks") if extra.get(k) is not None]
-        if sinks:
-            raise ValueError(f"model: attention sinks (layer {i}: {sinks[0]}) are not implemented by kvcache.hf's "
-                             f"PagedCache with attn_implementation='{ATTN_IMPLEMENTATION}'; paths that run it: "
-                             "hf-gathered, hf-linear")
+        if sinks and extra.get("s_aux") is None:
+            raise ValueError(f"model: attention sinks (layer {i}: {sinks[0]}, not passed as s_aux) are not "
+                             f"implemented by kvcache.hf's PagedCache with attn_implementation="
+                             f"'{ATTN_IMPLEMENTATION}'; paths that run it: hf-gathered, hf-linear")
         want = layer_window(self.model_config, i)
         if want is not None and window != want:
             raise ValueError(f"model: sliding-window attention of layer {i} (the config gives {want}, the attention "
