@@ -32,7 +32,7 @@ import torch
 
 from .._backend import use_triton
 from ..rope import RopeConfig
-from ..support import check_supported, unsupported_features
+from ..support import _num, check_supported, unsupported_features
 from . import kernels as fused
 
 __all__ = ["LlamaForward", "AttentionFn"]
@@ -90,14 +90,14 @@ class LlamaForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         # the query scale each attention applies (transformers' ``scaling``: Gemma 2's query_pre_attn_scalar^-0.5),
         # attention logit soft-capping per layer, and the final logits' soft-cap (Gemma 2)
-        scales = {_num_or_none(getattr(layer.self_attn, "scaling", None)) or self.head_dim ** -0.5
+        scales = {_num(getattr(layer.self_attn, "scaling", None)) or self.head_dim ** -0.5
                   for layer in self.layers}
         if len(scales) > 1:
             raise ValueError(f"hf_model: expected one query scale for every layer, got {sorted(scales)}")
         self.scale = scales.pop()
-        self.softcaps = [_num_or_none(getattr(layer.self_attn, "attn_logit_softcapping", None))
+        self.softcaps = [_num(getattr(layer.self_attn, "attn_logit_softcapping", None))
                          for layer in self.layers]
-        self.final_softcap = _num_or_none(getattr(config, "final_logit_softcapping", None))
+        self.final_softcap = _num(getattr(config, "final_logit_softcapping", None))
         self.vocab_size = config.vocab_size
         self.rope = RopeConfig.from_hf(config)
         p = next(hf_model.parameters())
@@ -296,11 +296,6 @@ class LlamaForward:
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
-
-
-def _num_or_none(value: Any) -> float | None:
-    """A soft-cap's value as a float, None where the model has none."""
-    return None if value is None or value is False else float(value)
 
 
 def _plain_rms_norm(m: Any, dtype: torch.dtype) -> bool:
