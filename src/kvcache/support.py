@@ -46,7 +46,7 @@ PATHS: dict[str, str] = {
 }
 # transformers model families whose CausalLM, model, decoder-layer and attention forwards the engine re-implements
 # (each checked equal to transformers' greedy tokens in tests/engine/test_support.py)
-ENGINE_FAMILIES = ("gemma2", "llama", "mistral", "phi3", "qwen2", "qwen3", "stablelm")
+ENGINE_FAMILIES = ("gemma2", "gemma3", "gpt_oss", "llama", "mistral", "phi3", "qwen2", "qwen3", "stablelm")
 _ENGINE = ("engine-fused", "engine-module", "engine-linear")
 _HF = ("hf-paged", "hf-gathered", "hf-linear")
 _ALL = _ENGINE + _HF
@@ -55,6 +55,8 @@ _LAYER_CHILDREN = ("self_attn", "mlp", "input_layernorm", "post_attention_layern
 _ATTN_CHILDREN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _FUSED_QKV = ("qkv_proj", "c_attn", "query_key_value", "Wqkv", "W_pack")
 _GEMMA2_NORMS = ("post_feedforward_layernorm", "pre_feedforward_layernorm")
+_GEMMA_FAMILIES = ("gemma2", "gemma3")  # decoder layers with norms after attention and around the MLP
+_SINK_FAMILIES = ("gpt_oss",)  # attentions whose forward adds their sinks to the softmax (s_aux)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,16 +122,10 @@ def layer_window(config: Any, layer: int) -> int | None:
 
 
 def _window_features(cfg: Any, cname: str) -> list[Feature]:
+    # every path attends each layer with its own window (layer_window): the engine's caches through the kernels'
+    # window option, kvcache.hf through the window transformers passes or its mask
     out = []
     types = getattr(cfg, "layer_types", None)
-    n = int(getattr(cfg, "num_hidden_layers", 0) or 0)
-    windows = [layer_window(cfg, i) for i in range(n)]
-    if any(w is not None for w in windows):
-        how = (f"{cname}.layer_types: {sum(w is not None for w in windows)} of {n} layers 'sliding_attention'"
-               if types is not None else f"{cname}.sliding_window")
-        # the paged engine attends each layer with its own window (the step plan's window option)
-        out.append(Feature("sliding-window attention", f"{how}, sliding_window={max(w or 0 for w in windows)}",
-                           ("engine-linear",)))
     other = sorted({t for t in types or () if t not in _LAYER_KINDS})
     if other:
         out.append(Feature("layers other than full or sliding-window attention", f"{cname}.layer_types has {other}",
@@ -150,9 +146,8 @@ def _config_features(config: Any) -> list[Feature]:
         if value is not None and value is not False and value != off:
             out.append(Feature(name, f"{cname}.{attr}={value!r}", paths))
 
-    # the paged engine caps each layer's attention logits (the step plan's softcap) and both engines the final
-    # logits; both attend with each attention module's own ``scaling`` (_attention_features checks it is there)
-    flag("attn_logit_softcapping", "attention logit soft-capping", ("engine-linear",))
+    # both engines cap each layer's attention logits (the kernels' softcap) and the final logits, and attend with
+    # each attention module's own ``scaling`` (_attention_features checks it is there)
     head_dim = _head_dim(cfg)
     flag("alibi", "ALiBi position biases", _ENGINE + ("hf-paged",))
     if getattr(cfg, "position_embedding_type", None) == "alibi" or getattr(cfg, "model_type", None) == "bloom":
@@ -161,6 +156,8 @@ def _config_features(config: Any) -> list[Feature]:
                  "scale_depth"):
         flag(attr, "a scaled embedding, residual or logits", _ENGINE, off=1.0)
     flag("use_parallel_residual", "parallel attention and MLP residual", _ENGINE)
+    # Gemma 3's bidirectional option: every key (or the whole window) in both directions, not causal
+    flag("use_bidirectional_attention", "bidirectional attention", _ENGINE + ("hf-paged",))
     flag("qk_layernorm", "q / k LayerNorm", _ENGINE)
     flag("clip_qkv", "clipped q / k / v", _ENGINE)
     nope = getattr(cfg, "no_rope_layers", None)
@@ -214,8 +211,10 @@ def _structure_features(model: Any) -> list[Feature]:
             out.append(Feature("a fused gate / up projection", f"{pre}.mlp.gate_up_proj", ("engine-fused",)))
         if mlp is not None and any(n in mlp._modules for n in ("experts", "router")):
             out.append(Feature("a mixture-of-experts MLP", f"{pre}.mlp ({type(mlp).__name__})", ("engine-fused",)))
-        for name, _ in ([] if attn is None else attn.named_parameters(recurse=False)):
-            if "sink" in name:
+        for name in [n for n, _ in ([] if attn is None else attn.named_parameters(recurse=False)) if "sink" in n]:
+            # the engine adds a layer's ``sinks`` to its softmax as gpt-oss's attention does; another attention's
+            # sink parameter (its forward unverified) is refused
+            if name != "sinks" or _family(_forward_owner(attn)) not in _SINK_FAMILIES:
                 out.append(Feature("attention sinks", f"{pre}.self_attn.{name}", _ENGINE))
         missing = [n for n in _LAYER_CHILDREN if n not in layer._modules]
         missing += [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if attn is not None and not fused
@@ -223,8 +222,8 @@ def _structure_features(model: Any) -> list[Feature]:
         extra = [n for n, m in layer.named_children() if n not in _LAYER_CHILDREN and _runs_something(m)]
         extra += [f"self_attn.{n}" for n, m in ([] if attn is None else attn.named_children())
                   if n not in _ATTN_CHILDREN + _FUSED_QKV and _runs_something(m)]
-        if sorted(extra) == list(_GEMMA2_NORMS) and _family(type(layer)) == "gemma2":
-            extra = []  # Gemma 2's norms around the MLP: the engine wires them as its decoder layer does
+        if sorted(extra) == list(_GEMMA2_NORMS) and _family(type(layer)) in _GEMMA_FAMILIES:
+            extra = []  # Gemma 2 / 3's norms around the MLP: the engine wires them as their decoder layers do
         if extra:
             kind = "extra norms" if all("norm" in n for n in extra) else "extra modules"
             out.append(Feature(f"{kind} the engine does not run", f"{pre}: {', '.join(extra)}", _ENGINE))
@@ -232,8 +231,8 @@ def _structure_features(model: Any) -> list[Feature]:
             out.append(Feature("a decoder layer without the Llama layout", f"{pre} lacks {', '.join(missing)}",
                                _ENGINE))
         out += _attention_features(model, attn, pre)
-        if out:
-            break  # the first layer that differs is named; the others are usually alike
+        if any("engine-module" in f.paths for f in out):
+            break  # the first layer the engine cannot run is named; the others are usually alike
     return out
 
 
@@ -277,38 +276,64 @@ def _family_features(model: Any) -> list[Feature]:
     return []
 
 
+def _rope_layer_types(config: Any) -> list[str | None]:
+    """Per layer, the layer type whose rotary embedding it uses where the config holds one per layer type (Gemma 3:
+    ``rope_parameters[layer_types[i]]``, the global layers' ``rope_theta`` with its scaling and the sliding layers'
+    local base), else None (one rope for every layer): the ``layer_type`` of :meth:`kvcache.RopeConfig.from_hf`."""
+    cfg = _text_config(config)
+    n = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    types = getattr(cfg, "layer_types", None)
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if types is None or not isinstance(params, dict) or set(params).isdisjoint(types):
+        return [None] * n
+    return [types[i] if i < len(types) else None for i in range(n)]
+
+
 def _rope_features(model: Any) -> list[Feature]:
-    """The model's rotary embedding must give :class:`~kvcache.RopeConfig`'s cos / sin (rotate-half pairs)."""
+    """The model's rotary embedding must give :class:`~kvcache.RopeConfig`'s cos / sin (rotate-half pairs), for
+    each layer type that has its own (Gemma 3)."""
     from .rope import RopeConfig
 
     cfg = _text_config(model.config)
-    try:
-        rope = RopeConfig.from_hf(cfg)
-    except (TypeError, ValueError) as e:
-        return [Feature("a rotary embedding kvcache does not compute", str(e), _ENGINE)]
-    if rope.interleaved:
-        return [Feature("interleaved (GPT-J) RoPE pairs", f"{type(cfg).__name__}.model_type={cfg.model_type!r}",
-                        _ENGINE)]
     rotary = getattr(model.model, "rotary_emb", None)
     where = f"model.model.rotary_emb ({type(rotary).__name__})"
-    if rotary is None:
-        return [Feature("a rotary embedding kvcache does not compute", "no model.model.rotary_emb", _ENGINE)]
-    pos = torch.arange(min(64, int(getattr(cfg, "max_position_embeddings", 64) or 64)))  # no dynamic growth
-    try:
-        p = next(rotary.buffers(), None)
-        dev = p.device if p is not None else torch.device("cpu")
-        with torch.no_grad():
-            cos, sin = rotary(torch.zeros(1, device=dev), pos[None].to(dev))
-        want_cos, want_sin = rope.cos_sin(pos)
-        same = (cos[0].float().cpu().shape == want_cos.shape
-                and torch.allclose(cos[0].float().cpu(), want_cos, atol=1e-5)
-                and torch.allclose(sin[0].float().cpu(), want_sin, atol=1e-5))
-    except (TypeError, ValueError, RuntimeError) as e:
-        return [Feature("a rotary embedding kvcache does not compute", f"{where}: {e}", _ENGINE)]
-    if not same:
-        return [Feature("a rotary embedding kvcache does not compute", f"{where}: its cos / sin differ from "
-                        f"RopeConfig {rope.rope_type!r}", _ENGINE)]
+    for layer_type in dict.fromkeys(_rope_layer_types(cfg)) or [None]:
+        try:
+            rope = RopeConfig.from_hf(cfg, layer_type=layer_type)
+        except (TypeError, ValueError) as e:
+            return [Feature("a rotary embedding kvcache does not compute", str(e), _ENGINE)]
+        if rope.interleaved:
+            return [Feature("interleaved (GPT-J) RoPE pairs", f"{type(cfg).__name__}.model_type={cfg.model_type!r}",
+                            _ENGINE)]
+        if rotary is None:
+            return [Feature("a rotary embedding kvcache does not compute", "no model.model.rotary_emb", _ENGINE)]
+        try:
+            same = _same_rope(model, cfg, rotary, rope, layer_type)
+        except (TypeError, ValueError, RuntimeError) as e:
+            return [Feature("a rotary embedding kvcache does not compute", f"{where}: {e}", _ENGINE)]
+        if not same:
+            kind = "" if layer_type is None else f" ({layer_type})"
+            return [Feature("a rotary embedding kvcache does not compute", f"{where}{kind}: its cos / sin differ "
+                            f"from RopeConfig {rope.rope_type!r}", _ENGINE)]
     return []
+
+
+def _same_rope(model: Any, cfg: Any, rotary: Any, rope: Any, layer_type: str | None) -> bool:
+    """The rotary embedding's cos / sin at positions 0..63 equal ``rope``'s (atol 1e-5). gpt-oss's gives the
+    first half of each row (its attention rotates the two halves of the head with it: rotate-half pairs)."""
+    pos = torch.arange(min(64, int(getattr(cfg, "max_position_embeddings", 64) or 64)))  # no dynamic growth
+    p = next(rotary.buffers(), None)
+    dev = p.device if p is not None else torch.device("cpu")
+    with torch.no_grad():
+        args = () if layer_type is None else (layer_type,)
+        cos, sin = rotary(torch.zeros(1, device=dev), pos[None].to(dev), *args)
+    cos, sin = cos[0].float().cpu(), sin[0].float().cpu()
+    want_cos, want_sin = rope.cos_sin(pos)
+    half = want_cos.shape[-1] // 2
+    if _family(_forward_owner(rotary)) == "gpt_oss" and cos.shape[-1] == half:
+        want_cos, want_sin = want_cos[:, :half], want_sin[:, :half]
+    return (cos.shape == want_cos.shape and torch.allclose(cos, want_cos, atol=1e-5)
+            and torch.allclose(sin, want_sin, atol=1e-5))
 
 
 def _fused_features(model: Any) -> list[Feature]:
@@ -384,7 +409,7 @@ def unsupported_features(model: Any, path: str) -> list[Feature]:
     found = _config_features(config)
     if is_model and path in _ENGINE:
         found += _structure_features(model)
-        if not any(f.name.startswith(("a decoder", "a fused q")) for f in found):
+        if not any(f.name.startswith(("a decoder", "a fused q")) and "engine-module" in f.paths for f in found):
             found += _rope_features(model) + _family_features(model)
             if path == "engine-fused":
                 found += _fused_features(model)

@@ -23,9 +23,14 @@ def _engine_tokens(model, cache: str = "paged") -> list[int]:
     return out[0].token_ids
 
 
+def _engine_both(model) -> tuple[list[int], list[int]]:
+    """The engine's greedy tokens on the paged and on the linear cache."""
+    return _engine_tokens(model, "paged"), _engine_tokens(model, "linear")
+
+
 def _refusal(model, cache: str = "paged") -> str:
     """LLM's ValueError for ``model`` with ``cache``, one line naming the engine. A model the paged engine refuses
-    is refused by the linear one too (which also refuses windows)."""
+    is refused by the linear one too."""
     msgs = {}
     for c in ("paged", "linear"):
         with pytest.raises(ValueError) as e:
@@ -34,11 +39,6 @@ def _refusal(model, cache: str = "paged") -> str:
         assert "\n" not in msgs[c] and msgs[c].startswith("model: ")
         assert "is not implemented by the kvcache engine" in msgs[c]
     return msgs[cache]
-
-
-def _linear_features(model) -> str:
-    """What the linear engine does not implement in ``model`` (the paged engine's refusals and windows), joined."""
-    return "; ".join(map(str, unsupported_features(model, "engine-linear")))
 
 
 @pytest.mark.parametrize("name", ["qwen2", "mistral", "stablelm"])
@@ -66,43 +66,43 @@ def test_fused_path_names_norm_formulas_it_does_not_compute():
 
 
 @pytest.mark.parametrize("name", ["mistral_window", "qwen2_window"])
-def test_window_equals_transformers_on_the_paged_engine(name):
+def test_window_equals_transformers_on_both_engines(name):
     """Each layer attends with its own window (Mistral: sliding_window on every layer; Qwen2: use_sliding_window
     from max_window_layers on), window 8 inside a longer prompt; the window changes transformers' own tokens."""
     model = sm.build(name)
-    assert unsupported_features(model, "engine-module") == []
+    assert unsupported_features(model, "engine-module") == unsupported_features(model, "engine-linear") == []
     ref = sm.greedy(model)
-    assert _engine_tokens(model, "paged") == ref
+    assert _engine_both(model) == (ref, ref)
     no_window = sm.variant(model, sliding_window=None) if name == "mistral_window" else sm.build("qwen2")
     assert ref != sm.greedy(no_window)  # the same weights (seed), no window
 
 
-def test_window_refused_by_the_linear_engine():
-    model = sm.build("mistral_window")
-    with pytest.raises(ValueError) as e:
-        LLM(model, tokenizer=_Tok(), cache="linear", max_num_seqs=2, max_model_len=64)
-    msg = str(e.value)
-    assert msg.startswith("model: sliding-window attention (MistralConfig.sliding_window, sliding_window=8) is not "
-                          "implemented by the kvcache engine (linear cache)")
-    assert "engine-module" in msg and "hf-paged" in msg  # the paths that run it are named
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_linear_engine_mixed_steps_with_windows_soft_caps_and_sinks(name):
+    # 3 prompts on 2 slots with a 16-token budget: prefill chunks beside decode rows in one step, each slot
+    # attending with the layer's window, soft-cap (Gemma 2) and sinks (gpt-oss) over its own length
+    model = sm.build(name)
+    prompts = [sm.PROMPT, sm.PROMPT[:13] + [5, 9, 11], [(5 * i + 1) % 126 + 2 for i in range(27)]]
+    llm = LLM(model, tokenizer=_Tok(), cache="linear", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16)
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))]
+    assert got == [sm.greedy(model, prompt=p, n=6) for p in prompts]
 
 
 def test_phi3_equals_transformers():
     """Phi-3: one qkv projection (split by heads on the module path) and a fused gate / up MLP (the model's own
-    module): the fused decoder declines it by name, the engine's tokens equal transformers' (paged and linear);
-    with a window, on the paged cache, and the window changes transformers' tokens."""
+    module): the fused decoder declines it by name, the engine's tokens equal transformers' (paged and linear),
+    with and without a window, and the window changes transformers' tokens."""
     model = sm.build("phi3")
     assert unsupported_features(model, "engine-module") == []
     assert [f.name for f in unsupported_features(model, "engine-fused")] == [
-        "a fused q / k / v projection", "a fused gate / up projection"]
+        "a fused q / k / v projection", "a fused gate / up projection", "an MLP other than down(act(gate(x)) * up(x))"]
     ref = sm.greedy(model)
     assert _engine_tokens(model, "paged") == ref
     assert _engine_tokens(model, "linear") == ref
     windowed = sm.variant(model, sliding_window=sm.WINDOW)
     ref_w = sm.greedy(windowed)
     assert ref_w != ref
-    assert _engine_tokens(windowed, "paged") == ref_w
-    assert "sliding-window attention (Phi3Config.sliding_window" in _linear_features(windowed)
+    assert _engine_both(windowed) == (ref_w, ref_w)
 
 
 @pytest.fixture(scope="module")
@@ -117,16 +117,13 @@ def _sampled(model, seeds=range(4)) -> list[list[int]]:
             for s in seeds]
 
 
-def test_gemma2_equals_transformers_on_the_paged_engine(gemma2):
+def test_gemma2_equals_transformers_on_both_engines(gemma2):
     """Gemma 2 (its scaled embedding and (1 + w) norms run as its modules, the norms around the MLP wired as its
     decoder layer does, each layer's window, the query scale query_pre_attn_scalar^-0.5, attention and final logit
-    soft-capping): greedy tokens equal to transformers'; the linear engine refuses its window and soft-capping."""
-    assert unsupported_features(gemma2, "engine-module") == []
-    assert _engine_tokens(gemma2, "paged") == sm.greedy(gemma2)
-    names = [f.name for f in unsupported_features(gemma2, "engine-linear")]
-    assert names[:2] == ["sliding-window attention", "attention logit soft-capping"]
-    with pytest.raises(ValueError, match=r"sliding-window attention \(Gemma2Config.layer_types: 1 of 2"):
-        LLM(gemma2, tokenizer=_Tok(), cache="linear", max_num_seqs=2, max_model_len=64)
+    soft-capping): greedy tokens equal to transformers' on the paged and the linear cache."""
+    assert unsupported_features(gemma2, "engine-module") == unsupported_features(gemma2, "engine-linear") == []
+    ref = sm.greedy(gemma2)
+    assert _engine_both(gemma2) == (ref, ref)
 
 
 @pytest.mark.parametrize("change", [{"layer_types": ["full_attention"] * 2}, {"query_pre_attn_scalar": 16}],
@@ -151,7 +148,7 @@ def test_gemma2_softcaps_reach_the_engines_sampling(field):
     other = sm.variant(model, **{field: None})
     assert (sm.last_logits(model) - sm.last_logits(other)).abs().max() > 1.0
     assert _sampled(model) != _sampled(other)
-    assert _engine_tokens(model, "paged") == sm.greedy(model)
+    assert _engine_both(model) == (sm.greedy(model),) * 2
     assert _engine_tokens(other, "paged") == sm.greedy(other)
 
 
@@ -166,13 +163,81 @@ def test_gemma2_extra_norms_are_run(gemma2):
     assert "extra norms the engine does not run" in _refusal(other)
 
 
-def test_gemma3_refused():
-    model = sm.build("gemma3")
-    msg = _refusal(model)
-    assert "sliding-window attention (Gemma3TextConfig.layer_types: 1 of 2" in _linear_features(model)
-    for name in ("extra norms", "a rotary embedding kvcache does not", "an architecture the engine has not verified"):
-        assert name in msg
-    assert sm.greedy(model) != sm.greedy(sm.variant(model, layer_types=["full_attention"] * 2))
+@pytest.fixture(scope="module")
+def gemma3():
+    return sm.build("gemma3")
+
+
+def test_gemma3_equals_transformers_on_both_engines(gemma3):
+    """Gemma 3 text: each layer type's rope (global: rope_theta with its scaling; sliding: the local base), q / k
+    norms, query_pre_attn_scalar, the sliding layers' window, the norms around the MLP, the scaled embedding: greedy
+    tokens equal to transformers' (paged: eager and through the graph path's padded buffers; linear); the window
+    changes them."""
+    assert unsupported_features(gemma3, "engine-module") == unsupported_features(gemma3, "engine-linear") == []
+    ref = sm.greedy(gemma3)
+    assert _engine_both(gemma3) == (ref, ref)
+    llm = LLM(gemma3, tokenizer=_Tok(), max_num_seqs=2, max_model_len=64, cuda_graphs=True)
+    assert llm.generate([sm.PROMPT], SamplingParams(max_tokens=sm.NEW_TOKENS, temperature=0))[0].token_ids == ref
+    assert ref != sm.greedy(sm.variant(gemma3, layer_types=["full_attention"] * 2))
+
+
+@pytest.mark.parametrize("ropes", [
+    {"sliding_attention": {"rope_type": "default", "rope_theta": 1e6}},
+    {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}], ids=["local-base", "global-scaling"])
+def test_gemma3_each_layer_types_rope_changes_tokens_and_the_engine_follows(gemma3, ropes):
+    other = sm.variant(gemma3, rope_parameters={**gemma3.config.rope_parameters, **ropes})
+    ref = sm.greedy(other)
+    assert ref != sm.greedy(gemma3)
+    assert _engine_both(other) == (ref, ref)
+
+
+def test_gemma3_bidirectional_attention_refused(gemma3):
+    other = sm.variant(gemma3, use_bidirectional_attention=True)
+    assert "bidirectional attention (Gemma3TextConfig.use_bidirectional_attention=True)" in _refusal(other)
+    assert sm.logits_differ(gemma3, other)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss():
+    """A gpt-oss-like model: attention sinks (drawn large enough to matter), alternating windows, its MoE MLP."""
+    model = sm.build("gpt_oss")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=g) * 3)
+    return model
+
+
+def test_gpt_oss_equals_transformers_on_both_engines(gpt_oss):
+    """Sinks in the kernel's softmax, the sliding layers' window, its half-width rotary tables (rotate-half pairs),
+    attention biases and its mixture-of-experts MLP run as its own module: equal to transformers' greedy tokens;
+    the sinks and the window each change them."""
+    assert unsupported_features(gpt_oss, "engine-module") == unsupported_features(gpt_oss, "engine-linear") == []
+    assert [f.name for f in unsupported_features(gpt_oss, "engine-fused")][:1] == ["a mixture-of-experts MLP"]
+    ref = sm.greedy(gpt_oss)
+    assert _engine_both(gpt_oss) == (ref, ref)
+    no_sinks = sm.variant(gpt_oss)
+    with torch.no_grad():
+        for layer in no_sinks.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)  # exp(-1e4) = 0: no sink
+    assert sm.greedy(no_sinks) != ref
+    assert sm.greedy(sm.variant(gpt_oss, layer_types=["full_attention"] * 2)) != ref
+
+
+def test_gpt_oss_yarn_rope_equals_transformers():
+    # gpt-oss's own rope: yarn without truncation (its half-width cos / sin checked against RopeConfig's)
+    model = sm.build("gpt_oss", max_position_embeddings=256, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    assert unsupported_features(model, "engine-module") == []
+    assert _engine_tokens(model, "paged") == sm.greedy(model)
+
+
+def test_sinks_of_an_unverified_attention_refused():
+    # a sinks parameter on an attention whose forward does not add it (Llama's): refused, never dropped
+    model = sm.build("llama")
+    model.model.layers[1].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    assert "attention sinks (model.layers.1.self_attn.sinks)" in _refusal(model)
 
 
 def test_gpt2_refused():
@@ -246,8 +311,10 @@ def test_tensor_parallel_refuses_layers_beyond_llamas(gemma2):
     # by name before any process group is read
     from kvcache.engine.tp import TPLlamaForward
 
-    for model in (gemma2, sm.build("phi3")):
+    for model in (gemma2, sm.build("phi3"), sm.build("gemma3")):
         with pytest.raises(ValueError, match="tensor parallelism runs Llama-layout layers only"):
             TPLlamaForward(model, group=None)
+    with pytest.raises(ValueError, match="tensor parallelism runs one rope for every layer and no attention sinks"):
+        TPLlamaForward(sm.build("gpt_oss"), group=None)
     with pytest.raises(ValueError, match="tp_group: torch.distributed is not initialized"):
         TPLlamaForward(sm.build("llama"), group=None)  # a Llama passes the layout check

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..linear import CacheConfig, KVSnapshot, LinearKVCache
-from ..support import check_supported
+from ..support import check_supported, layer_window
 from .config import EngineConfig, check_config
 from .core import EngineStats, FinishReason, Progress
 from .model import LlamaForward
@@ -73,8 +73,11 @@ class LinearEngineCore:
 
     def __init__(self, model: LlamaForward, config: EngineConfig) -> None:
         check_config(config)
-        check_supported(model.hf_model, "engine-linear")  # what the linear cache does not run (a window), by name
+        check_supported(model.hf_model, "engine-linear")  # what the linear cache does not run, by name
         self.model = model
+        # each layer's (sliding window as transformers applies it, attention logit soft-cap): attention reads the
+        # window of a slot that holds the whole context
+        self._kinds = [(layer_window(model.config, i), model.softcaps[i]) for i in range(model.num_layers)]
         max_num_seqs = config.max_num_seqs
         max_model_len = config.max_model_len
         if max_model_len is None:
@@ -201,10 +204,11 @@ class LinearEngineCore:
             ids.extend(seq.token_ids[c:c + n])
             pos.extend(range(c, c + n))
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        cos_t, sin_t = self.model.rope_tables(self.max_model_len + 1)
-        cos, sin = cos_t[positions], sin_t[positions]
+        # each rope's cos / sin at the step's positions (Gemma 3: the global and the local one)
+        rows = [tuple(t[positions] for t in self.model.rope_tables(self.max_model_len + 1, k))
+                for k in range(len(self.model.ropes))]
         before = [s.num_computed for s in self.slots]
-        attend = self._attention(counts, before, cos, sin)
+        attend = self._attention(counts, before, rows)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), positions, attend)
         self.cache.commit(torch.tensor(counts, dtype=torch.int32))
         rows, sampled = [], []
@@ -220,9 +224,10 @@ class LinearEngineCore:
             return [], hidden.new_empty((0, self.model.vocab_size), dtype=torch.float32)
         return sampled, self.model.logits(hidden[torch.tensor(rows, device=dev)])
 
-    def _attention(self, counts: list[int], before: list[int], cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
+    def _attention(self, counts: list[int], before: list[int], rows: list[tuple[torch.Tensor, ...]]):  # type: ignore[no-untyped-def]
         cache, model = self.cache, self.model
         scale = model.scale
+        kinds = self._kinds
         starts = []
         acc = 0
         for n in counts:
@@ -232,8 +237,7 @@ class LinearEngineCore:
         batched = len(decode) > 1 and decode == list(range(len(decode)))  # a leading run of decodes: one SDPA
         dev = model.device
         all_decode = len(decode) == len(counts)
-        if all_decode:
-            lengths = torch.tensor(before, dtype=torch.int32, device=dev)
+        lengths = torch.tensor(before, dtype=torch.int32, device=dev)
         if batched:
             nd = len(decode)
             lens = torch.tensor([before[b] + 1 for b in decode], device=dev)
@@ -241,7 +245,7 @@ class LinearEngineCore:
             dmask = (torch.arange(s_max, device=dev)[None, :] < lens[:, None])[:, None, None, :]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k = model.rotate(k, cos, sin)
+            k = model.rotate(k, *rows[model.rope_of[i]])
             kc, vc = cache.kv(i)  # [B, H, S, D] views of the slots
             out = torch.empty_like(q)
             if all_decode:  # one token per slot, at each slot's length
@@ -253,10 +257,15 @@ class LinearEngineCore:
                         kc[b, :, c:c + n] = k[s:s + n].transpose(0, 1)
                         vc[b, :, c:c + n] = v[s:s + n].transpose(0, 1)
             first = 0
+            window, softcap = kinds[i]
+            sinks = model.layer_sinks(i)
             if all_decode:
                 # every active slot feeds one token: attention over the slots in place
-                o = ops.linear_attention(q[:, :, None, :], cache.layer(i), lengths, scale=scale)
+                o = ops.linear_attention(q[:, :, None, :], cache.layer(i), lengths, scale=scale, window=window,
+                                         softcap=softcap, sinks=sinks)
                 return o[:, :, 0, :]
+            if window is not None or softcap is not None or sinks is not None:
+                return self._attend_slots(i, q, counts, starts, lengths, window, softcap, sinks, out)
             if batched:
                 o = F.scaled_dot_product_attention(q[:nd, :, None, :], kc[:nd, :, :s_max], vc[:nd, :, :s_max],
                                                    attn_mask=dmask, scale=scale, enable_gqa=True)
@@ -280,6 +289,20 @@ class LinearEngineCore:
             return out
 
         return attend
+
+    def _attend_slots(self, i: int, q: torch.Tensor, counts: list[int], starts: list[int], lengths: torch.Tensor,
+                      window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+                      out: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s attention with a window, soft-cap or sinks (what SDPA does not take): ``linear_attention``
+        over each slot's rows in place (its chunk's K / V already written), ``out`` ``[N, Hq, D]`` filled."""
+        layer = self.cache.layer(i)
+        for b, n in enumerate(counts):
+            if n:
+                s = starts[b]
+                ops.linear_attention(q[s:s + n].transpose(0, 1)[None], layer[b:b + 1], lengths[b:b + 1],
+                                     scale=self.model.scale, window=window, softcap=softcap, sinks=sinks,
+                                     out=out[s:s + n].transpose(0, 1)[None])
+        return out
 
     def _save_prefix(self) -> None:
         p = self.prefix

@@ -32,7 +32,7 @@ import torch
 
 from .._backend import use_triton
 from ..rope import RopeConfig
-from ..support import _num, check_supported, unsupported_features
+from ..support import _family, _num, _rope_layer_types, check_supported, unsupported_features
 from . import kernels as fused
 
 __all__ = ["LlamaForward", "AttentionFn"]
@@ -99,11 +99,22 @@ class LlamaForward:
                          for layer in self.layers]
         self.final_softcap = _num(getattr(config, "final_logit_softcapping", None))
         self.vocab_size = config.vocab_size
-        self.rope = RopeConfig.from_hf(config)
+        # one RopeConfig per rotary embedding (Gemma 3: the global layers' and the sliding layers'), full-attention
+        # layers' first: ``rope`` (the paged cache's own) is ``ropes[0]``, layer i uses ``ropes[rope_of[i]]``
+        types = _rope_layer_types(config)
+        first = sorted(range(self.num_layers), key=lambda i: types[i] not in (None, "full_attention"))
+        self.ropes = list(dict.fromkeys(RopeConfig.from_hf(config, layer_type=types[i]) for i in first))
+        self.rope_of = [self.ropes.index(RopeConfig.from_hf(config, layer_type=t)) for t in types]
+        self.rope = self.ropes[0]
+        # each attention's sinks (gpt-oss): one logit per query head joining its softmax, else None
+        self.sinks = [getattr(layer.self_attn, "sinks", None) for layer in self.layers]
+        # gpt-oss's MLP takes [B, S, hidden] and returns (hidden, router scores)
+        self._mlp_pair = [_family(type(layer)) == "gpt_oss" for layer in self.layers]
         p = next(hf_model.parameters())
         self.dtype = p.dtype
         self.device = p.device
         self._cos = self._sin = None
+        self._tables: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.ropes)
         self._fused: list[dict[str, Any]] | None = None
         self._mods: list[tuple[str, Any, str, Any]] = []
         self._views: list[tuple[str, Any, str, Any, int]] = []
@@ -141,6 +152,8 @@ class LlamaForward:
         """Concatenate each layer's q / k / v and gate / up weights (the modules keep views of them); None where
         a layer is not the plain Llama layout (then the modules run)."""
         if unsupported_features(self.hf_model, "engine-fused"):  # norm formulas, activation, MLP layout
+            return None
+        if len(self.ropes) > 1:  # the fused query rotation takes one rope
             return None
         norms = [self.norm] + [m for layer in self.layers for m in (layer.input_layernorm,
                                                                         layer.post_attention_layernorm)]
@@ -194,13 +207,23 @@ class LlamaForward:
             raise RuntimeError(f"model: {replaced[0]} was replaced after the engine fused the weights; update weights "
                                "in place (copy_, load_state_dict without assign=True) or build a new engine")
 
-    def rope_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin ``[max_len, rotary_dim]`` in the model dtype (transformers casts them so), on the device."""
-        if self._cos is None or self._cos.shape[0] < max_len:
+    def rope_tables(self, max_len: int, kind: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin ``[max_len, rotary_dim]`` of ``ropes[kind]`` in the model dtype (transformers casts them so),
+        on the device; every kind's tables are grown to ``max_len`` together."""
+        tables = self._tables[kind]
+        if tables is None or tables[0].shape[0] < max_len:
             pos = torch.arange(max_len, device=self.device)
-            cos, sin = self.rope.cos_sin(pos)
-            self._cos, self._sin = cos.to(self.dtype), sin.to(self.dtype)
-        return self._cos, self._sin
+            for k, rope in enumerate(self.ropes):
+                cos, sin = rope.cos_sin(pos)
+                self._tables[k] = (cos.to(self.dtype), sin.to(self.dtype))
+            self._cos, self._sin = self._tables[0]
+        return self._tables[kind]  # type: ignore[return-value]
+
+    def layer_sinks(self, layer: int) -> torch.Tensor | None:
+        """float32 ``[num_heads]``: layer ``layer``'s attention sinks (the attention kernels' ``sinks``), read
+        from the model each call (weights updated in place are seen), or None."""
+        s = self.sinks[layer]
+        return None if s is None else s.detach().float().contiguous()
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """transformers' ``apply_rotary_pos_emb`` for ``x`` ``[N, heads, D]`` with ``cos`` / ``sin`` ``[N, rd]``."""
@@ -231,13 +254,13 @@ class LlamaForward:
             ``[N, hidden]`` in the model dtype.
         """
         n = input_ids.shape[0]
-        cos_t, sin_t = self._cos, self._sin
         h = self.embed(input_ids)
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self._fused is not None:
             self._check_fused()
             return self._forward_fused(h, positions, attention)
-        cos, sin = cos_t[positions], sin_t[positions]
+        # each rope's cos / sin at the step's positions (Gemma 3: the global and the local one)
+        rows = [(t[0][positions], t[1][positions]) for t in self._tables if t is not None]
         # the model's own layer list, read each step: the module path runs whatever modules the model holds now
         for i, layer in enumerate(self.hf_model.model.layers):
             attn = layer.self_attn
@@ -251,16 +274,23 @@ class LlamaForward:
                 v = attn.v_proj(x).view(n, Hk, D)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q = self.rotate(q, cos, sin)
+            q = self.rotate(q, *rows[self.rope_of[i]])
             o = attention(i, q, k, v)
             a = attn.o_proj(o.reshape(n, H * D))
-            if "pre_feedforward_layernorm" in layer._modules:  # Gemma 2: norms after attention and around the MLP
+            if "pre_feedforward_layernorm" in layer._modules:  # Gemma 2 / 3: norms after attention, around the MLP
                 h = h + layer.post_attention_layernorm(a)
-                h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+                h = h + layer.post_feedforward_layernorm(self._mlp(i, layer, layer.pre_feedforward_layernorm(h)))
             else:
                 h = h + a
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = h + self._mlp(i, layer, layer.post_attention_layernorm(h))
         return self.norm(h)
+
+    def _mlp(self, i: int, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s MLP module on ``x`` ``[N, hidden]`` (gpt-oss's: on ``[1, N, hidden]``, its router scores
+        dropped, as its decoder layer does)."""
+        if self._mlp_pair[i]:
+            return layer.mlp(x[None])[0][0]
+        return layer.mlp(x)
 
     def _forward_fused(self, h: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
         n = h.shape[0]

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..paged import PagedKVCache, StepPlan
+from ..rope import RopeConfig, RopeKernelParams
 from ..support import layer_window
 from . import kernels as fused
 from .model import AttentionFn, LlamaForward
@@ -134,8 +135,11 @@ class PagedRunner:
         # the fused decoder leaves the query rotation to the attention kernel (rotate-half over all of head_dim)
         full = not model.rope.interleaved and cos.shape[-1] == model.head_dim
         self._q_rope = (cos.contiguous(), sin.contiguous()) if model.fused and full else None
-        # each layer's sliding window as transformers applies it (None: full attention) and its soft-cap
-        self._kinds = [(layer_window(model.config, i), model.softcaps[i]) for i in range(model.num_layers)]
+        # each layer's (rope, sliding window as transformers applies it (None: full attention), soft-cap); the
+        # keys of a layer whose rope is not the cache's own (Gemma 3's sliding layers) are rotated with theirs
+        self._kinds = [(model.rope_of[i], layer_window(model.config, i), model.softcaps[i])
+                       for i in range(model.num_layers)]
+        self._ropes = [None] + [_static_rope(r, self.device) for r in model.ropes[1:]]
         self.max_graph_batch = max_graph_batch
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
@@ -146,27 +150,28 @@ class PagedRunner:
     # ---------------------------------------------------------------------------------- attention
 
     def _plan(self, block_tables: torch.Tensor, cu_q_lens: torch.Tensor, before: torch.Tensor, after: torch.Tensor,
-              *, max_kv_len: int, num_decode: int) -> StepPlan:
-        """The step's plan: int32 ``block_tables`` ``[B, W]``, ``cu_q_lens`` ``[B + 1]``, lengths ``before`` /
-        ``after`` the step ``[B]`` (device tensors); ``max_kv_len``, ``num_decode``: host hints of the launch."""
-        return self.cache.plan(block_tables, cu_q_lens, before, seq_lens=after, scale=self.model.scale,
-                               q_rope=self._q_rope, max_kv_len=max_kv_len, num_decode=num_decode)
+              *, max_kv_len: int, num_decode: int) -> list[StepPlan]:
+        """The step's plans, one per rope of the model (the first with the cache's own): int32 ``block_tables``
+        ``[B, W]``, ``cu_q_lens`` ``[B + 1]``, lengths ``before`` / ``after`` the step ``[B]`` (device tensors);
+        ``max_kv_len``, ``num_decode``: host hints of the launch."""
+        return [self.cache.plan(block_tables, cu_q_lens, before, seq_lens=after, scale=self.model.scale,
+                                q_rope=self._q_rope, max_kv_len=max_kv_len, num_decode=num_decode, rope=rope)
+                for rope in self._ropes]
 
-    def _attention(self, plan: StepPlan) -> AttentionFn:
-        """Every layer's attention for one step: the append and the attention of ``plan``, nothing built per
-        layer."""
-        cache = self.cache
+    def _attention(self, plans: list[StepPlan]) -> AttentionFn:
+        """Every layer's attention for one step: the append and the attention of its rope's plan (``plans``),
+        with the layer's window, soft-cap and sinks; nothing built per layer."""
+        cache, model = self.cache, self.model
         kinds = self._kinds
-        # one plan per (window, soft-cap) the layers use (the same tensors; launches derived once per step)
-        plans = {kind: plan if kind == (plan.window, plan.softcap) else plan.with_options(window=kind[0],
-                                                                                          softcap=kind[1])
-                 for kind in set(kinds)}
+        # one plan per (rope, window, soft-cap) the layers use (the same tensors; launches derived once per step)
+        by_kind = {kind: _with_options(plans[kind[0]], kind[1], kind[2]) for kind in set(kinds)}
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            plan = by_kind[kinds[i]]
             cache.append(i, k, v, plan)
-            return cache.attention(i, q, plans[kinds[i]])
+            return cache.attention(i, q, plan, sinks=model.layer_sinks(i))
 
-        attend.rotates_queries = plan.q_rope is not None  # type: ignore[attr-defined]
+        attend.rotates_queries = plans[0].q_rope is not None  # type: ignore[attr-defined]
         return attend
 
     # ---------------------------------------------------------------------------------- the step
@@ -227,9 +232,9 @@ class PagedRunner:
             num_decode += 1
         # a host bound of the lengths for the launch plan (never read from the device)
         max_kv = max(after) if after else self.width * self.cache.config.block_size
-        plan = self._plan(flat.view(len(batch.seqs), self.width), cu_q, before, after_d, max_kv_len=max_kv,
-                          num_decode=num_decode)
-        hidden = self.model.forward(tok[0, :n_tok], tok[1, :n_tok], self._attention(plan))
+        plans = self._plan(flat.view(len(batch.seqs), self.width), cu_q, before, after_d, max_kv_len=max_kv,
+                           num_decode=num_decode)
+        hidden = self.model.forward(tok[0, :n_tok], tok[1, :n_tok], self._attention(plans))
         if all(batch.sample):  # every request's last row (the common case: no index from the host)
             return self.model.logits(hidden[cu_q[1:].long() - 1])
         cu = int_h[spans[0]].tolist()
@@ -377,9 +382,9 @@ class PagedRunner:
         st = self._static_buffers()
         # views of the static buffers; the lengths are the graph's inputs, so the launch is planned for the block
         # table's capacity (a shape, not a value)
-        plan = self._plan(st["bt"][:bs], st["cu"][:bs + 1], st["before"][:bs], st["after"][:bs],
-                          max_kv_len=self.width * self.cache.config.block_size, num_decode=bs)
-        hidden = self.model.forward(st["ids"][:bs], st["pos"][:bs], self._attention(plan))
+        plans = self._plan(st["bt"][:bs], st["cu"][:bs + 1], st["before"][:bs], st["after"][:bs],
+                           max_kv_len=self.width * self.cache.config.block_size, num_decode=bs)
+        hidden = self.model.forward(st["ids"][:bs], st["pos"][:bs], self._attention(plans))
         logits = self.model.logits(hidden)
         fused.argmax(logits, out=st["next"][:bs])
         return logits
@@ -398,6 +403,22 @@ class PagedRunner:
             out = self._forward_static(bs)
         self._graphs[bs] = (graph, out)
         return logits
+
+
+def _static_rope(rope: RopeConfig, device: torch.device) -> RopeKernelParams:
+    """The kernel parameters of a layer rope other than the cache's own (made once: a plan built inside a CUDA
+    graph capture only reads them)."""
+    if rope.is_dynamic:
+        raise ValueError(f"model: a second rope with 'dynamic' scaling (its frequencies grow with the length) is "
+                         f"not implemented by the kvcache engine (rope_type={rope.rope_type!r})")
+    return rope.kernel_params(device=device)
+
+
+def _with_options(plan: StepPlan, window: int | None, softcap: float | None) -> StepPlan:
+    """``plan`` for a layer with ``window`` / ``softcap`` (itself where they are the plan's)."""
+    if (plan.window, plan.softcap) == (window, softcap):
+        return plan
+    return plan.with_options(window=window, softcap=softcap)
 
 
 def _pending_row(pending: PendingTokens | None, seq: object) -> int:

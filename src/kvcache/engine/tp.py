@@ -92,6 +92,10 @@ class TPLlamaForward(LlamaForward):
                 raise ValueError(f"tp_group: tensor parallelism runs Llama-layout layers only (separate q / k / v "
                                  f"projections, one norm before attention and one before the MLP); layer {i} of "
                                  f"{type(hf_model).__name__} is not")
+        if len(self.ropes) > 1 or any(s is not None for s in self.sinks):
+            raise ValueError(f"tp_group: tensor parallelism runs one rope for every layer and no attention sinks; "
+                             f"{type(hf_model).__name__} has {len(self.ropes)} ropes"
+                             f"{' and sinks' if any(s is not None for s in self.sinks) else ''}")
         if self.final_softcap is not None:
             raise ValueError(f"tp_group: tensor parallelism does not soft-cap the final logits "
                              f"(final_logit_softcapping={self.final_softcap:g})")
