@@ -56,6 +56,12 @@ BAD = [
     ("layout", "HDN", ValueError),
     ("cuda_graphs", "yes", TypeError),
     ("tp_group", "world", TypeError),
+    ("host_cache_memory", -1, ValueError),
+    ("host_cache_memory", 1.0, TypeError),
+    ("disk_cache_dir", 3, TypeError),
+    ("disk_cache_bytes", 0, ValueError),
+    ("cache_model_id", "", TypeError),
+    ("kv_events", 1, TypeError),
 ]
 
 

@@ -8,6 +8,7 @@ depend on the model and its device; :meth:`EngineConfig.batched_tokens`, :meth:`
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,12 +108,29 @@ class EngineConfig:
     tp_group : torch.distributed.ProcessGroup, optional
         Tensor parallel over this group (see :mod:`kvcache.engine.tp`): every rank builds the same ``LLM`` from the
         same weights and calls ``generate`` with the same arguments. Paged cache only, no CUDA graphs.
+    host_cache_memory : int
+        Bytes of pinned host memory for a host tier behind the prefix cache (see :mod:`kvcache.paged.tiers`):
+        blocks evicted from the pool are copied there and brought back on a prefix hit. 0 (default): off. Paged
+        cache with prefix caching only, no ``tp_group``.
+    disk_cache_dir : str or os.PathLike, optional
+        A directory for a disk tier (off by default): blocks leaving the host tier (or the pool, without a host
+        tier) are written there as checksummed files, reusable by later engines of the same model and cache format
+        (a file of anything else, or damaged, is refused and its block recomputed).
+    disk_cache_bytes : int
+        The disk tier's budget (default 16 GiB); its least recently used files are deleted beyond it.
+    cache_model_id : str, optional
+        The model's identity in the disk tier's fingerprint (``"org/model@revision"``); default: a hash of the
+        weights' names, shapes, dtypes and a sample of their values.
+    kv_events : bool
+        Record the prefix cache's events (blocks stored / removed per tier: ``LLM.kv_events()``). Paged cache only.
 
     Raises
     ------
     TypeError, ValueError
         A field of the wrong type or out of range, ``kv_dtype`` other than ``"auto"`` with the linear cache,
-        ``tp_group`` with the linear cache or with ``cuda_graphs=True``.
+        ``tp_group`` with the linear cache or with ``cuda_graphs=True``; ``host_cache_memory``,
+        ``disk_cache_dir`` or ``kv_events`` with the linear cache, the tiers without prefix caching or with
+        ``tp_group``.
 
     Example
     -------
@@ -139,6 +157,11 @@ class EngineConfig:
     layout: str = "HND"
     cuda_graphs: bool | None = None
     tp_group: Any = None
+    host_cache_memory: int = 0
+    disk_cache_dir: str | os.PathLike | None = None
+    disk_cache_bytes: int = 16 * 2**30
+    cache_model_id: str | None = None
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and not callable(getattr(self.tokenizer, "decode", None)):
@@ -169,6 +192,29 @@ class EngineConfig:
             raise ValueError(f"cache: tensor parallel (tp_group) needs the paged cache, got {self.cache!r}")
         if self.tp_group is not None and self.cuda_graphs:
             raise ValueError("cuda_graphs: not supported with tp_group (expected None or False)")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        check_int("host_cache_memory", self.host_cache_memory, lo=0)
+        check_int("disk_cache_bytes", self.disk_cache_bytes, lo=1)
+        d = self.disk_cache_dir
+        if d is not None and (not isinstance(d, (str, os.PathLike)) or not os.fspath(d)):
+            raise TypeError(f"disk_cache_dir: expected a directory path (str or os.PathLike) or None, got {d!r}")
+        m = self.cache_model_id
+        if m is not None and (not isinstance(m, str) or not m):
+            raise TypeError(f"cache_model_id: expected a non-empty str or None, got {m!r}")
+        _check_bool("kv_events", self.kv_events)
+        used = [name for name, on in (("host_cache_memory", self.host_cache_memory > 0),
+                                      ("disk_cache_dir", d is not None), ("kv_events", self.kv_events)) if on]
+        if used and self.cache != "paged":
+            raise ValueError(f"{used[0]}: the memory tiers and KV events need the paged cache, got cache="
+                             f"{self.cache!r}")
+        tiers = [n for n in used if n != "kv_events"]
+        if tiers and not self.enable_prefix_caching:
+            raise ValueError(f"{tiers[0]}: the memory tiers hold prefix-cache blocks, expected "
+                             "enable_prefix_caching=True")
+        if tiers and self.tp_group is not None:
+            raise ValueError(f"{tiers[0]}: the memory tiers do not run with tp_group (expected 0 / None)")
 
     # ---------------------------------------------------------------------------------- sizes for a model
 

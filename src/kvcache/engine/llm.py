@@ -67,7 +67,8 @@ class LLM:
         Or the fields of :class:`EngineConfig` as keywords: ``tokenizer``, ``kv_dtype``, ``block_size``,
         ``max_num_seqs``, ``gpu_memory_utilization``, ``cache``, ``device``, ``dtype``, ``enable_prefix_caching``,
         ``max_num_batched_tokens``, ``num_blocks``, ``max_model_len``, ``kv_cache_memory``, ``layout``,
-        ``cuda_graphs``, ``tp_group`` (not together with ``config``).
+        ``cuda_graphs``, ``tp_group``, ``host_cache_memory``, ``disk_cache_dir``, ``disk_cache_bytes``,
+        ``cache_model_id``, ``kv_events`` (not together with ``config``).
 
     Attributes
     ----------
@@ -139,6 +140,33 @@ class LLM:
     def scheduler(self) -> Any:
         """The paged core's ``Scheduler`` (AttributeError with the linear cache)."""
         return self.core.scheduler  # type: ignore[attr-defined]
+
+    @property
+    def tiers(self) -> Any:
+        """The paged core's :class:`~kvcache.paged.tiers.TieredCache` (host / disk tiers, event log), or None
+        without ``host_cache_memory``, ``disk_cache_dir`` and ``kv_events`` (AttributeError with the linear cache)."""
+        return self.core.tiers  # type: ignore[attr-defined]
+
+    def kv_events(self) -> list[Any]:
+        """The prefix cache's events since the last call, oldest first: ``BlockStored`` / ``BlockRemoved`` (block
+        hashes, the tier: ``"device"``, ``"host"``, ``"disk"``) and ``AllBlocksCleared`` of
+        :mod:`kvcache.paged.events`; needs ``LLM(..., kv_events=True)``.
+
+        Raises
+        ------
+        ValueError
+            The engine was built without ``kv_events=True``.
+
+        Example
+        -------
+        >>> llm = LLM(model, tokenizer=tok, kv_events=True, host_cache_memory=2**30)   # doctest: +SKIP
+        >>> llm.generate(prompts, sp); [type(e).__name__ for e in llm.kv_events()][:2]  # doctest: +SKIP
+        ['BlockStored', 'BlockStored']
+        """
+        tiers = getattr(self.core, "tiers", None)
+        if tiers is None or tiers.events is None:
+            raise ValueError("kv_events: the engine records no events, expected LLM(..., kv_events=True)")
+        return tiers.events.drain()
 
     @property
     def runner(self) -> Any:

@@ -16,6 +16,8 @@ import torch
 
 from .._validate import cdiv
 from ..paged import BlockAllocator, PagedConfig, PagedKVCache, cache_block_bytes
+from ..paged.events import KVEventLog
+from ..paged.tiers import TieredCache, TierStats, weights_identity
 from .config import EngineConfig, check_config
 from .core import EngineStats, FinishReason, Progress
 from .model import LlamaForward
@@ -50,6 +52,20 @@ def pool_blocks(model: LlamaForward, config: EngineConfig) -> int:
     return n
 
 
+def _tiers(model: LlamaForward, cache: PagedKVCache, config: EngineConfig) -> TieredCache | None:
+    """The tiers behind the prefix cache ``config`` asks for (``host_cache_memory``, ``disk_cache_dir``,
+    ``kv_events``), or None."""
+    if not (config.host_cache_memory or config.disk_cache_dir is not None or config.kv_events):
+        return None
+    model_id = config.cache_model_id
+    if model_id is None and config.disk_cache_dir is not None:
+        hf = model.hf_model
+        model_id = weights_identity([*hf.named_parameters(), *hf.named_buffers()])
+    return TieredCache(cache, host_bytes=config.host_cache_memory, disk_dir=config.disk_cache_dir,
+                       disk_bytes=config.disk_cache_bytes, model_id=model_id,
+                       events=KVEventLog() if config.kv_events else None)
+
+
 class PagedEngineCore:
     """The paged cache mode: ``PagedKVCache`` + ``BlockAllocator`` + ``Scheduler`` + ``PagedRunner`` + ``PagedLoop``.
 
@@ -60,13 +76,16 @@ class PagedEngineCore:
     config : EngineConfig
         ``kv_dtype``, ``block_size``, ``layout``, ``num_blocks`` / ``kv_cache_memory`` / ``gpu_memory_utilization``,
         ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching``, ``cuda_graphs``,
-        ``tp_group`` are read.
+        ``tp_group``, ``host_cache_memory``, ``disk_cache_dir``, ``disk_cache_bytes``, ``cache_model_id``,
+        ``kv_events`` are read.
 
     Attributes
     ----------
     cache : PagedKVCache
         ``num_blocks + 1`` blocks: the last is the runner's scratch block.
     allocator : BlockAllocator
+    tiers : TieredCache or None
+        The host / disk tiers and the event log (``host_cache_memory``, ``disk_cache_dir``, ``kv_events``).
     scheduler : Scheduler
     runner : PagedRunner
     max_model_len, num_blocks, cache_bytes : int
@@ -95,8 +114,11 @@ class PagedEngineCore:
                         layout=config.layout, device=model.device),
             rope=model.rope)
         self.allocator = BlockAllocator(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
+        self.tiers = _tiers(model, self.cache, config)
+        self.allocator.set_listener(self.tiers)
         self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.batched_tokens(model.device), max_blocks_per_seq=width)
+                                   max_num_batched_tokens=config.batched_tokens(model.device), max_blocks_per_seq=width,
+                                   tiers=self.tiers)
         graphs = config.cuda_graphs
         if graphs is None:
             graphs = model.device.type == "cuda" and config.tp_group is None
@@ -120,12 +142,20 @@ class PagedEngineCore:
         """
         sched, runner = self.scheduler, self.runner
         cached0, pre0, graph0 = sched.num_cached_tokens, sched.num_preemptions, runner.graph_steps
+        tiers0 = self.tier_stats()
         for s in seqs:
             sched.add(s)
         PagedLoop(sched, runner, finish_reason, overlap=runner.use_graphs).run(seqs, stats, progress)
         stats.cached_prompt_tokens = sched.num_cached_tokens - cached0
         stats.preemptions = sched.num_preemptions - pre0
         stats.graph_steps = runner.graph_steps - graph0
+        if self.tiers is not None and self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)  # the last copies' times are known
+        stats.tiers = {k: v - tiers0[k] for k, v in self.tier_stats().items()}  # type: ignore[attr-defined]
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """The host / disk tiers' counters since the core was built (``{}`` without tiers)."""
+        return self.tiers.stats() if self.tiers is not None else {}
 
     def abort_all(self) -> None:
         """Drop every request, waiting or running, and free its blocks."""

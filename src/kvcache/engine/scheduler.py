@@ -23,6 +23,7 @@ import dataclasses
 from collections import deque
 
 from ..paged import BlockAllocator
+from ..paged.tiers import TieredCache
 from .sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler"]
@@ -67,6 +68,11 @@ class Scheduler:
     max_blocks_per_seq : int
         Block-table width: requests longer than ``max_blocks_per_seq * block_size`` tokens are refused by
         :meth:`add`.
+    tiers : TieredCache, optional
+        Host / disk tiers below the pool (the allocator's listener): a prefix that continues past the device's
+        cached blocks is brought back from them at admission. A request whose blocks are still being copied back
+        holds its place among the running requests but runs only once they have arrived (other requests do not
+        wait for them); when nothing else can run, the step waits for the copies.
 
     Example
     -------
@@ -78,14 +84,17 @@ class Scheduler:
     """
 
     def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_blocks_per_seq: int) -> None:
+                 max_blocks_per_seq: int, tiers: TieredCache | None = None) -> None:
         if not isinstance(allocator, BlockAllocator):
             raise TypeError(f"allocator: expected a BlockAllocator, got {type(allocator).__name__}")
+        if tiers is not None and not isinstance(tiers, TieredCache):
+            raise TypeError(f"tiers: expected a TieredCache or None, got {type(tiers).__name__}")
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_blocks_per_seq", max_blocks_per_seq)):
             if type(v) is not int or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
         self.allocator = allocator
+        self.tiers = tiers
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -182,8 +191,12 @@ class Scheduler:
         counts: list[int] = []
         preempted: list[Sequence] = []
         i = 0
+        tiers = self.tiers if self.tiers is not None and self.tiers.loading else None
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if tiers is not None and not tiers.ready(seq.block_table):  # its blocks are still coming back
+                i += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             while not self._grow(seq, n):
                 victim = self.running.pop()  # the newest running request
@@ -200,6 +213,9 @@ class Scheduler:
             break  # seq preempted itself: nothing newer is left to run
         if not preempted:
             self._admit(seqs, counts, budget)
+        if not seqs and self.running and self.tiers is not None and self.tiers.loading:
+            self.tiers.wait()  # only requests whose blocks are coming back: wait for them
+            return self.schedule()
         return ScheduledBatch(seqs, counts, [s.num_computed + n == len(s.token_ids) for s, n in zip(seqs, counts)],
                               preempted)
 
@@ -242,24 +258,56 @@ class Scheduler:
                 continue
             matched = self.allocator.match_prefix(hashes)
             seq.block_table = list(matched)
-            seq.num_published = len(matched)
-            seq.num_computed = len(matched) * self.block_size
+            self._bring_back(seq, hashes)
+            seq.num_published = len(seq.block_table)
+            seq.num_computed = len(seq.block_table) * self.block_size
+            if self.tiers is not None and not self.tiers.ready(seq.block_table):
+                self._start(seq)  # runs once its blocks have arrived: takes no budget this step
+                continue
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
                 self.allocator.free(seq.block_table)
                 seq.block_table, seq.num_published, seq.num_computed = [], 0, 0
                 break
-            self.waiting.popleft()
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = seq.num_computed
-                self.num_cached_tokens += seq.num_computed
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._mark_pending(seq)
+            self._start(seq)
             seqs.append(seq)
             counts.append(n)
             budget -= n
         self.waiting.extendleft(reversed(deferred))
+
+    def _start(self, seq: Sequence) -> None:
+        """Move the first waiting request (its cached prefix taken) to the running ones."""
+        self.waiting.popleft()
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed
+            self.num_cached_tokens += seq.num_computed
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._mark_pending(seq)
+
+    def _bring_back(self, seq: Sequence, hashes: list[int]) -> None:
+        """Extend ``seq``'s matched prefix with the blocks after it that the host / disk tiers hold (up to a block
+        the device still caches): blocks are allocated first (their evictions go down the tiers), then the tiers'
+        blocks are fetched, copied into them and registered. Nothing is brought back when the pool is short."""
+        tiers, k = self.tiers, len(seq.block_table)
+        if tiers is None or k == len(hashes):
+            return
+        rest = hashes[k:]
+        for j, h in enumerate(rest):
+            if self.allocator.lookup(h) is not None:
+                rest = rest[:j]
+                break
+        n = tiers.lookup(rest)
+        blocks = self.allocator.allocate(n) if n else None
+        if not blocks:
+            return
+        fetched = tiers.fetch(rest, limit=n)  # after the allocation: its evictions may have pushed host blocks out
+        m = fetched.num_blocks
+        self.allocator.free(blocks[m:])
+        if m:
+            tiers.load(fetched, blocks[:m])
+            self.allocator.cache_blocks(blocks[:m], fetched.hashes)
+            seq.block_table.extend(blocks[:m])
 
     def postprocess(self, batch: ScheduledBatch, new_tokens: list[int | None]) -> list[Sequence]:
         """Advance the step's requests; ``new_tokens[i]`` is the sampled token of ``batch.seqs[i]`` (None when

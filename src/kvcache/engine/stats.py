@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..paged.tiers.stats import TierStats
 from .core import EngineStats
 
 __all__ = ["GenerateStats", "TotalStats", "accumulate"]
@@ -34,6 +35,9 @@ class TotalStats(EngineStats):
     ----------
     calls : int
         Completed ``generate`` calls (a call that raised is not counted, nor are its counters).
+    tiers : dict of str to TierStats
+        The memory tiers' counters (``"host"``, ``"disk"``: :class:`~kvcache.paged.tiers.TierStats`) summed over
+        the calls; ``{}`` without tiers. An attribute, not a field.
 
     Example
     -------
@@ -43,6 +47,9 @@ class TotalStats(EngineStats):
     """
 
     calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.tiers: dict[str, TierStats] = {}
 
 
 @dataclasses.dataclass
@@ -63,6 +70,10 @@ class GenerateStats(EngineStats):
     ----------
     total : TotalStats
         Totals over the engine's completed calls.
+    tiers : dict of str to TierStats
+        This call's counters of the memory tiers behind the prefix cache, per tier (``"host"``, ``"disk"``): blocks
+        brought back (``hits``), stored, removed, refused, bytes and GB/s each way (see
+        :class:`~kvcache.paged.tiers.TierStats`); ``{}`` without tiers. An attribute, not a field.
 
     Example
     -------
@@ -77,6 +88,7 @@ class GenerateStats(EngineStats):
         if total is not None and not isinstance(total, TotalStats):
             raise TypeError(f"total: expected a TotalStats or None, got {type(total).__name__}")
         self.total = total if total is not None else TotalStats(**_settings(self))  # type: ignore[misc]
+        self.tiers: dict[str, TierStats] = {}
 
 
 def _settings(stats: EngineStats) -> dict[str, object]:
@@ -109,8 +121,12 @@ def accumulate(total: TotalStats, last: EngineStats) -> TotalStats:
     if not isinstance(last, EngineStats):
         raise TypeError(f"last: expected an EngineStats, got {type(last).__name__}")
     sums = {k: getattr(total, k) + getattr(last, k) for k in _SUMMED}
-    return TotalStats(
+    out = TotalStats(
         **sums, **_settings(last), calls=total.calls + 1, blocks_used=max(total.blocks_used, last.blocks_used),
         tokens_per_s=sums["generated_tokens"] / sums["elapsed_s"] if sums["elapsed_s"] > 0 else 0.0,
         prefix_cache_hit_rate=sums["cached_prompt_tokens"] / sums["prompt_tokens"] if sums["prompt_tokens"] else 0.0,
     )
+    last_tiers = getattr(last, "tiers", {})
+    out.tiers = {k: total.tiers.get(k, TierStats()) + last_tiers.get(k, TierStats())
+                 for k in {**total.tiers, **last_tiers}}
+    return out

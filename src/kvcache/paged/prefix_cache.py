@@ -131,10 +131,14 @@ class PrefixCacheMixin:
                 raise ValueError(f"block_hashes: block {b} is given two hashes, {given[b]} and {h}")
         if not self._enable_prefix_caching:
             return
+        new: list[int] = []
         for b, h in zip(ids, hashes):
             if self._hash[b] is None and h not in self._hash_to_block:
                 self._hash[b] = h
                 self._hash_to_block[h] = b
+                new.append(b)
+        if new and self._listener is not None:
+            self._listener.cached(new, [self._hash[b] for b in new])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (after a weight update, or to drop a salt's entries).
@@ -155,4 +159,6 @@ class PrefixCacheMixin:
         self._hash_to_block.clear()
         self._free.extend(self._evictable)  # oldest first
         self._evictable.clear()
+        if self._listener is not None:
+            self._listener.cleared()
         return True

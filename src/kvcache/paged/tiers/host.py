@@ -1,0 +1,250 @@
+"""The host tier: a pinned host pool of block slots with its own LRU, and the copies between a
+:class:`~kvcache.paged.PagedKVCache`'s blocks and host slots.
+
+A slot holds one block of every layer: ``data`` ``[num_slots, L, *block]`` in the cache's storage dtype (``block``:
+``PagedConfig.pool_shape()[1:]``) and, for int8 / int4, ``params`` float32 ``[num_slots, L, *param_block]``: the
+bytes of ``cache.buffer[:, b]`` / ``cache.params_buffer[:, b]``, so a block comes back bit-exact.
+
+Copies on CUDA run on a side stream: a block leaving the device is gathered on the compute stream (ordered before
+any later write of the block) and copied to its slot on the side stream after it; a block coming back is copied on
+the side stream after everything the compute stream queued so far, and the event recorded after it tells when the
+block may be read. Every copy into or out of host slots runs on that one stream, so a slot is never rewritten
+before an earlier copy out of it has finished. On the CPU the same calls copy at once and return no event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ..cache import PagedKVCache
+
+__all__ = ["HostTier", "Transfers"]
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(position, first slot, length)`` of each run of consecutive slots in ``slots``."""
+    out: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if out and out[-1][1] + out[-1][2] == s:
+            p, f, n = out[-1]
+            out[-1] = (p, f, n + 1)
+        else:
+            out.append((i, s, 1))
+    return out
+
+
+class Transfers:
+    """Block copies between ``cache`` and host tensors, timed; on a side stream on CUDA.
+
+    ``seconds[key]`` and ``nbytes[key]`` accumulate each finished copy's time and bytes under ``key``
+    (``"to_host"``, ``"to_device"``): on CUDA the time between events recorded around the copies on the side stream,
+    read once they completed (:meth:`settle`), on the CPU the wall time of the copies.
+    """
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.cuda = cache.device.type == "cuda"
+        self.stream = torch.cuda.Stream(cache.device) if self.cuda else None
+        self.seconds = {"to_host": 0.0, "to_device": 0.0}
+        self.nbytes = {"to_host": 0, "to_device": 0}
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
+
+    def _tensors(self) -> list[torch.Tensor]:
+        c = self.cache
+        return [c.buffer] + ([c.params_buffer] if c.params_buffer is not None else [])
+
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer (data and params)."""
+        return sum(t[:, 0].numel() * t.element_size() for t in self._tensors())
+
+    def to_host(self, ids: Sequence[int], dst: Sequence[torch.Tensor], slots: Sequence[int]) -> torch.cuda.Event | None:
+        """Copy device blocks ``ids`` into ``dst[k][slots[i]]`` (``dst``: the host tensors ``[n, L, *block]`` matching
+        ``cache.buffer`` and ``cache.params_buffer``). Returns the event after the copies (None on the CPU)."""
+        if not ids:
+            return None
+        idx = torch.tensor(list(ids), dtype=torch.int64).to(self.cache.device, non_blocking=self.cuda)
+        # gathered on the compute stream: before any later write of these blocks
+        staged = [t.index_select(1, idx).transpose(0, 1).contiguous() for t in self._tensors()]
+        return self._copy(staged, dst, list(range(len(ids))), list(slots), "to_host", len(ids))
+
+    def to_device(self, src: Sequence[tuple[Sequence[torch.Tensor], Sequence[int]]], ids: Sequence[int]
+                  ) -> torch.cuda.Event | None:
+        """Copy host blocks into device blocks ``ids`` (in order): ``src`` is a list of (host tensors like ``dst`` of
+        :meth:`to_host`, their slots), concatenated in ``ids`` order. Returns the event after the copies."""
+        if not ids:
+            return None
+        dev = self.cache.device
+        ctx = torch.cuda.stream(self.stream) if self.cuda else _Null()
+        with ctx:
+            if self.cuda:  # the blocks were written or gathered by work queued on the compute stream
+                self.stream.wait_stream(torch.cuda.current_stream(dev))
+            staged = [torch.empty((len(ids), *t.shape[:1], *t.shape[2:]), dtype=t.dtype, device=dev)
+                      for t in self._tensors()]
+            pos = 0
+            start = self._start()
+            for tensors, slots in src:
+                for p, s, n in _runs(slots):
+                    for k, t in enumerate(tensors):
+                        staged[k][pos + p:pos + p + n].copy_(t[s:s + n], non_blocking=self.cuda)
+                pos += len(slots)
+            idx = torch.tensor(list(ids), dtype=torch.int64).to(dev, non_blocking=self.cuda)
+            for t, st in zip(self._tensors(), staged):
+                _bytes_view(t).index_copy_(1, idx, _bytes_view(st).transpose(0, 1))
+            return self._stop(start, "to_device", len(ids))
+
+    def _copy(self, src: list[torch.Tensor], dst: Sequence[torch.Tensor], src_pos: list[int], slots: list[int],
+              key: str, n_blocks: int) -> torch.cuda.Event | None:
+        ctx = torch.cuda.stream(self.stream) if self.cuda else _Null()
+        with ctx:
+            if self.cuda:
+                self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+            start = self._start()
+            for p, s, n in _runs(slots):
+                for a, b in zip(src, dst):
+                    b[s:s + n].copy_(a[src_pos[p]:src_pos[p] + n], non_blocking=self.cuda)
+            if self.cuda:
+                for a in src:
+                    a.record_stream(self.stream)
+            return self._stop(start, key, n_blocks)
+
+    def _start(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.stream)
+        return ev
+
+    def _stop(self, start: object, key: str, n_blocks: int) -> torch.cuda.Event | None:
+        self.nbytes[key] += n_blocks * self.block_bytes()
+        if not self.cuda:
+            self.seconds[key] += time.perf_counter() - start  # type: ignore[operator]
+            return None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.stream)
+        self._timed.append((start, end, key))  # type: ignore[arg-type]
+        return end
+
+    def settle(self) -> None:
+        """Add the time of every finished timed copy to :attr:`seconds` (copies still running stay pending)."""
+        left = []
+        for start, end, key in self._timed:
+            if end.query():
+                self.seconds[key] += start.elapsed_time(end) / 1e3
+            else:
+                left.append((start, end, key))
+        self._timed = left
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as uint8 when it holds 1-byte floats (fp8: index_copy_ has no float8 kernel on the CPU)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class HostTier:
+    """``num_slots`` block slots in (pinned, on CUDA) host memory, keyed by block hash, least recently used first.
+
+    Parameters
+    ----------
+    cache : PagedKVCache
+        The pool whose blocks the slots hold (shapes and dtypes taken from it).
+    num_slots : int
+        Slots (>= 1).
+
+    Attributes
+    ----------
+    data : torch.Tensor
+        ``[num_slots, L, *block]``, the cache's storage dtype, on the CPU.
+    params : torch.Tensor or None
+        float32 ``[num_slots, L, *param_block]`` for int8 / int4, else None.
+
+    Example
+    -------
+    >>> host = HostTier(cache, 64)                           # doctest: +SKIP
+    >>> slot, victim = host.reserve(block_hash)              # doctest: +SKIP
+    """
+
+    name = "host"
+
+    def __init__(self, cache: PagedKVCache, num_slots: int) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots: expected an int >= 1, got {num_slots!r}")
+        pin = cache.device.type == "cuda"
+        b = cache.buffer
+        self.data = torch.empty((num_slots, b.shape[0], *b.shape[2:]), dtype=b.dtype, pin_memory=pin)
+        p = cache.params_buffer
+        self.params = (torch.empty((num_slots, p.shape[0], *p.shape[2:]), dtype=p.dtype, pin_memory=pin)
+                       if p is not None else None)
+        self.num_slots = num_slots
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # hash -> slot, least recently used first
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slots 0, 1, 2, ... first
+        self._event: list[torch.cuda.Event | None] = [None] * num_slots  # last copy into each slot
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """``[data]`` or ``[data, params]``: the host tensors of :class:`Transfers`."""
+        return [self.data] + ([self.params] if self.params is not None else [])
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._slot_of
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def hashes(self) -> list[int]:
+        """Held hashes, least recently used first."""
+        return list(self._slot_of)
+
+    def slot(self, block_hash: int, *, touch: bool = True) -> int | None:
+        """The slot holding ``block_hash`` (None: not held); ``touch`` makes it the most recently used."""
+        s = self._slot_of.get(block_hash)
+        if s is not None and touch:
+            self._slot_of.move_to_end(block_hash)
+        return s
+
+    def reserve(self, block_hash: int) -> tuple[int, int | None]:
+        """A slot for ``block_hash`` (most recently used): a free one, else the least recently used one's, whose hash
+        is returned as the victim (its bytes are still in the slot until the caller copies into it)."""
+        if self._free:
+            s, victim = self._free.pop(), None
+        else:
+            victim, s = self._slot_of.popitem(last=False)
+        self._slot_of[block_hash] = s
+        return s, victim
+
+    def set_event(self, slots: Sequence[int], event: torch.cuda.Event | None) -> None:
+        """Record ``event`` as the end of the latest copy into ``slots``."""
+        for s in slots:
+            self._event[s] = event
+
+    def wait(self, slot: int) -> None:
+        """Block the host until the latest copy into ``slot`` has finished (before the host reads it)."""
+        ev = self._event[slot]
+        if ev is not None:
+            ev.synchronize()
+            self._event[slot] = None
+
+    def block(self, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(data[slot], params[slot] or None)`` once its copy has finished."""
+        self.wait(slot)
+        return self.data[slot], (self.params[slot] if self.params is not None else None)
+
+    def clear(self) -> list[int]:
+        """Drop every entry; returns the hashes dropped."""
+        out = list(self._slot_of)
+        self._slot_of.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        return out
