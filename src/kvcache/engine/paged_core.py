@@ -61,6 +61,10 @@ def _tiers(model: LlamaForward, cache: PagedKVCache, config: EngineConfig) -> Ti
     if model_id is None and config.disk_cache_dir is not None:
         hf = model.hf_model
         model_id = weights_identity([*hf.named_parameters(), *hf.named_buffers()])
+    if model_id is not None:  # every layer's key rope (Gemma 3's sliding layers rotate with their own)
+        ropes = getattr(model, "ropes", [model.rope])
+        rope_of = getattr(model, "rope_of", [0] * model.num_layers)
+        model_id = f"{model_id}; layer ropes {[repr(ropes[k]) for k in rope_of]}"
     return TieredCache(cache, host_bytes=config.host_cache_memory, disk_dir=config.disk_cache_dir,
                        disk_bytes=config.disk_cache_bytes, model_id=model_id,
                        events=KVEventLog() if config.kv_events else None)

@@ -1,0 +1,127 @@
+"""The engine with memory tiers behind its prefix cache (LLM(host_cache_memory=..., disk_cache_dir=...)): a toy
+Llama with random weights on the CPU, a pool too small to keep every prompt, so revisited prompts come back from the
+host or the disk instead of being recomputed; tokens equal to the engine without tiers; persistence across engines;
+damaged entries refused and recomputed; events and stats; refusals by name."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvcache.engine import LLM, SamplingParams
+from kvcache.paged.events import BlockRemoved, BlockStored
+
+BS = 8
+SP = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+class _Text:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(2, 256, (41,), generator=g).tolist() for _ in range(4)]  # 5 full blocks each
+
+
+def _llm(model, **kw) -> LLM:
+    kw.setdefault("num_blocks", 12)  # two prompts' blocks: the others are evicted
+    return LLM(model, tokenizer=_Text(), max_num_seqs=2, max_model_len=64, block_size=BS, **kw)
+
+
+def _visit_twice(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt alone, then each again (its blocks evicted meanwhile by the others)."""
+    return [llm.generate([p], SP)[0].token_ids for _ in range(2) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts) -> list[list[int]]:
+    llm = _llm(model)
+    out = _visit_twice(llm, prompts)
+    assert llm.stats.total.cached_prompt_tokens == 0  # the pool alone keeps nothing across the visits
+    return out
+
+
+@pytest.mark.parametrize(("kv_dtype", "cuda_graphs"), [("auto", False), ("auto", True), ("int8", False)])
+def test_host_tier_brings_prefixes_back_with_equal_tokens(model, prompts, reference, kv_dtype, cuda_graphs):
+    llm = _llm(model, host_cache_memory=2**20, kv_dtype=kv_dtype, cuda_graphs=cuda_graphs)
+    out = _visit_twice(llm, prompts)
+    # int8: the blocks come back bit-exact, so the tokens equal the int8 engine's without tiers
+    assert out == (reference if kv_dtype == "auto" else _visit_twice(_llm(model, kv_dtype="int8"), prompts))
+    total = llm.stats.total
+    # the second visit of each prompt: its 5 full blocks (40 tokens) from the host tier
+    assert total.cached_prompt_tokens >= 4 * 5 * BS
+    host = total.tiers["host"]
+    assert host.hits >= 4 * 5 and host.stored > 0 and host.bytes_out > 0 and host.bytes_in > 0
+    assert llm.stats.tiers["host"].hits <= host.hits  # the last call's share
+
+
+def test_disk_tier_persists_across_engines(model, prompts, reference, tmp_path):
+    first = _llm(model, disk_cache_dir=tmp_path)
+    assert _visit_twice(first, prompts) == reference
+    assert first.stats.total.tiers["disk"].stored > 0
+    # a new engine of the same model on the same directory: the first visits already hit the disk
+    second = _llm(model, disk_cache_dir=tmp_path)
+    out = [second.generate([p], SP)[0].token_ids for p in prompts]
+    assert out == reference[:4]
+    assert second.stats.total.tiers["disk"].hits > 0 and second.stats.total.cached_prompt_tokens > 0
+
+
+def test_damaged_disk_entries_are_refused_and_recomputed(model, prompts, reference, tmp_path):
+    first = _llm(model, disk_cache_dir=tmp_path)
+    _visit_twice(first, prompts)
+    folder = first.tiers.disk.directory
+    files = sorted(os.listdir(folder))
+    for name in files:  # one byte flipped in every entry
+        path = os.path.join(folder, name)
+        raw = bytearray(open(path, "rb").read())
+        raw[-3] ^= 0x40
+        open(path, "wb").write(raw)
+    second = _llm(model, disk_cache_dir=tmp_path)
+    out = [second.generate([p], SP)[0].token_ids for p in prompts]
+    assert out == reference[:4]
+    disk = second.stats.total.tiers["disk"]
+    assert disk.hits == 0 and disk.refused > 0 and second.stats.total.cached_prompt_tokens == 0
+
+
+def test_another_model_id_or_format_finds_nothing(model, prompts, reference, tmp_path):
+    _visit_twice(_llm(model, disk_cache_dir=tmp_path, cache_model_id="a"), prompts)
+    for kw in (dict(cache_model_id="b"), dict(cache_model_id="a", kv_dtype="int8")):
+        other = _llm(model, disk_cache_dir=tmp_path, **kw)
+        [other.generate([p], SP) for p in prompts]
+        assert other.stats.total.tiers["disk"].hits == 0
+
+
+def test_kv_events_report_the_tiers(model, prompts):
+    llm = _llm(model, host_cache_memory=2**20, kv_events=True)
+    _visit_twice(llm, prompts)
+    ev = llm.kv_events()
+    media = {(type(e).__name__, e.medium) for e in ev}
+    assert {("BlockStored", "device"), ("BlockRemoved", "device"), ("BlockStored", "host")} <= media
+    stored_host = {h for e in ev if isinstance(e, BlockStored) and e.medium == "host" for h in e.block_hashes}
+    removed_dev = {h for e in ev if isinstance(e, BlockRemoved) and e.medium == "device" for h in e.block_hashes}
+    assert stored_host <= removed_dev  # only evicted blocks reach the host
+    assert llm.kv_events() == []
+    with pytest.raises(ValueError, match="^kv_events: "):
+        _llm(model, host_cache_memory=2**20).kv_events()
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    (dict(cache="linear", host_cache_memory=2**20), "host_cache_memory"),
+    (dict(cache="linear", disk_cache_dir="/tmp/x"), "disk_cache_dir"),
+    (dict(cache="linear", kv_events=True), "kv_events"),
+    (dict(enable_prefix_caching=False, host_cache_memory=2**20), "host_cache_memory"),
+    (dict(host_cache_memory=100), "host_cache_memory"),
+])
+def test_refused_by_name(model, kw, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        LLM(model, tokenizer=_Text(), max_model_len=64, kv_cache_memory=2**20, **kw)
