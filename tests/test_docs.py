@@ -29,7 +29,12 @@ def check_hf(ns: dict, printed: str) -> None:
     assert ns["lin"].get_seq_length() == 0  # allocated lazily, nothing written
 
 
-CHECKS = {"hf.md": check_hf}
+def check_tiers(ns: dict, printed: str) -> None:
+    assert printed.strip() == "20 160"  # 4 revisited prompts x 5 blocks of 8 tokens from the host tier
+    assert {(type(e).__name__, e.medium) for e in ns["events"]} >= {("BlockStored", "host"), ("BlockRemoved", "device")}
+
+
+CHECKS = {"hf.md": check_hf, "tiers.md": check_tiers}
 
 
 def test_every_python_block_is_checked() -> None:
