@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: a 135M model's matmuls are "
                    "too small to share; measured 5x slower with 2 threads on a busy 2-core machine)")
+    p.add_argument("--host-cache-mib", type=int, default=0, metavar="MIB",
+                   help="a host tier of MIB MiB behind the prefix cache (paged; docs/tiers.md; default 0: off)")
+    p.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                   help="a disk tier of checksummed block files in DIR, reused by later runs (paged; default: off)")
     p.add_argument("--no-check", action="store_true", help="skip the Hugging Face generate comparison")
     return p
 
@@ -194,7 +198,10 @@ def demo_main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # the demo draws its own progress; GGUF conversion bars would interleave
     hf_model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     load_s = time.perf_counter() - t0
-    llm = LLM(hf_model, tokenizer=tok, kv_dtype=args.kv_dtype, cache=args.cache, max_num_seqs=args.max_num_seqs)
+    tiers = {k: v for k, v in (("host_cache_memory", args.host_cache_mib * 2**20),
+                               ("disk_cache_dir", args.disk_cache_dir)) if v}
+    llm = LLM(hf_model, tokenizer=tok, kv_dtype=args.kv_dtype, cache=args.cache, max_num_seqs=args.max_num_seqs,
+              **tiers)
     convs = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in questions]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     with console.progress("kvcache engine", len(convs)) as bar:
@@ -216,6 +223,8 @@ def demo_main(argv: list[str] | None = None) -> int:
         ("kv_dtype", st.kv_dtype),
         ("cache", f"{st.cache} ({st.attention})"),
         ("preemptions", f"{st.preemptions}"),
+        *((f"{name} tier", f"{t.hits} blocks back, {t.stored} stored, {t.refused} refused")
+          for name, t in st.tiers.items()),
         ("model load", f"{load_s:.1f} s"),
     ]
     if console.rich is not None:
