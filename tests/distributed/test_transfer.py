@@ -1,11 +1,16 @@
-"""KV transfer by torch.distributed point-to-point: blocks of every kv_dtype and snapshots arrive bit-exact,
-formats are checked on arrival (nothing written on a mismatch), the receiver's blocks come from its own
-allocator, and a disaggregated prefill -> decode run gives the single-process tokens."""
+"""KV transfer by torch.distributed point-to-point: blocks of every kv_dtype and snapshots arrive bit-exact
+(one chunk or many, chunk sizes that do not divide the payload, torch and the Triton kernels under the
+interpreter), formats are checked on arrival (nothing written on a mismatch), damage on the wire (a changed
+byte, swapped chunks, a changed header) is named and leaves the documented state, the receiver's blocks come
+from its own allocator, and a disaggregated prefill -> decode run gives the single-process tokens."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import kvcache
 from kvcache import BlockAllocator, KVSnapshot
@@ -18,6 +23,7 @@ from .world import RankContext
 pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = [9, 6]  # tokens per sequence of the sender's prefill
+INTERPRET = {"KVCACHE_TRITON_INTERPRET": "1"}  # the ranks run the Triton kernels through the interpreter
 
 
 def _prefilled(device: torch.device, seed: int, **kw):  # type: ignore[no-untyped-def]
@@ -44,8 +50,8 @@ def _sent_ids(table: torch.Tensor) -> list[int]:
     return [int(x) for b, n in enumerate(PROMPTS) for x in table[b, :-(-n // bs)].tolist()]
 
 
-def _sentinel(cache) -> None:  # type: ignore[no-untyped-def]
-    g = torch.Generator().manual_seed(5)
+def _sentinel(cache, seed: int = 5) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
     cache.buffer.view(torch.uint8).copy_(torch.randint(0, 256, cache.buffer.view(torch.uint8).shape, generator=g,
                                                        dtype=torch.uint8))
     if cache.params_buffer is not None:
@@ -80,13 +86,21 @@ def _snapshot_state(cache):  # type: ignore[no-untyped-def]
             None if cache.params_buffer is None else cache.params_buffer.view(torch.int32).clone())
 
 
-def _blocks_roundtrip(ctx: RankContext, kw: dict, checksum: bool) -> list[int] | None:
+def _row_bytes(cache) -> int:  # type: ignore[no-untyped-def]
+    """Payload bytes of one block of one layer (data and params): the wire's row."""
+    return cache.config.block_bytes // cache.num_layers
+
+
+def _blocks_roundtrip(ctx: RankContext, kw: dict, checksum: bool, rows_per_chunk: float | None = None
+                      ) -> list[int] | None:
     """Every rank but the last sends its blocks (its own data) to the last rank, which receives them in rank
-    order and compares with the senders' caches rebuilt locally."""
+    order and compares with the senders' caches rebuilt locally. ``rows_per_chunk``: the sender's chunk_bytes
+    in rows (None: the default, one chunk here)."""
     last = ctx.size - 1
     if ctx.rank != last:
         cache, table = _prefilled(ctx.device, 100 + ctx.rank, **kw)
-        assert send_blocks(cache, _sent_ids(table), dst=last, checksum=checksum) is True
+        chunk = None if rows_per_chunk is None else int(rows_per_chunk * _row_bytes(cache))
+        assert send_blocks(cache, _sent_ids(table), dst=last, checksum=checksum, chunk_bytes=chunk) is True
         return None
     cache, alloc = _receiver(ctx, kw)
     free0 = alloc.num_free_blocks
@@ -131,6 +145,61 @@ def test_blocks_arrive_bit_exact(world, kw: dict) -> None:
 @pytest.mark.parametrize("world", world_params(2), indirect=True)
 def test_blocks_without_checksum(world) -> None:
     world.run(_blocks_roundtrip, dict(kv_dtype="int4", layout="HND"), False)
+    world.run(_blocks_roundtrip, dict(kv_dtype="auto"), False, 3)
+
+
+KW_ALL = {
+    "fp16": dict(kv_dtype="auto", layout="NHD", dtype=torch.float16),
+    "fp8": dict(kv_dtype="fp8", layout="HND", dtype=torch.float16),
+    "int8": dict(kv_dtype="int8", layout="NHD", dtype=torch.bfloat16),
+    "int4": dict(kv_dtype="int4", layout="HND", dtype=torch.float16, head_dim=10, num_kv_heads=3),
+}
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+@pytest.mark.parametrize("name", sorted(KW_ALL))
+def test_blocks_arrive_bit_exact_in_chunks(world, name: str) -> None:
+    """10 rows (2 layers x 5 blocks) in chunks of one row, of 3 rows (the last chunk 1 row), and of 4.5 rows'
+    bytes (rounded down to 4: the last chunk 2 rows)."""
+    for rows in (1, 3, 4.5):
+        world.run(_blocks_roundtrip, KW_ALL[name], True, rows)
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+@pytest.mark.parametrize("name", ["fp16", "int4", "fp8"])
+def test_blocks_in_chunks_through_the_triton_kernels(world, name: str) -> None:
+    """The checksum and the checked scatter as Triton kernels (the interpreter on the CPU, compiled on GPUs)."""
+    world.run(_blocks_roundtrip, KW_ALL[name], True, 3, env=INTERPRET)
+
+
+def _counts(ctx: RankContext, kw: dict) -> None:
+    """One block, then every free block of the receiver (18, in random order, from a pool of random bytes), in
+    chunks of 5 rows (36 rows: the last chunk 1)."""
+    g = torch.Generator().manual_seed(9)
+    if ctx.rank == 0:
+        cache = make_cache(ctx.device, **kw)
+        _sentinel(cache, seed=77)
+        assert send_blocks(cache, [13], dst=1, chunk_bytes=5 * _row_bytes(cache))
+        assert send_blocks(cache, torch.randperm(24, generator=g)[:18], dst=1, chunk_bytes=5 * _row_bytes(cache))
+        return
+    src_cache = make_cache(ctx.device, **kw)
+    _sentinel(src_cache, seed=77)
+    cache, alloc = _receiver(ctx, kw)
+    before = _snapshot_state(cache)
+    one = recv_blocks(cache, alloc, src=0)
+    assert one == [5]
+    _check_arrived(cache, before, one, src_cache, [13])
+    before = _snapshot_state(cache)
+    many = recv_blocks(cache, alloc, src=0)
+    assert many == list(range(6, 24))  # a new allocator hands out free blocks in order
+    _check_arrived(cache, before, many, src_cache, torch.randperm(24, generator=g)[:18].tolist())
+    assert alloc.num_free_blocks == 0
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+@pytest.mark.parametrize("name", ["fp16", "int8"])
+def test_one_block_and_every_free_block(world, name: str) -> None:
+    world.run(_counts, KW_ALL[name])
 
 
 MISMATCH = {
@@ -220,42 +289,136 @@ def test_fp8_scales_checked_or_adopted(world) -> None:
     world.run(_fp8_scales)
 
 
-def _damaged(ctx: RankContext) -> None:
-    """A peer speaking the documented wire format with a payload whose checksum does not match: rejected after
-    arrival, nothing written, the blocks given back."""
-    import torch.distributed as dist
+class _Sent:
+    """The works of messages sent in place of one."""
 
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        return all(w.wait() for w in self.works)
+
+
+@contextlib.contextmanager
+def _tampered(tamper):  # type: ignore[no-untyped-def]
+    """This rank's point-to-point sends pass through ``tamper(i, tensor) -> tensors to send instead`` (``i``:
+    the message's index: 0 the header, then the chunks): damage on the wire, below the transfer's code."""
+    real = dist.isend
+    count = [0]
+
+    def isend(tensor, dst=None, group=None, tag=0, **kw):  # type: ignore[no-untyped-def]
+        i = count[0]
+        count[0] += 1
+        return _Sent([real(t, dst, group=group, tag=tag, **kw) for t in tamper(i, tensor)])
+
+    dist.isend = isend
+    try:
+        yield
+    finally:
+        dist.isend = real
+
+
+def _flip(at: int, byte: int):  # type: ignore[no-untyped-def]
+    def tamper(i: int, t: torch.Tensor) -> list[torch.Tensor]:
+        if i != at:
+            return [t]
+        t = t.clone()
+        t.view(torch.uint8)[byte] ^= 0x20
+        return [t]
+    return tamper
+
+
+def _swap(a: int):  # type: ignore[no-untyped-def]
+    """Messages ``a`` and ``a + 1`` sent in each other's place."""
+    held: list[torch.Tensor] = []
+
+    def tamper(i: int, t: torch.Tensor) -> list[torch.Tensor]:
+        if i == a:
+            held.append(t.clone())
+            return []
+        return [t, held.pop()] if i == a + 1 else [t]
+    return tamper
+
+
+DAMAGE = {  # what happens on the wire (message c + 1 is chunk c), the damaged chunks; 10 rows in 5 chunks of 2
+    "byte-in-chunk-1": (_flip(2, 77), {1}),
+    "trailer-of-chunk-4": (_flip(5, -12), {4}),  # lane B of the checksum the sender wrote
+    "chunks-1-and-2-swapped": (_swap(2), {1, 2}),
+}
+
+
+def _damaged(ctx: RankContext, name: str, kw: dict) -> None:
+    """A chunk damaged on the wire: the receiver names the first once every chunk is in, gives its new blocks
+    back and leaves exactly this state: the damaged chunks' rows not written, the other chunks' rows written,
+    every other block unchanged. The next transfer works."""
+    tamper, bad = DAMAGE[name]
     if ctx.rank == 0:
-        c = make_cache(ctx.device).config
-        n = 2
-        data = c.num_layers * n * 2 * c.block_size * c.num_kv_heads * c.head_dim * 2  # fp16 bytes
-        total = -(-data // wire.CHUNK) * wire.CHUNK
-        h = [0] * wire.HEADER_LEN
-        h[wire.F_MAGIC], h[wire.F_KIND] = wire.MAGIC, wire.KIND_BLOCKS
-        h[wire.F_KV_DTYPE], h[wire.F_LAYOUT], h[wire.F_DTYPE] = 0, 0, wire.DTYPE_CODES[torch.float16]
-        h[wire.F_LAYERS], h[wire.F_HEADS], h[wire.F_HEAD_DIM] = c.num_layers, c.num_kv_heads, c.head_dim
-        h[wire.F_BLOCK_SIZE], h[wire.F_COUNT], h[wire.F_NBYTES], h[wire.F_DATA] = c.block_size, n, total, data
-        payload = torch.randint(0, 256, (total,), dtype=torch.uint8)
-        payload[data:] = 0
-        h[wire.F_HAS_SUM], h[wire.F_SUM] = 1, int(wire.checksum(payload)) + 1
-        dist.send(torch.tensor(h, dtype=torch.int64), dst=1)
-        ack = torch.empty(wire.ACK_LEN, dtype=torch.int64)
-        dist.recv(ack, src=1)
-        assert ack[0].item() == wire.ACCEPT
-        dist.send(payload, dst=1)
+        cache, table = _prefilled(ctx.device, 6, **kw)
+        with _tampered(tamper):
+            assert send_blocks(cache, _sent_ids(table), dst=1, chunk_bytes=2 * _row_bytes(cache))
+        assert send_blocks(cache, _sent_ids(table), dst=1, chunk_bytes=2 * _row_bytes(cache))
         return
-    cache, alloc = _receiver(ctx, {})
+    cache, alloc = _receiver(ctx, kw)
     before, free0 = _snapshot_state(cache), alloc.num_free_blocks
-    with pytest.raises(ValueError, match="arrived damaged"):
+    with pytest.raises(ValueError, match=rf"src: chunk {min(bad)} of 5 of the blocks from rank 0 arrived damaged.*"
+                                         r"it was not written; the 5 new blocks were given back"):
         recv_blocks(cache, alloc, src=0)
-    assert alloc.num_free_blocks == free0 and torch.equal(cache.buffer.view(torch.uint8), before[0])
+    assert alloc.num_free_blocks == free0
+    src_cache, src_table = _prefilled(ctx.device, 6, **kw)
+    sent, new = _sent_ids(src_table), list(range(5, 10))  # the blocks a new allocator hands out next
+    for pool, mine, old, theirs in _pools_of(cache, before, src_cache):
+        for layer in range(cache.num_layers):
+            for j, b in enumerate(new):
+                want = old[layer, b] if (layer * len(new) + j) // 2 in bad else theirs[layer, sent[j]]
+                assert torch.equal(mine[layer, b], want), (pool, layer, j)
+        keep = [b for b in range(cache.config.num_blocks) if b not in new]
+        assert torch.equal(mine[:, keep], old[:, keep])
+    after = _snapshot_state(cache)
+    ids = recv_blocks(cache, alloc, src=0)
+    assert ids is not None and len(ids) == 5
+    _check_arrived(cache, after, ids, src_cache, sent)
+
+
+def _pools_of(cache, before, src_cache):  # type: ignore[no-untyped-def]
+    """(name, this cache's, as before, the sender's) bytes of each pool, ``[L, num_blocks, ...]``."""
+    out = [("data", cache.buffer.view(torch.uint8), before[0], src_cache.buffer.view(torch.uint8))]
+    if cache.params_buffer is not None:
+        out.append(("params", cache.params_buffer.view(torch.int32), before[1],
+                    src_cache.params_buffer.view(torch.int32)))
+    return out
 
 
 @pytest.mark.parametrize("world", world_params(2), indirect=True)
-def test_damaged_payload_rejected(world) -> None:
-    if world.backend != "gloo":
-        pytest.skip("the hand-made peer sends host tensors (gloo)")
-    world.run(_damaged)
+@pytest.mark.parametrize("name", sorted(DAMAGE))
+def test_damaged_chunk_named_and_not_written(world, name: str) -> None:
+    world.run(_damaged, name, KW_ALL["int8"])
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+def test_damaged_chunk_not_written_by_the_triton_kernels(world) -> None:
+    world.run(_damaged, "byte-in-chunk-1", KW_ALL["fp16"], env=INTERPRET)
+
+
+def _damaged_header(ctx: RankContext) -> None:
+    """A header changed on the wire: refused on both ranks before anything moves; the next transfer works."""
+    if ctx.rank == 0:
+        cache, table = _prefilled(ctx.device, 7)
+        with _tampered(_flip(0, 8 * wire.F_COUNT)), pytest.raises(ValueError, match="dst: rank 1 rejected the "
+                                                                                  "blocks: the header arrived damaged"):
+            send_blocks(cache, _sent_ids(table), dst=1)
+        assert send_blocks(cache, _sent_ids(table), dst=1)
+        return
+    cache, alloc = _receiver(ctx, {})
+    before, free0 = _snapshot_state(cache), alloc.num_free_blocks
+    with pytest.raises(ValueError, match="src: the header of the blocks from rank 0 arrived damaged"):
+        recv_blocks(cache, alloc, src=0)
+    assert alloc.num_free_blocks == free0 and torch.equal(cache.buffer.view(torch.uint8), before[0])
+    assert recv_blocks(cache, alloc, src=0) == list(range(5, 10))  # a new allocator hands out blocks in order
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+def test_damaged_header_rejected_on_both_ranks(world) -> None:
+    world.run(_damaged_header)
 
 
 # ------------------------------------------------------------------------------------------ snapshots

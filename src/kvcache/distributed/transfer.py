@@ -2,10 +2,12 @@
 every layer (any kv_dtype; int8 / int4 scale / zero and fp8 scales included) and :class:`~kvcache.KVSnapshot`
 prefixes, for disaggregated serving (prefill on one rank, decode on another).
 
-Each transfer is a header, an answer and one packed payload (see :mod:`kvcache.distributed.wire`): the
-receiver checks format and shape against its own before anything moves, takes its blocks from its own
-allocator, checks the payload's checksum, and only then writes into its cache. Both ranks must call the
-matching pair (``send_blocks`` / ``recv_blocks``, ``send_snapshot`` / ``recv_snapshot``) in the same order.
+Each transfer is a header, an answer and the payload in checksummed chunks (see
+:mod:`kvcache.distributed.wire`): the receiver checks format and shape against its own before anything moves
+and takes its blocks from its own allocator; the sender packs chunk ``i + 1`` while chunk ``i`` travels, the
+receiver checks each chunk's checksum on the device and scatters it into the new blocks only if it matches.
+Both ranks must call the matching pair (``send_blocks`` / ``recv_blocks``, ``send_snapshot`` /
+``recv_snapshot``) in the same order.
 
 Arguments are validated before the first message: a rank that raises there leaves its peer waiting (until the
 process group's timeout). After the header, a mismatch raises ValueError on both ranks.
@@ -22,7 +24,9 @@ from .. import _validate
 from ..linear import KVSnapshot
 from ..paged import BlockAllocator, PagedKVCache
 from . import wire as W
-from ._comm import as_bytes, check_peer, comm_device
+from ._comm import check_peer, comm_device
+from ._kernels import scatter_rows
+from ._pipe import Channel, ChunkSender, receive_chunks
 
 __all__ = ["send_blocks", "recv_blocks", "send_snapshot", "recv_snapshot"]
 
@@ -56,118 +60,116 @@ def _bool(name: str, value: object) -> bool:
     return value
 
 
-def _layout(cache: PagedKVCache, n: int) -> tuple[int, int, int, int]:
-    """(data, params, scales, padded total) payload bytes of ``n`` blocks of ``cache``."""
-    buf = cache.buffer
-    data = buf.shape[0] * n * (buf[0, 0].numel() * buf.element_size())
-    params = 0
-    if cache.params_buffer is not None:
-        pb = cache.params_buffer
-        params = pb.shape[0] * n * pb[0, 0].numel() * pb.element_size()
-    scales = cache.num_layers * 2 * 4 if cache.config.kv_dtype == "fp8" else 0
-    total = W.align(W.align(W.align(data) + params) + scales, W.CHUNK) if n else 0
-    return data, params, scales, total
+def _chunk_bytes(value: object) -> int | None:
+    return None if value is None else _validate.check_int("chunk_bytes", value, 1)
 
 
-def _block_header(cache: PagedKVCache, n: int) -> list[int]:
+def _wide(pool: torch.Tensor) -> torch.Tensor:
+    """``[L, num_blocks, *block]`` pool as ``[L * num_blocks, words]`` rows (row ``l * num_blocks + b``: block
+    ``b`` of layer ``l``) of the widest integer dtype dividing a block's bytes: packing and scattering move
+    8-byte words where they can, not bytes (several times faster)."""
+    b = pool.view(torch.uint8).view(pool.shape[0] * pool.shape[1], -1)
+    for dt, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if b.shape[1] % size == 0:
+            return b.view(dt)
+    return b
+
+
+def _pools(cache: PagedKVCache) -> list[torch.Tensor]:
+    """The row views (:func:`_wide`) of the data pool and, for int8 / int4, the params pool."""
+    return [_wide(cache.buffer)] + ([_wide(cache.params_buffer)] if cache.params_buffer is not None else [])
+
+
+def _rows_index(cache: PagedKVCache, ids: list[int]) -> torch.Tensor:
+    """int64 ``[L * n]``: the pool row of payload row ``l * n + j`` (block ``ids[j]`` of layer ``l``)."""
+    idx = torch.tensor(ids, dtype=torch.int64, device=cache.device)
+    layers = torch.arange(cache.num_layers, dtype=torch.int64, device=cache.device) * cache.config.num_blocks
+    return (layers[:, None] + idx[None, :]).reshape(-1)
+
+
+def _block_layout(cache: PagedKVCache, n: int, chunk_rows: int | None = None,
+                  chunk_bytes: int | None = None) -> W.Layout:
+    parts = tuple(p.shape[1] * p.element_size() for p in _pools(cache))
+    prefix = cache.num_layers * 2 * 4 if cache.config.kv_dtype == "fp8" and n else 0
+    if chunk_rows is not None:
+        return W.Layout(prefix, parts, cache.num_layers * n, max(1, chunk_rows))
+    return W.Layout.build(prefix, parts, cache.num_layers * n, chunk_bytes)
+
+
+def _block_header(cache: PagedKVCache, n: int, layout: W.Layout, checksum: bool) -> list[int]:
     c = cache.config
-    data, params, scales, total = _layout(cache, n)
     h = W.new_header(W.KIND_BLOCKS)
     h[W.F_KV_DTYPE] = W.KV_DTYPE_CODES[c.kv_dtype]
     h[W.F_LAYOUT] = W.LAYOUT_CODES[c.layout]
     h[W.F_DTYPE] = W.DTYPE_CODES[c.dtype]
     h[W.F_LAYERS], h[W.F_HEADS], h[W.F_HEAD_DIM], h[W.F_BLOCK_SIZE] = c.num_layers, c.num_kv_heads, c.head_dim, \
         c.block_size
-    h[W.F_COUNT], h[W.F_NBYTES], h[W.F_DATA], h[W.F_PARAMS], h[W.F_SCALES] = n, total, data, params, scales
+    h[W.F_COUNT], h[W.F_HAS_SUM] = n, int(checksum)
+    h[W.F_DATA] = layout.parts[0]
+    h[W.F_PARAMS] = layout.parts[1] if len(layout.parts) > 1 else 0
+    layout.fields(h)
     return h
 
 
-def _wide(pool: torch.Tensor) -> torch.Tensor:
-    """``[L, num_blocks, *block]`` pool as ``[L, num_blocks, words]`` of the widest integer dtype dividing a
-    block's bytes: packing and scattering move 8-byte words, not bytes (several times faster)."""
-    b = pool.view(torch.uint8).view(pool.shape[0], pool.shape[1], -1)
-    for dt, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if b.shape[2] % size == 0:
-            return b.view(dt)
-    return b
-
-
-def _parts(payload: torch.Tensor, cache: PagedKVCache, n: int) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                        torch.Tensor | None]:
-    """Views of the payload's parts: data and params as :func:`_wide` of the pools with ``n`` blocks, fp8
-    scales as float32 ``[L, 2]``."""
-    data, params, scales, _ = _layout(cache, n)
-    dw = _wide(cache.buffer)
-    d = payload[:data].view(dw.dtype).view(dw.shape[0], n, dw.shape[2])
-    p = s = None
-    off = W.align(data)
-    if cache.params_buffer is not None:
-        pw = _wide(cache.params_buffer)
-        p = payload[off:off + params].view(pw.dtype).view(pw.shape[0], n, pw.shape[2])
-    off = W.align(off + params)
-    if scales:
-        s = payload[off:off + scales].view(torch.float32).view(cache.num_layers, 2)
-    return d, p, s
-
-
-def _zero_gaps(payload: torch.Tensor, used: list[tuple[int, int]]) -> None:
-    pos = 0
-    for start, end in used:
-        if start > pos:
-            payload[pos:start].zero_()
-        pos = end
-    if pos < payload.numel():
-        payload[pos:].zero_()
-
-
-def _send_with_answer(header: list[int], csum: torch.Tensor | None, payload: torch.Tensor, dst: int,
-                      group: dist.ProcessGroup | None, dev: torch.device, what: str) -> int:
-    """Send the header, wait for the answer; on ACCEPT send the payload. Returns the answer's status."""
-    dist.send(W.header_tensor(header, csum, payload.device).to(dev), dst=dst, group=group)
-    ack = torch.empty(W.ACK_LEN, dtype=torch.int64, device=dev)
-    dist.recv(ack, src=dst, group=group)
+def _send(header: list[int], layout: W.Layout, fill, checksum: bool, dst: int,  # type: ignore[no-untyped-def]
+          group: dist.ProcessGroup | None, device: torch.device, what: str) -> int:
+    """Send the sealed header; pack chunk 0 while the answer travels; on ACCEPT send every chunk. Returns the
+    answer's status (ValueError on REJECT)."""
+    ch = Channel(group, dst, device)
+    sent = ch.isend(torch.tensor(W.seal(header), dtype=torch.int64, device=device))
+    ack = ch.ints(W.ACK_LEN)
+    answer = ch.irecv(ack)
+    sender = ChunkSender(ch, layout, fill, checksum)
+    if layout.chunks:
+        sender.pack(0)
+    answer.wait()
+    sent.wait()
     status, field, theirs = ack.tolist()
     if status == W.REJECT:
+        if field in (W.F_SEAL_A, W.F_SEAL_B):
+            raise ValueError(f"dst: rank {dst} rejected the {what}: the header arrived damaged")
         raise ValueError(f"dst: rank {dst} rejected the {what}: it expects {W.FIELD_NAMES.get(field, field)} "
                          f"{W.describe(field, theirs)}, these have {W.describe(field, header[field])}")
-    if status == W.ACCEPT and header[W.F_NBYTES]:
-        dist.send(payload.to(dev), dst=dst, group=group)
+    if status == W.ACCEPT:
+        sender.send()
     return status
 
 
-def _recv_header(src: int, group: dist.ProcessGroup | None, dev: torch.device) -> list[int]:
-    h = torch.empty(W.HEADER_LEN, dtype=torch.int64, device=dev)
-    dist.recv(h, src=src, group=group)
-    return h.tolist()
+def _recv_header(ch: Channel, what: str) -> list[int]:
+    """The sender's header; REJECT and ValueError if it is of another protocol or arrived damaged."""
+    t = ch.ints(W.HEADER_LEN)
+    ch.irecv(t).wait()
+    got = t.tolist()
+    _reject_first(got, {W.F_MAGIC: W.MAGIC}, ch, what)
+    if not W.sealed(got):
+        _answer(ch, W.REJECT, W.F_SEAL_A, 0)
+        raise ValueError(f"src: the header of the {what} from rank {ch.peer} arrived damaged (its checksum "
+                         f"differs); nothing was written")
+    return got
 
 
-def _answer(status: int, field: int, value: int, src: int, group: dist.ProcessGroup | None,
-            dev: torch.device) -> None:
-    dist.send(torch.tensor([status, field, value], dtype=torch.int64, device=dev), dst=src, group=group)
+def _answer(ch: Channel, status: int, field: int, value: int) -> None:
+    ch.isend(torch.tensor([status, field, value], dtype=torch.int64, device=ch.work)).wait()
 
 
-def _reject_first(got: list[int], expect: dict[int, int], src: int, group: dist.ProcessGroup | None,
-                  dev: torch.device, what: str) -> None:
+def _reject_first(got: list[int], expect: dict[int, int], ch: Channel, what: str) -> None:
     """Answer REJECT and raise ValueError at the first header field that differs from ``expect``."""
     for field, want in expect.items():
         if got[field] != want:
-            _answer(W.REJECT, field, want, src, group, dev)
-            raise ValueError(f"src: rank {src} sent {what} with {W.FIELD_NAMES[field]} "
+            _answer(ch, W.REJECT, field, want)
+            raise ValueError(f"src: rank {ch.peer} sent {what} with {W.FIELD_NAMES[field]} "
                              f"{W.describe(field, got[field])}, expected {W.describe(field, want)}")
 
 
-def _recv_payload(header: list[int], src: int, group: dist.ProcessGroup | None, dev: torch.device,
-                  device: torch.device, what: str) -> torch.Tensor:
-    payload = torch.empty(header[W.F_NBYTES], dtype=torch.uint8, device=dev)
-    if payload.numel():
-        dist.recv(payload, src=src, group=group)
-    payload = payload.to(device)
-    if header[W.F_HAS_SUM]:
-        got = int(W.checksum(payload).item())
-        if got != header[W.F_SUM]:
-            raise ValueError(f"src: the {what} from rank {src} arrived damaged (checksum {got}, the sender's "
-                             f"{header[W.F_SUM]}); nothing was written")
-    return payload
+def _expect_layout(got: list[int], layout: W.Layout, ch: Channel, what: str) -> None:
+    """REJECT a header whose layout fields are not the ones its own sizes give (an inconsistent sender)."""
+    _reject_first(got, {W.F_PREFIX: layout.prefix, W.F_ROWS: layout.rows, W.F_CHUNKS: layout.chunks,
+                        W.F_NBYTES: layout.nbytes}, ch, what)
+
+
+def _damaged(what: str, src: int, bad: int, layout: W.Layout, after: str) -> ValueError:
+    return ValueError(f"src: chunk {bad} of {layout.chunks} of the {what} from rank {src} arrived damaged (its "
+                      f"checksum differs from the sender's); {after}")
 
 
 # ------------------------------------------------------------------------------------------------ blocks
@@ -180,16 +182,19 @@ def send_blocks(
     group: dist.ProcessGroup | None = None,
     *,
     checksum: bool = True,
+    chunk_bytes: int | None = None,
 ) -> bool:
     """Send blocks of every layer of ``cache`` to rank ``dst``, which calls :func:`recv_blocks`.
 
     The blocks' bytes (data pool, int8 / int4 scale / zero, fp8 K / V scales) are packed on the cache's device
-    into one payload and sent after the receiver has accepted the header.
+    chunk by chunk (rows of one block of one layer, layer-major) and sent once the receiver has accepted the
+    header; chunk ``i + 1`` is packed and checksummed while chunk ``i`` is on the wire.
 
     Parameters
     ----------
     cache : PagedKVCache
-        The sending cache; the blocks are read, not freed (free them in your allocator once this returns).
+        The sending cache; the blocks are read, not freed (free them in your allocator once this returns: on
+        CUDA the current stream then waits for the sends, so later writes to those blocks are ordered after).
     block_ids : sequence of int or torch.Tensor
         Block ids in ``[0, num_blocks)``, in the order the receiver's new ids will follow.
     dst : int
@@ -198,12 +203,17 @@ def send_blocks(
         Default: the world. NCCL for CUDA caches (messages stay on the GPU), gloo for CPU caches (and CUDA
         caches, through host memory).
     checksum : bool
-        Send a checksum of the payload (one extra read of it on each side), checked on arrival.
+        Send each chunk's checksum (computed on the device, one extra read of the payload on each side),
+        checked on arrival before the chunk is written.
+    chunk_bytes : int, optional
+        Payload bytes per chunk, rounded down to whole rows (one block of one layer; one row at least).
+        Default: :func:`kvcache.distributed.wire.default_chunk_bytes` (an eighth of the payload, 1-16 MiB).
 
     Returns
     -------
     bool
-        True when sent; False when the receiver's allocator had no room (nothing was sent).
+        True when sent; False when the receiver's allocator had no room (nothing was sent). A damaged chunk
+        is reported by the receiver only (no answer comes back after the payload).
 
     Raises
     ------
@@ -220,29 +230,23 @@ def send_blocks(
     cache = _check_cache(cache)
     ids = _block_ids(cache, block_ids)
     _bool("checksum", checksum)
+    chunk = _chunk_bytes(chunk_bytes)
     dst = check_peer("dst", dst, group)
-    dev = comm_device(group, cache.device)
     n = len(ids)
-    header = _block_header(cache, n)
-    data, params, scales, total = _layout(cache, n)
-    payload = torch.empty(total, dtype=torch.uint8, device=cache.device)
-    csum = None
-    if n:
-        d, p, s = _parts(payload, cache, n)
-        idx = torch.tensor(ids, dtype=torch.int64, device=cache.device)
-        torch.index_select(_wide(cache.buffer), 1, idx, out=d)
-        used = [(0, data)]
-        if p is not None:
-            torch.index_select(_wide(cache.params_buffer), 1, idx, out=p)  # type: ignore[arg-type]
-            used.append((W.align(data), W.align(data) + params))
-        if s is not None:
-            s.copy_(cache.kv_scales)
-            off = W.align(W.align(data) + params)
-            used.append((off, off + scales))
-        _zero_gaps(payload, used)
-        if checksum:
-            csum = W.checksum(payload)
-    return _send_with_answer(header, csum, payload, dst, group, dev, "blocks") == W.ACCEPT
+    layout = _block_layout(cache, n, chunk_bytes=chunk)
+    pools = _pools(cache)
+    rows = _rows_index(cache, ids) if n else None
+    L = cache.num_layers
+
+    def fill(c: int, prefix: torch.Tensor | None, parts: list[torch.Tensor]) -> None:
+        if prefix is not None:
+            prefix.view(torch.float32).view(L, 2).copy_(cache.kv_scales)
+        r0, r1 = layout.rows_of(c)
+        for pool, part in zip(pools, parts):
+            torch.index_select(pool, 0, rows[r0:r1], out=part.view(pool.dtype).view(r1 - r0, pool.shape[1]))
+
+    header = _block_header(cache, n, layout, checksum)
+    return _send(header, layout, fill, checksum, dst, group, cache.device, "blocks") == W.ACCEPT
 
 
 def recv_blocks(
@@ -256,10 +260,17 @@ def recv_blocks(
     """Receive blocks sent by :func:`send_blocks` on rank ``src`` into new blocks of ``cache``, taken from
     ``allocator``.
 
-    Checked on arrival, before anything is written: the sender's kv_dtype, layout, model dtype, layers, KV
+    Checked on arrival: the header's own checksum, and the sender's kv_dtype, layout, model dtype, layers, KV
     heads, head_dim and block size must be this cache's (else ValueError here and on the sender, no block
-    taken); the payload's checksum (else ValueError, blocks given back); for fp8, the sender's K / V scales must
-    equal this cache's bit for bit, unless ``adopt_scales``.
+    taken, nothing written); each chunk's checksum, on the device, before that chunk is written (a damaged
+    chunk is never written); for fp8, the sender's K / V scales must equal this cache's bit for bit, unless
+    ``adopt_scales``.
+
+    After a damaged chunk: ValueError naming the first damaged chunk, raised once every chunk has arrived (the
+    ranks stay in step); the new blocks are given back to ``allocator``. The chunks that arrived intact may
+    have been written into those blocks (free before the call); every block allocated before the call, and
+    ``kv_scales``, are unchanged. After different fp8 scales: ValueError, nothing written (compared once chunk
+    0 has arrived: one host sync, fp8 without ``adopt_scales`` only).
 
     Parameters
     ----------
@@ -295,44 +306,88 @@ def recv_blocks(
         raise ValueError(f"allocator: expected {c.num_blocks} blocks of {c.block_size} tokens (the cache's), got "
                          f"{allocator.num_blocks} of {allocator.block_size}")
     _bool("adopt_scales", adopt_scales)
-    src = check_peer("src", src, group)
-    dev = comm_device(group, cache.device)
-    got = _recv_header(src, group, dev)
-    mine = _block_header(cache, 0)
-    fields = (W.F_MAGIC, W.F_KIND, W.F_KV_DTYPE, W.F_LAYOUT, W.F_DTYPE, W.F_LAYERS, W.F_HEADS, W.F_HEAD_DIM,
-              W.F_BLOCK_SIZE)
-    _reject_first(got, {f: mine[f] for f in fields}, src, group, dev, "blocks")
+    ch = Channel(group, check_peer("src", src, group), cache.device)
+    got = _recv_header(ch, "blocks")
+    mine = _block_header(cache, 0, _block_layout(cache, 0, chunk_rows=1), True)
+    fields = (W.F_KIND, W.F_KV_DTYPE, W.F_LAYOUT, W.F_DTYPE, W.F_LAYERS, W.F_HEADS, W.F_HEAD_DIM, W.F_BLOCK_SIZE,
+              W.F_DATA, W.F_PARAMS)
+    _reject_first(got, {f: mine[f] for f in fields}, ch, "blocks")
     n = got[W.F_COUNT]
-    sizes = _block_header(cache, n) if n >= 0 else mine
-    _reject_first(got, {f: sizes[f] for f in (W.F_COUNT, W.F_NBYTES, W.F_DATA, W.F_PARAMS, W.F_SCALES)}, src,
-                  group, dev, "blocks")
+    if n < 0 or n > c.num_blocks:  # more than the whole pool: no room, whatever is free
+        _answer(ch, W.NO_ROOM, W.F_COUNT, allocator.num_free_blocks)
+        return None
+    layout = _block_layout(cache, n, chunk_rows=got[W.F_CHUNK_ROWS])
+    _expect_layout(got, layout, ch, "blocks")
     ids = allocator.allocate(n) if n else []
     if ids is None:
-        _answer(W.NO_ROOM, W.F_COUNT, allocator.num_free_blocks, src, group, dev)
+        _answer(ch, W.NO_ROOM, W.F_COUNT, allocator.num_free_blocks)
         return None
     try:
-        _answer(W.ACCEPT, 0, 0, src, group, dev)
-        if not n:
-            return []
-        payload = _recv_payload(got, src, group, dev, cache.device, "blocks")
-        d, p, s = _parts(payload, cache, n)
-        if s is not None and not adopt_scales and not torch.equal(s.view(torch.int32),
-                                                                  cache.kv_scales.contiguous().view(torch.int32)):
-            raise ValueError(f"src: rank {src} sent fp8 blocks with K / V scales {s.tolist()}, this cache has "
-                             f"{cache.kv_scales.tolist()} (pass adopt_scales=True to take the sender's)")
-        idx = torch.tensor(ids, dtype=torch.int64, device=cache.device)
-        _wide(cache.buffer).index_copy_(1, idx, d)
-        if p is not None:
-            _wide(cache.params_buffer).index_copy_(1, idx, p)  # type: ignore[arg-type]
-        if s is not None and adopt_scales:
-            cache.kv_scales.copy_(s)
+        _answer(ch, W.ACCEPT, 0, 0)
+        if n:
+            _receive_blocks(cache, ch, layout, ids, bool(got[W.F_HAS_SUM]), adopt_scales)
     except BaseException:
         allocator.free(ids)
         raise
     return ids
 
 
+def _receive_blocks(cache: PagedKVCache, ch: Channel, layout: W.Layout, ids: list[int], checksum: bool,
+                    adopt_scales: bool) -> None:
+    """Every chunk of an accepted transfer, each scattered into blocks ``ids`` if intact; then the fp8 scales."""
+    L = cache.num_layers
+    pools = _pools(cache)
+    rows = _rows_index(cache, ids)
+    scales = torch.empty(L, 2, dtype=torch.float32, device=cache.device) if layout.prefix else None
+    # fp8 scales that differ from this cache's (compared once chunk 0 is here): nothing is written then
+    other_scales: list[list[list[float]]] = []
+
+    def sink(c: int, prefix: torch.Tensor | None, parts: list[torch.Tensor],
+             check: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        if prefix is not None and scales is not None:
+            scales.copy_(prefix.view(torch.float32).view(L, 2))
+            if not adopt_scales and not torch.equal(scales.view(torch.int32),
+                                                    cache.kv_scales.contiguous().view(torch.int32)):
+                other_scales.append(scales.tolist())
+        if other_scales:
+            return
+        r0, r1 = layout.rows_of(c)
+        for pool, part in zip(pools, parts):
+            scatter_rows(part.view(pool.dtype).view(r1 - r0, pool.shape[1]), pool, rows[r0:r1], check)
+
+    bad = receive_chunks(ch, layout, sink, checksum)
+    if bad >= 0:
+        raise _damaged("blocks", ch.peer, bad, layout, f"it was not written; the {len(ids)} new blocks were given "
+                       f"back, blocks in use before this call are unchanged")
+    if other_scales:
+        raise ValueError(f"src: rank {ch.peer} sent fp8 blocks with K / V scales {other_scales[0]}, this cache "
+                         f"has {cache.kv_scales.tolist()} (pass adopt_scales=True to take the sender's); nothing "
+                         f"was written")
+    if scales is not None and adopt_scales:
+        cache.kv_scales.copy_(scales)
+
+
 # ------------------------------------------------------------------------------------------------ snapshots
+
+
+def _snapshot_segments(snapshot: KVSnapshot) -> list[tuple[int, torch.Tensor]]:
+    """The snapshot's bytes as ``(offset, uint8 view)`` segments, back to back."""
+    if snapshot.flat is not None:
+        return [(0, snapshot.flat.reshape(-1).view(torch.uint8))]
+    out, pos = [], 0
+    for t in snapshot.layers:
+        b = t.reshape(-1).view(torch.uint8)
+        out.append((pos, b))
+        pos += b.numel()
+    return out
+
+
+def _snapshot_layout(data: int, layers: int, chunk_rows: int | None = None,
+                     chunk_bytes: int | None = None) -> W.Layout:
+    rows = -(-data // W.ALIGN)
+    if chunk_rows is not None:
+        return W.Layout(16 * layers, (W.ALIGN,), rows, max(1, chunk_rows))
+    return W.Layout.build(16 * layers, (W.ALIGN,), rows, chunk_bytes)
 
 
 def send_snapshot(
@@ -341,9 +396,9 @@ def send_snapshot(
     group: dist.ProcessGroup | None = None,
     *,
     checksum: bool = True,
+    chunk_bytes: int | None = None,
 ) -> None:
-    """Send a :class:`~kvcache.KVSnapshot` (every layer, one payload) to rank ``dst``, which calls
-    :func:`recv_snapshot`.
+    """Send a :class:`~kvcache.KVSnapshot` (every layer) to rank ``dst``, which calls :func:`recv_snapshot`.
 
     Parameters
     ----------
@@ -354,7 +409,9 @@ def send_snapshot(
     group : ProcessGroup, optional
         Default: the world (NCCL for CUDA snapshots, gloo for host ones or through the host).
     checksum : bool
-        Send a checksum of the payload, checked on arrival.
+        Send each chunk's checksum, checked on arrival.
+    chunk_bytes : int, optional
+        Payload bytes per chunk (rounded down to a multiple of 16). Default: an eighth of the payload, 1-16 MiB.
 
     Raises
     ------
@@ -368,29 +425,31 @@ def send_snapshot(
     if not isinstance(snapshot, KVSnapshot):
         raise TypeError(f"snapshot: expected a kvcache.KVSnapshot, got {type(snapshot).__name__}")
     _bool("checksum", checksum)
+    chunk = _chunk_bytes(chunk_bytes)
     dst = check_peer("dst", dst, group)
-    dev = comm_device(group, snapshot.device)
-    L = snapshot.num_layers
-    specs = 16 * L
-    data = snapshot.nbytes
-    total = W.align(W.align(specs) + data, W.CHUNK)
+    L, data = snapshot.num_layers, snapshot.nbytes
+    layout = _snapshot_layout(data, L, chunk_bytes=chunk)
     h = W.new_header(W.KIND_SNAPSHOT)
     h[W.F_DTYPE], h[W.F_LAYERS], h[W.F_COUNT] = W.DTYPE_CODES[snapshot.dtype], L, snapshot.seq_len
-    h[W.F_NBYTES], h[W.F_DATA], h[W.F_SPECS] = total, data, specs
-    payload = torch.empty(total, dtype=torch.uint8, device=snapshot.device)
-    payload[:specs].view(torch.int64).copy_(torch.tensor(snapshot.layer_specs, dtype=torch.int64).view(-1))
-    off = W.align(specs)
-    if snapshot.flat is not None:
-        payload[off:off + data].copy_(as_bytes(snapshot.flat))
-    else:
-        pos = off
-        for t in snapshot.layers:
-            nb = t.numel() * t.element_size()
-            payload[pos:pos + nb].copy_(as_bytes(t))
-            pos += nb
-    _zero_gaps(payload, [(0, specs), (off, off + data)])
-    csum = W.checksum(payload) if checksum else None
-    _send_with_answer(h, csum, payload, dst, group, dev, "snapshot")
+    h[W.F_DATA], h[W.F_HAS_SUM] = data, int(checksum)
+    layout.fields(h)
+    specs = torch.tensor(snapshot.layer_specs, dtype=torch.int64).view(-1)
+    segments = _snapshot_segments(snapshot)
+
+    def fill(c: int, prefix: torch.Tensor | None, parts: list[torch.Tensor]) -> None:
+        if prefix is not None:
+            prefix.view(torch.int64).copy_(specs)
+        r0, r1 = layout.rows_of(c)
+        lo, hi = r0 * W.ALIGN, min(r1 * W.ALIGN, data)
+        out = parts[0]
+        for start, seg in segments:
+            a, b = max(lo, start), min(hi, start + seg.numel())
+            if a < b:
+                out[a - lo:b - lo].copy_(seg[a - start:b - start])
+        if out.numel() > hi - lo:
+            out[hi - lo:].zero_()
+
+    _send(h, layout, fill, checksum, dst, group, snapshot.device, "snapshot")
 
 
 def recv_snapshot(
@@ -419,7 +478,8 @@ def recv_snapshot(
     Returns
     -------
     KVSnapshot
-        Packed (one buffer), bit-exact copy of the sender's.
+        Packed (one buffer), bit-exact copy of the sender's. A damaged chunk raises ValueError naming it, once
+        every chunk has arrived.
 
     Example
     -------
@@ -437,34 +497,54 @@ def recv_snapshot(
     if seq_len is not None:
         _validate.check_int("seq_len", seq_len, 0)
     src = check_peer("src", src, group)
-    dev = comm_device(group, torch.device(device) if device is not None else torch.device("cpu"))
-    device = dev if device is None else torch.device(device)
-    got = _recv_header(src, group, dev)
-    expect = {W.F_MAGIC: W.MAGIC, W.F_KIND: W.KIND_SNAPSHOT}
+    work = torch.device(device) if device is not None else comm_device(group, torch.device("cpu"))
+    ch = Channel(group, src, work)
+    got = _recv_header(ch, "a snapshot")
+    expect = {W.F_KIND: W.KIND_SNAPSHOT}
     if dtype is not None:
         expect[W.F_DTYPE] = W.DTYPE_CODES[dtype]
     if specs_want is not None:
         expect[W.F_LAYERS] = len(specs_want)
     if seq_len is not None:
         expect[W.F_COUNT] = seq_len
-    _reject_first(got, expect, src, group, dev, "a snapshot")
-    L, s_len, specs_b, data_b = got[W.F_LAYERS], got[W.F_COUNT], got[W.F_SPECS], got[W.F_DATA]
-    if got[W.F_DTYPE] not in W.DECODE[W.F_DTYPE] or L < 1 or specs_b != 16 * L or got[W.F_NBYTES] != W.align(
-            W.align(specs_b) + data_b, W.CHUNK):
-        _answer(W.REJECT, W.F_NBYTES, -1, src, group, dev)
+    _reject_first(got, expect, ch, "a snapshot")
+    L, data = got[W.F_LAYERS], got[W.F_DATA]
+    if got[W.F_DTYPE] not in W.DECODE[W.F_DTYPE] or L < 1 or data < 0 or got[W.F_PARAMS]:
+        _answer(ch, W.REJECT, W.F_LAYERS, -1)
         raise ValueError(f"src: rank {src} sent an inconsistent snapshot header {got[:W.F_HAS_SUM]}")
-    _answer(W.ACCEPT, 0, 0, src, group, dev)
-    payload = _recv_payload(got, src, group, dev, device, "snapshot")
-    specs = [tuple(x) for x in payload[:specs_b].view(torch.int64).view(L, 2).tolist()]
+    layout = _snapshot_layout(data, L, chunk_rows=got[W.F_CHUNK_ROWS])
+    _expect_layout(got, layout, ch, "a snapshot")
+    _answer(ch, W.ACCEPT, 0, 0)
+    flat = torch.empty(data, dtype=torch.uint8, device=work)
+    specs_t = torch.empty(L, 2, dtype=torch.int64, device=work)
+
+    def sink(c: int, prefix: torch.Tensor | None, parts: list[torch.Tensor], check: object) -> None:
+        if prefix is not None:
+            specs_t.view(-1).copy_(prefix.view(torch.int64))
+        r0, r1 = layout.rows_of(c)
+        lo, hi = r0 * W.ALIGN, min(r1 * W.ALIGN, data)
+        flat[lo:hi].copy_(parts[0][:hi - lo])
+
+    bad = receive_chunks(ch, layout, sink, bool(got[W.F_HAS_SUM]))
+    if bad >= 0:
+        raise _damaged("snapshot", src, bad, layout, "no snapshot is returned")
+    return _snapshot_from(flat, specs_t, specs_want, got, src)
+
+
+def _snapshot_from(flat: torch.Tensor, specs_t: torch.Tensor, specs_want: list[tuple[int, int]] | None,
+                   got: list[int], src: int) -> KVSnapshot:
+    """The received layers as views of ``flat``, after checking the layer specs against the data bytes."""
+    specs = [(int(h), int(d)) for h, d in specs_t.tolist()]
     if specs_want is not None and specs != specs_want:
         raise ValueError(f"layer_specs: expected {specs_want}, rank {src} sent {specs}")
     dt = W.DECODE[W.F_DTYPE][got[W.F_DTYPE]]
     elt = torch.empty((), dtype=dt).element_size()
-    if any(h < 1 or d < 1 for h, d in specs) or sum(2 * h * s_len * d for h, d in specs) * elt != data_b:
-        raise ValueError(f"src: rank {src} sent layer specs {specs} that do not match its {data_b} data bytes")
-    layers, pos = [], W.align(specs_b)
+    s_len, data = got[W.F_COUNT], got[W.F_DATA]
+    if any(h < 1 or d < 1 for h, d in specs) or sum(2 * h * s_len * d for h, d in specs) * elt != data:
+        raise ValueError(f"src: rank {src} sent layer specs {specs} that do not match its {data} data bytes")
+    layers, pos = [], 0
     for h, d in specs:
         nb = 2 * h * s_len * d * elt
-        layers.append(payload[pos:pos + nb].view(dt).view(2, h, s_len, d))
+        layers.append(flat[pos:pos + nb].view(dt).view(2, h, s_len, d))
         pos += nb
     return KVSnapshot(layers)

@@ -1,0 +1,152 @@
+"""The chunk pipeline of KV transfers: one peer's messages (:class:`Channel`), the sender's pack -> checksum ->
+send loop and the receiver's receive -> checksum -> checked write loop (:mod:`.wire` describes the messages).
+
+Overlap. Messages are ``isend`` / ``irecv``; ``Work.wait()`` under NCCL makes the current CUDA stream wait for
+the message (the host does not), and NCCL's stream waits for the current stream when a message is posted. So
+on a GPU the sender's current stream packs and checksums chunk ``i + 1`` while NCCL sends chunk ``i``, and the
+receiver checks and scatters chunk ``i`` while chunk ``i + 1`` arrives; :data:`DEPTH` staging buffers per side,
+a buffer reused once the message that used it is done. Under gloo the same calls run on the host (a wait blocks
+until the message is through). The only host sync of a transfer is the receiver's final look at the checksums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import wire as W
+from ._comm import comm_device
+from ._kernels import checksum_into
+
+DEPTH = 3  # staging buffers (chunks in flight) on each side
+
+# fill(c, prefix, parts) writes chunk c's prefix (None past chunk 0) and part views (uint8 [k * part bytes]);
+# sink(c, prefix, parts, check) takes them from a received chunk; check is (got, want), int32 [2] each, or None
+Fill = Callable[[int, "torch.Tensor | None", list[torch.Tensor]], None]
+Sink = Callable[[int, "torch.Tensor | None", list[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"], None]
+
+
+class _Pending:
+    __slots__ = ("work", "buf", "into")
+
+    def __init__(self, work: dist.Work, buf: torch.Tensor, into: torch.Tensor | None) -> None:
+        self.work, self.buf, self.into = work, buf, into
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.into is not None:  # received on the comm device, used on another
+            self.into.copy_(self.buf)
+
+
+class Channel:
+    """Messages to and from ``peer``: tensors of the work device, staged through the comm device (the one the
+    group's backend reads) when it is another."""
+
+    def __init__(self, group: dist.ProcessGroup | None, peer: int, work: torch.device) -> None:
+        self.group, self.peer, self.work = group, peer, work
+        self.comm = comm_device(group, work)
+
+    def isend(self, t: torch.Tensor) -> _Pending:
+        buf = t if t.device == self.comm else t.to(self.comm)
+        return _Pending(dist.isend(buf, dst=self.peer, group=self.group), buf, None)
+
+    def irecv(self, t: torch.Tensor) -> _Pending:
+        if t.device == self.comm:
+            return _Pending(dist.irecv(t, src=self.peer, group=self.group), t, None)
+        buf = torch.empty(t.shape, dtype=t.dtype, device=self.comm)
+        return _Pending(dist.irecv(buf, src=self.peer, group=self.group), buf, t)
+
+    def ints(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int64, device=self.work)
+
+
+def _views(msg: torch.Tensor, layout: W.Layout, c: int) -> tuple[torch.Tensor | None, list[torch.Tensor],
+                                                                  list[torch.Tensor], torch.Tensor]:
+    """Chunk ``c``'s message ``msg`` as (prefix or None, part views, padding views, trailer int32 [4])."""
+    secs = layout.sections(c)
+    body = layout.body_bytes(c)
+    views = [msg[off:off + n] for off, n in secs]
+    ends = [off + n for off, n in secs]
+    starts = [off for off, _ in secs[1:]] + [body]
+    pads = [msg[e:s] for e, s in zip(ends, starts) if s > e]
+    return (views[0] if c == 0 and layout.prefix else None), views[1:], pads, msg[body:].view(torch.int32)
+
+
+def _buffers(layout: W.Layout, device: torch.device) -> list[torch.Tensor]:
+    size = max(layout.body_bytes(c) for c in range(min(layout.chunks, 2))) + W.TRAILER
+    return [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(DEPTH, layout.chunks))]
+
+
+class ChunkSender:
+    """Packs chunks into staging buffers (:meth:`pack`, chunk 0 may be packed before the answer arrives) and
+    sends them (:meth:`send`), packing chunk ``i + 1`` while chunk ``i`` is on the wire."""
+
+    def __init__(self, ch: Channel, layout: W.Layout, fill: Fill, checksum: bool) -> None:
+        self.ch, self.layout, self.fill, self.checksum = ch, layout, fill, checksum
+        self.bufs = _buffers(layout, ch.work) if layout.chunks else []
+        self.pending: list[_Pending | None] = [None] * len(self.bufs)
+        self.packed = -1
+
+    def _msg(self, c: int) -> torch.Tensor:
+        return self.bufs[c % len(self.bufs)][:self.layout.body_bytes(c) + W.TRAILER]
+
+    def pack(self, c: int) -> None:
+        slot = c % len(self.bufs)
+        if self.pending[slot] is not None:  # the buffer's previous chunk must be through first
+            self.pending[slot].wait()  # type: ignore[union-attr]
+            self.pending[slot] = None
+        msg = self._msg(c)
+        prefix, parts, pads, trailer = _views(msg, self.layout, c)
+        self.fill(c, prefix, parts)
+        for p in pads:
+            p.zero_()
+        trailer.zero_()
+        if self.checksum:
+            checksum_into(msg[:self.layout.body_bytes(c)].view(torch.int32), c, trailer[:2])
+        self.packed = c
+
+    def send(self) -> None:
+        """Send every chunk (packing those not packed yet); returns once every message is through (on CUDA:
+        once the current stream waits for them)."""
+        for c in range(self.layout.chunks):
+            if c > self.packed:
+                self.pack(c)
+            self.pending[c % len(self.bufs)] = self.ch.isend(self._msg(c))
+        for i, p in enumerate(self.pending):
+            if p is not None:
+                p.wait()
+                self.pending[i] = None
+
+
+def receive_chunks(ch: Channel, layout: W.Layout, sink: Sink, checksum: bool) -> int:
+    """Receive every chunk of ``layout`` and hand each to ``sink`` with its check; returns the index of the
+    first chunk whose checksum differs from the sender's, or -1. Every chunk is received whatever happens to
+    the others (the peers stay in step). One host sync, at the end (with ``checksum``)."""
+    n = layout.chunks
+    if not n:
+        return -1
+    bufs = _buffers(layout, ch.work)
+    msgs = [bufs[c % len(bufs)][:layout.body_bytes(c) + W.TRAILER] for c in range(n)]
+    pending = [ch.irecv(msgs[c]) for c in range(len(bufs))]
+    sums = torch.zeros(n, 2, dtype=torch.int32, device=ch.work) if checksum else None
+    wants = torch.empty(n, 2, dtype=torch.int32, device=ch.work) if checksum else None
+    for c in range(n):
+        slot = c % len(bufs)
+        pending[slot].wait()
+        prefix, parts, _, trailer = _views(msgs[c], layout, c)
+        check = None
+        if sums is not None and wants is not None:
+            checksum_into(msgs[c][:layout.body_bytes(c)].view(torch.int32), c, sums[c])
+            wants[c].copy_(trailer[:2])
+            check = (sums[c], wants[c])
+        sink(c, prefix, parts, check)
+        if c + len(bufs) < n:  # posted after the sink's work: NCCL's stream waits for it before writing
+            pending[slot] = ch.irecv(msgs[c + len(bufs)])
+    if sums is None or wants is None:
+        return -1
+    bad = (sums != wants).any(dim=1)
+    first = torch.where(bad, torch.arange(n, device=bad.device), n).min()
+    first_i = int(first.item())
+    return -1 if first_i == n else first_i
