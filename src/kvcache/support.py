@@ -13,9 +13,9 @@ Paths (:data:`PATHS`):
 
 * ``"engine-module"`` / ``"engine-linear"``: :class:`kvcache.engine.LLM` (paged or linear cache). The engine runs
   the model's own norms, projections and MLPs, and its own attention (causal, each attention module's ``scaling``,
-  rotate-half RoPE; on the paged cache each layer's sliding window as transformers applies it, :func:`layer_window`,
-  and its attention logit soft-cap; the linear cache attends to every key uncapped, so it refuses both); the layer,
-  model and LM-head wiring is re-implemented, so only verified families pass (:data:`ENGINE_FAMILIES`).
+  rotate-half RoPE with each layer type's rope, each layer's sliding window as transformers applies it
+  (:func:`layer_window`), its attention logit soft-cap and gpt-oss's sinks, on either cache); the layer, model and
+  LM-head wiring is re-implemented, so only verified families pass (:data:`ENGINE_FAMILIES`).
 * ``"engine-fused"``: the engine's fused decoder (CUDA or the Triton interpreter) additionally needs plain RMSNorm
   (``w * x / rms``), a gated SiLU MLP and plain ``nn.Linear`` projections; a model without them runs the module path
   (slower, the same tokens): these features are reasons, not refusals.
@@ -394,12 +394,10 @@ def unsupported_features(model: Any, path: str) -> list[Feature]:
 
     Example
     -------
-    >>> from transformers import MistralConfig
-    >>> [str(f) for f in unsupported_features(MistralConfig(sliding_window=16), "engine-linear")]
-    ['sliding-window attention (MistralConfig.sliding_window, sliding_window=16)']
-    >>> unsupported_features(MistralConfig(sliding_window=16), "engine-module")
-    []
-    >>> unsupported_features(MistralConfig(sliding_window=16), "hf-paged")
+    >>> from transformers import Gemma3TextConfig
+    >>> [str(f) for f in unsupported_features(Gemma3TextConfig(use_bidirectional_attention=True), "hf-paged")]
+    ['bidirectional attention (Gemma3TextConfig.use_bidirectional_attention=True)']
+    >>> unsupported_features(Gemma3TextConfig(use_bidirectional_attention=True), "hf-linear")
     []
     """
     if path not in PATHS:
@@ -433,8 +431,8 @@ def check_supported(model: Any, path: str, name: str = "model") -> None:
     Raises
     ------
     ValueError
-        ``"model: sliding-window attention (MistralConfig.sliding_window, sliding_window=16) is not implemented by
-        the kvcache engine (linear cache); also: ...; paths that run it: engine-module, hf-paged, ..."``.
+        ``"model: bidirectional attention (Gemma3TextConfig.use_bidirectional_attention=True) is not implemented by
+        the kvcache engine; also: ...; paths that run it: hf-gathered, hf-linear"``.
 
     Example
     -------

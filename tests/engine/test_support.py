@@ -183,7 +183,8 @@ def test_gemma3_equals_transformers_on_both_engines(gemma3):
 
 @pytest.mark.parametrize("ropes", [
     {"sliding_attention": {"rope_type": "default", "rope_theta": 1e6}},
-    {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}], ids=["local-base", "global-scaling"])
+    {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}],
+    ids=["local-base", "global-scaling"])
 def test_gemma3_each_layer_types_rope_changes_tokens_and_the_engine_follows(gemma3, ropes):
     other = sm.variant(gemma3, rope_parameters={**gemma3.config.rope_parameters, **ropes})
     ref = sm.greedy(other)
@@ -231,6 +232,20 @@ def test_gpt_oss_yarn_rope_equals_transformers():
         "original_max_position_embeddings": 64, "rope_theta": 150000.0})
     assert unsupported_features(model, "engine-module") == []
     assert _engine_tokens(model, "paged") == sm.greedy(model)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss"])
+def test_kernels_take_each_layers_rope_window_and_sinks(name, monkeypatch, gpt_oss, gemma3):
+    # through the Triton interpreter: the paged append rotates the sliding layers' keys with the plan's own rope,
+    # the paged and linear attention kernels take each layer's window and sinks
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the kernels run compiled on the GPU, the CPU interpreter is not used")
+    model = {"gemma3": gemma3, "gpt_oss": gpt_oss}[name]
+    ref = sm.greedy(model, n=4)
+    monkeypatch.setenv("KVCACHE_TRITON_INTERPRET", "1")
+    for cache in ("paged", "linear"):
+        llm = LLM(model, tokenizer=_Tok(), cache=cache, max_num_seqs=2, max_model_len=64)
+        assert llm.generate([sm.PROMPT], SamplingParams(max_tokens=4, temperature=0))[0].token_ids == ref, cache
 
 
 def test_sinks_of_an_unverified_attention_refused():

@@ -130,6 +130,7 @@ def test_window_set_by_the_mask_alone_refused_in_place():
     (lambda t: t.Llama4TextConfig(), "hf-gathered", "chunked attention"),
     (lambda t: t.BloomConfig(), "hf-paged", "ALiBi position biases"),
     (lambda t: t.FalconConfig(alibi=True), "hf-paged", "ALiBi position biases (FalconConfig.alibi=True)"),
+    (lambda t: t.Gemma3TextConfig(use_bidirectional_attention=True), "hf-paged", "bidirectional attention"),
 ])
 def test_cache_refuses_config_at_construction(make, path, name):
     import transformers

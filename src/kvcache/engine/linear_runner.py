@@ -9,8 +9,10 @@
   ``N - 1`` rule when the prompt is the prefix itself: the last prompt token's logits are recomputed). Requests
   that share the prefix wait while it is being prefilled, so it is prefilled once.
 * Attention reads the slots in place: ``kvcache.ops.linear_attention`` for decode steps (every slot one
-  token); steps with prefill chunks run SDPA over the views ``kv(layer)[b, :, :length]`` (no gather). Keys
-  are rotated in torch with the model's ``RopeConfig`` tables before they are written.
+  token); steps with prefill chunks run SDPA over the views ``kv(layer)[b, :, :length]`` (no gather), except
+  layers with a sliding window, a logit soft-cap or sinks, which run ``linear_attention`` per slot with them. A
+  window layer's slot keeps the whole context (the attention reads the window). Keys are rotated in torch with
+  each layer's ``RopeConfig`` tables before they are written.
 * Chunked prefill mixed with decode, with the same token budget as the paged mode. No preemption: a slot
   holds ``max_seq_len`` tokens, so a request that fits at admission always finishes.
 """

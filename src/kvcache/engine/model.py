@@ -9,10 +9,12 @@ read by ``PagedKVCache.attention(layer, q, plan)``), and attention reads the cac
 callable the runner passes in (paged or linear), built once per step.
 
 Supported: the families of :data:`kvcache.support.ENGINE_FAMILIES` (Llama, SmolLM2, Mistral and Qwen2, with a
-sliding window on the paged cache: the runner gives each layer its window; Qwen3 with its q / k norms; StableLM
-with its partial rotary and LayerNorm; Phi-3 with its qkv projection; Gemma 2 with its query scale, soft-caps and
-norms around the MLP), rotate-half RoPE as transformers computes it; any other model property is refused by name
-(:mod:`kvcache.support`).
+sliding window: the runners give each layer its window; Qwen3 with its q / k norms; StableLM with its partial
+rotary and LayerNorm; Phi-3 with its qkv projection; Gemma 2 with its query scale, soft-caps and norms around the
+MLP; Gemma 3 text as Gemma 2 plus q / k norms and a rope per layer type (:attr:`LlamaForward.ropes`); gpt-oss with
+its sinks (:meth:`LlamaForward.layer_sinks`, added to the softmax by the attention kernels) and its
+mixture-of-experts MLP run as its own module), rotate-half RoPE as transformers computes it; any other model
+property is refused by name (:mod:`kvcache.support`).
 
 Where kvcache's kernels run (CUDA, or the CPU under ``KVCACHE_TRITON_INTERPRET=1``) the decoder runs *fused*:
 q / k / v are one GEMM and gate / up another (the modules' weights become views of the concatenated matrices,
@@ -55,8 +57,17 @@ class LlamaForward:
     ------
     ValueError
         The model has a property the engine does not implement (:func:`kvcache.support.check_supported` with
-        ``"engine-module"``: another layer layout or rotary embedding, sinks, ALiBi,
+        ``"engine-module"``: another layer layout or rotary embedding, sinks of an unverified attention, ALiBi,
         an unverified architecture); the message names it.
+
+    Attributes
+    ----------
+    ropes : list of RopeConfig
+        One per rotary embedding, full-attention layers' first; ``rope`` (the paged cache's own) is ``ropes[0]``.
+    rope_of : list of int
+        Layer ``i`` rotates with ``ropes[rope_of[i]]`` (Gemma 3: its sliding layers with the local base).
+    softcaps : list of float or None
+        Each layer's attention logit soft-cap.
 
     Example
     -------
