@@ -14,6 +14,7 @@ before an earlier copy out of it has finished. On the CPU the same calls copy at
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -80,10 +81,9 @@ class Transfers:
         if not ids:
             return None
         dev = self.cache.device
-        ctx = torch.cuda.stream(self.stream) if self.cuda else _Null()
-        with ctx:
-            if self.cuda:  # the blocks were written or gathered by work queued on the compute stream
-                self.stream.wait_stream(torch.cuda.current_stream(dev))
+        if self.cuda:  # the blocks were written or gathered by work queued on the compute stream
+            self.stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             staged = [torch.empty((len(ids), *t.shape[:1], *t.shape[2:]), dtype=t.dtype, device=dev)
                       for t in self._tensors()]
             pos = 0
@@ -100,10 +100,9 @@ class Transfers:
 
     def _copy(self, src: list[torch.Tensor], dst: Sequence[torch.Tensor], src_pos: list[int], slots: list[int],
               key: str, n_blocks: int) -> torch.cuda.Event | None:
-        ctx = torch.cuda.stream(self.stream) if self.cuda else _Null()
-        with ctx:
-            if self.cuda:
-                self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        if self.cuda:  # after the gather queued on the compute stream (read the current stream outside the context)
+            self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             start = self._start()
             for p, s, n in _runs(slots):
                 for a, b in zip(src, dst):
@@ -144,14 +143,6 @@ class Transfers:
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` as uint8 when it holds 1-byte floats (fp8: index_copy_ has no float8 kernel on the CPU)."""
     return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class HostTier:
