@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "BlockAllocator": "paged",
     "StepPlan": "paged",
     "cache_block_bytes": "paged",
+    "TieredCache": "paged",
     "RopeConfig": "rope",
 }
 # submodules reachable as attributes of the package after a plain ``import kvcache``
