@@ -272,3 +272,17 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
         BlockAllocator(2, BS).set_listener(object())
     with pytest.raises(ValueError, match="^medium: expected"):
         BlockStored((1,), "gpu")
+    tiers = TieredCache(cache, host_bytes=4 * tiers_block_bytes(cache))
+    with pytest.raises(ValueError, match="^hashes: expected a block hash"):
+        tiers.lookup([-1])
+    with pytest.raises(TypeError, match="^hashes: expected an iterable"):
+        tiers.fetch(7)
+    with pytest.raises(ValueError, match="^limit: expected"):
+        tiers.fetch([1], limit=-1)
+    f = tiers.fetch([1])
+    with pytest.raises(ValueError, match="^block_ids: expected block ids in"):
+        tiers.load(f, [99])
+    with pytest.raises(ValueError, match="^block_ids: expected 0 ids"):
+        tiers.load(f, [1])
+    with pytest.raises(TypeError, match="^fetched: expected a Fetched"):
+        tiers.load([], [])

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..block_hash import _as_hash, _as_list
 from ..events import AllBlocksCleared, KVEventLog
 from .disk import DiskTier, cache_fingerprint, weights_identity
 from .host import HostTier, Transfers
@@ -96,6 +97,10 @@ class Fetched:
             self._src.append((tensors, [slot]))
         self.hashes.append(h)
         self._tiers.append(tier)
+
+
+def _hashes(hashes: object) -> list[int]:
+    return [_as_hash("hashes", h) for h in _as_list("hashes", hashes, "block hashes")]
 
 
 def _check_bytes(name: str, value: object, lo: int) -> int:
@@ -168,7 +173,13 @@ class TieredCache:
     # ---------------------------------------------------------------------------------- the allocator's listener
 
     def evicted(self, block_ids: list[int], hashes: list[int]) -> None:
-        """The allocator evicted cached ``block_ids`` (hashes ``hashes``): copy them one tier down, once."""
+        """The allocator evicted cached ``block_ids`` (hashes ``hashes``): copy them one tier down, once (called by
+        :class:`~kvcache.paged.BlockAllocator` once the tiers are its listener).
+
+        Example
+        -------
+        >>> allocator.set_listener(tiers); allocator.allocate(4)     # evictions reach tiers.evicted  # doctest: +SKIP
+        """
         self._settle_loads(block_ids)
         self._emit("removed", hashes, "device")
         if self.host is not None:
@@ -177,19 +188,36 @@ class TieredCache:
             self._to_disk(block_ids, hashes)
 
     def cached(self, block_ids: list[int], hashes: list[int]) -> None:
-        """The allocator registered ``block_ids`` under ``hashes``: reported as stored on the device."""
+        """The allocator registered ``block_ids`` under ``hashes``: reported as stored on the device.
+
+        Example
+        -------
+        >>> allocator.cache_blocks(ids, hashes)       # calls tiers.cached(ids, hashes)   # doctest: +SKIP
+        """
         self._emit("stored", hashes, "device")
 
     def cleared(self) -> None:
         """The allocator dropped every hash (``reset_prefix_cache``: new weights, a dropped salt): the host tier
-        forgets its blocks too (the disk tier is keyed by its fingerprint and kept)."""
+        forgets its blocks too (the disk tier is keyed by its fingerprint and kept).
+
+        Example
+        -------
+        >>> allocator.reset_prefix_cache()            # calls tiers.cleared()             # doctest: +SKIP
+        True
+        """
         self.wait()
         if self.events is not None:
             self.events.record(AllBlocksCleared("device"))
         self.clear()
 
     def clear(self) -> None:
-        """Drop every block of the host tier (files on disk are kept)."""
+        """Drop every block of the host tier (files on disk are kept).
+
+        Example
+        -------
+        >>> tiers.clear(); tiers.lookup(hashes)                     # doctest: +SKIP
+        0
+        """
         if self.host is not None:
             self.wait()
             dropped = self.host.clear()
@@ -255,23 +283,43 @@ class TieredCache:
         """How many of ``hashes`` (a chain, in order), from the first, the host or disk tier holds (files not read:
         :meth:`fetch` may find fewer when one is refused). Changes nothing.
 
+        Raises
+        ------
+        TypeError, ValueError
+            ``hashes`` is not a sequence of block hashes (ints in ``[0, 2**64)``).
+
         Example
         -------
         >>> tiers.lookup(allocator.hash_blocks(prompt[:-1]))      # doctest: +SKIP
         3
         """
         n = 0
-        for h in hashes:
+        for h in _hashes(hashes):
             if not ((self.host is not None and h in self.host) or (self.disk is not None and h in self.disk)):
                 break
             n += 1
         return n
 
     def fetch(self, hashes: Sequence[int], limit: int | None = None) -> Fetched:
-        """The longest prefix of ``hashes`` (at most ``limit``) the lower tiers can give back: host blocks (made most
-        recently used), then disk files read and verified (a refused file ends the prefix: recomputed)."""
+        """The longest prefix of ``hashes`` (at most ``limit`` blocks) the lower tiers can give back: host blocks
+        (made most recently used), then disk files read and verified (a refused file ends the prefix: it is deleted
+        and its block recomputed). Allocate the device blocks before fetching: their evictions may push host blocks
+        out, and a fetched host block must stay in its slot until :meth:`load`.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``hashes`` is not a sequence of block hashes, or ``limit`` not None or an int >= 0.
+
+        Example
+        -------
+        >>> f = tiers.fetch(hashes, limit=len(blocks)); f.num_blocks     # doctest: +SKIP
+        3
+        """
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"limit: expected None or an int >= 0, got {limit!r}")
         out = Fetched()
-        for h in hashes[:limit]:
+        for h in _hashes(hashes)[:limit]:
             s = self.host.slot(h) if self.host is not None else None
             if s is not None:
                 out._add(h, "host", self.host.tensors, s)
@@ -291,10 +339,24 @@ class TieredCache:
 
     def load(self, fetched: Fetched, block_ids: Sequence[int]) -> None:
         """Copy ``fetched``'s blocks into device ``block_ids`` (one each, in order; asynchronous on CUDA: see
-        :meth:`ready`). The caller registers them in its prefix cache."""
+        :meth:`ready`). The caller registers them in its prefix cache.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``fetched`` is not a :class:`Fetched`; ``block_ids`` are not as many distinct block ids of the cache as
+            the fetched blocks. Nothing is copied.
+
+        Example
+        -------
+        >>> n = f.num_blocks                                                  # doctest: +SKIP
+        >>> tiers.load(f, blocks[:n]); allocator.cache_blocks(blocks[:n], f.hashes)   # doctest: +SKIP
+        """
         if not isinstance(fetched, Fetched):
             raise TypeError(f"fetched: expected a Fetched, got {type(fetched).__name__}")
-        ids = list(block_ids)
+        ids = self.cache._block_ids("block_ids", block_ids).tolist()
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"block_ids: expected distinct block ids, got {ids[:8]}")
         if len(ids) != fetched.num_blocks:
             raise ValueError(f"block_ids: expected {fetched.num_blocks} ids (the fetched blocks), got {len(ids)}")
         ev = self.transfers.to_device(fetched._src, ids)
@@ -305,7 +367,13 @@ class TieredCache:
             self._counts[t].hits += 1
 
     def ready(self, block_ids: Sequence[int]) -> bool:
-        """Whether no block of ``block_ids`` is still being copied back (never waits)."""
+        """Whether no block of ``block_ids`` is still being copied back (never waits; always True on the CPU).
+
+        Example
+        -------
+        >>> tiers.ready(seq.block_table)                    # doctest: +SKIP
+        True
+        """
         if not self._loading:
             return True
         for b in block_ids:
@@ -322,7 +390,13 @@ class TieredCache:
         return bool(self._loading)
 
     def wait(self) -> None:
-        """Block the host until every copy back has finished."""
+        """Block the host until every copy back has finished (nothing to wait for on the CPU).
+
+        Example
+        -------
+        >>> tiers.wait(); tiers.loading                           # doctest: +SKIP
+        False
+        """
         for ev in set(self._loading.values()):
             ev.synchronize()
         self._loading.clear()
