@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of the bandwidth transfer")
     ap.add_argument("--latency-tokens", type=int, default=512, help="tokens of the latency transfer")
     ap.add_argument("--layers", type=int, default=SHAPE["layers"])
-    ap.add_argument("--chunk-mib", default="4,8,16,32", help="chunk sizes also timed (MiB, comma-separated)")
+    ap.add_argument("--chunk-mib", default="4,8,16,32,64", help="chunk sizes also timed (MiB, comma-separated)")
     ap.add_argument("--tiny", action="store_true", help="gloo on the CPU, 2 layers x 2 heads x 64, a 64-block "
                     "pool, 256 / 64 tokens, 3 trials: checks that the script runs")
     args = ap.parse_args()

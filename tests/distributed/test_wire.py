@@ -153,6 +153,6 @@ def test_layout_cuts_rows_into_chunks() -> None:
     assert Layout.build(prefix=0, parts=(64,), rows=3, chunk_bytes=1).chunk_rows == 1  # one row at least
     assert Layout.build(prefix=32, parts=(16,), rows=0, chunk_bytes=None).chunks == 1  # the prefix alone
     assert Layout.build(prefix=0, parts=(16,), rows=0, chunk_bytes=None).chunks == 0
-    assert Layout.build(prefix=0, parts=(1 << 16,), rows=4096, chunk_bytes=None).chunk_rows == 256  # 16 MiB
-    assert wire.default_chunk_bytes(100) == 1 << 20 and wire.default_chunk_bytes(1 << 30) == 16 << 20
-    assert wire.default_chunk_bytes(64 << 20) == 8 << 20
+    assert Layout.build(prefix=0, parts=(1 << 16,), rows=4096, chunk_bytes=None).chunk_rows == 512  # 32 MiB
+    assert wire.default_chunk_bytes(100) == 16 << 20 and wire.default_chunk_bytes(1 << 30) == 64 << 20
+    assert wire.default_chunk_bytes(256 << 20) == 32 << 20

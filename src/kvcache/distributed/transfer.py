@@ -207,7 +207,7 @@ def send_blocks(
         checked on arrival before the chunk is written.
     chunk_bytes : int, optional
         Payload bytes per chunk, rounded down to whole rows (one block of one layer; one row at least).
-        Default: :func:`kvcache.distributed.wire.default_chunk_bytes` (an eighth of the payload, 1-16 MiB).
+        Default: :func:`kvcache.distributed.wire.default_chunk_bytes` (an eighth of the payload, 16-64 MiB).
 
     Returns
     -------
@@ -411,7 +411,7 @@ def send_snapshot(
     checksum : bool
         Send each chunk's checksum, checked on arrival.
     chunk_bytes : int, optional
-        Payload bytes per chunk (rounded down to a multiple of 16). Default: an eighth of the payload, 1-16 MiB.
+        Payload bytes per chunk (rounded down to a multiple of 16). Default: an eighth of the payload, 16-64 MiB.
 
     Raises
     ------
