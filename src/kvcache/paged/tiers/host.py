@@ -69,48 +69,52 @@ class Transfers:
         ``cache.buffer`` and ``cache.params_buffer``). Returns the event after the copies (None on the CPU)."""
         if not ids:
             return None
-        idx = torch.tensor(list(ids), dtype=torch.int64).to(self.cache.device, non_blocking=self.cuda)
-        # gathered on the compute stream: before any later write of these blocks
-        staged = [t.index_select(1, idx).transpose(0, 1).contiguous() for t in self._tensors()]
-        return self._copy(staged, dst, list(range(len(ids))), list(slots), "to_host", len(ids))
+        pairs = sorted(zip(slots, ids))  # in slot order: each run of consecutive slots is one copy
+        idx = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(self.cache.device, non_blocking=self.cuda)
+        # gathered on the compute stream, [n, L, *block]: before any later write of these blocks
+        staged = [t.transpose(0, 1).index_select(0, idx) for t in self._tensors()]
+        if self.cuda:  # after the gather (the current stream is read outside the side stream's context)
+            self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            start = self._start()
+            for p, s, n in _runs([s for s, _ in pairs]):
+                for a, b in zip(staged, dst):
+                    b[s:s + n].copy_(a[p:p + n], non_blocking=self.cuda)
+            if self.cuda:
+                for a in staged:
+                    a.record_stream(self.stream)
+            return self._stop(start, "to_host", len(pairs))
 
     def to_device(self, src: Sequence[tuple[Sequence[torch.Tensor], Sequence[int]]], ids: Sequence[int]
                   ) -> torch.cuda.Event | None:
-        """Copy host blocks into device blocks ``ids`` (in order): ``src`` is a list of (host tensors like ``dst`` of
-        :meth:`to_host`, their slots), concatenated in ``ids`` order. Returns the event after the copies."""
+        """Copy host blocks into device blocks ``ids``: ``src`` is a list of (host tensors like ``dst`` of
+        :meth:`to_host`, their slots), whose slots, concatenated, give ``ids`` in order. Returns the event after the
+        copies (None on the CPU)."""
         if not ids:
             return None
+        pieces, at = [], 0
+        for tensors, slots in src:  # each source in slot order: each run of consecutive slots is one copy
+            pairs = sorted(zip(slots, ids[at:at + len(slots)]))
+            pieces.append((tensors, [s for s, _ in pairs], [b for _, b in pairs]))
+            at += len(slots)
         dev = self.cache.device
         if self.cuda:  # the blocks were written or gathered by work queued on the compute stream
             self.stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             staged = [torch.empty((len(ids), *t.shape[:1], *t.shape[2:]), dtype=t.dtype, device=dev)
                       for t in self._tensors()]
-            pos = 0
             start = self._start()
-            for tensors, slots in src:
+            pos = 0
+            for tensors, slots, _ in pieces:
                 for p, s, n in _runs(slots):
                     for k, t in enumerate(tensors):
                         staged[k][pos + p:pos + p + n].copy_(t[s:s + n], non_blocking=self.cuda)
                 pos += len(slots)
-            idx = torch.tensor(list(ids), dtype=torch.int64).to(dev, non_blocking=self.cuda)
+            order = [b for _, _, blocks in pieces for b in blocks]
+            idx = torch.tensor(order, dtype=torch.int64).to(dev, non_blocking=self.cuda)
             for t, st in zip(self._tensors(), staged):
-                _bytes_view(t).index_copy_(1, idx, _bytes_view(st).transpose(0, 1))
+                _bytes_view(t).transpose(0, 1).index_copy_(0, idx, _bytes_view(st))
             return self._stop(start, "to_device", len(ids))
-
-    def _copy(self, src: list[torch.Tensor], dst: Sequence[torch.Tensor], src_pos: list[int], slots: list[int],
-              key: str, n_blocks: int) -> torch.cuda.Event | None:
-        if self.cuda:  # after the gather queued on the compute stream (read the current stream outside the context)
-            self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-            start = self._start()
-            for p, s, n in _runs(slots):
-                for a, b in zip(src, dst):
-                    b[s:s + n].copy_(a[src_pos[p]:src_pos[p] + n], non_blocking=self.cuda)
-            if self.cuda:
-                for a in src:
-                    a.record_stream(self.stream)
-            return self._stop(start, key, n_blocks)
 
     def _start(self) -> object:
         if not self.cuda:
