@@ -483,6 +483,31 @@ def test_snapshots_arrive_bit_exact(world) -> None:
     world.run(_snapshots)
 
 
+def _snapshots_in_chunks(ctx: RankContext) -> None:
+    """Snapshots in chunks of 48 bytes (their data does not divide: the last chunk is padded), then one with a
+    byte changed on the wire in chunk 2: named, no snapshot returned; the next transfer works."""
+    snaps = _make_snapshots(ctx.device)
+    if ctx.rank == 0:
+        for s in snaps:
+            send_snapshot(s, dst=1, chunk_bytes=48)
+        with _tampered(_flip(3, 5)):
+            send_snapshot(snaps[1], dst=1, chunk_bytes=64)
+        send_snapshot(snaps[1], dst=1, chunk_bytes=64)
+        return
+    for s in snaps:
+        got = recv_snapshot(src=0, device=ctx.device)
+        assert got.flat is not None and got.equal(s) and got.layer_specs == s.layer_specs
+    chunks = -(-snaps[1].nbytes // 64)  # 16 bytes of layer specs per layer travel in front of chunk 0
+    with pytest.raises(ValueError, match=f"src: chunk 2 of {chunks} of the snapshot from rank 0 arrived damaged"):
+        recv_snapshot(src=0, device=ctx.device)
+    assert recv_snapshot(src=0, device=ctx.device).equal(snaps[1])
+
+
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+def test_snapshots_in_chunks_and_a_damaged_chunk(world) -> None:
+    world.run(_snapshots_in_chunks)
+
+
 # ------------------------------------------------------------------------------------------ disaggregated
 
 
@@ -584,6 +609,11 @@ def test_arguments_checked_before_any_message() -> None:
         send_blocks(object(), [1], dst=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="checksum"):
         send_blocks(cache, [1], dst=1, checksum=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk_bytes: expected an int >= 1, got 0"):
+        send_blocks(cache, [1], dst=1, chunk_bytes=0)
+    with pytest.raises(TypeError, match="chunk_bytes: expected an int"):
+        send_snapshot(KVSnapshot.empty([(2, 8)], 1, dtype=torch.float16, device="cpu"), dst=1,
+                      chunk_bytes=4.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="allocator: expected 24 blocks of 4 tokens"):
         recv_blocks(cache, BlockAllocator(24, 8), src=0)
     with pytest.raises(TypeError, match="allocator"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvcache.distributed import wire
-from kvcache.distributed.wire import Layout, checksum, checksum_reference_of
+from kvcache.distributed.wire import Layout, checksum, checksum_reference
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,12 +50,12 @@ def test_checksum_is_the_documented_definition() -> None:
     """Known answers (they pin the wire format: a change here is a new protocol version) and the plain-Python
     definition."""
     body = torch.arange(256, dtype=torch.uint8)
-    assert checksum_reference_of(body, 0).tolist() == [407902753, -135280229]
-    assert checksum_reference_of(body, 5).tolist() == [-59887636, -962633625]
-    assert checksum_reference_of(body, wire.HEADER_CHUNK).tolist() == [-227477093, 1218472262]
+    assert checksum_reference(body, 0).tolist() == [407902753, -135280229]
+    assert checksum_reference(body, 5).tolist() == [-59887636, -962633625]
+    assert checksum_reference(body, wire.HEADER_CHUNK).tolist() == [-227477093, 1218472262]
     for n, c in [(4, 0), (100, 3), (1028, 2**31 - 1), (4096, 12345)]:
         b = _bytes(n, n)
-        assert checksum_reference_of(b, c).tolist() == _python_checksum(bytes(b.tolist()), c)
+        assert checksum_reference(b, c).tolist() == _python_checksum(bytes(b.tolist()), c)
 
 
 @pytest.mark.parametrize("nbytes", [4, 64, 4096 + 16, 20_004])
@@ -64,14 +64,14 @@ def test_kernel_gives_the_reference_bits(device: torch.device, nbytes: int) -> N
     for c in (0, 1, 7, -1, 2**31 - 1):
         got = checksum(body.to(device), c)
         assert got.dtype == torch.int32 and got.device.type == device.type
-        assert torch.equal(got.cpu(), checksum_reference_of(body, c)), (nbytes, c)
+        assert torch.equal(got.cpu(), checksum_reference(body, c)), (nbytes, c)
 
 
 @pytest.mark.slow
 def test_kernel_gives_the_reference_bits_over_many_programs(device: torch.device) -> None:
     """Past 1024 programs of 1024 words each program sums several tiles."""
     body = _bytes((1 << 22) + 4096 + 12, 2)
-    assert torch.equal(checksum(body.to(device), 3).cpu(), checksum_reference_of(body, 3))
+    assert torch.equal(checksum(body.to(device), 3).cpu(), checksum_reference(body, 3))
 
 
 def test_kernel_notices_changed_bytes(device: torch.device) -> None:
@@ -87,28 +87,28 @@ def test_every_changed_byte_is_noticed() -> None:
     """Each byte of a body changed by each of 3 patterns (one bit, the top bit, all bits): both lanes change
     (a change inside one 4-byte word always changes both sums: each lane is a bijection of the word)."""
     body = _bytes(512, 4)
-    ref = checksum_reference_of(body, 0)
+    ref = checksum_reference(body, 0)
     for pos in range(body.numel()):
         for flip in (0x01, 0x80, 0xFF):
             damaged = body.clone()
             damaged[pos] ^= flip
-            got = checksum_reference_of(damaged, 0)
+            got = checksum_reference(damaged, 0)
             assert (got != ref).all(), (pos, flip)
 
 
 def test_moved_and_repeated_data_is_noticed() -> None:
     body = _bytes(1024, 5)
-    ref = checksum_reference_of(body, 1)
+    ref = checksum_reference(body, 1)
     words = body.view(torch.int32)
     swapped = words.clone()
     swapped[[3, 200]] = swapped[[200, 3]]
     halves = torch.cat([body[512:], body[:512]])
-    assert not torch.equal(checksum_reference_of(swapped.view(torch.uint8), 1), ref)
-    assert not torch.equal(checksum_reference_of(halves, 1), ref)
-    assert not torch.equal(checksum_reference_of(body, 2), ref)  # the same body at another chunk's index
+    assert not torch.equal(checksum_reference(swapped.view(torch.uint8), 1), ref)
+    assert not torch.equal(checksum_reference(halves, 1), ref)
+    assert not torch.equal(checksum_reference(body, 2), ref)  # the same body at another chunk's index
     zeros, longer = torch.zeros(64, dtype=torch.uint8), torch.zeros(128, dtype=torch.uint8)
-    assert not torch.equal(checksum_reference_of(zeros, 0), checksum_reference_of(longer, 0))
-    assert not torch.equal(checksum_reference_of(zeros, 0), torch.zeros(2, dtype=torch.int32))
+    assert not torch.equal(checksum_reference(zeros, 0), checksum_reference(longer, 0))
+    assert not torch.equal(checksum_reference(zeros, 0), torch.zeros(2, dtype=torch.int32))
 
 
 def test_checksum_arguments() -> None:

@@ -27,7 +27,7 @@ import triton.language as tl
 from .._backend import kernel, use_triton
 from .._validate import cdiv, next_pow2, vec_elems
 
-__all__ = ["seeds", "checksum_into", "checksum_reference", "scatter_rows"]
+__all__ = ["seeds", "checksum_into", "reference_sums", "scatter_rows"]
 
 _M32 = 0xFFFFFFFF
 _HASH_BLOCK = 1024  # words per tile
@@ -87,7 +87,7 @@ def _checksum_kernel(
     tl.atomic_add(out + 1, b.to(tl.int32, bitcast=True))
 
 
-def checksum_reference(words: torch.Tensor, chunk: int) -> torch.Tensor:
+def reference_sums(words: torch.Tensor, chunk: int) -> torch.Tensor:
     """Pure-torch checksum of int32 ``words`` [n] at chunk index ``chunk``: int32 [2] on their device."""
     w = words.to(torch.int64) & _M32
     i = torch.arange(w.numel(), dtype=torch.int64, device=w.device)
@@ -110,12 +110,12 @@ def checksum_reference(words: torch.Tensor, chunk: int) -> torch.Tensor:
 
 def checksum_into(words: torch.Tensor, chunk: int, out: torch.Tensor) -> None:
     """Add the checksum of int32 ``words`` [n] (contiguous) to ``out`` (int32 [2], zeroed by the caller, same
-    device). Triton on CUDA and under the interpreter, :func:`checksum_reference` otherwise. No host sync."""
+    device). Triton on CUDA and under the interpreter, :func:`reference_sums` otherwise. No host sync."""
     n = words.numel()
     if n == 0:
         return
     if not use_triton(words.device):
-        out.add_(checksum_reference(words, chunk))
+        out.add_(reference_sums(words, chunk))
         return
     tiles = next_pow2(max(1, cdiv(cdiv(n, _HASH_BLOCK), _HASH_PROGRAMS)))
     sa, sb = seeds(chunk)

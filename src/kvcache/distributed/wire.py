@@ -43,7 +43,7 @@ import dataclasses
 import torch
 
 from .._validate import cdiv
-from ._kernels import checksum_into, checksum_reference
+from ._kernels import checksum_into, reference_sums
 
 MAGIC = 0x6B7663616368_02  # "kvcach" + format version 2
 HEADER_LEN = 32
@@ -145,18 +145,18 @@ def checksum(body: torch.Tensor, chunk: int) -> torch.Tensor:
     return out
 
 
-def checksum_reference_of(body: torch.Tensor, chunk: int) -> torch.Tensor:
+def checksum_reference(body: torch.Tensor, chunk: int) -> torch.Tensor:
     """:func:`checksum` by pure torch whatever the device and backend (the definition the kernel follows).
 
     Example
     -------
     >>> import torch
-    >>> from kvcache.distributed.wire import checksum, checksum_reference_of
+    >>> from kvcache.distributed.wire import checksum, checksum_reference
     >>> body = torch.arange(64, dtype=torch.uint8)
-    >>> bool(torch.equal(checksum(body, 3), checksum_reference_of(body, 3)))
+    >>> bool(torch.equal(checksum(body, 3), checksum_reference(body, 3)))
     True
     """
-    return checksum_reference(_words(body), _chunk_index(chunk))
+    return reference_sums(_words(body), _chunk_index(chunk))
 
 
 def seal(fields: list[int]) -> list[int]:
@@ -174,7 +174,7 @@ def sealed(fields: list[int]) -> bool:
 
 def _header_sum(fields: list[int]) -> tuple[int, int]:
     t = torch.tensor(fields[:F_SEAL_A], dtype=torch.int64)
-    a, b = checksum_reference(t.view(torch.int32), HEADER_CHUNK).tolist()
+    a, b = reference_sums(t.view(torch.int32), HEADER_CHUNK).tolist()
     return a & 0xFFFFFFFF, b & 0xFFFFFFFF
 
 
