@@ -140,3 +140,57 @@ def test_host_tier_on_cuda_equals_recompute(tiny_llama, prompts, cuda_graphs):
         want = [o.token_ids for o in ref_llm.generate(many, SP)]
         assert [o.token_ids for o in llm.generate(many, SP)] == want
     assert llm.stats.total.tiers["host"].hits > 0
+
+
+def test_a_request_waits_only_for_its_own_blocks():
+    from kvcache.engine.scheduler import Scheduler
+    from kvcache.engine.sequence import Sequence
+    from kvcache.paged import BlockAllocator, PagedConfig, PagedKVCache, TieredCache
+
+    class InFlight(TieredCache):
+        """Copies back stay in flight until wait() (what the tiers' CUDA stream does)."""
+
+        inflight: set = set()
+        waited = 0
+
+        def load(self, fetched, block_ids):
+            super().load(fetched, block_ids)
+            self.inflight = self.inflight | set(block_ids)
+
+        def ready(self, block_ids):
+            return not self.inflight.intersection(block_ids)
+
+        @property
+        def loading(self):
+            return bool(self.inflight)
+
+        def wait(self):
+            self.waited += 1
+            self.inflight = set()
+
+    cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=8,
+                                     dtype=torch.float32, device="cpu"))
+    tiers = InFlight(cache, host_bytes=2**16)
+    alloc = BlockAllocator(8, 4)
+    alloc.set_listener(tiers)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=64, max_blocks_per_seq=8, tiers=tiers)
+    a_tokens = list(range(2, 19))  # 17 tokens: 4 full blocks before the last token
+    hashes = alloc.hash_blocks(a_tokens[:-1])
+    blocks = alloc.allocate(4)
+    alloc.cache_blocks(blocks, hashes)
+    alloc.free(blocks)
+    alloc.free(alloc.allocate(8))  # A's prefix leaves the pool for the host tier
+    assert tiers.lookup(hashes) == 4
+    a = Sequence(0, a_tokens, SamplingParams(max_tokens=1))
+    b = Sequence(1, [50, 51, 52], SamplingParams(max_tokens=1))
+    sched.add(a)
+    sched.add(b)
+    step = sched.schedule()
+    # A's 4 blocks are coming back: it holds them and runs later; B runs now, nobody waited
+    assert [s.request_id for s in step.seqs] == [1] and a in sched.running and len(a.block_table) == 4
+    assert a.num_computed == 16 and tiers.waited == 0 and tiers.loading
+    sched.postprocess(step, [7])
+    sched.finish(b, "length")
+    # only A is left, its blocks still in flight: the step waits for them, then runs A's last token
+    step = sched.schedule()
+    assert tiers.waited == 1 and [(s.request_id, n) for s, n in zip(step.seqs, step.num_tokens)] == [(0, 1)]

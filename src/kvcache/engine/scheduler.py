@@ -215,7 +215,9 @@ class Scheduler:
             self._admit(seqs, counts, budget)
         if not seqs and self.running and self.tiers is not None and self.tiers.loading:
             self.tiers.wait()  # only requests whose blocks are coming back: wait for them
-            return self.schedule()
+            batch = self.schedule()
+            batch.preempted[:0] = preempted
+            return batch
         return ScheduledBatch(seqs, counts, [s.num_computed + n == len(s.token_ids) for s, n in zip(seqs, counts)],
                               preempted)
 
