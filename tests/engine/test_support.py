@@ -77,14 +77,18 @@ def test_window_equals_transformers_on_both_engines(name):
     assert ref != sm.greedy(no_window)  # the same weights (seed), no window
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
-def test_linear_engine_mixed_steps_with_windows_soft_caps_and_sinks(name):
-    # 3 prompts on 2 slots with a 16-token budget: prefill chunks beside decode rows in one step, each slot
-    # attending with the layer's window, soft-cap (Gemma 2) and sinks (gpt-oss) over its own length
+@pytest.mark.parametrize("cache", ["paged", "linear"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss"])
+def test_mixed_steps_and_prefix_hits_equal_transformers(name, cache):
+    # 3 prompts on 2 sequences with a 12-token budget and blocks of 4: prefill chunks beside decode rows in one
+    # step, prompts sharing a prefix restored from the prefix cache (paged) or the shared-prefix snapshot (linear),
+    # each layer attending with its window, soft-cap (Gemma 2), rope (Gemma 3) and sinks (gpt-oss)
     model = sm.build(name)
-    prompts = [sm.PROMPT, sm.PROMPT[:13] + [5, 9, 11], [(5 * i + 1) % 126 + 2 for i in range(27)]]
-    llm = LLM(model, tokenizer=_Tok(), cache="linear", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16)
+    prompts = [sm.PROMPT, sm.PROMPT[:16] + [5, 9, 11, 40, 50], sm.PROMPT[:12] + [7]]
+    llm = LLM(model, tokenizer=_Tok(), cache=cache, max_num_seqs=2, max_model_len=64, block_size=4,
+              max_num_batched_tokens=12)
     got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))]
+    assert llm.stats.cached_prompt_tokens > 0
     assert got == [sm.greedy(model, prompt=p, n=6) for p in prompts]
 
 
