@@ -87,6 +87,7 @@ class PagedKVCache:
         self._layers = [PagedLayer(self._pools[i], self._params[i], self._scales[i], config.kv_dtype, config.layout,
                                    config.dtype) for i in range(L)]
         self._geometry = self._layers[0].geometry
+        self._launch_store: dict = {}  # the append launches of earlier steps' plans (see StepPlan.build)
         for lay in self._layers:
             lay.geometry = self._geometry  # one tuple: a plan of this cache is recognised by identity
         self.prepared_launches = 0  # appends that repeated a prepared launch (a diagnostic)
@@ -231,7 +232,7 @@ class PagedKVCache:
                        metadata_ready=metadata_ready, check=check or self.debug if type(check) is bool else check)
         return StepPlan.build(self._geometry, self.device, index, options, rope=params,  # type: ignore[arg-type]
                               rope_ready=params is not None and params is self._rope_params,
-                              rope_seq_len=rope_seq_len)
+                              rope_seq_len=rope_seq_len, launch_store=self._launch_store)
 
     def _check_plan(self, plan: object) -> StepPlan:
         if type(plan) is StepPlan and plan.geometry is self._geometry:

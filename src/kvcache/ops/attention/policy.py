@@ -8,6 +8,7 @@ choices are in docs/tuning-history.md, the current figures in BENCHMARKS.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..._validate import cdiv, check_int, next_pow2
 
@@ -103,6 +104,7 @@ class AttentionPlan:
         return self.block_q * next_pow2(num_q_heads // num_kv_heads)
 
 
+@functools.lru_cache(maxsize=256, typed=True)  # a pure function of its arguments, asked once per step
 def attention_plan(
     *,
     num_q_heads: int,

@@ -24,7 +24,7 @@ from .reference import append_paged_kv_reference, gather_paged_kv_reference
 from .step import StepPlan
 
 __all__ = ["AppendPlan", "append_paged_kv_launch", "gather_paged_kv_launch", "copy_blocks_launch", "rope_kind",
-           "pdl_supported", "default_append_launch", "append_index", "gather_lens"]
+           "pdl_supported", "default_append_launch", "append_index", "gather_lens", "rope_constants"]
 
 
 def ptx(device: torch.device) -> bool:
@@ -70,6 +70,14 @@ def _rope_args(rope):  # type: ignore[no-untyped-def]
     return True, int(rope.rotary_dim), bool(rope.interleaved), float(rope.attention_scaling), rope.inv_freq
 
 
+
+
+def rope_constants(rope: RopeKernelParams | None) -> tuple | None:
+    """What the append kernel specialises on of ``rope``: rotary dims, interleaving, attention scaling and the
+    frequency bound (None without RoPE)."""
+    if rope is None:
+        return None
+    return (int(rope.rotary_dim), bool(rope.interleaved), float(rope.attention_scaling), _max_freq(rope))
 
 
 def _max_freq(rope) -> float:  # type: ignore[no-untyped-def]

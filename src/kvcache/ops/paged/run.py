@@ -12,11 +12,18 @@ import dataclasses
 
 import torch
 
-from ..._backend import _current_device, _current_stream, _hooks_active
+from ..._backend import _current_device, _current_stream, _hooks_active, pdl_enabled
 from ..._validate import MODEL_DTYPES, check_dtype_in, fmt_shape
 from ...rope import RopeKernelParams
 from .checks import check_arg_tensor, check_kv_rows, check_rope, host_check_fp8_scales
-from .launch import AppendPlan, append_index, append_paged_kv_launch, default_append_launch, gather_paged_kv_launch
+from .launch import (
+    AppendPlan,
+    append_index,
+    append_paged_kv_launch,
+    default_append_launch,
+    gather_paged_kv_launch,
+    rope_constants,
+)
 from .layer import PagedLayer
 from .policy import AppendLaunch
 from .step import StepPlan
@@ -69,12 +76,7 @@ def append_rows(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepP
             host_check_fp8_scales(layer.scales)
     memo = plan.append_memo
     if memo is None or memo.n_rows != n:
-        sm = plan.slot_mapping
-        if sm is not None and sm.shape[0] != n:
-            raise ValueError(f"slot_mapping: expected shape [{n}] (one slot per row of k), got [{sm.shape[0]}]")
-        index = append_index(plan)
-        ptrs = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in index)
-        memo = plan.append_memo = _AppendMemo(n, default_append_launch(n, layer, plan), ptrs, {})
+        memo = plan.append_memo = _derive(plan, layer, n)
     if n == 0:
         return False
     did = layer.dev_id
@@ -93,6 +95,35 @@ def append_rows(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepP
     if key is not None and prepared is not None:
         memo.prepared[key] = prepared
     return False
+
+
+def _derive(plan: StepPlan, layer: PagedLayer, n: int) -> _AppendMemo:
+    """The first append of ``n`` rows under ``plan``: its launch description and index pointers, and the prepared
+    launches it shares with earlier plans of the same kind (``plan.launch_store``). Besides each layer's own
+    tensors (the key of ``prepared``), a compiled append is selected by the rows, the sequences, the index
+    tensors' kinds (kv_lens or cu_k_lens), dtypes and 16-byte alignment, the RoPE constants, context parallelism
+    and the launch promises: equal keys, equal kernels; the pointers themselves are passed at every launch."""
+    sm = plan.slot_mapping
+    if sm is not None and sm.shape[0] != n:
+        raise ValueError(f"slot_mapping: expected shape [{n}] (one slot per row of k), got [{sm.shape[0]}]")
+    index = append_index(plan)
+    ptrs = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in index)
+    store = plan.launch_store
+    if store is None:
+        return _AppendMemo(n, default_append_launch(n, layer, plan), ptrs, {})
+    key = (n, plan.num_seqs, plan.kv_lens is not None, plan.cp_rank, plan.cp_size, plan.metadata_ready,
+           plan.rope_ready, pdl_enabled(),
+           tuple(None if t is None else (t.dtype, p & 15 == 0) for t, p in zip(index[:6], ptrs[:6])),
+           rope_constants(plan.rope))
+    shared = store.get(key)
+    if shared is None:
+        if len(store) >= _STORE_SIZE:
+            store.clear()
+        shared = store[key] = (default_append_launch(n, layer, plan), {})
+    return _AppendMemo(n, shared[0], ptrs, shared[1])
+
+
+_STORE_SIZE = 64  # kinds of steps a cache keeps the launches of (a serving loop sees a handful)
 
 
 def gather_rows(layer: PagedLayer, plan: StepPlan, k_out: torch.Tensor | None, v_out: torch.Tensor | None,

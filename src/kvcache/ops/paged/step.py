@@ -112,6 +112,8 @@ class StepPlan:
     # launches derived by the first layer that needs them: (key, value) of the append and of the attention
     append_memo: tuple | None = dataclasses.field(default=None, repr=False)
     attention_memo: tuple | None = dataclasses.field(default=None, repr=False)
+    # derived append launches shared by the plans of one cache, keyed by what selects them (see run.append_rows)
+    launch_store: dict | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -126,6 +128,7 @@ class StepPlan:
         rope_seq_len: int | None = None,
         lens_name: str = "seq_lens",
         q_dtype: torch.dtype | None = None,
+        launch_store: dict | None = None,
     ) -> StepPlan:
         """Validate and build a plan for pools of ``geometry`` on ``device``.
 
@@ -135,7 +138,8 @@ class StepPlan:
         ``metadata_ready``, ``check``. ``rope``: the keys' RoPE parameters (``rope_ready``: no running kernel
         writes its ``inv_freq``; ``rope_seq_len``: the length it was built for, kept for gathers). ``lens_name``: what
         errors call ``seq_lens`` (the loose ops' ``kv_lens``); ``q_dtype``: the queries' dtype where it is known
-        (``q_rope`` must have it).
+        (``q_rope`` must have it); ``launch_store``: a dict, kept by the caller across steps, in which appends find
+        the launches derived by an earlier plan of the same kind.
         TypeError / ValueError naming the argument, before anything is written.
         """
         opts = dict(options or {})
@@ -157,7 +161,7 @@ class StepPlan:
             block_tables=idx["block_tables"], cu_q_lens=idx["cu_q_lens"], kv_lens=idx["kv_lens"],
             cu_k_lens=idx["cu_k_lens"], _seq_lens=idx["seq_lens"], slot_mapping=idx["slot_mapping"],
             positions=idx["positions"], cp_rank=cp_rank, cp_size=cp_size, rope=rope, rope_seq_len=rope_seq_len,
-            num_seqs=n_seqs, geometry=geometry, device=device, rope_ready=rope_ready,
+            num_seqs=n_seqs, geometry=geometry, device=device, rope_ready=rope_ready, launch_store=launch_store,
             **_check_options(opts, geometry[3], n_seqs, device, q_dtype),
         )
         return plan
