@@ -15,6 +15,11 @@ download), 64 requests x 512 random prompt tokens + 128 new tokens, greedy, EOS 
 * a long-context row (8 requests x 16k prompt tokens, ``--long``), and the largest number of concurrent 4k-token
   sequences whose KV fits in 60 GiB per kv_dtype (from ``cache_block_bytes``: arithmetic, not a run).
 
+``--capacity``: what a stored format buys when memory limits the batch. A random-weight Llama-3.1-8B-shaped model
+(hidden 4096, 32 layers, 32 / 8 heads, head_dim 128, bf16), a fixed 4 GiB KV budget, 192 requests x (512 prompt +
+512 new) tokens, one timed run per kv_dtype after a short warm-up: generated tokens/s and its ratio to bf16 KV,
+decode tokens per step (the batch the budget held), preemptions, and the bytes per token the format stores.
+
 Writes JSON (``--out``). ``--quick``: 16 requests x 128 + 32 tokens, for a smoke test.
 """
 
@@ -47,10 +52,11 @@ class _IdsOnlyTokenizer:
         return ""
 
 
-def _model(device: torch.device) -> Any:
+def _model(device: torch.device, shape: dict | None = None) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SHAPE, max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    config = LlamaConfig(**(shape or SHAPE), max_position_embeddings=131072, tie_word_embeddings=True,
+                         rms_norm_eps=1e-5,
                          rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                           "original_max_position_embeddings": 8192},
@@ -64,6 +70,11 @@ def _model(device: torch.device) -> Any:
     finally:
         torch.set_default_dtype(old)
     return model.eval()
+
+
+SHAPE_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=128256)
+CAPACITY = dict(requests=192, prompt_tokens=512, new_tokens=512, kv_gib=4)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
@@ -150,6 +161,33 @@ def _agreement(rows: list[dict]) -> None:
         r["first_token_agrees_with_hf_dynamic"] = f"{sum(a[:1] == b[:1] for a, b in zip(toks, ref))}/{len(ref)}"
 
 
+def _capacity_row(model: Any, prompts: list[list[int]], kv_dtype: str) -> dict:
+    """One timed run of the capacity workload (:data:`CAPACITY`) with ``kv_dtype``, after a warm-up of a few
+    requests that compiles the kernels and captures the decode graphs the run needs."""
+    from ..engine import LLM, SamplingParams
+
+    _free()
+    new = CAPACITY["new_tokens"]
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    llm = LLM(model, tokenizer=_IdsOnlyTokenizer(), kv_dtype=kv_dtype, max_num_seqs=len(prompts),
+              kv_cache_memory=CAPACITY["kv_gib"] * 2**30, max_model_len=len(prompts[0]) + new,
+              enable_prefix_caching=False)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    torch.cuda.synchronize()
+    outs = llm.generate(prompts, sp)
+    st = llm.stats
+    row = {"kind": "kvcache.engine capacity", "kv_dtype": kv_dtype, "generated_tokens": st.generated_tokens,
+           "elapsed_s": st.elapsed_s, "generated_tok_s": st.generated_tokens / st.elapsed_s,
+           "tokens_per_step": st.generated_tokens / max(st.steps, 1), "steps": st.steps,
+           "preemptions": st.preemptions, "cache_gib": st.cache_bytes / 2**30,
+           "kv_bytes_per_token": cache_block_bytes(SHAPE_8B["num_hidden_layers"], SHAPE_8B["num_key_value_heads"],
+                                                   SHAPE_8B["head_dim"], 16, torch.bfloat16, kv_dtype) // 16}
+    if any(len(o.token_ids) != new for o in outs):
+        row["error"] = "a request generated fewer tokens than asked"
+    del llm, outs
+    return row
+
+
 def _fits_60gib(block_size: int = 16, seq_len: int = 4096) -> list[dict]:
     rows = []
     for kv in KV_FORMATS:
@@ -168,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ----------
     argv : list of str, optional
         ``--out FILE`` (JSON, default ``engine_bench.json``), ``--quick``, ``--long`` (add the 8 x 16k row),
-        ``--kv-dtypes auto,int8,int4``, ``--no-hf``.
+        ``--kv-dtypes auto,int8,int4``, ``--no-hf``, ``--capacity`` (the fixed-budget workload alone).
 
     Example
     -------
@@ -181,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", action="store_true", help="add 8 requests x 16k prompt tokens")
     p.add_argument("--kv-dtypes", default=",".join(KV_FORMATS), help="comma-separated, of " + ", ".join(KV_FORMATS))
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--capacity", action="store_true",
+                   help="only the fixed-budget workload: 8B shape, 4 GiB of KV, 192 x (512 + 512), per kv_dtype")
     args = p.parse_args(argv)
     kv_dtypes = [k for k in args.kv_dtypes.split(",") if k]
     bad = [k for k in kv_dtypes if k not in KV_FORMATS]
@@ -190,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         print("kvcache.bench.engine: needs a CUDA device", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
+    if args.capacity:
+        return _capacity_main(args.out, kv_dtypes, dev)
     n_req, plen, new = (16, 128, 32) if args.quick else (64, 512, 128)
     model = _model(dev)
     prompts = _prompts(n_req, plen, SHAPE["vocab_size"])
@@ -238,6 +280,29 @@ def main(argv: list[str] | None = None) -> int:
     _agreement(result["rows"])
     dump()
     print(f"wrote {args.out}")
+    return code
+
+
+def _capacity_main(out: str, kv_dtypes: list[str], dev: torch.device) -> int:
+    """``--capacity``: one row per kv_dtype, each with its tokens/s relative to bf16 KV (``auto``) when it ran."""
+    model = _model(dev, SHAPE_8B)
+    prompts = _prompts(CAPACITY["requests"], CAPACITY["prompt_tokens"], SHAPE_8B["vocab_size"], seed=3)
+    rows, code = [], 0
+    for kv in kv_dtypes:
+        try:
+            row = _capacity_row(model, prompts, kv)
+        except Exception as e:  # one failed row must not lose the others
+            row, code = {"kind": "kvcache.engine capacity", "kv_dtype": kv, "error": f"{type(e).__name__}: {e}"}, 1
+        rows.append(row)
+        base = next((r for r in rows if r["kv_dtype"] == "auto" and "error" not in r), None)
+        if base is not None and "error" not in row:
+            row["vs_auto"] = row["generated_tok_s"] / base["generated_tok_s"]
+        print(json.dumps(row), flush=True)
+    with open(out, "w") as f:
+        json.dump({"benchmark": "kvcache.bench.engine --capacity", "device": torch.cuda.get_device_name(dev),
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "torch": torch.__version__,
+                   "workload": {**CAPACITY, "model": SHAPE_8B, "dtype": "bf16"}, "rows": rows}, f, indent=2)
+    print(f"wrote {out}")
     return code
 
 
