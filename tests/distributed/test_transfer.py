@@ -611,6 +611,8 @@ def test_arguments_checked_before_any_message() -> None:
         send_blocks(cache, [1], dst=1, checksum=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="chunk_bytes: expected an int >= 1, got 0"):
         send_blocks(cache, [1], dst=1, chunk_bytes=0)
+    with pytest.raises(ValueError, match="chunk_bytes: expected an int <= 1073741824"):
+        send_blocks(cache, [1], dst=1, chunk_bytes=(1 << 30) + 1)
     with pytest.raises(TypeError, match="chunk_bytes: expected an int"):
         send_snapshot(KVSnapshot.empty([(2, 8)], 1, dtype=torch.float16, device="cpu"), dst=1,
                       chunk_bytes=4.0)  # type: ignore[arg-type]

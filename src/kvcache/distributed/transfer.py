@@ -61,7 +61,7 @@ def _bool(name: str, value: object) -> bool:
 
 
 def _chunk_bytes(value: object) -> int | None:
-    return None if value is None else _validate.check_int("chunk_bytes", value, 1)
+    return None if value is None else _validate.check_int("chunk_bytes", value, 1, W.MAX_CHUNK)
 
 
 def _wide(pool: torch.Tensor) -> torch.Tensor:
@@ -162,7 +162,10 @@ def _reject_first(got: list[int], expect: dict[int, int], ch: Channel, what: str
 
 
 def _expect_layout(got: list[int], layout: W.Layout, ch: Channel, what: str) -> None:
-    """REJECT a header whose layout fields are not the ones its own sizes give (an inconsistent sender)."""
+    """REJECT a header whose layout fields are not the ones its own sizes give (an inconsistent sender), or
+    whose chunks are larger than :data:`~kvcache.distributed.wire.MAX_CHUNK` plus a row."""
+    if layout.chunks and layout.body_bytes(0) > W.MAX_CHUNK + layout.prefix + sum(layout.parts) + 64:
+        _reject_first(got, {W.F_CHUNK_ROWS: max(1, W.MAX_CHUNK // max(1, sum(layout.parts)))}, ch, what)
     _reject_first(got, {W.F_PREFIX: layout.prefix, W.F_ROWS: layout.rows, W.F_CHUNKS: layout.chunks,
                         W.F_NBYTES: layout.nbytes}, ch, what)
 
@@ -206,8 +209,9 @@ def send_blocks(
         Send each chunk's checksum (computed on the device, one extra read of the payload on each side),
         checked on arrival before the chunk is written.
     chunk_bytes : int, optional
-        Payload bytes per chunk, rounded down to whole rows (one block of one layer; one row at least).
-        Default: :func:`kvcache.distributed.wire.default_chunk_bytes` (an eighth of the payload, 16-64 MiB).
+        Payload bytes per chunk, rounded down to whole rows (one block of one layer; one row at least), at
+        most 1 GiB. Default: :func:`kvcache.distributed.wire.default_chunk_bytes` (an eighth of the payload,
+        16-64 MiB).
 
     Returns
     -------
@@ -411,7 +415,8 @@ def send_snapshot(
     checksum : bool
         Send each chunk's checksum, checked on arrival.
     chunk_bytes : int, optional
-        Payload bytes per chunk (rounded down to a multiple of 16). Default: an eighth of the payload, 16-64 MiB.
+        Payload bytes per chunk (rounded down to a multiple of 16), at most 1 GiB. Default: an eighth of the
+        payload, 16-64 MiB.
 
     Raises
     ------

@@ -53,6 +53,7 @@ TRAILER = 16  # bytes after each body: int32 [A, B, 0, 0]
 HEADER_CHUNK = -1  # chunk index of the header's own checksum
 DEFAULT_CHUNK_MIN = 16 << 20  # automatic chunk size: an eighth of the payload, within these bounds
 DEFAULT_CHUNK_MAX = 64 << 20
+MAX_CHUNK = 1 << 30  # chunk_bytes at most (word offsets inside a body stay int32)
 
 # header fields
 F_MAGIC, F_KIND, F_KV_DTYPE, F_LAYOUT, F_DTYPE, F_LAYERS, F_HEADS, F_HEAD_DIM, F_BLOCK_SIZE, F_COUNT = range(10)
