@@ -45,17 +45,19 @@ def seeds(chunk: int) -> tuple[int, int]:
     return _signed32(chunk * 0x85EBCA77 + 0x165667B1), _signed32(chunk * 0x27D4EB2F + 0x61C88647)
 
 
-@kernel(ints=("n", "seed_a", "seed_b"))
+@kernel(ints=("n_vecs", "seed_a", "seed_b"))
 def _checksum_kernel(
     words,  # int32 [n]: the body
     out,  # int32 [2]: lanes A, B; the program sums are added to it (zero it first)
-    n,
+    n_vecs,  # n / VEC
     seed_a,  # int32, a uint32 bit pattern
     seed_b,
     BLOCK: tl.constexpr,
     TILES: tl.constexpr,  # tiles of BLOCK words per program
+    VEC: tl.constexpr,  # a power of two dividing n: the mask is uniform over VEC words (vector loads)
 ):
     pid = tl.program_id(0)
+    n = n_vecs * VEC
     sa = seed_a.to(tl.uint32, bitcast=True)
     sb = seed_b.to(tl.uint32, bitcast=True)
     acc_a = tl.zeros([BLOCK], dtype=tl.uint32)
@@ -119,8 +121,9 @@ def checksum_into(words: torch.Tensor, chunk: int, out: torch.Tensor) -> None:
         return
     tiles = next_pow2(max(1, cdiv(cdiv(n, _HASH_BLOCK), _HASH_PROGRAMS)))
     sa, sb = seeds(chunk)
-    _checksum_kernel.launch(words.device, (cdiv(n, _HASH_BLOCK * tiles),), words, out, n, sa, sb,
-                            BLOCK=_HASH_BLOCK, TILES=tiles)
+    vec = vec_elems(4, [n])  # chunk bodies are whole 16-byte sections: 4 words
+    _checksum_kernel.launch(words.device, (cdiv(n, _HASH_BLOCK * tiles),), words, out, n // vec, sa, sb,
+                            BLOCK=_HASH_BLOCK, TILES=tiles, VEC=vec)
 
 
 @kernel(ints=("n_vecs",))
