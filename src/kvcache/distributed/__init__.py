@@ -4,8 +4,9 @@
   reassemble the single-rank K / V exactly; per-rank attention is merged by log-sum-exp;
 * tensor parallel (:mod:`.tensor`): which KV / query heads each rank holds (KV heads replicated when fewer
   than ranks), and cache configs sized for a rank's share;
-* KV transfer (:mod:`.transfer`): paged blocks (any kv_dtype, scales included) or a ``KVSnapshot`` sent
-  point-to-point in one checked payload, the receiver's blocks from its own allocator.
+* KV transfer (:mod:`.transfer`, wire format in :mod:`.wire`): paged blocks (any kv_dtype, scales included) or a
+  ``KVSnapshot`` sent point-to-point in pipelined chunks, each checksummed on the device and checked before it
+  is written, the receiver's blocks from its own allocator.
 
 Every function takes an optional ``group`` (default: the world) and must be called by the ranks concerned
 in the same order, as torch.distributed's own collectives and point-to-point calls.
