@@ -40,13 +40,20 @@ class _Pending:
             self.into.copy_(self.buf)
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:<current>`` (a tensor's device always has its index: ``cuda`` would compare unequal)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Channel:
     """Messages to and from ``peer``: tensors of the work device, staged through the comm device (the one the
     group's backend reads) when it is another."""
 
     def __init__(self, group: dist.ProcessGroup | None, peer: int, work: torch.device) -> None:
-        self.group, self.peer, self.work = group, peer, work
-        self.comm = comm_device(group, work)
+        self.group, self.peer = group, peer
+        self.work, self.comm = _indexed(work), _indexed(comm_device(group, work))  # compared with tensors' devices
 
     def isend(self, t: torch.Tensor) -> _Pending:
         buf = t if t.device == self.comm else t.to(self.comm)
