@@ -13,6 +13,7 @@ import torch
 from kvcache.paged import BlockAllocator, PagedConfig, PagedKVCache
 from kvcache.paged.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
 from kvcache.paged.tiers import TieredCache, tiers_block_bytes
+from kvcache.paged.tiers.host import CHUNK_BLOCKS
 
 BS = 4
 
@@ -82,6 +83,20 @@ def test_evicted_blocks_come_back_bit_exact(kv_dtype):
     st = tiers.stats()["host"]
     assert (st.stored, st.hits, st.bytes_in, st.bytes_out) == (4, 4, 4 * tiers_block_bytes(cache),
                                                                4 * tiers_block_bytes(cache))
+
+
+def test_more_blocks_than_one_copy_batch_come_back_bit_exact():
+    n = CHUNK_BLOCKS + 6  # two batches each way
+    cache, tiers, alloc, _ = _setup("int8", host_blocks=n, num_blocks=n)
+    ids, hashes = _publish(alloc, list(range(n * BS)))
+    want = _blocks(cache, ids)
+    alloc.free(alloc.allocate(n))
+    cache.buffer.zero_()
+    cache.params_buffer.zero_()
+    back = _bring_back(alloc, tiers, hashes)
+    assert len(back) == n
+    for a, b in zip(_blocks(cache, back), want):
+        assert torch.equal(a, b)
 
 
 def test_lookup_stops_at_the_first_missing_block_and_walks_host_then_disk(tmp_path):

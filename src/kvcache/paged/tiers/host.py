@@ -25,7 +25,9 @@ import torch
 if TYPE_CHECKING:
     from ..cache import PagedKVCache
 
-__all__ = ["HostTier", "Transfers"]
+__all__ = ["HostTier", "Transfers", "CHUNK_BLOCKS"]
+
+CHUNK_BLOCKS = 64  # blocks per copy batch: bounds the device staging (64 blocks of a Llama-3-8B bf16 cache: 128 MiB)
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -67,54 +69,58 @@ class Transfers:
     def to_host(self, ids: Sequence[int], dst: Sequence[torch.Tensor], slots: Sequence[int]) -> torch.cuda.Event | None:
         """Copy device blocks ``ids`` into ``dst[k][slots[i]]`` (``dst``: the host tensors ``[n, L, *block]`` matching
         ``cache.buffer`` and ``cache.params_buffer``). Returns the event after the copies (None on the CPU)."""
-        if not ids:
-            return None
         pairs = sorted(zip(slots, ids))  # in slot order: each run of consecutive slots is one copy
-        idx = torch.tensor([b for _, b in pairs], dtype=torch.int64).to(self.cache.device, non_blocking=self.cuda)
-        # gathered on the compute stream, [n, L, *block]: before any later write of these blocks
-        staged = [t.transpose(0, 1).index_select(0, idx) for t in self._tensors()]
-        if self.cuda:  # after the gather (the current stream is read outside the side stream's context)
-            self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-            start = self._start()
-            for p, s, n in _runs([s for s, _ in pairs]):
-                for a, b in zip(staged, dst):
-                    b[s:s + n].copy_(a[p:p + n], non_blocking=self.cuda)
-            if self.cuda:
-                for a in staged:
-                    a.record_stream(self.stream)
-            return self._stop(start, "to_host", len(pairs))
+        event = None
+        for i in range(0, len(pairs), CHUNK_BLOCKS):
+            part = pairs[i:i + CHUNK_BLOCKS]
+            idx = torch.tensor([b for _, b in part], dtype=torch.int64).to(self.cache.device, non_blocking=self.cuda)
+            # gathered on the compute stream, [n, L, *block]: before any later write of these blocks
+            staged = [t.transpose(0, 1).index_select(0, idx) for t in self._tensors()]
+            if self.cuda:  # after the gather (the current stream is read outside the side stream's context)
+                self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+                start = self._start()
+                for p, s, n in _runs([s for s, _ in part]):
+                    for a, b in zip(staged, dst):
+                        b[s:s + n].copy_(a[p:p + n], non_blocking=self.cuda)
+                if self.cuda:
+                    for a in staged:
+                        a.record_stream(self.stream)
+                event = self._stop(start, "to_host", len(part))
+        return event
 
     def to_device(self, src: Sequence[tuple[Sequence[torch.Tensor], Sequence[int]]], ids: Sequence[int]
                   ) -> torch.cuda.Event | None:
         """Copy host blocks into device blocks ``ids``: ``src`` is a list of (host tensors like ``dst`` of
         :meth:`to_host`, their slots), whose slots, concatenated, give ``ids`` in order. Returns the event after the
         copies (None on the CPU)."""
-        if not ids:
-            return None
-        pieces, at = [], 0
-        for tensors, slots in src:  # each source in slot order: each run of consecutive slots is one copy
-            pairs = sorted(zip(slots, ids[at:at + len(slots)]))
-            pieces.append((tensors, [s for s, _ in pairs], [b for _, b in pairs]))
+        entries, at = [], 0
+        for k, (_, slots) in enumerate(src):  # each source in slot order: a run of consecutive slots is one copy
+            entries += [(k, s, b) for s, b in sorted(zip(slots, ids[at:at + len(slots)]))]
             at += len(slots)
-        dev = self.cache.device
-        if self.cuda:  # the blocks were written or gathered by work queued on the compute stream
+        dev, event = self.cache.device, None
+        if self.cuda and entries:  # the blocks were written or gathered by work queued on the compute stream
             self.stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-            staged = [torch.empty((len(ids), *t.shape[:1], *t.shape[2:]), dtype=t.dtype, device=dev)
-                      for t in self._tensors()]
-            start = self._start()
-            pos = 0
-            for tensors, slots, _ in pieces:
-                for p, s, n in _runs(slots):
-                    for k, t in enumerate(tensors):
-                        staged[k][pos + p:pos + p + n].copy_(t[s:s + n], non_blocking=self.cuda)
-                pos += len(slots)
-            order = [b for _, _, blocks in pieces for b in blocks]
-            idx = torch.tensor(order, dtype=torch.int64).to(dev, non_blocking=self.cuda)
-            for t, st in zip(self._tensors(), staged):
-                _bytes_view(t).transpose(0, 1).index_copy_(0, idx, _bytes_view(st))
-            return self._stop(start, "to_device", len(ids))
+        for i in range(0, len(entries), CHUNK_BLOCKS):
+            part = entries[i:i + CHUNK_BLOCKS]
+            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+                staged = [torch.empty((len(part), *t.shape[:1], *t.shape[2:]), dtype=t.dtype, device=dev)
+                          for t in self._tensors()]
+                start = self._start()
+                j = 0
+                while j < len(part):  # runs of one source's consecutive slots
+                    k, s, _ = part[j]
+                    n = 1
+                    while j + n < len(part) and part[j + n][0] == k and part[j + n][1] == s + n:
+                        n += 1
+                    for st, t in zip(staged, src[k][0]):
+                        st[j:j + n].copy_(t[s:s + n], non_blocking=self.cuda)
+                    j += n
+                idx = torch.tensor([b for _, _, b in part], dtype=torch.int64).to(dev, non_blocking=self.cuda)
+                for t, st in zip(self._tensors(), staged):
+                    _bytes_view(t).transpose(0, 1).index_copy_(0, idx, _bytes_view(st))
+                event = self._stop(start, "to_device", len(part))
+        return event
 
     def _start(self) -> object:
         if not self.cuda:
