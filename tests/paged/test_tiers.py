@@ -301,3 +301,10 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
         tiers.load(f, [1])
     with pytest.raises(TypeError, match="^fetched: expected a Fetched"):
         tiers.load([], [])
+
+
+def test_an_unusable_disk_dir_is_refused_by_name(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match="^.*disk_cache_dir: cannot create"):
+        TieredCache(_cache(), disk_dir=blocker, model_id="m")

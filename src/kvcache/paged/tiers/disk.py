@@ -135,7 +135,10 @@ class DiskTier:
             raise ValueError(f"disk_cache_bytes: expected an int >= 1, got {capacity_bytes!r}")
         self.fingerprint = fingerprint
         self.directory = os.path.join(os.fspath(directory), fingerprint[:16])
-        os.makedirs(self.directory, exist_ok=True)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"disk_cache_dir: cannot create {self.directory!r}: {e.strerror or e}") from e
         self.capacity_bytes = capacity_bytes
         self._names = ["data", "params"][:len(shapes)]
         self._shapes = shapes
