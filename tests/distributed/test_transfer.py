@@ -156,11 +156,11 @@ KW_ALL = {
 }
 
 
-@pytest.mark.parametrize("world", world_params(2), indirect=True)
+@pytest.mark.parametrize("world", world_params(2, 3), indirect=True)
 @pytest.mark.parametrize("name", sorted(KW_ALL))
 def test_blocks_arrive_bit_exact_in_chunks(world, name: str) -> None:
     """10 rows (2 layers x 5 blocks) in chunks of one row, of 3 rows (the last chunk 1 row), and of 4.5 rows'
-    bytes (rounded down to 4: the last chunk 2 rows)."""
+    bytes (rounded down to 4: the last chunk 2 rows); with 3 ranks, two senders' chunks in flight to one."""
     for rows in (1, 3, 4.5):
         world.run(_blocks_roundtrip, KW_ALL[name], True, rows)
 
