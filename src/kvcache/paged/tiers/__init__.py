@@ -13,11 +13,12 @@ given, and counted per tier (:class:`TierStats`).
 
 Blocks in flight
 ----------------
-On CUDA a block coming back is copied on the tiers' stream; :meth:`TieredCache.ready` says (without waiting) whether
-every block of a block table has arrived, so a scheduler runs a request only once its own blocks are there. A block
-whose copy back is still in flight and that is evicted again is not copied down again when the host still holds it
-(no duplicate), and the compute stream waits for the copy before anything can overwrite the block. Host slots are
-only ever written and read by copies on that one stream, so a slot is not reused before a copy out of it is done.
+On CUDA a block coming back is copied on the tiers' host-to-device stream (blocks going down on a device-to-host
+stream, at the same time); :meth:`TieredCache.ready` says (without waiting) whether every block of a block table has
+arrived, so a scheduler runs a request only once its own blocks are there. A block whose copy back is still in flight
+and that is evicted again is not copied down again when the host still holds it (no duplicate), and the compute
+stream waits for the copy before anything can overwrite the block. A copy out of a host slot waits for the copy into
+it, and a copy into a slot for the copy out of it (events per slot), so a slot is never rewritten while it is read.
 
 Example
 -------
@@ -83,7 +84,8 @@ class Fetched:
     def __init__(self) -> None:
         self.hashes: list[int] = []
         self._src: list[tuple[list[torch.Tensor], list[int]]] = []  # (host tensors, slots) in order
-        self._tiers: list[str] = []
+        self._src_tier: list[str] = []  # the tier of each piece of _src
+        self._tiers: list[str] = []  # the tier of each block
 
     @property
     def num_blocks(self) -> int:
@@ -95,6 +97,7 @@ class Fetched:
             self._src[-1][1].append(slot)
         else:
             self._src.append((tensors, [slot]))
+            self._src_tier.append(tier)
         self.hashes.append(h)
         self._tiers.append(tier)
 
@@ -246,8 +249,8 @@ class TieredCache:
             self._spill(v, list(host.block(s)))
         self._emit("removed", [v for v, _ in victims], "host")
         self._counts["host"].removed += len(victims)
-        ev = self.transfers.to_host([b for b, _ in todo], host.tensors, slots)
-        host.set_event(slots, ev)
+        ev = self.transfers.to_host([b for b, _ in todo], host.tensors, slots, after=host.read(slots))
+        host.set_written(slots, ev)
         self._counts["host"].stored += len(todo)
         self._emit("stored", [h for _, h in todo], "host")
 
@@ -359,7 +362,10 @@ class TieredCache:
             raise ValueError(f"block_ids: expected distinct block ids, got {ids[:8]}")
         if len(ids) != fetched.num_blocks:
             raise ValueError(f"block_ids: expected {fetched.num_blocks} ids (the fetched blocks), got {len(ids)}")
-        ev = self.transfers.to_device(fetched._src, ids)
+        host_slots = [s for (_, slots), tier in zip(fetched._src, fetched._src_tier) if tier == "host" for s in slots]
+        ev = self.transfers.to_device(fetched._src, ids, after=self.host.written(host_slots) if host_slots else ())
+        if host_slots:
+            self.host.set_read(host_slots, ev)
         if ev is not None:
             for b in ids:
                 self._loading[b] = ev

@@ -5,11 +5,13 @@ A slot holds one block of every layer: ``data`` ``[num_slots, L, *block]`` in th
 ``PagedConfig.pool_shape()[1:]``) and, for int8 / int4, ``params`` float32 ``[num_slots, L, *param_block]``: the
 bytes of ``cache.buffer[:, b]`` / ``cache.params_buffer[:, b]``, so a block comes back bit-exact.
 
-Copies on CUDA run on a side stream: a block leaving the device is gathered on the compute stream (ordered before
-any later write of the block) and copied to its slot on the side stream after it; a block coming back is copied on
-the side stream after everything the compute stream queued so far, and the event recorded after it tells when the
-block may be read. Every copy into or out of host slots runs on that one stream, so a slot is never rewritten
-before an earlier copy out of it has finished. On the CPU the same calls copy at once and return no event.
+Copies on CUDA run on two side streams, one per direction (PCIe copies both ways at once): a block leaving the
+device is gathered on the compute stream (ordered before any later write of the block) and copied to its slot on the
+device-to-host stream after it; a block coming back is copied on the host-to-device stream after everything the
+compute stream queued so far, and the event recorded after it tells when the block may be read. Each slot remembers
+the event of the last copy into it and of the last copy out of it: a copy out of a slot waits for the copy into it,
+a copy into a slot waits for the copy out of it (a slot is never rewritten while it is read). On the CPU the same
+calls copy at once and return no event.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class Transfers:
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
         self.cuda = cache.device.type == "cuda"
-        self.stream = torch.cuda.Stream(cache.device) if self.cuda else None
+        # one stream per direction: a D2H of evicted blocks and an H2D of blocks coming back run at once
+        self.streams = {k: torch.cuda.Stream(cache.device) if self.cuda else None for k in ("to_host", "to_device")}
         self.seconds = {"to_host": 0.0, "to_device": 0.0}
         self.nbytes = {"to_host": 0, "to_device": 0}
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
@@ -66,47 +69,60 @@ class Transfers:
         """Bytes of one block over every layer (data and params)."""
         return sum(t[:, 0].numel() * t.element_size() for t in self._tensors())
 
-    def to_host(self, ids: Sequence[int], dst: Sequence[torch.Tensor], slots: Sequence[int]) -> torch.cuda.Event | None:
+    def _after(self, key: str, events: Sequence[torch.cuda.Event | None], compute: bool) -> None:
+        """Order the ``key`` stream after ``events`` (and the compute stream's queued work with ``compute``)."""
+        if not self.cuda:
+            return
+        stream = self.streams[key]
+        if compute:  # read outside the side stream's context: inside it, the current stream is the side stream
+            stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        for ev in {id(e): e for e in events if e is not None}.values():
+            stream.wait_event(ev)
+
+    def to_host(self, ids: Sequence[int], dst: Sequence[torch.Tensor], slots: Sequence[int],
+                after: Sequence[torch.cuda.Event | None] = ()) -> torch.cuda.Event | None:
         """Copy device blocks ``ids`` into ``dst[k][slots[i]]`` (``dst``: the host tensors ``[n, L, *block]`` matching
-        ``cache.buffer`` and ``cache.params_buffer``). Returns the event after the copies (None on the CPU)."""
+        ``cache.buffer`` and ``cache.params_buffer``), after ``after`` (copies still reading those slots). Returns the
+        event after the copies (None on the CPU)."""
         pairs = sorted(zip(slots, ids))  # in slot order: each run of consecutive slots is one copy
         event = None
+        self._after("to_host", after, compute=False)
         for i in range(0, len(pairs), CHUNK_BLOCKS):
             part = pairs[i:i + CHUNK_BLOCKS]
             idx = torch.tensor([b for _, b in part], dtype=torch.int64).to(self.cache.device, non_blocking=self.cuda)
             # gathered on the compute stream, [n, L, *block]: before any later write of these blocks
             staged = [t.transpose(0, 1).index_select(0, idx) for t in self._tensors()]
-            if self.cuda:  # after the gather (the current stream is read outside the side stream's context)
-                self.stream.wait_stream(torch.cuda.current_stream(self.cache.device))
-            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-                start = self._start()
+            self._after("to_host", (), compute=True)
+            with self._on("to_host"):
+                start = self._start("to_host")
                 for p, s, n in _runs([s for s, _ in part]):
                     for a, b in zip(staged, dst):
                         b[s:s + n].copy_(a[p:p + n], non_blocking=self.cuda)
                 if self.cuda:
                     for a in staged:
-                        a.record_stream(self.stream)
+                        a.record_stream(self.streams["to_host"])
                 event = self._stop(start, "to_host", len(part))
         return event
 
-    def to_device(self, src: Sequence[tuple[Sequence[torch.Tensor], Sequence[int]]], ids: Sequence[int]
-                  ) -> torch.cuda.Event | None:
+    def to_device(self, src: Sequence[tuple[Sequence[torch.Tensor], Sequence[int]]], ids: Sequence[int],
+                  after: Sequence[torch.cuda.Event | None] = ()) -> torch.cuda.Event | None:
         """Copy host blocks into device blocks ``ids``: ``src`` is a list of (host tensors like ``dst`` of
-        :meth:`to_host`, their slots), whose slots, concatenated, give ``ids`` in order. Returns the event after the
-        copies (None on the CPU)."""
+        :meth:`to_host`, their slots), whose slots, concatenated, give ``ids`` in order; after ``after`` (copies still
+        writing those slots) and the compute stream's queued work. Returns the event after the copies (None on the
+        CPU)."""
         entries, at = [], 0
         for k, (_, slots) in enumerate(src):  # each source in slot order: a run of consecutive slots is one copy
             entries += [(k, s, b) for s, b in sorted(zip(slots, ids[at:at + len(slots)]))]
             at += len(slots)
         dev, event = self.cache.device, None
-        if self.cuda and entries:  # the blocks were written or gathered by work queued on the compute stream
-            self.stream.wait_stream(torch.cuda.current_stream(dev))
+        if entries:  # the blocks were written or gathered by work queued on the compute stream
+            self._after("to_device", after, compute=True)
         for i in range(0, len(entries), CHUNK_BLOCKS):
             part = entries[i:i + CHUNK_BLOCKS]
-            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            with self._on("to_device"):
                 staged = [torch.empty((len(part), *t.shape[:1], *t.shape[2:]), dtype=t.dtype, device=dev)
                           for t in self._tensors()]
-                start = self._start()
+                start = self._start("to_device")
                 j = 0
                 while j < len(part):  # runs of one source's consecutive slots
                     k, s, _ = part[j]
@@ -122,11 +138,14 @@ class Transfers:
                 event = self._stop(start, "to_device", len(part))
         return event
 
-    def _start(self) -> object:
+    def _on(self, key: str) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.streams[key]) if self.cuda else contextlib.nullcontext()
+
+    def _start(self, key: str) -> object:
         if not self.cuda:
             return time.perf_counter()
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record(self.stream)
+        ev.record(self.streams[key])
         return ev
 
     def _stop(self, start: object, key: str, n_blocks: int) -> torch.cuda.Event | None:
@@ -135,7 +154,7 @@ class Transfers:
             self.seconds[key] += time.perf_counter() - start  # type: ignore[operator]
             return None
         end = torch.cuda.Event(enable_timing=True)
-        end.record(self.stream)
+        end.record(self.streams[key])
         self._timed.append((start, end, key))  # type: ignore[arg-type]
         return end
 
@@ -192,7 +211,8 @@ class HostTier:
         self.num_slots = num_slots
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # hash -> slot, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slots 0, 1, 2, ... first
-        self._event: list[torch.cuda.Event | None] = [None] * num_slots  # last copy into each slot
+        self._written: list[torch.cuda.Event | None] = [None] * num_slots  # after the last copy into each slot
+        self._read: list[torch.cuda.Event | None] = [None] * num_slots  # after the last copy out of each slot
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -226,17 +246,30 @@ class HostTier:
         self._slot_of[block_hash] = s
         return s, victim
 
-    def set_event(self, slots: Sequence[int], event: torch.cuda.Event | None) -> None:
+    def set_written(self, slots: Sequence[int], event: torch.cuda.Event | None) -> None:
         """Record ``event`` as the end of the latest copy into ``slots``."""
         for s in slots:
-            self._event[s] = event
+            self._written[s] = event
+
+    def set_read(self, slots: Sequence[int], event: torch.cuda.Event | None) -> None:
+        """Record ``event`` as the end of the latest copy out of ``slots``."""
+        for s in slots:
+            self._read[s] = event
+
+    def written(self, slots: Sequence[int]) -> list[torch.cuda.Event | None]:
+        """The events after the latest copies into ``slots`` (a copy out of them waits for these)."""
+        return [self._written[s] for s in slots]
+
+    def read(self, slots: Sequence[int]) -> list[torch.cuda.Event | None]:
+        """The events after the latest copies out of ``slots`` (a copy into them waits for these)."""
+        return [self._read[s] for s in slots]
 
     def wait(self, slot: int) -> None:
         """Block the host until the latest copy into ``slot`` has finished (before the host reads it)."""
-        ev = self._event[slot]
+        ev = self._written[slot]
         if ev is not None:
             ev.synchronize()
-            self._event[slot] = None
+            self._written[slot] = None
 
     def block(self, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(data[slot], params[slot] or None)`` once its copy has finished."""
