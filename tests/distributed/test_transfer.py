@@ -202,6 +202,32 @@ def test_one_block_and_every_free_block(world, name: str) -> None:
     world.run(_counts, KW_ALL[name])
 
 
+def _large(ctx: RankContext) -> None:
+    """64 MiB (8 layers x 128 blocks of 64 KiB, fp16 8 heads x 128 x 16 tokens) in the default chunks (4 of
+    16 MiB): arrives bit-exact, twice (the staging of one transfer is not the next one's)."""
+    kw = dict(num_layers=8, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=160)
+    ids = torch.randperm(160, generator=torch.Generator().manual_seed(3))[:128].tolist()
+    cache = make_cache(ctx.device, **kw)
+    _sentinel(cache, seed=30 + ctx.rank)
+    if ctx.rank == 0:
+        assert send_blocks(cache, ids, dst=1) and send_blocks(cache, ids[::-1], dst=1)
+        return
+    src_cache = make_cache(ctx.device, **kw)
+    _sentinel(src_cache, seed=30)
+    alloc = BlockAllocator(160, 16)
+    for sent in (ids, ids[::-1]):
+        before = _snapshot_state(cache)
+        got = recv_blocks(cache, alloc, src=0)
+        _check_arrived(cache, before, got, src_cache, sent)
+        alloc.free(got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", world_params(2), indirect=True)
+def test_large_transfer_in_default_chunks(world) -> None:
+    world.run(_large, timeout=120)
+
+
 MISMATCH = {
     "layout": ({}, dict(layout="HND"), "layout 'NHD', expected 'HND'"),
     "kv_dtype": ({}, dict(kv_dtype="int8"), "kv_dtype 'auto', expected 'int8'"),
