@@ -201,68 +201,80 @@ class RopeConfig:
                     f"got {getattr(self, name)}"
                 )
         if rope_type == "dynamic":
-            if self.max_position_embeddings is None:
-                raise ValueError("max_position_embeddings: required by rope_type 'dynamic', got None")
-            if self.rotary_dim == 2:
-                raise ValueError(
-                    "rotary_dim: rope_type 'dynamic' raises the base to the power d / (d - 2) (d = rotary_dim), "
-                    "expected an even int >= 4, got 2"
-                )
-            try:
-                initial_base = self._dynamic_initial_base()
-            except OverflowError:
-                initial_base = math.inf
-            # a negative power base gives a complex number; an overflow, inf
-            if not (isinstance(initial_base, float) and math.isfinite(initial_base) and initial_base > 0.0):
-                raise ValueError(
-                    "factor: rope_type 'dynamic' expected a factor for which the initial base "
-                    "base * (factor * m / m - (factor - 1)) ** (d / (d - 2)) (m = max_position_embeddings) is a "
-                    f"finite float > 0, got factor {self.factor} (base {initial_base})"
-                )
+            self._check_dynamic()
         if rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
             raise ValueError(f"original_max_position_embeddings: required by rope_type {rope_type!r}, got None")
         if rope_type == "llama3":
-            for name in ("low_freq_factor", "high_freq_factor"):
-                if getattr(self, name) is None:
-                    raise ValueError(f"{name}: required by rope_type 'llama3', got None")
-            if self.low_freq_factor <= 0.0:
-                raise ValueError(f"low_freq_factor: expected a float > 0, got {self.low_freq_factor}")
-            if self.high_freq_factor <= self.low_freq_factor:
-                raise ValueError(
-                    f"high_freq_factor: expected a float > low_freq_factor ({self.low_freq_factor}), "
-                    f"got {self.high_freq_factor}"
-                )
+            self._check_llama3()
         if rope_type == "yarn":
-            beta_fast, beta_slow = self._yarn_betas()
-            if beta_slow <= 0.0:
-                raise ValueError(f"beta_slow: expected a float > 0, got {beta_slow}")
-            if beta_fast <= beta_slow:
-                raise ValueError(f"beta_fast: expected a float > beta_slow ({beta_slow}), got {beta_fast}")
-            if self.base == 1.0:
+            self._check_yarn()
+
+    def _check_dynamic(self) -> None:
+        """rope_type 'dynamic': the length it scales from, and a finite initial base."""
+        if self.max_position_embeddings is None:
+            raise ValueError("max_position_embeddings: required by rope_type 'dynamic', got None")
+        if self.rotary_dim == 2:
+            raise ValueError(
+                "rotary_dim: rope_type 'dynamic' raises the base to the power d / (d - 2) (d = rotary_dim), "
+                "expected an even int >= 4, got 2"
+            )
+        try:
+            initial_base = self._dynamic_initial_base()
+        except OverflowError:
+            initial_base = math.inf
+        # a negative power base gives a complex number; an overflow, inf
+        if not (isinstance(initial_base, float) and math.isfinite(initial_base) and initial_base > 0.0):
+            raise ValueError(
+                "factor: rope_type 'dynamic' expected a factor for which the initial base "
+                "base * (factor * m / m - (factor - 1)) ** (d / (d - 2)) (m = max_position_embeddings) is a "
+                f"finite float > 0, got factor {self.factor} (base {initial_base})"
+            )
+
+    def _check_llama3(self) -> None:
+        """rope_type 'llama3': both frequency factors, 0 < low < high."""
+        for name in ("low_freq_factor", "high_freq_factor"):
+            if getattr(self, name) is None:
+                raise ValueError(f"{name}: required by rope_type 'llama3', got None")
+        if self.low_freq_factor <= 0.0:
+            raise ValueError(f"low_freq_factor: expected a float > 0, got {self.low_freq_factor}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor: expected a float > low_freq_factor ({self.low_freq_factor}), "
+                f"got {self.high_freq_factor}"
+            )
+
+    def _check_yarn(self) -> None:
+        """rope_type 'yarn': the betas, a base other than 1, finite correction dims and attention scaling."""
+        beta_fast, beta_slow = self._yarn_betas()
+        if beta_slow <= 0.0:
+            raise ValueError(f"beta_slow: expected a float > 0, got {beta_slow}")
+        if beta_fast <= beta_slow:
+            raise ValueError(f"beta_fast: expected a float > beta_slow ({beta_slow}), got {beta_fast}")
+        if self.base == 1.0:
+            raise ValueError(
+                "base: rope_type 'yarn' divides by log(base), expected a float > 0 other than 1.0, got 1.0"
+            )
+        for name, beta in (("beta_fast", beta_fast), ("beta_slow", beta_slow)):
+            try:
+                dim = self._yarn_correction_dim(beta)
+            except ValueError:  # math.log(0.0): original / (beta * 2 pi) underflowed
+                dim = math.nan
+            if not math.isfinite(dim):
                 raise ValueError(
-                    "base: rope_type 'yarn' divides by log(base), expected a float > 0 other than 1.0, got 1.0"
+                    f"{name}: expected a float giving a finite yarn correction dim "
+                    f"d * log(original_max_position_embeddings / ({name} * 2 pi)) / (2 log(base)), got {beta}"
                 )
-            for name, beta in (("beta_fast", beta_fast), ("beta_slow", beta_slow)):
-                try:
-                    dim = self._yarn_correction_dim(beta)
-                except ValueError:  # math.log(0.0): original / (beta * 2 pi) underflowed
-                    dim = math.nan
-                if not math.isfinite(dim):
-                    raise ValueError(
-                        f"{name}: expected a float giving a finite yarn correction dim "
-                        f"d * log(original_max_position_embeddings / ({name} * 2 pi)) / (2 log(base)), got {beta}"
-                    )
-            if self.attention_factor is None and self.mscale and self.mscale_all_dim:
-                numerator = _yarn_mscale(self.factor, self.mscale)
-                denominator = _yarn_mscale(self.factor, self.mscale_all_dim)
-                scaling = numerator / denominator if denominator != 0.0 else math.nan
-                if not (math.isfinite(scaling) and scaling > 0.0):
-                    raise ValueError(
-                        "mscale, mscale_all_dim: expected an attention scaling get_mscale(factor, mscale) / "
-                        "get_mscale(factor, mscale_all_dim) that is finite and > 0, got "
-                        f"{numerator} / {denominator} (factor {self.factor}, mscale {self.mscale}, "
-                        f"mscale_all_dim {self.mscale_all_dim})"
-                    )
+        if self.attention_factor is None and self.mscale and self.mscale_all_dim:
+            numerator = _yarn_mscale(self.factor, self.mscale)
+            denominator = _yarn_mscale(self.factor, self.mscale_all_dim)
+            scaling = numerator / denominator if denominator != 0.0 else math.nan
+            if not (math.isfinite(scaling) and scaling > 0.0):
+                raise ValueError(
+                    "mscale, mscale_all_dim: expected an attention scaling get_mscale(factor, mscale) / "
+                    "get_mscale(factor, mscale_all_dim) that is finite and > 0, got "
+                    f"{numerator} / {denominator} (factor {self.factor}, mscale {self.mscale}, "
+                    f"mscale_all_dim {self.mscale_all_dim})"
+                )
 
     # ------------------------------------------------------------------------------------------------
     # Construction from transformers
