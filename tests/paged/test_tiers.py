@@ -308,3 +308,27 @@ def test_an_unusable_disk_dir_is_refused_by_name(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(OSError, match="^.*disk_cache_dir: cannot create"):
         TieredCache(_cache(), disk_dir=blocker, model_id="m")
+
+
+def test_host_slots_in_power_of_two_segments(monkeypatch):
+    # pinned allocations are rounded up to a power of two: each segment holds what fits in one, less than a slot lost
+    import kvcache.paged.tiers.host as host_mod
+
+    monkeypatch.setattr(host_mod, "SEGMENT_BYTES", 4 * tiers_block_bytes(_cache()))
+    cache, tiers, alloc, _ = _setup("int8", host_blocks=11, num_blocks=12)
+    arena = tiers.host.arena
+    assert arena.num_slots == 11 and len(arena.segments) > 2
+    for seg in arena.segments:
+        for t in seg:  # each tensor is allocated on its own
+            b, per = t.numel() * t.element_size(), t[0].numel() * t.element_size()
+            p = 1 << (b - 1).bit_length()  # what the pinned allocator takes for it
+            assert p <= host_mod.SEGMENT_BYTES and p - b < per
+    # blocks across segment boundaries come back bit-exact
+    ids, hashes = _publish(alloc, list(range(11 * BS)))
+    want = _blocks(cache, ids)
+    alloc.free(alloc.allocate(12))
+    cache.buffer.zero_()
+    cache.params_buffer.zero_()
+    back = _bring_back(alloc, tiers, hashes)
+    for a, b in zip(_blocks(cache, back), want):
+        assert torch.equal(a, b)

@@ -46,7 +46,7 @@ import torch
 from ..block_hash import _as_hash, _as_list
 from ..events import AllBlocksCleared, KVEventLog
 from .disk import DiskTier, cache_fingerprint, weights_identity
-from .host import HostTier, Transfers
+from .host import HostTier, SlotArena, Transfers
 from .stats import TierStats
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Fetched:
 
     def __init__(self) -> None:
         self.hashes: list[int] = []
-        self._src: list[tuple[list[torch.Tensor], list[int]]] = []  # (host tensors, slots) in order
+        self._src: list[tuple[SlotArena, list[int]]] = []  # (arena, slots) in order
         self._src_tier: list[str] = []  # the tier of each piece of _src
         self._tiers: list[str] = []  # the tier of each block
 
@@ -92,11 +92,11 @@ class Fetched:
         """``len(hashes)``."""
         return len(self.hashes)
 
-    def _add(self, h: int, tier: str, tensors: list[torch.Tensor], slot: int) -> None:
+    def _add(self, h: int, tier: str, arena: SlotArena, slot: int) -> None:
         if tier == "host" and self._src and self._tiers[-1] == "host":
             self._src[-1][1].append(slot)
         else:
-            self._src.append((tensors, [slot]))
+            self._src.append((arena, [slot]))
             self._src_tier.append(tier)
         self.hashes.append(h)
         self._tiers.append(tier)
@@ -246,10 +246,10 @@ class TieredCache:
             if v is not None:
                 victims.append((v, s))
         for v, s in victims:  # before the slot is overwritten: the victim goes to disk
-            self._spill(v, list(host.block(s)))
+            self._spill(v, host.block(s))
         self._emit("removed", [v for v, _ in victims], "host")
         self._counts["host"].removed += len(victims)
-        ev = self.transfers.to_host([b for b, _ in todo], host.tensors, slots, after=host.read(slots))
+        ev = self.transfers.to_host([b for b, _ in todo], host.arena, slots, after=host.read(slots))
         host.set_written(slots, ev)
         self._counts["host"].stored += len(todo)
         self._emit("stored", [h for _, h in todo], "host")
@@ -258,12 +258,12 @@ class TieredCache:
         todo = [(b, h) for b, h in zip(block_ids, hashes) if h not in self.disk]
         if not todo:
             return
-        tmp = [torch.empty((len(todo), *t.shape[1:]), dtype=t.dtype) for t in self._host_like()]
+        tmp = SlotArena([[torch.empty((len(todo), *t.shape[1:]), dtype=t.dtype) for t in self._host_like()]])
         ev = self.transfers.to_host([b for b, _ in todo], tmp, list(range(len(todo))))
         if ev is not None:
             ev.synchronize()
         for i, (_, h) in enumerate(todo):
-            self._spill(h, [t[i] for t in tmp])
+            self._spill(h, tmp.block(i))
 
     def _host_like(self) -> list[torch.Tensor]:
         return [t[:, :1].transpose(0, 1) for t in self.transfers._tensors()]  # [1, L, *block] shapes and dtypes
@@ -325,7 +325,7 @@ class TieredCache:
         for h in _hashes(hashes)[:limit]:
             s = self.host.slot(h) if self.host is not None else None
             if s is not None:
-                out._add(h, "host", self.host.tensors, s)
+                out._add(h, "host", self.host.arena, s)
                 continue
             if self.disk is None or h not in self.disk:
                 break
@@ -337,7 +337,7 @@ class TieredCache:
                 self._counts["disk"].removed += refused
                 self._emit("removed", [h] if refused else [], "disk")
                 break
-            out._add(h, "disk", [t.unsqueeze(0) for t in tensors], 0)
+            out._add(h, "disk", SlotArena([[t.unsqueeze(0) for t in tensors]]), 0)
         return out
 
     def load(self, fetched: Fetched, block_ids: Sequence[int]) -> None:

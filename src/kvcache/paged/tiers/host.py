@@ -16,6 +16,7 @@ calls copy at once and return no event.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from collections import OrderedDict
@@ -27,21 +28,74 @@ import torch
 if TYPE_CHECKING:
     from ..cache import PagedKVCache
 
-__all__ = ["HostTier", "Transfers", "CHUNK_BLOCKS"]
+__all__ = ["HostTier", "SlotArena", "Transfers", "CHUNK_BLOCKS", "SEGMENT_BYTES"]
 
 CHUNK_BLOCKS = 64  # blocks per copy batch: bounds the device staging (64 blocks of a Llama-3-8B bf16 cache: 128 MiB)
 
 
-def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(position, first slot, length)`` of each run of consecutive slots in ``slots``."""
-    out: list[tuple[int, int, int]] = []
-    for i, s in enumerate(slots):
-        if out and out[-1][1] + out[-1][2] == s:
-            p, f, n = out[-1]
-            out[-1] = (p, f, n + 1)
-        else:
-            out.append((i, s, 1))
-    return out
+SEGMENT_BYTES = 2**30  # the host tier's largest pinned allocation
+
+
+class SlotArena:
+    """Block slots over one or more segments of host tensors: segment ``k`` holds slots ``first[k] ..
+    first[k] + rows - 1``, slot ``s`` at row ``s - first[k]`` of each of its tensors (``[data]`` or ``[data, params]``,
+    ``[rows, L, *block]``).
+
+    Pinned host memory comes from PyTorch's caching host allocator, which rounds every allocation up to a power of
+    two (a 17 GiB tensor takes 32 GiB); a pool of segments each sized at most a power of two, greedily (1 GiB, then the
+    largest power of two the rest fills), wastes less than one slot per segment instead.
+
+    Example
+    -------
+    >>> arena = SlotArena([[torch.zeros(4, 2)], [torch.ones(3, 2)]])
+    >>> arena.num_slots, arena.runs([2, 3, 4, 5])     # split where segment 0 ends
+    (7, [(0, 0, 2, 2), (2, 1, 0, 2)])
+    """
+
+    def __init__(self, segments: list[list[torch.Tensor]]) -> None:
+        self.segments = segments
+        self.first: list[int] = []
+        n = 0
+        for seg in segments:
+            self.first.append(n)
+            n += seg[0].shape[0]
+        self.num_slots = n
+
+    @classmethod
+    def allocate(cls, num_slots: int, shapes: list[tuple[torch.dtype, tuple[int, ...]]], *, pin: bool) -> SlotArena:
+        """``num_slots`` slots of tensors ``(dtype, per-slot shape)``, in segments sized as the class docstring says."""
+        per_slot = [torch.empty((), dtype=d).element_size() * int(torch.Size(sh).numel()) for d, sh in shapes]
+        segments, left = [], num_slots
+        while left:
+            rows = left
+            for b in per_slot:  # each tensor is rounded on its own: every one within a power of two <= what is left
+                cap = min(SEGMENT_BYTES, 1 << ((left * b).bit_length() - 1))
+                rows = min(rows, max(1, cap // b))
+            segments.append([torch.empty((rows, *sh), dtype=d, pin_memory=pin) for d, sh in shapes])
+            left -= rows
+        return cls(segments)
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """``(segment, row)`` of ``slot``."""
+        k = bisect.bisect_right(self.first, slot) - 1
+        return k, slot - self.first[k]
+
+    def block(self, slot: int) -> list[torch.Tensor]:
+        """The tensors of one slot, ``[L, *block]`` each."""
+        k, r = self.locate(slot)
+        return [t[r] for t in self.segments[k]]
+
+    def runs(self, slots: Sequence[int]) -> list[tuple[int, int, int, int]]:
+        """``(position in slots, segment, first row, length)`` of each run of consecutive slots of one segment."""
+        out: list[tuple[int, int, int, int]] = []
+        for i, s in enumerate(slots):
+            k, r = self.locate(s)
+            if out and out[-1][1] == k and out[-1][2] + out[-1][3] == r and slots[i - 1] == s - 1:
+                p, kk, rr, n = out[-1]
+                out[-1] = (p, kk, rr, n + 1)
+            else:
+                out.append((i, k, r, 1))
+        return out
 
 
 class Transfers:
@@ -79,11 +133,11 @@ class Transfers:
         for ev in {id(e): e for e in events if e is not None}.values():
             stream.wait_event(ev)
 
-    def to_host(self, ids: Sequence[int], dst: Sequence[torch.Tensor], slots: Sequence[int],
+    def to_host(self, ids: Sequence[int], dst: SlotArena, slots: Sequence[int],
                 after: Sequence[torch.cuda.Event | None] = ()) -> torch.cuda.Event | None:
-        """Copy device blocks ``ids`` into ``dst[k][slots[i]]`` (``dst``: the host tensors ``[n, L, *block]`` matching
-        ``cache.buffer`` and ``cache.params_buffer``), after ``after`` (copies still reading those slots). Returns the
-        event after the copies (None on the CPU)."""
+        """Copy device blocks ``ids`` into slots ``slots`` of ``dst`` (its tensors matching ``cache.buffer`` and
+        ``cache.params_buffer`` per block), after ``after`` (copies still reading those slots). Returns the event
+        after the copies (None on the CPU)."""
         pairs = sorted(zip(slots, ids))  # in slot order: each run of consecutive slots is one copy
         event = None
         self._after("to_host", after, compute=False)
@@ -95,21 +149,20 @@ class Transfers:
             self._after("to_host", (), compute=True)
             with self._on("to_host"):
                 start = self._start("to_host")
-                for p, s, n in _runs([s for s, _ in part]):
-                    for a, b in zip(staged, dst):
-                        b[s:s + n].copy_(a[p:p + n], non_blocking=self.cuda)
+                for p, k, r, n in dst.runs([s for s, _ in part]):
+                    for a, b in zip(staged, dst.segments[k]):
+                        b[r:r + n].copy_(a[p:p + n], non_blocking=self.cuda)
                 if self.cuda:
                     for a in staged:
                         a.record_stream(self.streams["to_host"])
                 event = self._stop(start, "to_host", len(part))
         return event
 
-    def to_device(self, src: Sequence[tuple[Sequence[torch.Tensor], Sequence[int]]], ids: Sequence[int],
+    def to_device(self, src: Sequence[tuple[SlotArena, Sequence[int]]], ids: Sequence[int],
                   after: Sequence[torch.cuda.Event | None] = ()) -> torch.cuda.Event | None:
-        """Copy host blocks into device blocks ``ids``: ``src`` is a list of (host tensors like ``dst`` of
-        :meth:`to_host`, their slots), whose slots, concatenated, give ``ids`` in order; after ``after`` (copies still
-        writing those slots) and the compute stream's queued work. Returns the event after the copies (None on the
-        CPU)."""
+        """Copy host blocks into device blocks ``ids``: ``src`` is a list of (arena, its slots), whose slots,
+        concatenated, give ``ids`` in order; after ``after`` (copies still writing those slots) and the compute
+        stream's queued work. Returns the event after the copies (None on the CPU)."""
         entries, at = [], 0
         for k, (_, slots) in enumerate(src):  # each source in slot order: a run of consecutive slots is one copy
             entries += [(k, s, b) for s, b in sorted(zip(slots, ids[at:at + len(slots)]))]
@@ -125,12 +178,13 @@ class Transfers:
                 start = self._start("to_device")
                 j = 0
                 while j < len(part):  # runs of one source's consecutive slots
-                    k, s, _ = part[j]
                     n = 1
-                    while j + n < len(part) and part[j + n][0] == k and part[j + n][1] == s + n:
+                    while j + n < len(part) and part[j + n][0] == part[j][0]:
                         n += 1
-                    for st, t in zip(staged, src[k][0]):
-                        st[j:j + n].copy_(t[s:s + n], non_blocking=self.cuda)
+                    arena = src[part[j][0]][0]
+                    for p, k, r, m in arena.runs([s for _, s, _ in part[j:j + n]]):
+                        for st, t in zip(staged, arena.segments[k]):
+                            st[j + p:j + p + m].copy_(t[r:r + m], non_blocking=self.cuda)
                     j += n
                 idx = torch.tensor([b for _, _, b in part], dtype=torch.int64).to(dev, non_blocking=self.cuda)
                 for t, st in zip(self._tensors(), staged):
@@ -186,10 +240,9 @@ class HostTier:
 
     Attributes
     ----------
-    data : torch.Tensor
-        ``[num_slots, L, *block]``, the cache's storage dtype, on the CPU.
-    params : torch.Tensor or None
-        float32 ``[num_slots, L, *param_block]`` for int8 / int4, else None.
+    arena : SlotArena
+        The slots: per block ``data`` ``[L, *block]`` in the cache's storage dtype and, for int8 / int4, float32
+        ``params`` ``[L, *param_block]``, on the CPU (pinned on CUDA).
 
     Example
     -------
@@ -202,22 +255,13 @@ class HostTier:
     def __init__(self, cache: PagedKVCache, num_slots: int) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots: expected an int >= 1, got {num_slots!r}")
-        pin = cache.device.type == "cuda"
-        b = cache.buffer
-        self.data = torch.empty((num_slots, b.shape[0], *b.shape[2:]), dtype=b.dtype, pin_memory=pin)
-        p = cache.params_buffer
-        self.params = (torch.empty((num_slots, p.shape[0], *p.shape[2:]), dtype=p.dtype, pin_memory=pin)
-                       if p is not None else None)
+        shapes = [(t.dtype, (t.shape[0], *t.shape[2:])) for t in (cache.buffer, cache.params_buffer) if t is not None]
+        self.arena = SlotArena.allocate(num_slots, shapes, pin=cache.device.type == "cuda")
         self.num_slots = num_slots
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # hash -> slot, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slots 0, 1, 2, ... first
         self._written: list[torch.cuda.Event | None] = [None] * num_slots  # after the last copy into each slot
         self._read: list[torch.cuda.Event | None] = [None] * num_slots  # after the last copy out of each slot
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        """``[data]`` or ``[data, params]``: the host tensors of :class:`Transfers`."""
-        return [self.data] + ([self.params] if self.params is not None else [])
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slot_of
@@ -271,10 +315,10 @@ class HostTier:
             ev.synchronize()
             self._written[slot] = None
 
-    def block(self, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(data[slot], params[slot] or None)`` once its copy has finished."""
+    def block(self, slot: int) -> list[torch.Tensor]:
+        """The slot's tensors (``[data]`` or ``[data, params]``, ``[L, ...]`` each) once the copy into it finished."""
         self.wait(slot)
-        return self.data[slot], (self.params[slot] if self.params is not None else None)
+        return self.arena.block(slot)
 
     def clear(self) -> list[int]:
         """Drop every entry; returns the hashes dropped."""
