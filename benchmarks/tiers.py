@@ -27,6 +27,7 @@ run (CUDA events, median of 20).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -142,6 +143,13 @@ def _pinned_copy_gbps(nbytes: int, device: torch.device) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def _release() -> None:
+    """Free the engine just dropped (its pool and pinned host tier) before the next one is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
@@ -163,13 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     block = tiers_block_bytes(probe.cache)
     device = probe.cache.device
     del probe
+    _release()
     host_bytes = int(a.host_gib * 2**30) if a.host_gib else int(1.25 * all_blocks * block)
     rows = {}
     for mode, hb in (("recompute", 0), ("host tier", host_bytes)):
         first, again = _ttft(_engine(a, model, tok, hb, num_blocks, max_len), turns, n_ttft)
+        _release()
         llm = _engine(a, model, tok, hb, num_blocks, max_len)
         tps, hit = _throughput(llm, turns, a)
         rows[mode] = (first, again, tps, hit, llm.stats.total.tiers.get("host"))
+        del llm
+        _release()
     print(f"# {a.convs} conversations x {a.turns} turns, history {a.history}, +{a.answer}+{a.user} per turn; pool "
           f"{num_blocks} blocks of {a.block_size} ({num_blocks / all_blocks:.0%} of {all_blocks}); host tier "
           f"{host_bytes / 2**20:.1f} MiB; kv_dtype {a.kv_dtype}; {device}")
