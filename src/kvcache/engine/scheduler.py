@@ -95,6 +95,7 @@ class Scheduler:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
         self.allocator = allocator
         self.tiers = tiers
+        self._awaiting: dict[int, Sequence] = {}  # id(seq) -> running request whose blocks are still coming back
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -129,6 +130,7 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self._pending.clear()
+        self._awaiting.clear()
 
     def has_unfinished(self) -> bool:
         """Requests are waiting or running."""
@@ -161,6 +163,7 @@ class Scheduler:
         return True
 
     def _release(self, seq: Sequence) -> None:
+        self._awaiting.pop(id(seq), None)
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_published = 0
@@ -191,12 +194,13 @@ class Scheduler:
         counts: list[int] = []
         preempted: list[Sequence] = []
         i = 0
-        tiers = self.tiers if self.tiers is not None and self.tiers.loading else None
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if tiers is not None and not tiers.ready(seq.block_table):  # its blocks are still coming back
-                i += 1
-                continue
+            if self._awaiting and id(seq) in self._awaiting:  # its blocks were coming back at admission
+                if not self.tiers.ready(seq.block_table):
+                    i += 1
+                    continue
+                del self._awaiting[id(seq)]
             n = min(seq.num_uncomputed, budget)
             while not self._grow(seq, n):
                 victim = self.running.pop()  # the newest running request
@@ -213,8 +217,9 @@ class Scheduler:
             break  # seq preempted itself: nothing newer is left to run
         if not preempted:
             self._admit(seqs, counts, budget)
-        if not seqs and self.running and self.tiers is not None and self.tiers.loading:
+        if not seqs and self._awaiting:
             self.tiers.wait()  # only requests whose blocks are coming back: wait for them
+            self._awaiting.clear()
             batch = self.schedule()
             batch.preempted[:0] = preempted
             return batch
@@ -263,8 +268,9 @@ class Scheduler:
             self._bring_back(seq, hashes)
             seq.num_published = len(seq.block_table)
             seq.num_computed = len(seq.block_table) * self.block_size
-            if self.tiers is not None and not self.tiers.ready(seq.block_table):
+            if self.tiers is not None and self.tiers.loading and not self.tiers.ready(seq.block_table):
                 self._start(seq)  # runs once its blocks have arrived: takes no budget this step
+                self._awaiting[id(seq)] = seq
                 continue
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
