@@ -65,8 +65,9 @@ def test_host_tier_brings_prefixes_back_with_equal_tokens(model, prompts, refere
     assert llm.stats.tiers["host"].hits <= host.hits  # the last call's share
 
 
-def test_disk_tier_persists_across_engines(model, prompts, reference, tmp_path):
-    first = _llm(model, disk_cache_dir=tmp_path)
+@pytest.mark.parametrize("host_blocks", [0, 4])  # disk alone, or under a host tier of 4 blocks that spills to it
+def test_disk_tier_persists_across_engines(model, prompts, reference, tmp_path, host_blocks):
+    first = _llm(model, disk_cache_dir=tmp_path, host_cache_memory=host_blocks * 4096)  # 4096 bytes a block
     assert _visit_twice(first, prompts) == reference
     assert first.stats.total.tiers["disk"].stored > 0
     # a new engine of the same model on the same directory: the first visits already hit the disk
