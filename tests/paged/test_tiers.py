@@ -332,3 +332,48 @@ def test_host_slots_in_power_of_two_segments(monkeypatch):
     back = _bring_back(alloc, tiers, hashes)
     for a, b in zip(_blocks(cache, back), want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_traffic_never_returns_a_wrong_byte(tmp_path, seed):
+    # requests over a few shared prefixes through a small pool, a small host tier and a small disk budget: every
+    # block a request ends up with (matched, brought back or written) holds the bytes of its own hash
+    g = torch.Generator().manual_seed(seed)
+    cache = _cache("int8", 6)
+    tiers = TieredCache(cache, host_bytes=3 * tiers_block_bytes(cache), disk_dir=tmp_path, model_id="m",
+                        disk_bytes=6 * 1100, events=KVEventLog())
+    alloc = BlockAllocator(6, BS)
+    alloc.set_listener(tiers)
+    tensors = [cache.buffer, cache.params_buffer]
+
+    def content(h: int) -> list[torch.Tensor]:  # what computing the block of hash h writes
+        gh = torch.Generator().manual_seed(h % 2**62)
+        return [torch.randint(0, 256, cache.buffer[:, 0].shape, generator=gh, dtype=torch.uint8),
+                torch.rand(cache.params_buffer[:, 0].shape, generator=gh)]
+
+    stems = [torch.randint(0, 50, (5 * BS,), generator=g).tolist() for _ in range(4)]
+    for _ in range(60):
+        stem = stems[int(torch.randint(0, 4, (1,), generator=g))]
+        hashes = alloc.hash_blocks(stem[:BS * int(torch.randint(1, 6, (1,), generator=g))])
+        table = alloc.match_prefix(hashes)
+        rest = hashes[len(table):]
+        n = tiers.lookup(rest)
+        got = alloc.allocate(n) if n else []
+        f = tiers.fetch(rest, limit=n)
+        alloc.free(got[f.num_blocks:])
+        tiers.load(f, got[:f.num_blocks])
+        alloc.cache_blocks(got[:f.num_blocks], f.hashes)
+        table += got[:f.num_blocks]
+        fresh = alloc.allocate(len(hashes) - len(table))
+        for b, h in zip(fresh, hashes[len(table):]):
+            for t, c in zip(tensors, content(h)):
+                t[:, b] = c
+        alloc.cache_blocks(fresh, hashes[len(table):])
+        table += fresh
+        for b, h in zip(table, hashes):
+            assert all(torch.equal(t[:, b], c) for t, c in zip(tensors, content(h)))
+        alloc.free(table)
+        alloc.check_invariants()
+        assert len(tiers.host) <= 3 and tiers.disk.nbytes <= 6 * 1100
+    st = tiers.stats()
+    assert st["host"].hits > 0 and st["disk"].hits > 0 and st["disk"].removed > 0  # every path taken
