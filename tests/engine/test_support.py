@@ -92,6 +92,24 @@ def test_mixed_steps_and_prefix_hits_equal_transformers(name, cache):
     assert got == [sm.greedy(model, prompt=p, n=6) for p in prompts]
 
 
+def test_linear_window_layers_hold_only_twice_their_window():
+    # Gemma 3 (one sliding, one global layer), window 8: the sliding layer's slots hold 16 tokens, the global one's
+    # max_model_len; 40 tokens generated after a 20-token prompt slide the window layer's slot several times
+    model = sm.build("gemma3")
+    llm = LLM(model, tokenizer=_Tok(), cache="linear", max_num_seqs=2, max_model_len=64)
+    got = llm.generate([sm.PROMPT], SamplingParams(max_tokens=40, temperature=0))[0].token_ids
+    assert got == sm.greedy(model, n=40)
+    token = 2 * 2 * 16 * 4  # K and V, 2 heads of 16 fp32: bytes of one token in one layer
+    assert llm.core.window_cache.config.max_seq_len == 2 * sm.WINDOW
+    assert llm.stats.cache_bytes == 2 * (64 + 2 * sm.WINDOW) * token  # 2 slots
+    # the default max_model_len counts the window layer at its 16 tokens: what the memory holds for the global one
+    mem = 2 * (100 + 2 * sm.WINDOW) * token
+    assert LLM(model, tokenizer=_Tok(), cache="linear", max_num_seqs=2, kv_cache_memory=mem).max_model_len == 100
+    # every layer windowed (Mistral): the slots' length is the model's, the memory the windows'
+    mistral = LLM(sm.build("mistral_window"), tokenizer=_Tok(), cache="linear", max_num_seqs=2, kv_cache_memory=mem)
+    assert mistral.max_model_len == 256 and mistral.stats.cache_bytes == 2 * 2 * 2 * sm.WINDOW * token
+
+
 def test_phi3_equals_transformers():
     """Phi-3: one qkv projection (split by heads on the module path) and a fused gate / up MLP (the model's own
     module): the fused decoder declines it by name, the engine's tokens equal transformers' (paged and linear),
