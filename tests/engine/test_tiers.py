@@ -63,6 +63,9 @@ def test_host_tier_brings_prefixes_back_with_equal_tokens(model, prompts, refere
     host = total.tiers["host"]
     assert host.hits >= 4 * 5 and host.stored > 0 and host.bytes_out > 0 and host.bytes_in > 0
     assert llm.stats.tiers["host"].hits <= host.hits  # the last call's share
+    dev = total.tiers["device"]
+    assert dev.removed >= host.stored and dev.stored > 0  # the host holds only what the pool evicted
+    assert total.cached_prompt_tokens == (dev.hits + host.hits) * BS  # every cached token from one of the two
 
 
 @pytest.mark.parametrize("host_blocks", [0, 4])  # disk alone, or under a host tier of 4 blocks that spills to it

@@ -158,8 +158,19 @@ class PagedEngineCore:
         stats.tiers = {k: v - tiers0[k] for k, v in self.tier_stats().items()}  # type: ignore[attr-defined]
 
     def tier_stats(self) -> dict[str, TierStats]:
-        """The host / disk tiers' counters since the core was built (``{}`` without tiers)."""
-        return self.tiers.stats() if self.tiers is not None else {}
+        """The tiers' counters since the core was built (``{}`` without tiers): ``"device"`` (blocks matched in the
+        pool, published, evicted), then ``"host"`` / ``"disk"`` as configured.
+
+        Example
+        -------
+        >>> core.tier_stats()["device"].hits, core.tier_stats()["host"].hits     # doctest: +SKIP
+        (40, 20)
+        """
+        if self.tiers is None:
+            return {}
+        out = self.tiers.stats()
+        out["device"].hits = self.allocator.stats.hits
+        return out
 
     def abort_all(self) -> None:
         """Drop every request, waiting or running, and free its blocks."""

@@ -36,8 +36,8 @@ class TotalStats(EngineStats):
     calls : int
         Completed ``generate`` calls (a call that raised is not counted, nor are its counters).
     tiers : dict of str to TierStats
-        The memory tiers' counters (``"host"``, ``"disk"``: :class:`~kvcache.paged.tiers.TierStats`) summed over
-        the calls; ``{}`` without tiers. An attribute, not a field.
+        The memory tiers' counters (``"device"``, ``"host"``, ``"disk"``: :class:`~kvcache.paged.tiers.TierStats`)
+        summed over the calls; ``{}`` without tiers. An attribute, not a field.
 
     Example
     -------
@@ -71,7 +71,7 @@ class GenerateStats(EngineStats):
     total : TotalStats
         Totals over the engine's completed calls.
     tiers : dict of str to TierStats
-        This call's counters of the memory tiers behind the prefix cache, per tier (``"host"``, ``"disk"``): blocks
+        This call's counters of the prefix cache's tiers (``"device"``, ``"host"``, ``"disk"``): blocks
         brought back (``hits``), stored, removed, refused, bytes and GB/s each way (see
         :class:`~kvcache.paged.tiers.TierStats`); ``{}`` without tiers. An attribute, not a field.
 

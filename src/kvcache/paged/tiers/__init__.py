@@ -171,7 +171,7 @@ class TieredCache:
             shapes = [(t.dtype, (t.shape[0], *t.shape[2:])) for t in self.transfers._tensors()]
             self.disk = DiskTier(disk_dir, cache_fingerprint(cache, model_id), disk_bytes, shapes)
         self._loading: dict[int, torch.cuda.Event] = {}  # device block -> event after its copy back
-        self._counts = {name: TierStats() for name in ("host", "disk")}
+        self._counts = {name: TierStats() for name in ("device", "host", "disk")}
 
     # ---------------------------------------------------------------------------------- the allocator's listener
 
@@ -184,6 +184,7 @@ class TieredCache:
         >>> allocator.set_listener(tiers); allocator.allocate(4)     # evictions reach tiers.evicted  # doctest: +SKIP
         """
         self._settle_loads(block_ids)
+        self._counts["device"].removed += len(hashes)
         self._emit("removed", hashes, "device")
         if self.host is not None:
             self._to_host(block_ids, hashes)
@@ -197,6 +198,7 @@ class TieredCache:
         -------
         >>> allocator.cache_blocks(ids, hashes)       # calls tiers.cached(ids, hashes)   # doctest: +SKIP
         """
+        self._counts["device"].stored += len(hashes)
         self._emit("stored", hashes, "device")
 
     def cleared(self) -> None:
@@ -424,8 +426,9 @@ class TieredCache:
             getattr(self.events, kind)(hashes, medium)
 
     def stats(self) -> dict[str, TierStats]:
-        """Counters per tier present (``"host"``, ``"disk"``), since the tiers were built (copies in flight are
-        counted once finished).
+        """Counters per tier present (``"device"``: blocks published in the pool's prefix cache and evicted from it, its
+        ``hits`` left to the allocator's stats; ``"host"``, ``"disk"``), since the tiers were built (copies in flight
+        are counted once finished).
 
         Example
         -------
@@ -433,7 +436,8 @@ class TieredCache:
         12
         """
         self.transfers.settle()
-        out = {}
+        dv = self._counts["device"]
+        out = {"device": TierStats(stored=dv.stored, removed=dv.removed)}
         tr = self.transfers
         if self.host is not None:
             h = self._counts["host"]

@@ -9,12 +9,13 @@ __all__ = ["TierStats"]
 
 @dataclasses.dataclass
 class TierStats:
-    """Counters of one tier (``"host"`` or ``"disk"``) of a :class:`~kvcache.paged.tiers.TieredCache`.
+    """Counters of one tier (``"device"``, ``"host"`` or ``"disk"``) of a :class:`~kvcache.paged.tiers.TieredCache`.
 
     Attributes
     ----------
     hits : int
-        Blocks brought back from this tier to the device (their prefill skipped).
+        Blocks brought back from this tier to the device (their prefill skipped); for ``"device"``, blocks matched in
+        the pool itself. The device tier counts only ``hits``, ``stored`` (published) and ``removed`` (evicted).
     stored : int
         Blocks written into this tier (a block it already held is not written again, nor counted).
     removed : int
