@@ -2,7 +2,9 @@
 
 Per step, the cache's :class:`~kvcache.paged.StepPlan` is built once (``PagedKVCache.plan``: block tables,
 ``cu_q_lens``, the lengths before and after the step, the model's softmax scale, the query RoPE tables and the
-launch hints). Each layer's attention then only launches: ``PagedKVCache.append(layer, k, v, plan)`` writes the
+launch hints), once more for each other rope of the model (Gemma 3's sliding layers: the same tensors, the keys'
+RoPE their own), and derived per (window, soft-cap) the layers use; each layer's sinks (gpt-oss) go to its
+attention. Each layer's attention then only launches: ``PagedKVCache.append(layer, k, v, plan)`` writes the
 new keys and values (RoPE rotates the keys inside the append, with the cache's ``RopeConfig``) and
 ``PagedKVCache.attention(layer, q, plan)`` attends over the blocks in place (on the fused path it also rotates
 the queries, with the plan's ``q_rope``).
