@@ -77,8 +77,15 @@ def _model(a: argparse.Namespace):  # noqa: ANN202
                           intermediate_size=inter, vocab_size=vocab, max_position_embeddings=8192, eos_token_id=1)
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         torch.manual_seed(0)
-        with torch.device(dev):
-            model = LlamaForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32).eval()
+        old = torch.get_default_dtype()
+        # parameters built in bf16 (RoPE's frequencies stay float32: a cast of the model would round them, and the
+        # engine refuses a rotary embedding it does not compute)
+        torch.set_default_dtype(torch.bfloat16 if dev == "cuda" else torch.float32)
+        try:
+            with torch.device(dev):
+                model = LlamaForCausalLM(cfg).eval()
+        finally:
+            torch.set_default_dtype(old)
         return model, _Ids()
     if a.tiny:
         from transformers import LlamaConfig, LlamaForCausalLM

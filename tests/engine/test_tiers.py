@@ -136,10 +136,10 @@ def test_refused_by_name(model, kw, field):
 def test_host_tier_on_cuda_equals_recompute(tiny_llama, prompts, cuda_graphs):
     # copies back run on the tiers' stream and a request waits for its own blocks: tokens equal the engine
     # without tiers; several requests at once, so some run while others' blocks are still in flight
-    model = tiny_llama().to("cuda")
     many = prompts * 2
-    ref_llm = _llm(model, num_blocks=16, cuda_graphs=cuda_graphs)
-    llm = _llm(model, num_blocks=16, host_cache_memory=2**20, cuda_graphs=cuda_graphs)
+    # one model per engine: each engine fuses the weights of its own model (the same seed, the same weights)
+    ref_llm = _llm(tiny_llama().to("cuda"), num_blocks=16, cuda_graphs=cuda_graphs)
+    llm = _llm(tiny_llama().to("cuda"), num_blocks=16, host_cache_memory=2**20, cuda_graphs=cuda_graphs)
     for _ in range(3):
         want = [o.token_ids for o in ref_llm.generate(many, SP)]
         assert [o.token_ids for o in llm.generate(many, SP)] == want

@@ -273,8 +273,8 @@ def recv_blocks(
     After a damaged chunk: ValueError naming the first damaged chunk, raised once every chunk has arrived (the
     ranks stay in step); the new blocks are given back to ``allocator``. The damaged chunks' rows are not
     written; the intact chunks' rows are, into those blocks (free before the call and after it); every block
-    allocated before the call, and ``kv_scales``, are unchanged. After different fp8 scales: ValueError, nothing written (compared once chunk
-    0 has arrived: one host sync, fp8 without ``adopt_scales`` only).
+    allocated before the call, and ``kv_scales``, are unchanged. After different fp8 scales: ValueError, nothing
+    written (compared once chunk 0 has arrived: one host sync, fp8 without ``adopt_scales`` only).
 
     Parameters
     ----------
