@@ -39,7 +39,12 @@ def test_fp32_on_cuda_equals_transformers(name):
     want = _transformers(model)
     sp = SamplingParams(max_tokens=sm.NEW_TOKENS, temperature=0)
     # one engine at a time: each fuses the model's weights for itself
-    for cache, graphs in (("paged", False), ("paged", True), ("linear", False)):
+    modes = [("paged", False), ("paged", True), ("paged", None), ("linear", False)]
+    if name == "gpt_oss":  # transformers' float32 MoE module cannot be captured: refused by name, eager by default
+        with pytest.raises(ValueError, match="^cuda_graphs: .*gpt-oss's mixture-of-experts MLP in float32"):
+            LLM(model, tokenizer=_Tok(), cuda_graphs=True, max_num_seqs=2, max_model_len=64)
+        modes.remove(("paged", True))
+    for cache, graphs in modes:
         llm = LLM(model, tokenizer=_Tok(), cache=cache, cuda_graphs=graphs, max_num_seqs=2, max_model_len=64)
         got = [o.token_ids for o in llm.generate(PROMPTS, sp)]
         assert got == want, f"{name}: cache={cache} cuda_graphs={graphs}"

@@ -124,6 +124,12 @@ class LlamaForward:
         p = next(hf_model.parameters())
         self.dtype = p.dtype
         self.device = p.device
+        # why a decode step cannot be captured in a CUDA graph on this model, or None: transformers' gpt-oss
+        # mixture-of-experts module in float32 copies host tensors to the GPU inside its forward (H200, torch 2.11:
+        # the capture raises; bf16 captures and gives eager's tokens)
+        self.graph_blocker = ("gpt-oss's mixture-of-experts MLP in float32 (transformers' module copies host tensors "
+                              "to the GPU, which a CUDA graph cannot capture)"
+                              if any(self._mlp_pair) and self.dtype == torch.float32 else None)
         self._cos = self._sin = None
         self._tables: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.ropes)
         self._fused: list[dict[str, Any]] | None = None

@@ -70,6 +70,18 @@ def _tiers(model: LlamaForward, cache: PagedKVCache, config: EngineConfig) -> Ti
                        events=KVEventLog() if config.kv_events else None)
 
 
+def _graphs(model: LlamaForward, config: EngineConfig) -> bool:
+    """Whether decode steps run in CUDA graphs: ``config.cuda_graphs``, by default on CUDA without tensor parallel
+    unless the model cannot be captured (``model.graph_blocker``), where ``cuda_graphs=True`` is refused by name."""
+    blocker = getattr(model, "graph_blocker", None) if model.device.type == "cuda" else None
+    if config.cuda_graphs and blocker is not None:
+        raise ValueError(f"cuda_graphs: this model's decode step cannot run in a CUDA graph: {blocker} "
+                         "(expected None or False)")
+    if config.cuda_graphs is None:
+        return model.device.type == "cuda" and config.tp_group is None and blocker is None
+    return config.cuda_graphs
+
+
 class PagedEngineCore:
     """The paged cache mode: ``PagedKVCache`` + ``BlockAllocator`` + ``Scheduler`` + ``PagedRunner`` + ``PagedLoop``.
 
@@ -123,9 +135,7 @@ class PagedEngineCore:
         self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.batched_tokens(model.device), max_blocks_per_seq=width,
                                    tiers=self.tiers)
-        graphs = config.cuda_graphs
-        if graphs is None:
-            graphs = model.device.type == "cuda" and config.tp_group is None
+        graphs = _graphs(model, config)
         self.runner = PagedRunner(model, self.cache, max_blocks_per_seq=width, max_model_len=self.max_model_len,
                                   scratch_block=num_blocks, cuda_graphs=graphs,
                                   max_graph_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH))
