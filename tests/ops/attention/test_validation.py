@@ -216,3 +216,12 @@ def test_plan_is_pure_and_splits_long_decode():
     assert attention_plan(**kw, n_tokens=1, num_seqs=1, max_kv_len=10**6, num_splits=3).num_splits == 3
     assert attention_workspace_size(4, 8, 64, 1) == 0
     assert attention_workspace_size(4, 8, 64, 3) == 3 * 4 * 8 * 65
+
+
+@pytest.mark.parametrize("bad", [[32], True, 32.0])
+def test_plan_names_a_bad_argument_whatever_its_type(bad):
+    # the plan is memoised: an unhashable argument, and a bool equal to an int, still get the named error
+    kw = dict(num_kv_heads=8, head_dim=128, n_tokens=1, num_seqs=1, max_kv_len=4096)
+    attention_plan(num_q_heads=32, **kw)
+    with pytest.raises(TypeError, match="^num_q_heads: expected an int"):
+        attention_plan(num_q_heads=bad, **kw)

@@ -104,7 +104,6 @@ class AttentionPlan:
         return self.block_q * next_pow2(num_q_heads // num_kv_heads)
 
 
-@functools.lru_cache(maxsize=256, typed=True)  # a pure function of its arguments, asked once per step
 def attention_plan(
     *,
     num_q_heads: int,
@@ -150,6 +149,18 @@ def attention_plan(
     ...                max_kv_len=131072).num_splits
     64
     """
+    args = (num_q_heads, num_kv_heads, head_dim, n_tokens, num_seqs, max_kv_len, num_sms, num_splits, kv_dtype,
+            q_bytes)
+    try:
+        hash(args)
+    except TypeError:  # an unhashable argument: the checks name it
+        return _choose(*args)
+    return _choose_cached(*args)
+
+
+def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, num_seqs: int, max_kv_len: int,
+            num_sms: int, num_splits: int | None, kv_dtype: str, q_bytes: int) -> AttentionPlan:
+    """:func:`attention_plan`'s checks and choice (a pure function of its arguments)."""
     check_int("num_q_heads", num_q_heads, 1)
     check_int("num_kv_heads", num_kv_heads, 1)
     check_int("head_dim", head_dim, 1)
@@ -214,6 +225,10 @@ def attention_plan(
     return AttentionPlan(block_q=block_q, block_n=block_n, num_warps=warps, num_stages=stages,
                          num_splits=num_splits, warp_split=warp_split,
                          min_split_keys=min_split_keys if num_splits > 1 else 0)
+
+
+# asked once per step with the same arguments: typed, so True is not taken for 1
+_choose_cached = functools.lru_cache(maxsize=256, typed=True)(_choose)
 
 
 def attention_workspace_size(n_tokens: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
