@@ -6,7 +6,8 @@ the message (the host does not), and NCCL's stream waits for the current stream 
 on a GPU the sender's current stream packs and checksums chunk ``i + 1`` while NCCL sends chunk ``i``, and the
 receiver checks and scatters chunk ``i`` while chunk ``i + 1`` arrives; :data:`DEPTH` staging buffers per side,
 a buffer reused once the message that used it is done. Under gloo the same calls run on the host (a wait blocks
-until the message is through). The only host sync of a transfer is the receiver's final look at the checksums.
+until the message is through). The pipeline's one host sync is the receiver's final look at the checksums (a
+receiver of fp8 blocks that does not adopt the sender's scales also compares them once chunk 0 is in).
 """
 
 from __future__ import annotations
