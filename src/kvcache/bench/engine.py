@@ -17,7 +17,7 @@ download), 64 requests x 512 random prompt tokens + 128 new tokens, greedy, EOS 
 
 ``--capacity``: what a stored format buys when memory limits the batch. A random-weight Llama-3.1-8B-shaped model
 (hidden 4096, 32 layers, 32 / 8 heads, head_dim 128, bf16), a fixed 4 GiB KV budget, 192 requests x (512 prompt +
-512 new) tokens, one timed run per kv_dtype after a short warm-up: generated tokens/s and its ratio to bf16 KV,
+512 new) tokens, one timed run per kv_dtype after a warm-up run of the same workload: generated tokens/s and its ratio to bf16 KV,
 decode tokens per step (the batch the budget held), preemptions, and the bytes per token the format stores.
 
 Writes JSON (``--out``). ``--quick``: 16 requests x 128 + 32 tokens, for a smoke test.
@@ -162,8 +162,8 @@ def _agreement(rows: list[dict]) -> None:
 
 
 def _capacity_row(model: Any, prompts: list[list[int]], kv_dtype: str) -> dict:
-    """One timed run of the capacity workload (:data:`CAPACITY`) with ``kv_dtype``, after a warm-up of a few
-    requests that compiles the kernels and captures the decode graphs the run needs."""
+    """One timed run of the capacity workload (:data:`CAPACITY`) with ``kv_dtype``, after a warm-up run of the same
+    workload."""
     from ..engine import LLM, SamplingParams
 
     _free()
@@ -172,7 +172,9 @@ def _capacity_row(model: Any, prompts: list[list[int]], kv_dtype: str) -> dict:
     llm = LLM(model, tokenizer=_IdsOnlyTokenizer(), kv_dtype=kv_dtype, max_num_seqs=len(prompts),
               kv_cache_memory=CAPACITY["kv_gib"] * 2**30, max_model_len=len(prompts[0]) + new,
               enable_prefix_caching=False)
-    llm.generate(prompts[:8], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    # warm-up: the whole workload once, so every kernel is compiled and every decode bucket the run passes through
+    # is captured before the timed run (a shorter warm-up leaves compilation and capture inside the timed run)
+    llm.generate(prompts, sp)
     torch.cuda.synchronize()
     outs = llm.generate(prompts, sp)
     st = llm.stats
