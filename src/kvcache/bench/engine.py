@@ -17,8 +17,9 @@ download), 64 requests x 512 random prompt tokens + 128 new tokens, greedy, EOS 
 
 ``--capacity``: what a stored format buys when memory limits the batch. A random-weight Llama-3.1-8B-shaped model
 (hidden 4096, 32 layers, 32 / 8 heads, head_dim 128, bf16), a fixed 4 GiB KV budget, 192 requests x (512 prompt +
-512 new) tokens, one timed run per kv_dtype after a warm-up run of the same workload: generated tokens/s and its ratio to bf16 KV,
-decode tokens per step (the batch the budget held), preemptions, and the bytes per token the format stores.
+512 new) tokens, one timed run per kv_dtype after a warm-up run of the same workload: generated tokens/s and its
+ratio to bf16 KV, decode tokens per step (the batch the budget held), preemptions, and the bytes per token the
+format stores.
 
 Writes JSON (``--out``). ``--quick``: 16 requests x 128 + 32 tokens, for a smoke test.
 """
