@@ -79,6 +79,8 @@ def test_bad_field_raises_naming_it(field, bad, err):
     (dict(cache="linear", kv_dtype="int8"), "kv_dtype"),
     (dict(cache="linear", tp_group="group"), "cache"),
     (dict(cuda_graphs=True, tp_group="group"), "cuda_graphs"),
+    (dict(cache_model_id="org/model@1"), "cache_model_id"),  # a disk tier setting without disk_cache_dir
+    (dict(disk_cache_bytes=2**30), "disk_cache_bytes"),
 ])
 def test_fields_that_exclude_each_other(kw, field):
     kw = {k: _group() if v == "group" else v for k, v in kw.items()}

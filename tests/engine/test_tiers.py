@@ -105,6 +105,37 @@ def test_another_model_id_or_format_finds_nothing(model, prompts, reference, tmp
         assert other.stats.total.tiers["disk"].hits == 0
 
 
+@pytest.mark.parametrize("host_blocks", [0, 4])
+def test_weights_updated_in_place_never_read_old_disk_blocks(tiny_llama, prompts, tmp_path, host_blocks):
+    # the disk tier's fingerprint is recomputed from the weights on reset_prefix_cache: blocks written with the
+    # old weights stay in their own folder, and the tokens equal a fresh engine's on the new weights
+    model = tiny_llama()
+    llm = _llm(model, disk_cache_dir=tmp_path, host_cache_memory=host_blocks * 4096)
+    _visit_twice(llm, prompts)
+    assert llm.stats.total.tiers["disk"].stored > 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert llm.allocator.reset_prefix_cache()
+    out = _visit_twice(llm, prompts)
+    fresh = tiny_llama()
+    fresh.load_state_dict(model.state_dict())
+    assert out == _visit_twice(_llm(fresh), prompts)
+    assert llm.stats.total.tiers["disk"].refused == 0  # the old files were never looked at
+
+
+def test_a_given_cache_model_id_is_kept_across_reset(model, prompts, tmp_path):
+    # cache_model_id: the user vouches for the weights; a reset keeps the folder (and its hits)
+    llm = _llm(model, disk_cache_dir=tmp_path, cache_model_id="toy@1")
+    _visit_twice(llm, prompts)
+    folder = llm.tiers.disk.directory
+    assert llm.allocator.reset_prefix_cache()
+    assert llm.tiers.disk.directory == folder
+    hits = llm.stats.total.tiers["disk"].hits
+    llm.generate([prompts[0]], SP)
+    assert llm.stats.total.tiers["disk"].hits > hits
+
+
 def test_kv_events_report_the_tiers(model, prompts):
     llm = _llm(model, host_cache_memory=2**20, kv_events=True)
     _visit_twice(llm, prompts)
@@ -125,6 +156,8 @@ def test_kv_events_report_the_tiers(model, prompts):
     (dict(cache="linear", kv_events=True), "kv_events"),
     (dict(enable_prefix_caching=False, host_cache_memory=2**20), "host_cache_memory"),
     (dict(host_cache_memory=100), "host_cache_memory"),
+    (dict(cache_model_id="toy@1"), "cache_model_id"),
+    (dict(host_cache_memory=2**20, disk_cache_bytes=2**20), "disk_cache_bytes"),
 ])
 def test_refused_by_name(model, kw, field):
     with pytest.raises(ValueError, match=f"^{field}: "):

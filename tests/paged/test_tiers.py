@@ -12,8 +12,8 @@ import torch
 
 from kvcache.paged import BlockAllocator, PagedConfig, PagedKVCache
 from kvcache.paged.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
-from kvcache.paged.tiers import TieredCache, tiers_block_bytes
-from kvcache.paged.tiers.host import CHUNK_BLOCKS
+from kvcache.paged.tiers import DiskTier, TieredCache, tiers_block_bytes, weights_identity
+from kvcache.paged.tiers.host import CHUNK_BLOCKS, SlotArena, slot_shapes
 
 BS = 4
 
@@ -271,16 +271,63 @@ def test_events_report_each_tier():
     assert log.drain() == [AllBlocksCleared("device"), AllBlocksCleared("host")] and tiers.lookup(hashes) == 0
 
 
+def test_a_callable_model_id_is_recomputed_on_reset(tmp_path):
+    # the identity of the weights, recomputed when the allocator drops its prefixes: new weights, a new folder;
+    # blocks written under the old weights are never found again, and a str model_id is kept as given
+    weights = torch.ones(8)
+    cache, tiers, alloc, log = _setup(host_blocks=0, num_blocks=2, disk_dir=tmp_path,
+                                      model_id=lambda: weights_identity([("w", weights)]))
+    _, (h,) = _publish(alloc, list(range(BS)))
+    taken = alloc.allocate(2)  # evicts h: written to disk
+    old = tiers.disk.directory
+    assert tiers.lookup([h]) == 1
+    alloc.free(taken)
+    _publish(alloc, [5] * BS)
+    assert alloc.reset_prefix_cache()  # same weights: same folder, the block is still found
+    assert tiers.disk.directory == old and tiers.lookup([h]) == 1
+    weights[3] += 1.0  # updated in place, away from the sampled ends
+    _publish(alloc, [5] * BS)
+    log.drain()
+    assert alloc.reset_prefix_cache()
+    assert tiers.disk.directory != old and tiers.lookup([h]) == 0 and os.listdir(old)
+    assert AllBlocksCleared("disk") in log.drain() and tiers.stats()["disk"].removed == 1
+    fixed = TieredCache(cache, disk_dir=tmp_path, model_id="m")
+    folder = fixed.disk.directory
+    fixed.cleared()
+    assert fixed.disk.directory == folder
+
+
 def test_bad_arguments_are_refused_by_name(tmp_path):
     cache = _cache()
-    with pytest.raises(ValueError, match="^host_cache_memory: expected 0 or at least one block"):
+    with pytest.raises(ValueError, match="^host_bytes: expected 0 or at least one block"):
         TieredCache(cache, host_bytes=tiers_block_bytes(cache) - 1)
-    with pytest.raises(TypeError, match="^host_cache_memory: expected an int"):
+    with pytest.raises(TypeError, match="^host_bytes: expected an int"):
         TieredCache(cache, host_bytes=1.5)
-    with pytest.raises(ValueError, match="^model_id: expected"):
+    with pytest.raises(TypeError, match="^model_id: expected"):
         TieredCache(cache, disk_dir=tmp_path)
-    with pytest.raises(ValueError, match="^disk_cache_bytes: expected"):
+    with pytest.raises(TypeError, match="^model_id: expected"):
+        TieredCache(cache, disk_dir=tmp_path, model_id=3)
+    with pytest.raises(TypeError, match="^model_id: expected .* returned int"):
+        TieredCache(cache, disk_dir=tmp_path, model_id=lambda: 3)
+    with pytest.raises(ValueError, match="^model_id: expected a non-empty str"):
+        TieredCache(cache, disk_dir=tmp_path, model_id="")
+    with pytest.raises(ValueError, match="^model_id: a setting of the disk tier, given without disk_dir"):
+        TieredCache(cache, model_id="m")
+    with pytest.raises(ValueError, match="^disk_bytes: a setting of the disk tier, given without disk_dir"):
+        TieredCache(cache, disk_bytes=2**20)
+    with pytest.raises(ValueError, match="^disk_bytes: expected"):
         TieredCache(cache, disk_dir=tmp_path, disk_bytes=0, model_id="m")
+    with pytest.raises(TypeError, match="^disk_dir: expected a str or os.PathLike"):
+        TieredCache(cache, disk_dir=3, model_id="m")
+    with pytest.raises(TypeError, match="^directory: expected"):
+        DiskTier(3, "f" * 64, 2**20, slot_shapes(cache))
+    with pytest.raises(ValueError, match="^capacity_bytes: expected"):
+        DiskTier(tmp_path, "f" * 64, 0, slot_shapes(cache))
+    with pytest.raises(ValueError, match="^num_slots: expected"):
+        SlotArena.allocate(0, slot_shapes(cache), pin=False)
+    with pytest.raises(TypeError, match="^shapes: expected"):
+        SlotArena.allocate(2, [(2, 4)], pin=False)
+    assert not os.listdir(tmp_path)  # nothing was created by a refused call
     with pytest.raises(TypeError, match="^cache: expected a PagedKVCache"):
         TieredCache("cache")
     with pytest.raises(TypeError, match="^listener: expected"):
@@ -294,6 +341,9 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
         tiers.fetch(7)
     with pytest.raises(ValueError, match="^limit: expected"):
         tiers.fetch([1], limit=-1)
+    for bad in (True, "3", 1.0):
+        with pytest.raises(TypeError, match="^limit: expected"):
+            tiers.fetch([1], limit=bad)
     f = tiers.fetch([1])
     with pytest.raises(ValueError, match="^block_ids: expected block ids in"):
         tiers.load(f, [99])
@@ -306,8 +356,10 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
 def test_an_unusable_disk_dir_is_refused_by_name(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(OSError, match="^.*disk_cache_dir: cannot create"):
+    with pytest.raises(OSError, match="^.*disk_dir: cannot create"):
         TieredCache(_cache(), disk_dir=blocker, model_id="m")
+    with pytest.raises(OSError, match="^.*directory: cannot create"):
+        DiskTier(blocker, "f" * 64, 2**20, slot_shapes(_cache()))
 
 
 def test_host_slots_in_power_of_two_segments(monkeypatch):

@@ -15,6 +15,7 @@ import torch
 
 from .._validate import check_choice, check_int
 from ..ops.paged.format import LAYOUTS, kv_format
+from ..paged.tiers import DEFAULT_DISK_BYTES
 from .loader import _resolve_dtype
 
 if TYPE_CHECKING:
@@ -117,10 +118,14 @@ class EngineConfig:
         tier) are written there as checksummed files, reusable by later engines of the same model and cache format
         (a file of anything else, or damaged, is refused and its block recomputed).
     disk_cache_bytes : int
-        The disk tier's budget (default 16 GiB); its least recently used files are deleted beyond it.
+        The disk tier's budget (default 16 GiB); its least recently used files are deleted beyond it. Only with
+        ``disk_cache_dir``.
     cache_model_id : str, optional
-        The model's identity in the disk tier's fingerprint (``"org/model@revision"``); default: a hash of the
-        weights' names, shapes, dtypes and a sample of their values.
+        The model's identity in the disk tier's fingerprint (``"org/model@revision"``), kept for the engine's life:
+        the user vouches that it names the weights (after updating weights in place, give a new engine a new id).
+        Default: :func:`~kvcache.paged.tiers.weights_identity` of the weights, recomputed on
+        ``llm.allocator.reset_prefix_cache()``, so weights updated in place never read blocks of the old ones.
+        Only with ``disk_cache_dir``.
     kv_events : bool
         Record the prefix cache's events (blocks stored / removed per tier: ``LLM.kv_events()``). Paged cache only.
 
@@ -130,7 +135,7 @@ class EngineConfig:
         A field of the wrong type or out of range, ``kv_dtype`` other than ``"auto"`` with the linear cache,
         ``tp_group`` with the linear cache or with ``cuda_graphs=True``; ``host_cache_memory``,
         ``disk_cache_dir`` or ``kv_events`` with the linear cache, the tiers without prefix caching or with
-        ``tp_group``.
+        ``tp_group``; ``cache_model_id`` or a non-default ``disk_cache_bytes`` without ``disk_cache_dir``.
 
     Example
     -------
@@ -159,7 +164,7 @@ class EngineConfig:
     tp_group: Any = None
     host_cache_memory: int = 0
     disk_cache_dir: str | os.PathLike | None = None
-    disk_cache_bytes: int = 16 * 2**30
+    disk_cache_bytes: int = DEFAULT_DISK_BYTES
     cache_model_id: str | None = None
     kv_events: bool = False
 
@@ -209,6 +214,12 @@ class EngineConfig:
         if used and self.cache != "paged":
             raise ValueError(f"{used[0]}: the memory tiers and KV events need the paged cache, got cache="
                              f"{self.cache!r}")
+        if d is None and m is not None:
+            raise ValueError("cache_model_id: the disk tier's model identity, given without disk_cache_dir "
+                             "(expected None)")
+        if d is None and self.disk_cache_bytes != DEFAULT_DISK_BYTES:
+            raise ValueError(f"disk_cache_bytes: the disk tier's budget, given without disk_cache_dir (expected the "
+                             f"default {DEFAULT_DISK_BYTES})")
         tiers = [n for n in used if n != "kv_events"]
         if tiers and not self.enable_prefix_caching:
             raise ValueError(f"{tiers[0]}: the memory tiers hold prefix-cache blocks, expected "

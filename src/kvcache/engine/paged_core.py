@@ -17,7 +17,7 @@ import torch
 from .._validate import cdiv
 from ..paged import BlockAllocator, PagedConfig, PagedKVCache, cache_block_bytes
 from ..paged.events import KVEventLog
-from ..paged.tiers import TieredCache, TierStats, weights_identity
+from ..paged.tiers import TieredCache, TierStats, tiers_block_bytes, weights_identity
 from .config import EngineConfig, check_config
 from .core import EngineStats, FinishReason, Progress
 from .model import LlamaForward
@@ -54,20 +54,32 @@ def pool_blocks(model: LlamaForward, config: EngineConfig) -> int:
 
 def _tiers(model: LlamaForward, cache: PagedKVCache, config: EngineConfig) -> TieredCache | None:
     """The tiers behind the prefix cache ``config`` asks for (``host_cache_memory``, ``disk_cache_dir``,
-    ``kv_events``), or None."""
+    ``kv_events``), or None. The disk tier's model identity: ``cache_model_id`` when given (the user vouches for the
+    weights, kept across ``reset_prefix_cache``), else :func:`weights_identity` of the weights, recomputed on each
+    ``reset_prefix_cache`` (weights updated in place get their own fingerprint folder); either with every layer's
+    key RoPE."""
     if not (config.host_cache_memory or config.disk_cache_dir is not None or config.kv_events):
         return None
-    model_id = config.cache_model_id
-    if model_id is None and config.disk_cache_dir is not None:
+    block = tiers_block_bytes(cache)
+    if 0 < config.host_cache_memory < block:
+        raise ValueError(f"host_cache_memory: expected 0 or at least one block ({block} bytes), got "
+                         f"{config.host_cache_memory}")
+    # every layer's key rope (Gemma 3's sliding layers rotate with their own)
+    ropes = getattr(model, "ropes", [model.rope])
+    rope_of = getattr(model, "rope_of", [0] * model.num_layers)
+    suffix = f"; layer ropes {[repr(ropes[k]) for k in rope_of]}"
+    model_id = None
+    if config.disk_cache_dir is not None and config.cache_model_id is not None:
+        model_id = config.cache_model_id + suffix
+    elif config.disk_cache_dir is not None:
         hf = model.hf_model
-        model_id = weights_identity([*hf.named_parameters(), *hf.named_buffers()])
-    if model_id is not None:  # every layer's key rope (Gemma 3's sliding layers rotate with their own)
-        ropes = getattr(model, "ropes", [model.rope])
-        rope_of = getattr(model, "rope_of", [0] * model.num_layers)
-        model_id = f"{model_id}; layer ropes {[repr(ropes[k]) for k in rope_of]}"
-    return TieredCache(cache, host_bytes=config.host_cache_memory, disk_dir=config.disk_cache_dir,
-                       disk_bytes=config.disk_cache_bytes, model_id=model_id,
-                       events=KVEventLog() if config.kv_events else None)
+        model_id = lambda: weights_identity([*hf.named_parameters(), *hf.named_buffers()]) + suffix  # noqa: E731
+    try:
+        return TieredCache(cache, host_bytes=config.host_cache_memory, disk_dir=config.disk_cache_dir,
+                           disk_bytes=config.disk_cache_bytes, model_id=model_id,
+                           events=KVEventLog() if config.kv_events else None)
+    except OSError as e:
+        raise OSError(e.errno, f"disk_cache_dir: {str(e.strerror).removeprefix('disk_dir: ')}") from e
 
 
 def _graphs(model: LlamaForward, config: EngineConfig) -> bool:

@@ -38,7 +38,7 @@ Example
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,7 +46,7 @@ import torch
 from ..block_hash import _as_hash, _as_list
 from ..events import AllBlocksCleared, KVEventLog
 from .disk import DiskTier, cache_fingerprint, weights_identity
-from .host import HostTier, SlotArena, Transfers
+from .host import HostTier, SlotArena, Transfers, slot_shapes, tiers_block_bytes
 from .stats import TierStats
 
 if TYPE_CHECKING:
@@ -58,20 +58,6 @@ __all__ = ["TieredCache", "TierStats", "Fetched", "HostTier", "DiskTier", "cache
 DEFAULT_DISK_BYTES = 16 * 2**30  # the disk tier's budget when none is given
 
 
-def tiers_block_bytes(cache: PagedKVCache) -> int:
-    """Bytes one block of ``cache`` takes in the host tier (every layer, data and params): ``host_bytes`` holds
-    ``host_bytes // tiers_block_bytes(cache)`` blocks.
-
-    Example
-    -------
-    >>> tiers_block_bytes(cache)      # doctest: +SKIP
-    4096
-    """
-    b, p = cache.buffer, cache.params_buffer
-    n = b[:, 0].numel() * b.element_size()
-    return n + (p[:, 0].numel() * p.element_size() if p is not None else 0)
-
-
 class Fetched:
     """Blocks found below the device by :meth:`TieredCache.fetch`, ready for :meth:`TieredCache.load`.
 
@@ -79,6 +65,13 @@ class Fetched:
     ----------
     hashes : list of int
         The blocks' hashes, a prefix of the hashes asked for.
+
+    Example
+    -------
+    >>> f = tiers.fetch(hashes, limit=len(blocks))               # doctest: +SKIP
+    >>> f.num_blocks, f.hashes == hashes[:f.num_blocks]          # doctest: +SKIP
+    (3, True)
+    >>> tiers.load(f, blocks[:f.num_blocks])                     # doctest: +SKIP
     """
 
     def __init__(self) -> None:
@@ -106,6 +99,18 @@ def _hashes(hashes: object) -> list[int]:
     return [_as_hash("hashes", h) for h in _as_list("hashes", hashes, "block hashes")]
 
 
+def _model_id(model_id: object) -> str:
+    """The identity ``model_id`` gives (a str, or a callable's result): TypeError / ValueError naming it."""
+    value = model_id() if callable(model_id) else model_id
+    if not isinstance(value, str):
+        what = "returned " if callable(model_id) else "got "
+        raise TypeError(f"model_id: expected the model's identity (a non-empty str, or a callable returning one) "
+                        f"with a disk tier, {what}{type(value).__name__}")
+    if not value:
+        raise ValueError("model_id: expected a non-empty str, got ''")
+    return value
+
+
 def _check_bytes(name: str, value: object, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected an int (bytes), got {type(value).__name__}")
@@ -128,16 +133,20 @@ class TieredCache:
         The disk tier's directory (off when None).
     disk_bytes : int
         The disk tier's budget (default 16 GiB).
-    model_id : str, optional
-        The model's identity in the disk tier's fingerprint (required with ``disk_dir``): a name the user gives
-        (``"org/model@revision"``) or :func:`weights_identity` of the weights.
+    model_id : str or callable, optional
+        The model's identity in the disk tier's fingerprint (required with ``disk_dir``): a str the user vouches
+        for (``"org/model@revision"``), kept as it is for the tiers' life, or a callable returning the identity
+        (``lambda: weights_identity(model.named_parameters())``), called now and again on :meth:`cleared` (the
+        allocator's ``reset_prefix_cache``, after new weights): a new identity switches the disk tier to the new
+        fingerprint's folder, so blocks computed with the old weights are never read back.
     events : KVEventLog, optional
         Where to report blocks stored / removed per tier (``"device"``, ``"host"``, ``"disk"``).
 
     Raises
     ------
     TypeError, ValueError
-        A bad argument, named.
+        A bad argument, named (``host_bytes``, ``disk_dir``, ``disk_bytes``, ``model_id``, ``events``); OSError
+        naming ``disk_dir`` when its folder cannot be created.
 
     Example
     -------
@@ -146,16 +155,16 @@ class TieredCache:
     """
 
     def __init__(self, cache: PagedKVCache, *, host_bytes: int = 0, disk_dir: str | os.PathLike | None = None,
-                 disk_bytes: int = DEFAULT_DISK_BYTES, model_id: str | None = None,
+                 disk_bytes: int = DEFAULT_DISK_BYTES, model_id: str | Callable[[], str] | None = None,
                  events: KVEventLog | None = None) -> None:
         from ..cache import PagedKVCache
 
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
         block = tiers_block_bytes(cache)
-        host_bytes = _check_bytes("host_cache_memory", host_bytes, 0)
+        host_bytes = _check_bytes("host_bytes", host_bytes, 0)
         if 0 < host_bytes < block:
-            raise ValueError(f"host_cache_memory: expected 0 or at least one block ({block} bytes), got {host_bytes}")
+            raise ValueError(f"host_bytes: expected 0 or at least one block ({block} bytes), got {host_bytes}")
         if events is not None and not isinstance(events, KVEventLog):
             raise TypeError(f"events: expected a KVEventLog or None, got {type(events).__name__}")
         self.cache = cache
@@ -163,13 +172,20 @@ class TieredCache:
         self.transfers = Transfers(cache)
         self.host = HostTier(cache, host_bytes // block) if host_bytes else None
         self.disk = None
+        self._identity = model_id if callable(model_id) else None  # recomputed on cleared()
+        self.model_id: str | None = None
+        if disk_dir is None and (model_id is not None or disk_bytes != DEFAULT_DISK_BYTES):
+            name = "model_id" if model_id is not None else "disk_bytes"
+            raise ValueError(f"{name}: a setting of the disk tier, given without disk_dir (expected the default)")
         if disk_dir is not None:
-            _check_bytes("disk_cache_bytes", disk_bytes, 1)
-            if not isinstance(model_id, str) or not model_id:
-                raise ValueError(f"model_id: expected the model's identity (a non-empty str) with a disk tier, got "
-                                 f"{model_id!r}")
-            shapes = [(t.dtype, (t.shape[0], *t.shape[2:])) for t in self.transfers._tensors()]
-            self.disk = DiskTier(disk_dir, cache_fingerprint(cache, model_id), disk_bytes, shapes)
+            if not isinstance(disk_dir, (str, os.PathLike)):
+                raise TypeError(f"disk_dir: expected a str or os.PathLike, got {type(disk_dir).__name__}")
+            _check_bytes("disk_bytes", disk_bytes, 1)
+            self.model_id = _model_id(model_id)
+            try:
+                self.disk = DiskTier(disk_dir, cache_fingerprint(cache, self.model_id), disk_bytes, slot_shapes(cache))
+            except OSError as e:
+                raise OSError(e.errno, f"disk_dir: {str(e.strerror).removeprefix('directory: ')}") from e
         self._loading: dict[int, torch.cuda.Event] = {}  # device block -> event after its copy back
         self._counts = {name: TierStats() for name in ("device", "host", "disk")}
 
@@ -203,7 +219,9 @@ class TieredCache:
 
     def cleared(self) -> None:
         """The allocator dropped every hash (``reset_prefix_cache``: new weights, a dropped salt): the host tier
-        forgets its blocks too (the disk tier is keyed by its fingerprint and kept).
+        forgets its blocks too. The disk tier is keyed by its fingerprint: with a callable ``model_id`` the identity
+        is recomputed, and a new one moves the disk tier to its own folder (the old files are kept for engines of
+        the old weights, never read by this one: ``AllBlocksCleared("disk")``); a str ``model_id`` is kept.
 
         Example
         -------
@@ -214,6 +232,14 @@ class TieredCache:
         if self.events is not None:
             self.events.record(AllBlocksCleared("device"))
         self.clear()
+        if self.disk is not None and self._identity is not None:
+            model_id = _model_id(self._identity)
+            if model_id != self.model_id:
+                self._counts["disk"].removed += len(self.disk)
+                if self.events is not None and len(self.disk):
+                    self.events.record(AllBlocksCleared("disk"))
+                self.disk.switch(cache_fingerprint(self.cache, model_id))
+                self.model_id = model_id
 
     def clear(self) -> None:
         """Drop every block of the host tier (files on disk are kept).
@@ -260,15 +286,12 @@ class TieredCache:
         todo = [(b, h) for b, h in zip(block_ids, hashes) if h not in self.disk]
         if not todo:
             return
-        tmp = SlotArena([[torch.empty((len(todo), *t.shape[1:]), dtype=t.dtype) for t in self._host_like()]])
+        tmp = SlotArena.allocate(len(todo), slot_shapes(self.cache), pin=False)
         ev = self.transfers.to_host([b for b, _ in todo], tmp, list(range(len(todo))))
         if ev is not None:
             ev.synchronize()
         for i, (_, h) in enumerate(todo):
             self._spill(h, tmp.block(i))
-
-    def _host_like(self) -> list[torch.Tensor]:
-        return [t[:, :1].transpose(0, 1) for t in self.transfers._tensors()]  # [1, L, *block] shapes and dtypes
 
     def _spill(self, h: int, tensors: list[torch.Tensor]) -> None:
         """Write one block to the disk tier (if any)."""
@@ -314,15 +337,18 @@ class TieredCache:
         Raises
         ------
         TypeError, ValueError
-            ``hashes`` is not a sequence of block hashes, or ``limit`` not None or an int >= 0.
+            ``hashes`` is not a sequence of block hashes; ``limit`` is not None or an int (TypeError), or < 0
+            (ValueError).
 
         Example
         -------
         >>> f = tiers.fetch(hashes, limit=len(blocks)); f.num_blocks     # doctest: +SKIP
         3
         """
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"limit: expected None or an int >= 0, got {limit!r}")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise TypeError(f"limit: expected None or an int >= 0, got {type(limit).__name__}")
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit: expected None or an int >= 0, got {limit}")
         out = Fetched()
         for h in _hashes(hashes)[:limit]:
             s = self.host.slot(h) if self.host is not None else None

@@ -43,12 +43,14 @@ __all__ = ["DiskTier", "cache_fingerprint", "weights_identity"]
 FORMAT = "kvcache.block/1"
 SUFFIX = ".kvblock"
 _SAMPLE = 16  # elements hashed from each end of every weight by weights_identity
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits of an element, as an int
 
 
 def weights_identity(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A model's identity from its weights: SHA-256 over every tensor's name, shape and dtype and the bytes of its
-    first and last 16 elements (a sample: two fine-tunes of one architecture differ there, and hashing every byte
-    of a large model would take seconds).
+    """A model's identity from its weights: SHA-256 over every tensor's name, shape and dtype, the bytes of its first
+    and last 16 elements, and the sum of every element's bits read as integers (one exact int64 reduction on the
+    tensor's own device, the same on any device: an update of any element changes it, save for changes that cancel
+    exactly).
 
     Parameters
     ----------
@@ -60,10 +62,19 @@ def weights_identity(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     str
         ``"weights:sha256:<hex>"``.
 
+    Raises
+    ------
+    TypeError
+        An item is not a ``(str, torch.Tensor)`` pair.
+
     Example
     -------
-    >>> weights_identity([("w", torch.ones(4, 4))])[:15]
-    'weights:sha256:'
+    >>> w = torch.ones(4, 4)
+    >>> before = weights_identity([("w", w)])
+    >>> with torch.no_grad():
+    ...     _ = w[2, 1].add_(1.0)                      # an update in the middle of the tensor
+    >>> before[:15], weights_identity([("w", w)]) != before
+    ('weights:sha256:', True)
     """
     h = hashlib.sha256()
     for name, t in named_tensors:
@@ -74,6 +85,9 @@ def weights_identity(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         flat = t.detach().reshape(-1)
         ends = torch.cat([flat[:_SAMPLE], flat[-_SAMPLE:]]).cpu().contiguous()
         h.update(ends.view(torch.uint8).numpy().tobytes())
+        as_int = _INT_OF_SIZE.get(flat.element_size())
+        if as_int is not None and flat.numel():  # integer addition is exact: any order, any device, one result
+            h.update(str(int(flat.view(as_int).sum(dtype=torch.int64))).encode())
     return "weights:sha256:" + h.hexdigest()
 
 
@@ -117,12 +131,22 @@ class DiskTier:
     capacity_bytes : int
         Budget of this fingerprint's files (>= 1); the least recently used are deleted beyond it.
     shapes : list of (torch.dtype, tuple)
-        ``(dtype, [L, *block])`` of ``data`` and, for int8 / int4, of ``params``: what a file must hold.
+        ``(dtype, [L, *block])`` of ``data`` and, for int8 / int4, of ``params``: what a file must hold
+        (:func:`~kvcache.paged.tiers.host.slot_shapes` of the cache).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, named. OSError naming ``directory`` when the folder cannot be created.
 
     Example
     -------
-    >>> disk = DiskTier("/tmp/kv", fp, 2**30, [(torch.float16, (2, 2, 2, 16, 16))])   # doctest: +SKIP
-    >>> disk.write(h, [data]); disk.read(h)                                          # doctest: +SKIP
+    >>> import tempfile
+    >>> disk = DiskTier(tempfile.mkdtemp(), "ab" * 32, 2**20, [(torch.float16, (2, 2, 2, 4, 16))])
+    >>> disk.write(7, [torch.ones(2, 2, 2, 4, 16, dtype=torch.float16)])
+    (True, [])
+    >>> 7 in disk, disk.read(7)[0].shape
+    (True, torch.Size([2, 2, 2, 4, 16]))
     """
 
     name = "disk"
@@ -130,23 +154,48 @@ class DiskTier:
     def __init__(self, directory: str | os.PathLike, fingerprint: str, capacity_bytes: int,
                  shapes: list[tuple[torch.dtype, tuple[int, ...]]]) -> None:
         if not isinstance(directory, (str, os.PathLike)):
-            raise TypeError(f"disk_cache_dir: expected a str or os.PathLike, got {type(directory).__name__}")
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
-            raise ValueError(f"disk_cache_bytes: expected an int >= 1, got {capacity_bytes!r}")
-        self.fingerprint = fingerprint
-        self.directory = os.path.join(os.fspath(directory), fingerprint[:16])
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-        except OSError as e:
-            raise OSError(e.errno, f"disk_cache_dir: cannot create {self.directory!r}: {e.strerror or e}") from e
+            raise TypeError(f"directory: expected a str or os.PathLike, got {type(directory).__name__}")
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise TypeError(f"capacity_bytes: expected an int, got {type(capacity_bytes).__name__}")
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes: expected an int >= 1, got {capacity_bytes}")
+        if not isinstance(shapes, list) or not 1 <= len(shapes) <= 2:
+            raise ValueError(f"shapes: expected a list of one or two (dtype, shape) pairs, got {shapes!r}")
+        self.root = os.fspath(directory)
         self.capacity_bytes = capacity_bytes
         self._names = ["data", "params"][:len(shapes)]
         self._shapes = shapes
-        self._size: OrderedDict[int, int] = OrderedDict()  # hash -> file bytes, least recently used first
-        self.nbytes = 0
         self.refused = 0
         self.seconds = {"write": 0.0, "read": 0.0}
         self.io_bytes = {"write": 0, "read": 0}
+        self.switch(fingerprint)
+
+    def switch(self, fingerprint: str) -> None:
+        """Use the folder of ``fingerprint`` from now on (created if missing, its files listed): the blocks of the
+        previous fingerprint stay on disk but are no longer found. Counters are kept.
+
+        Raises
+        ------
+        ValueError
+            ``fingerprint`` is not a str of at least 16 characters.
+        OSError
+            The folder cannot be created (naming ``directory``).
+
+        Example
+        -------
+        >>> disk.switch(cache_fingerprint(cache, "new-weights"))       # doctest: +SKIP
+        """
+        if not isinstance(fingerprint, str) or len(fingerprint) < 16:
+            raise ValueError(f"fingerprint: expected a str of at least 16 characters, got {fingerprint!r}")
+        folder = os.path.join(self.root, fingerprint[:16])
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"directory: cannot create {folder!r}: {e.strerror or e}") from e
+        self.fingerprint = fingerprint
+        self.directory = folder
+        self._size: OrderedDict[int, int] = OrderedDict()  # hash -> file bytes, least recently used first
+        self.nbytes = 0
         self._scan()
 
     def _scan(self) -> None:
@@ -194,7 +243,13 @@ class DiskTier:
     def write(self, block_hash: int, tensors: list[torch.Tensor]) -> tuple[bool, list[int]]:
         """Write one block (``[data]`` or ``[data, params]``, CPU tensors of the shapes given) unless its file exists.
         Returns (written, the hashes deleted to stay within the budget); a block larger than the budget alone is
-        not written."""
+        not written.
+
+        Example
+        -------
+        >>> disk.write(block_hash, host.block(slot))        # doctest: +SKIP
+        (True, [])
+        """
         from safetensors.torch import save
 
         if block_hash in self:
@@ -221,7 +276,14 @@ class DiskTier:
 
     def read(self, block_hash: int) -> list[torch.Tensor] | None:
         """The block's tensors if its file exists and passes every check; None otherwise (a refused file is
-        deleted and counted in :attr:`refused`; a missing one is forgotten)."""
+        deleted and counted in :attr:`refused`; a missing one is forgotten).
+
+        Example
+        -------
+        >>> data, = disk.read(block_hash)                   # doctest: +SKIP
+        >>> data.shape                                      # [L, *block]   # doctest: +SKIP
+        torch.Size([2, 2, 2, 4, 16])
+        """
         path = self.path_for(block_hash)
         t0 = time.perf_counter()
         try:

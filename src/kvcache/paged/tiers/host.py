@@ -28,12 +28,49 @@ import torch
 if TYPE_CHECKING:
     from ..cache import PagedKVCache
 
-__all__ = ["HostTier", "SlotArena", "Transfers", "CHUNK_BLOCKS", "SEGMENT_BYTES"]
+__all__ = ["HostTier", "SlotArena", "Transfers", "CHUNK_BLOCKS", "SEGMENT_BYTES", "block_tensors", "slot_shapes",
+           "tiers_block_bytes"]
 
 CHUNK_BLOCKS = 64  # blocks per copy batch: bounds the device staging (64 blocks of a Llama-3-8B bf16 cache: 128 MiB)
 
 
 SEGMENT_BYTES = 2**30  # the host tier's largest pinned allocation
+
+
+def block_tensors(cache: PagedKVCache) -> list[torch.Tensor]:
+    """The tensors a block of ``cache`` lives in: ``[cache.buffer]`` or, for int8 / int4, ``[cache.buffer,
+    cache.params_buffer]`` (block ``b`` of each: ``t[:, b]``, every layer).
+
+    Example
+    -------
+    >>> [tuple(t.shape) for t in block_tensors(cache)]      # doctest: +SKIP
+    [(2, 8, 2, 2, 4, 16)]
+    """
+    return [cache.buffer] + ([cache.params_buffer] if cache.params_buffer is not None else [])
+
+
+def slot_shapes(cache: PagedKVCache) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """``(dtype, [L, *block])`` of each of :func:`block_tensors`: one block of every layer, as a host slot and a disk
+    file hold it.
+
+    Example
+    -------
+    >>> slot_shapes(cache)                                 # doctest: +SKIP
+    [(torch.float16, (2, 2, 2, 4, 16))]
+    """
+    return [(t.dtype, (t.shape[0], *t.shape[2:])) for t in block_tensors(cache)]
+
+
+def tiers_block_bytes(cache: PagedKVCache) -> int:
+    """Bytes one block of ``cache`` takes in the host tier (every layer, data and params): ``host_bytes`` holds
+    ``host_bytes // tiers_block_bytes(cache)`` blocks.
+
+    Example
+    -------
+    >>> tiers_block_bytes(cache)      # doctest: +SKIP
+    4096
+    """
+    return sum(t[:, 0].numel() * t.element_size() for t in block_tensors(cache))
 
 
 class SlotArena:
@@ -63,7 +100,30 @@ class SlotArena:
 
     @classmethod
     def allocate(cls, num_slots: int, shapes: list[tuple[torch.dtype, tuple[int, ...]]], *, pin: bool) -> SlotArena:
-        """``num_slots`` slots of tensors ``(dtype, per-slot shape)``, in segments sized as the class docstring says."""
+        """``num_slots`` slots of tensors ``(dtype, per-slot shape)``, in segments sized as the class docstring says
+        (pinned with ``pin``: needs CUDA).
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``num_slots`` not an int >= 1; ``shapes`` not a non-empty list of ``(torch.dtype, shape)``; ``pin`` not
+            a bool.
+
+        Example
+        -------
+        >>> arena = SlotArena.allocate(5, [(torch.float16, (2, 4, 16)), (torch.float32, (2, 4))], pin=False)
+        >>> arena.num_slots, [tuple(t.shape) for t in arena.block(4)]
+        (5, [(2, 4, 16), (2, 4)])
+        """
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int):
+            raise TypeError(f"num_slots: expected an int, got {type(num_slots).__name__}")
+        if num_slots < 1:
+            raise ValueError(f"num_slots: expected an int >= 1, got {num_slots}")
+        if not isinstance(shapes, list) or not shapes or not all(
+                isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], torch.dtype) for x in shapes):
+            raise TypeError(f"shapes: expected a non-empty list of (torch.dtype, shape) pairs, got {shapes!r}")
+        if not isinstance(pin, bool):
+            raise TypeError(f"pin: expected a bool, got {type(pin).__name__}")
         per_slot = [torch.empty((), dtype=d).element_size() * int(torch.Size(sh).numel()) for d, sh in shapes]
         segments, left = [], num_slots
         while left:
@@ -86,7 +146,13 @@ class SlotArena:
         return [t[r] for t in self.segments[k]]
 
     def runs(self, slots: Sequence[int]) -> list[tuple[int, int, int, int]]:
-        """``(position in slots, segment, first row, length)`` of each run of consecutive slots of one segment."""
+        """``(position in slots, segment, first row, length)`` of each run of consecutive slots of one segment.
+
+        Example
+        -------
+        >>> SlotArena([[torch.zeros(4, 2)], [torch.ones(3, 2)]]).runs([0, 1, 3, 4, 6])
+        [(0, 0, 0, 2), (2, 0, 3, 1), (3, 1, 0, 1), (4, 1, 2, 1)]
+        """
         out: list[tuple[int, int, int, int]] = []
         for i, s in enumerate(slots):
             k, r = self.locate(s)
@@ -115,14 +181,6 @@ class Transfers:
         self.nbytes = {"to_host": 0, "to_device": 0}
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
 
-    def _tensors(self) -> list[torch.Tensor]:
-        c = self.cache
-        return [c.buffer] + ([c.params_buffer] if c.params_buffer is not None else [])
-
-    def block_bytes(self) -> int:
-        """Bytes of one block over every layer (data and params)."""
-        return sum(t[:, 0].numel() * t.element_size() for t in self._tensors())
-
     def _after(self, key: str, events: Sequence[torch.cuda.Event | None], compute: bool) -> None:
         """Order the ``key`` stream after ``events`` (and the compute stream's queued work with ``compute``)."""
         if not self.cuda:
@@ -145,7 +203,7 @@ class Transfers:
             part = pairs[i:i + CHUNK_BLOCKS]
             idx = torch.tensor([b for _, b in part], dtype=torch.int64).to(self.cache.device, non_blocking=self.cuda)
             # gathered on the compute stream, [n, L, *block]: before any later write of these blocks
-            staged = [t.transpose(0, 1).index_select(0, idx) for t in self._tensors()]
+            staged = [t.transpose(0, 1).index_select(0, idx) for t in block_tensors(self.cache)]
             self._after("to_host", (), compute=True)
             with self._on("to_host"):
                 start = self._start("to_host")
@@ -174,7 +232,7 @@ class Transfers:
             part = entries[i:i + CHUNK_BLOCKS]
             with self._on("to_device"):
                 staged = [torch.empty((len(part), *t.shape[:1], *t.shape[2:]), dtype=t.dtype, device=dev)
-                          for t in self._tensors()]
+                          for t in block_tensors(self.cache)]
                 start = self._start("to_device")
                 j = 0
                 while j < len(part):  # runs of one source's consecutive slots
@@ -187,7 +245,7 @@ class Transfers:
                             st[j + p:j + p + m].copy_(t[r:r + m], non_blocking=self.cuda)
                     j += n
                 idx = torch.tensor([b for _, _, b in part], dtype=torch.int64).to(dev, non_blocking=self.cuda)
-                for t, st in zip(self._tensors(), staged):
+                for t, st in zip(block_tensors(self.cache), staged):
                     _bytes_view(t).transpose(0, 1).index_copy_(0, idx, _bytes_view(st))
                 event = self._stop(start, "to_device", len(part))
         return event
@@ -203,7 +261,7 @@ class Transfers:
         return ev
 
     def _stop(self, start: object, key: str, n_blocks: int) -> torch.cuda.Event | None:
-        self.nbytes[key] += n_blocks * self.block_bytes()
+        self.nbytes[key] += n_blocks * tiers_block_bytes(self.cache)
         if not self.cuda:
             self.seconds[key] += time.perf_counter() - start  # type: ignore[operator]
             return None
@@ -255,8 +313,7 @@ class HostTier:
     def __init__(self, cache: PagedKVCache, num_slots: int) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots: expected an int >= 1, got {num_slots!r}")
-        shapes = [(t.dtype, (t.shape[0], *t.shape[2:])) for t in (cache.buffer, cache.params_buffer) if t is not None]
-        self.arena = SlotArena.allocate(num_slots, shapes, pin=cache.device.type == "cuda")
+        self.arena = SlotArena.allocate(num_slots, slot_shapes(cache), pin=cache.device.type == "cuda")
         self.num_slots = num_slots
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # hash -> slot, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slots 0, 1, 2, ... first
@@ -282,7 +339,14 @@ class HostTier:
 
     def reserve(self, block_hash: int) -> tuple[int, int | None]:
         """A slot for ``block_hash`` (most recently used): a free one, else the least recently used one's, whose hash
-        is returned as the victim (its bytes are still in the slot until the caller copies into it)."""
+        is returned as the victim (its bytes are still in the slot until the caller copies into it).
+
+        Example
+        -------
+        >>> host = HostTier(cache, 1)                            # doctest: +SKIP
+        >>> host.reserve(11), host.reserve(12)                   # doctest: +SKIP
+        ((0, None), (0, 11))
+        """
         if self._free:
             s, victim = self._free.pop(), None
         else:
@@ -291,21 +355,47 @@ class HostTier:
         return s, victim
 
     def set_written(self, slots: Sequence[int], event: torch.cuda.Event | None) -> None:
-        """Record ``event`` as the end of the latest copy into ``slots``."""
+        """Record ``event`` as the end of the latest copy into ``slots``.
+
+        Example
+        -------
+        >>> ev = transfers.to_host(ids, host.arena, slots, after=host.read(slots))   # doctest: +SKIP
+        >>> host.set_written(slots, ev)                                               # doctest: +SKIP
+        """
         for s in slots:
             self._written[s] = event
 
     def set_read(self, slots: Sequence[int], event: torch.cuda.Event | None) -> None:
-        """Record ``event`` as the end of the latest copy out of ``slots``."""
+        """Record ``event`` as the end of the latest copy out of ``slots``.
+
+        Example
+        -------
+        >>> ev = transfers.to_device([(host.arena, slots)], ids, after=host.written(slots))   # doctest: +SKIP
+        >>> host.set_read(slots, ev)                                                           # doctest: +SKIP
+        """
         for s in slots:
             self._read[s] = event
 
     def written(self, slots: Sequence[int]) -> list[torch.cuda.Event | None]:
-        """The events after the latest copies into ``slots`` (a copy out of them waits for these)."""
+        """The events after the latest copies into ``slots`` (a copy out of them waits for these; None: nothing in
+        flight, always on the CPU).
+
+        Example
+        -------
+        >>> host.written([0, 1])                                 # doctest: +SKIP
+        [None, None]
+        """
         return [self._written[s] for s in slots]
 
     def read(self, slots: Sequence[int]) -> list[torch.cuda.Event | None]:
-        """The events after the latest copies out of ``slots`` (a copy into them waits for these)."""
+        """The events after the latest copies out of ``slots`` (a copy into them waits for these; None: nothing in
+        flight, always on the CPU).
+
+        Example
+        -------
+        >>> host.read([0, 1])                                    # doctest: +SKIP
+        [None, None]
+        """
         return [self._read[s] for s in slots]
 
     def wait(self, slot: int) -> None:
