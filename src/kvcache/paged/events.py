@@ -34,14 +34,8 @@ def _medium(medium: object) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockStored:
-    """Blocks that became matchable in ``medium``, in chain order.
-
-    Example
-    -------
-    >>> BlockStored((7, 9), "host")
-    BlockStored(block_hashes=(7, 9), medium='host')
-    """
+class _BlockEvent:
+    """Blocks of ``medium``, in chain order (the body :class:`BlockStored` and :class:`BlockRemoved` share)."""
 
     block_hashes: tuple[int, ...]
     medium: str
@@ -52,21 +46,27 @@ class BlockStored:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockRemoved:
+class BlockStored(_BlockEvent):
+    """Blocks that became matchable in ``medium``, in chain order.
+
+    Example
+    -------
+    >>> BlockStored((7, 9), "host")
+    BlockStored(block_hashes=(7, 9), medium='host')
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRemoved(_BlockEvent):
     """Blocks that ``medium`` no longer holds (evicted, or refused as damaged / of another model on the disk).
 
     Example
     -------
     >>> BlockRemoved((7,), "device").medium
     'device'
+    >>> BlockRemoved((7,), "device") == BlockStored((7,), "device")
+    False
     """
-
-    block_hashes: tuple[int, ...]
-    medium: str
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "block_hashes", _hashes(self.block_hashes))
-        _medium(self.medium)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +113,24 @@ class KVEventLog:
         self.dropped = 0
 
     def record(self, event: KVEvent) -> None:
-        """Append ``event`` (dropping the oldest when full)."""
+        """Append ``event`` (dropping the oldest when full; a block event of no hashes is not kept).
+
+        Raises
+        ------
+        TypeError
+            ``event`` is not a :data:`KVEvent`.
+
+        Example
+        -------
+        >>> log = KVEventLog(maxlen=1)
+        >>> log.record(BlockStored((1,), "host")); log.record(BlockRemoved((1,), "host"))
+        >>> len(log), log.dropped
+        (1, 1)
+        """
         if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
             raise TypeError(f"event: expected a BlockStored, BlockRemoved or AllBlocksCleared, got "
                             f"{type(event).__name__}")
-        if isinstance(event, (BlockStored, BlockRemoved)) and not event.block_hashes:
+        if isinstance(event, _BlockEvent) and not event.block_hashes:
             return
         if len(self._events) == self._maxlen:
             self._events.popleft()
@@ -133,7 +146,15 @@ class KVEventLog:
         self.record(BlockRemoved(tuple(hashes), medium))
 
     def drain(self) -> list[KVEvent]:
-        """Every event recorded since the last drain, oldest first."""
+        """Every event recorded since the last drain, oldest first (the log is left empty).
+
+        Example
+        -------
+        >>> log = KVEventLog()
+        >>> log.stored([3, 4], "device"); log.removed([3], "device")
+        >>> [type(e).__name__ for e in log.drain()], log.drain()
+        (['BlockStored', 'BlockRemoved'], [])
+        """
         out = list(self._events)
         self._events.clear()
         return out
