@@ -55,6 +55,13 @@ SPECS: dict[str, tuple[str, dict]] = {
 }
 
 
+class IdsTokenizer:
+    """The engine's tokenizer where the tests give token ids: ``decode`` writes the ids (the tests compare ids)."""
+
+    def decode(self, ids, **kwargs) -> str:
+        return " ".join(map(str, ids))
+
+
 def build(name: str, **over):
     """A tiny model of ``SPECS[name]`` (seed 0, eval mode, eager attention), config fields overridden by ``over``."""
     from transformers import AutoModelForCausalLM
@@ -64,6 +71,17 @@ def build(name: str, **over):
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+def gpt_oss():
+    """A gpt-oss-like model: attention sinks (drawn large enough to matter: seed 1, x 3), alternating windows, its
+    MoE MLP."""
+    model = build("gpt_oss")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=g) * 3)
+    return model
 
 
 def variant(model, **config_fields):

@@ -223,10 +223,19 @@ class LinearEngineCore:
         return computed
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether ``seq`` should wait for the shared prefix: a slot with it is still to save its snapshot (one
+        that has not reached its end yet, or has and still holds the window before it)."""
         p = self.prefix
         if not p or p in self.snapshots or tuple(seq.token_ids[:len(p)]) != p:
             return False
-        return any(tuple(s.token_ids[:len(p)]) == p for s in self.slots)
+        return any(tuple(s.token_ids[:len(p)]) == p and (s.num_computed < len(p) or self._holds_window(b, len(p)))
+                   for b, s in enumerate(self.slots))
+
+    def _holds_window(self, b: int, n: int) -> bool:
+        """Whether slot ``b`` holds the window layers' keys a snapshot of its first ``n`` tokens needs: a request
+        restoring it prefills from ``n - 1`` at the earliest, whose row sees positions ``n - W .. n - 1``, so the
+        slot's ``window_cache`` must start at or before ``max(0, n - W)``."""
+        return self.window_cache is None or self.offsets[b] <= max(0, n - self.window)  # type: ignore[operator]
 
     def _admit(self) -> None:
         joined = False
@@ -423,9 +432,10 @@ class LinearEngineCore:
         if not p or p in self.snapshots:
             return
         for b, seq in enumerate(self.slots):
-            if seq.num_computed >= len(p) and tuple(seq.token_ids[:len(p)]) == p:
-                # window_cache's part: the slot's tokens from its offset to the prefix's end (this step crossed the
-                # end, so they include the window - 1 tokens before it)
+            # a slot that crossed the prefix's end in this step holds the window before it (it kept the W - 1
+            # tokens before its first row <= N - 1); one that restored a longer snapshot may start past N - W: skip
+            if seq.num_computed >= len(p) and tuple(seq.token_ids[:len(p)]) == p and self._holds_window(b, len(p)):
+                # window_cache's part: the slot's tokens from its offset to the prefix's end
                 offset = self.offsets[b] if self.window_cache is not None else 0
                 parts = [c.save(b, len(p) - (offset if c is self.window_cache else 0)) for c in self._caches]
                 self.snapshots[p] = _Prefix(len(p), parts, offset)
