@@ -12,13 +12,8 @@ from kvcache.engine import LLM, SamplingParams
 from kvcache.support import PATHS, check_supported, unsupported_features
 
 
-class _Tok:
-    def decode(self, ids, **kwargs):
-        return " ".join(map(str, ids))
-
-
 def _engine_tokens(model, cache: str = "paged") -> list[int]:
-    llm = LLM(model, tokenizer=_Tok(), cache=cache, max_num_seqs=2, max_model_len=64)
+    llm = LLM(model, tokenizer=sm.IdsTokenizer(), cache=cache, max_num_seqs=2, max_model_len=64)
     out = llm.generate([sm.PROMPT], SamplingParams(max_tokens=sm.NEW_TOKENS, temperature=0))
     return out[0].token_ids
 
@@ -34,7 +29,7 @@ def _refusal(model, cache: str = "paged") -> str:
     msgs = {}
     for c in ("paged", "linear"):
         with pytest.raises(ValueError) as e:
-            LLM(model, tokenizer=_Tok(), cache=c, max_num_seqs=2, max_model_len=64)
+            LLM(model, tokenizer=sm.IdsTokenizer(), cache=c, max_num_seqs=2, max_model_len=64)
         msgs[c] = str(e.value)
         assert "\n" not in msgs[c] and msgs[c].startswith("model: ")
         assert "is not implemented by the kvcache engine" in msgs[c]
@@ -85,7 +80,7 @@ def test_mixed_steps_and_prefix_hits_equal_transformers(name, cache):
     # each layer attending with its window, soft-cap (Gemma 2), rope (Gemma 3) and sinks (gpt-oss)
     model = sm.build(name)
     prompts = [sm.PROMPT, sm.PROMPT[:16] + [5, 9, 11, 40, 50], sm.PROMPT[:12] + [7]]
-    llm = LLM(model, tokenizer=_Tok(), cache=cache, max_num_seqs=2, max_model_len=64, block_size=4,
+    llm = LLM(model, tokenizer=sm.IdsTokenizer(), cache=cache, max_num_seqs=2, max_model_len=64, block_size=4,
               max_num_batched_tokens=12)
     got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))]
     assert llm.stats.cached_prompt_tokens > 0
@@ -96,7 +91,7 @@ def test_linear_window_layers_hold_only_twice_their_window():
     # Gemma 3 (one sliding, one global layer), window 8: the sliding layer's slots hold 16 tokens, the global one's
     # max_model_len; 40 tokens generated after a 20-token prompt slide the window layer's slot several times
     model = sm.build("gemma3")
-    llm = LLM(model, tokenizer=_Tok(), cache="linear", max_num_seqs=2, max_model_len=64)
+    llm = LLM(model, tokenizer=sm.IdsTokenizer(), cache="linear", max_num_seqs=2, max_model_len=64)
     got = llm.generate([sm.PROMPT], SamplingParams(max_tokens=40, temperature=0))[0].token_ids
     assert got == sm.greedy(model, n=40)
     token = 2 * 2 * 16 * 4  # K and V, 2 heads of 16 fp32: bytes of one token in one layer
@@ -104,9 +99,11 @@ def test_linear_window_layers_hold_only_twice_their_window():
     assert llm.stats.cache_bytes == 2 * (64 + 2 * sm.WINDOW) * token  # 2 slots
     # the default max_model_len counts the window layer at its 16 tokens: what the memory holds for the global one
     mem = 2 * (100 + 2 * sm.WINDOW) * token
-    assert LLM(model, tokenizer=_Tok(), cache="linear", max_num_seqs=2, kv_cache_memory=mem).max_model_len == 100
+    llm = LLM(model, tokenizer=sm.IdsTokenizer(), cache="linear", max_num_seqs=2, kv_cache_memory=mem)
+    assert llm.max_model_len == 100
     # every layer windowed (Mistral): the slots' length is the model's, the memory the windows'
-    mistral = LLM(sm.build("mistral_window"), tokenizer=_Tok(), cache="linear", max_num_seqs=2, kv_cache_memory=mem)
+    mistral = LLM(sm.build("mistral_window"), tokenizer=sm.IdsTokenizer(), cache="linear", max_num_seqs=2,
+                  kv_cache_memory=mem)
     assert mistral.max_model_len == 256 and mistral.stats.cache_bytes == 2 * 2 * 2 * sm.WINDOW * token
 
 
@@ -134,7 +131,7 @@ def gemma2():
 
 def _sampled(model, seeds=range(4)) -> list[list[int]]:
     """The engine's seeded samples (temperature 1) of the test prompt, one list per seed."""
-    llm = LLM(model, tokenizer=_Tok(), max_num_seqs=2, max_model_len=64)
+    llm = LLM(model, tokenizer=sm.IdsTokenizer(), max_num_seqs=2, max_model_len=64)
     return [llm.generate([sm.PROMPT], SamplingParams(max_tokens=sm.NEW_TOKENS, temperature=1.0, seed=s))[0].token_ids
             for s in seeds]
 
@@ -156,7 +153,7 @@ def test_gemma2_features_change_tokens_and_the_engine_follows(gemma2, change):
     prompts = [sm.PROMPT] + [[(11 * i + 5 * j + 1) % 126 + 2 for i in range(30)] for j in range(6)]
     differ = [p for p in prompts if sm.greedy(gemma2, prompt=p, n=16) != sm.greedy(other, prompt=p, n=16)]
     assert differ
-    llm = LLM(other, tokenizer=_Tok(), max_num_seqs=2, max_model_len=64)
+    llm = LLM(other, tokenizer=sm.IdsTokenizer(), max_num_seqs=2, max_model_len=64)
     got = llm.generate([differ[0]], SamplingParams(max_tokens=16, temperature=0))[0].token_ids
     assert got == sm.greedy(other, prompt=differ[0], n=16)
 
@@ -198,7 +195,7 @@ def test_gemma3_equals_transformers_on_both_engines(gemma3):
     assert unsupported_features(gemma3, "engine-module") == unsupported_features(gemma3, "engine-linear") == []
     ref = sm.greedy(gemma3)
     assert _engine_both(gemma3) == (ref, ref)
-    llm = LLM(gemma3, tokenizer=_Tok(), max_num_seqs=2, max_model_len=64, cuda_graphs=True)
+    llm = LLM(gemma3, tokenizer=sm.IdsTokenizer(), max_num_seqs=2, max_model_len=64, cuda_graphs=True)
     assert llm.generate([sm.PROMPT], SamplingParams(max_tokens=sm.NEW_TOKENS, temperature=0))[0].token_ids == ref
     assert ref != sm.greedy(sm.variant(gemma3, layer_types=["full_attention"] * 2))
 
@@ -222,13 +219,7 @@ def test_gemma3_bidirectional_attention_refused(gemma3):
 
 @pytest.fixture(scope="module")
 def gpt_oss():
-    """A gpt-oss-like model: attention sinks (drawn large enough to matter), alternating windows, its MoE MLP."""
-    model = sm.build("gpt_oss")
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=g) * 3)
-    return model
+    return sm.gpt_oss()
 
 
 def test_gpt_oss_equals_transformers_on_both_engines(gpt_oss):
@@ -266,7 +257,7 @@ def test_kernels_take_each_layers_rope_window_and_sinks(name, monkeypatch, gpt_o
     ref = sm.greedy(model, n=4)
     monkeypatch.setenv("KVCACHE_TRITON_INTERPRET", "1")
     for cache in ("paged", "linear"):
-        llm = LLM(model, tokenizer=_Tok(), cache=cache, max_num_seqs=2, max_model_len=64)
+        llm = LLM(model, tokenizer=sm.IdsTokenizer(), cache=cache, max_num_seqs=2, max_model_len=64)
         assert llm.generate([sm.PROMPT], SamplingParams(max_tokens=4, temperature=0))[0].token_ids == ref, cache
 
 

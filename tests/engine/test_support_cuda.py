@@ -18,11 +18,6 @@ ARCHITECTURES = ["llama", "qwen3", "mistral_window", "qwen2_window", "phi3", "ge
 PROMPTS = [sm.PROMPT, sm.PROMPT[5:] + sm.PROMPT[:3]]
 
 
-class _Tok:
-    def decode(self, ids, **kwargs):
-        return " ".join(map(str, ids))
-
-
 @torch.inference_mode()
 def _transformers(model) -> list[list[int]]:
     outs = []
@@ -42,10 +37,10 @@ def test_fp32_on_cuda_equals_transformers(name):
     modes = [("paged", False), ("paged", True), ("paged", None), ("linear", False)]
     if name == "gpt_oss":  # transformers' float32 MoE module cannot be captured: refused by name, eager by default
         with pytest.raises(ValueError, match="^cuda_graphs: .*gpt-oss's mixture-of-experts MLP in float32"):
-            LLM(model, tokenizer=_Tok(), cuda_graphs=True, max_num_seqs=2, max_model_len=64)
+            LLM(model, tokenizer=sm.IdsTokenizer(), cuda_graphs=True, max_num_seqs=2, max_model_len=64)
         modes.remove(("paged", True))
     for cache, graphs in modes:
-        llm = LLM(model, tokenizer=_Tok(), cache=cache, cuda_graphs=graphs, max_num_seqs=2, max_model_len=64)
+        llm = LLM(model, tokenizer=sm.IdsTokenizer(), cache=cache, cuda_graphs=graphs, max_num_seqs=2, max_model_len=64)
         got = [o.token_ids for o in llm.generate(PROMPTS, sp)]
         assert got == want, f"{name}: cache={cache} cuda_graphs={graphs}"
         del llm

@@ -66,13 +66,7 @@ def test_gemma2_softcap_and_query_scale_honoured_in_place():
 
 @pytest.fixture(scope="module")
 def gpt_oss():
-    """A gpt-oss-like model: attention sinks (drawn large enough to matter), alternating windows, MoE MLP."""
-    model = sm.build("gpt_oss")
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=g) * 3)
-    return model
+    return sm.gpt_oss()
 
 
 def test_gpt_oss_sinks_honoured_in_place(gpt_oss):
