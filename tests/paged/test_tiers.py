@@ -291,6 +291,10 @@ def test_a_callable_model_id_is_recomputed_on_reset(tmp_path):
     assert alloc.reset_prefix_cache()
     assert tiers.disk.directory != old and tiers.lookup([h]) == 0 and os.listdir(old)
     assert AllBlocksCleared("disk") in log.drain() and tiers.stats()["disk"].removed == 1
+    second = tiers.disk.directory
+    weights[5] -= 1.0  # new weights again, with nothing cached on the device: the reset still reaches the tiers
+    assert not alloc.reset_prefix_cache()
+    assert tiers.disk.directory not in (old, second)
     fixed = TieredCache(cache, disk_dir=tmp_path, model_id="m")
     folder = fixed.disk.directory
     fixed.cleared()

@@ -200,7 +200,8 @@ class BlockAllocator(PrefixCacheMixin):
         ``listener.evicted(block_ids, hashes)`` is called once per :meth:`allocate` / :meth:`copy_on_write` that
         evicted cached blocks, before it returns (so before the new holder writes them: their content is still the
         cached prefix); ``listener.cached(block_ids, hashes)`` once per :meth:`cache_blocks` with the blocks it
-        newly registered; ``listener.cleared()`` when :meth:`reset_prefix_cache` dropped hashes. None removes it.
+        newly registered; ``listener.cleared()`` on every :meth:`reset_prefix_cache` (hashes dropped or not: the
+        tiers below may still hold blocks). None removes it.
 
         Example
         -------

@@ -147,12 +147,17 @@ class PrefixCacheMixin:
         referenced blocks keep their content for their holders but can no longer be matched, and go to the free
         list when released. The stats are kept (see :meth:`reset_stats`).
 
+        The listener's ``cleared()`` is called every time, hashes dropped or not: the tiers below may hold blocks
+        the device no longer does.
+
         Returns
         -------
         bool
             True if any hash was dropped, False if nothing was cached.
         """
         if not self._hash_to_block:
+            if self._listener is not None:
+                self._listener.cleared()
             return False
         for b in self._hash_to_block.values():
             self._hash[b] = None

@@ -453,8 +453,9 @@ class TieredCache:
 
     def stats(self) -> dict[str, TierStats]:
         """Counters per tier present (``"device"``: blocks published in the pool's prefix cache and evicted from it, its
-        ``hits`` left to the allocator's stats; ``"host"``, ``"disk"``), since the tiers were built (copies in flight
-        are counted once finished).
+        ``hits`` 0 here: the device's matches are the allocator's count, ``BlockAllocator.stats.hits``, which the
+        engine copies in and ``reset_stats`` clears; ``"host"``, ``"disk"``), since the tiers were built (copies in
+        flight are counted once finished).
 
         Example
         -------

@@ -16,6 +16,10 @@ class TierStats:
     hits : int
         Blocks brought back from this tier to the device (their prefill skipped); for ``"device"``, blocks matched in
         the pool itself. The device tier counts only ``hits``, ``stored`` (published) and ``removed`` (evicted).
+        The device's ``hits`` is the allocator's own count (``BlockAllocator.stats.hits``), read when the stats are
+        taken: ``BlockAllocator.reset_stats()`` sets it back to 0, so a difference of two readings taken across a
+        reset (``llm.stats.tiers`` of a ``generate`` call during which it was reset) is wrong, possibly negative;
+        reset between calls, not during one.
     stored : int
         Blocks written into this tier (a block it already held is not written again, nor counted).
     removed : int
