@@ -231,3 +231,12 @@ def test_a_request_waits_only_for_its_own_blocks():
     # only A is left, its blocks still in flight: the step waits for them, then runs A's last token
     step = sched.schedule()
     assert tiers.waited == 1 and [(s.request_id, n) for s, n in zip(step.seqs, step.num_tokens)] == [(0, 1)]
+
+
+def test_demo_refuses_bad_tier_options_by_name(capsys):
+    from kvcache.engine.demo import demo_main
+
+    assert demo_main(["--host-cache-mib", "-1"]) == 2
+    assert demo_main(["--disk-cache-dir", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--host-cache-mib: expected an int >= 0, got -1" in err and "--disk-cache-dir: expected" in err

@@ -146,6 +146,65 @@ def _check_device(device: str) -> None:
                          "use --device cpu")
 
 
+def _tier_args(host_cache_mib: int, disk_cache_dir: str | None) -> dict[str, Any]:
+    """The ``LLM`` tier fields of ``--host-cache-mib`` / ``--disk-cache-dir`` (only those given).
+
+    Raises
+    ------
+    ValueError
+        ``--host-cache-mib`` below 0, or ``--disk-cache-dir`` empty.
+
+    Example
+    -------
+    >>> _tier_args(64, None)
+    {'host_cache_memory': 67108864}
+    """
+    if host_cache_mib < 0:
+        raise ValueError(f"--host-cache-mib: expected an int >= 0, got {host_cache_mib}")
+    if disk_cache_dir is not None and not disk_cache_dir:
+        raise ValueError("--disk-cache-dir: expected a directory, got ''")
+    out: dict[str, Any] = {}
+    if host_cache_mib:
+        out["host_cache_memory"] = host_cache_mib * 2**20
+    if disk_cache_dir is not None:
+        out["disk_cache_dir"] = disk_cache_dir
+    return out
+
+
+def _summary(console: _Console, st: Any, load_s: float) -> None:
+    """Print the stats of the engine's call (``llm.stats``) and the model's load time as a table."""
+    rows = [
+        ("requests", f"{st.requests}"),
+        ("prompt tokens", f"{st.prompt_tokens}"),
+        ("generated tokens", f"{st.generated_tokens}"),
+        ("engine time", f"{st.elapsed_s:.2f} s"),
+        ("tokens/s (generated)", f"{st.tokens_per_s:.1f}"),
+        ("prefix-cache hit rate", f"{st.prefix_cache_hit_rate:.1%} of prompt tokens ({st.cached_prompt_tokens})"),
+        ("blocks used (peak)" if st.cache == "paged" else "slots used (peak)", f"{st.blocks_used} / {st.num_blocks}"),
+        ("cache bytes", _human_bytes(st.cache_bytes)),
+        ("kv_dtype", st.kv_dtype),
+        ("cache", f"{st.cache} ({st.attention})"),
+        ("preemptions", f"{st.preemptions}"),
+        *((f"{name} tier", f"{t.hits} blocks back, {t.stored} stored, {t.refused} refused")
+          for name, t in st.tiers.items()),
+        ("model load", f"{load_s:.1f} s"),
+    ]
+    if console.rich is not None:
+        from rich.table import Table
+
+        table = Table(title="kvcache demo", show_header=False)
+        table.add_column(style="bold")
+        table.add_column()
+        for k, v in rows:
+            table.add_row(k, v)
+        console.print()
+        console.print(table)
+    else:
+        print()
+        for k, v in rows:
+            print(f"{k:>24}: {v}")
+
+
 def demo_main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the process exit code.
 
@@ -179,6 +238,11 @@ def demo_main(argv: list[str] | None = None) -> int:
     if args.threads < 1:
         print(f"--threads: expected an int >= 1, got {args.threads}", file=sys.stderr)
         return 2
+    try:
+        tiers = _tier_args(args.host_cache_mib, args.disk_cache_dir)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     from .llm import LLM
     from .loader import load_model
@@ -198,8 +262,6 @@ def demo_main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # the demo draws its own progress; GGUF conversion bars would interleave
     hf_model, tok = load_model(args.model, device=args.device, dtype=args.dtype)
     load_s = time.perf_counter() - t0
-    tiers = {k: v for k, v in (("host_cache_memory", args.host_cache_mib * 2**20),
-                               ("disk_cache_dir", args.disk_cache_dir)) if v}
     llm = LLM(hf_model, tokenizer=tok, kv_dtype=args.kv_dtype, cache=args.cache, max_num_seqs=args.max_num_seqs,
               **tiers)
     convs = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in questions]
@@ -211,36 +273,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         console.print(f"\n[bold]Q:[/bold] {q}" if console.rich else f"\nQ: {q}")
         console.print(f"[green]A:[/green] {o.text.strip()}" if console.rich else f"A: {o.text.strip()}")
 
-    rows = [
-        ("requests", f"{st.requests}"),
-        ("prompt tokens", f"{st.prompt_tokens}"),
-        ("generated tokens", f"{st.generated_tokens}"),
-        ("engine time", f"{st.elapsed_s:.2f} s"),
-        ("tokens/s (generated)", f"{st.tokens_per_s:.1f}"),
-        ("prefix-cache hit rate", f"{st.prefix_cache_hit_rate:.1%} of prompt tokens ({st.cached_prompt_tokens})"),
-        ("blocks used (peak)" if st.cache == "paged" else "slots used (peak)", f"{st.blocks_used} / {st.num_blocks}"),
-        ("cache bytes", _human_bytes(st.cache_bytes)),
-        ("kv_dtype", st.kv_dtype),
-        ("cache", f"{st.cache} ({st.attention})"),
-        ("preemptions", f"{st.preemptions}"),
-        *((f"{name} tier", f"{t.hits} blocks back, {t.stored} stored, {t.refused} refused")
-          for name, t in st.tiers.items()),
-        ("model load", f"{load_s:.1f} s"),
-    ]
-    if console.rich is not None:
-        from rich.table import Table
-
-        table = Table(title="kvcache demo", show_header=False)
-        table.add_column(style="bold")
-        table.add_column()
-        for k, v in rows:
-            table.add_row(k, v)
-        console.print()
-        console.print(table)
-    else:
-        print()
-        for k, v in rows:
-            print(f"{k:>24}: {v}")
+    _summary(console, st, load_s)
 
     code = 0
     if not args.no_check:
