@@ -12,7 +12,7 @@ import torch
 
 from kvcache.paged import BlockAllocator, PagedConfig, PagedKVCache
 from kvcache.paged.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
-from kvcache.paged.tiers import DiskTier, TieredCache, tiers_block_bytes, weights_identity
+from kvcache.paged.tiers import DiskTier, HostTier, TieredCache, cache_fingerprint, tiers_block_bytes, weights_identity
 from kvcache.paged.tiers.host import CHUNK_BLOCKS, SlotArena, slot_shapes
 
 BS = 4
@@ -329,6 +329,10 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
         DiskTier(tmp_path, "f" * 64, 0, slot_shapes(cache))
     with pytest.raises(ValueError, match="^num_slots: expected"):
         SlotArena.allocate(0, slot_shapes(cache), pin=False)
+    with pytest.raises(TypeError, match="^num_slots: expected"):
+        HostTier(cache, 2.0)
+    with pytest.raises(TypeError, match="^model_id: expected"):
+        cache_fingerprint(cache, None)
     with pytest.raises(TypeError, match="^shapes: expected"):
         SlotArena.allocate(2, [(2, 4)], pin=False)
     assert not os.listdir(tmp_path)  # nothing was created by a refused call

@@ -101,12 +101,19 @@ def cache_fingerprint(cache: PagedKVCache, model_id: str) -> str:
     str
         64 hex digits (SHA-256). Equal fingerprints: blocks of one cache can be read into the other.
 
+    Raises
+    ------
+    TypeError, ValueError
+        ``model_id`` is not a str, or empty.
+
     Example
     -------
     >>> fp = cache_fingerprint(cache, "my-model@rev3")       # doctest: +SKIP
     """
-    if not isinstance(model_id, str) or not model_id:
-        raise ValueError(f"model_id: expected a non-empty str, got {model_id!r}")
+    if not isinstance(model_id, str):
+        raise TypeError(f"model_id: expected a non-empty str, got {type(model_id).__name__}")
+    if not model_id:
+        raise ValueError("model_id: expected a non-empty str, got ''")
     c = cache.config
     rope = getattr(cache, "_rope", None)
     fields = {

@@ -294,7 +294,7 @@ class HostTier:
     cache : PagedKVCache
         The pool whose blocks the slots hold (shapes and dtypes taken from it).
     num_slots : int
-        Slots (>= 1).
+        Slots (>= 1; TypeError / ValueError naming ``num_slots`` otherwise).
 
     Attributes
     ----------
@@ -311,8 +311,6 @@ class HostTier:
     name = "host"
 
     def __init__(self, cache: PagedKVCache, num_slots: int) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots: expected an int >= 1, got {num_slots!r}")
         self.arena = SlotArena.allocate(num_slots, slot_shapes(cache), pin=cache.device.type == "cuda")
         self.num_slots = num_slots
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # hash -> slot, least recently used first
