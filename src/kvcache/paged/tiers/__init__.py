@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..._validate import check_int
 from ..block_hash import _as_hash, _as_list
 from ..events import AllBlocksCleared, KVEventLog
 from .disk import DiskTier, cache_fingerprint, weights_identity
@@ -106,17 +107,7 @@ def _model_id(model_id: object) -> str:
         what = "returned " if callable(model_id) else "got "
         raise TypeError(f"model_id: expected the model's identity (a non-empty str, or a callable returning one) "
                         f"with a disk tier, {what}{type(value).__name__}")
-    if not value:
-        raise ValueError("model_id: expected a non-empty str, got ''")
-    return value
-
-
-def _check_bytes(name: str, value: object, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int (bytes), got {type(value).__name__}")
-    if value < lo:
-        raise ValueError(f"{name}: expected an int >= {lo} (bytes), got {value}")
-    return value
+    return value  # an empty one is refused by cache_fingerprint
 
 
 class TieredCache:
@@ -162,7 +153,7 @@ class TieredCache:
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
         block = tiers_block_bytes(cache)
-        host_bytes = _check_bytes("host_bytes", host_bytes, 0)
+        host_bytes = check_int("host_bytes", host_bytes, lo=0)
         if 0 < host_bytes < block:
             raise ValueError(f"host_bytes: expected 0 or at least one block ({block} bytes), got {host_bytes}")
         if events is not None and not isinstance(events, KVEventLog):
@@ -180,7 +171,7 @@ class TieredCache:
         if disk_dir is not None:
             if not isinstance(disk_dir, (str, os.PathLike)):
                 raise TypeError(f"disk_dir: expected a str or os.PathLike, got {type(disk_dir).__name__}")
-            _check_bytes("disk_bytes", disk_bytes, 1)
+            check_int("disk_bytes", disk_bytes, lo=1)
             self.model_id = _model_id(model_id)
             try:
                 self.disk = DiskTier(disk_dir, cache_fingerprint(cache, self.model_id), disk_bytes, slot_shapes(cache))

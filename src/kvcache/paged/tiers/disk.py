@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..._validate import check_int
 from ...linear._snapfile import _digest, _header, read_file, write_atomic
 
 if TYPE_CHECKING:
@@ -162,10 +163,7 @@ class DiskTier:
                  shapes: list[tuple[torch.dtype, tuple[int, ...]]]) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory: expected a str or os.PathLike, got {type(directory).__name__}")
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
-            raise TypeError(f"capacity_bytes: expected an int, got {type(capacity_bytes).__name__}")
-        if capacity_bytes < 1:
-            raise ValueError(f"capacity_bytes: expected an int >= 1, got {capacity_bytes}")
+        check_int("capacity_bytes", capacity_bytes, lo=1)
         if not isinstance(shapes, list) or not 1 <= len(shapes) <= 2:
             raise ValueError(f"shapes: expected a list of one or two (dtype, shape) pairs, got {shapes!r}")
         self.root = os.fspath(directory)

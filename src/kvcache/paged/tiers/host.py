@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..._validate import check_int
+
 if TYPE_CHECKING:
     from ..cache import PagedKVCache
 
@@ -115,10 +117,7 @@ class SlotArena:
         >>> arena.num_slots, [tuple(t.shape) for t in arena.block(4)]
         (5, [(2, 4, 16), (2, 4)])
         """
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int):
-            raise TypeError(f"num_slots: expected an int, got {type(num_slots).__name__}")
-        if num_slots < 1:
-            raise ValueError(f"num_slots: expected an int >= 1, got {num_slots}")
+        check_int("num_slots", num_slots, lo=1)
         if not isinstance(shapes, list) or not shapes or not all(
                 isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], torch.dtype) for x in shapes):
             raise TypeError(f"shapes: expected a non-empty list of (torch.dtype, shape) pairs, got {shapes!r}")
