@@ -158,23 +158,25 @@ class TieredCache:
             raise ValueError(f"host_bytes: expected 0 or at least one block ({block} bytes), got {host_bytes}")
         if events is not None and not isinstance(events, KVEventLog):
             raise TypeError(f"events: expected a KVEventLog or None, got {type(events).__name__}")
-        self.cache = cache
-        self.events = events
-        self.transfers = Transfers(cache)
-        self.host = HostTier(cache, host_bytes // block) if host_bytes else None
-        self.disk = None
-        self._identity = model_id if callable(model_id) else None  # recomputed on cleared()
-        self.model_id: str | None = None
         if disk_dir is None and (model_id is not None or disk_bytes != DEFAULT_DISK_BYTES):
             name = "model_id" if model_id is not None else "disk_bytes"
             raise ValueError(f"{name}: a setting of the disk tier, given without disk_dir (expected the default)")
-        if disk_dir is not None:
+        self.model_id: str | None = None
+        if disk_dir is not None:  # checked before any memory or folder is taken
             if not isinstance(disk_dir, (str, os.PathLike)):
                 raise TypeError(f"disk_dir: expected a str or os.PathLike, got {type(disk_dir).__name__}")
             check_int("disk_bytes", disk_bytes, lo=1)
             self.model_id = _model_id(model_id)
+            fingerprint = cache_fingerprint(cache, self.model_id)
+        self.cache = cache
+        self.events = events
+        self._identity = model_id if callable(model_id) else None  # recomputed on cleared()
+        self.transfers = Transfers(cache)
+        self.host = HostTier(cache, host_bytes // block) if host_bytes else None
+        self.disk = None
+        if disk_dir is not None:
             try:
-                self.disk = DiskTier(disk_dir, cache_fingerprint(cache, self.model_id), disk_bytes, slot_shapes(cache))
+                self.disk = DiskTier(disk_dir, fingerprint, disk_bytes, slot_shapes(cache))
             except OSError as e:
                 raise OSError(e.errno, f"disk_dir: {str(e.strerror).removeprefix('directory: ')}") from e
         self._loading: dict[int, torch.cuda.Event] = {}  # device block -> event after its copy back
