@@ -14,13 +14,9 @@ from kvcache.engine.linear_runner import LinearEngineCore
 from kvcache.engine.paged_core import PagedEngineCore
 from kvcache.ops.paged.format import KV_FORMATS
 from kvcache.paged import cache_block_bytes
+from support_models import IdsTokenizer
 
 FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
-
-
-class _Text:
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 def _group():
@@ -94,7 +90,7 @@ def test_good_values_are_kept():
     with pytest.raises(ValueError, match=str(KV_FORMATS).replace("(", r"\(").replace(")", r"\)")):
         EngineConfig(kv_dtype="fp4")
     g = _group()
-    cfg = EngineConfig(tokenizer=_Text(), block_size=8, max_num_seqs=3, gpu_memory_utilization=1, cache="paged",
+    cfg = EngineConfig(tokenizer=IdsTokenizer(), block_size=8, max_num_seqs=3, gpu_memory_utilization=1, cache="paged",
                        device=torch.device("cpu"), dtype="bf16", enable_prefix_caching=False,
                        max_num_batched_tokens=64, num_blocks=20, max_model_len=100, kv_cache_memory=2**20,
                        layout="NHD", cuda_graphs=False, tp_group=g)
@@ -110,7 +106,7 @@ def test_sizes_for_a_model(model):
     cpu = torch.device("cpu")
     assert EngineConfig().batched_tokens(cpu) == 2048
     assert EngineConfig(max_num_batched_tokens=96).batched_tokens(cpu) == 96
-    llm = LLM(model, tokenizer=_Text())
+    llm = LLM(model, tokenizer=IdsTokenizer())
     assert EngineConfig().model_len(llm.model) == 256  # min(max_position_embeddings, 4096)
     assert EngineConfig(max_model_len=40).model_len(llm.model) == 40
     assert EngineConfig().cache_memory(llm.model) == 256 * 2**20  # the CPU default
@@ -143,7 +139,7 @@ def _hf(model, p: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("cache", ["paged", "linear"])
 def test_config_and_keywords_give_the_same_engine(model, cache):
-    kw = dict(tokenizer=_Text(), cache=cache, max_num_seqs=2, block_size=4, max_num_batched_tokens=16,
+    kw = dict(tokenizer=IdsTokenizer(), cache=cache, max_num_seqs=2, block_size=4, max_num_batched_tokens=16,
               max_model_len=48, kv_cache_memory=2**20)
     by_kw = LLM(model, **kw)
     by_cfg = LLM(model, config=EngineConfig(**kw))
@@ -157,11 +153,12 @@ def test_config_and_keywords_give_the_same_engine(model, cache):
     assert sa == sb
     assert sa["cache"] == cache and sa["generated_tokens"] == 8 * len(a)
     # keywords equal to the defaults: the same config as the default one
-    assert LLM(model, tokenizer=_Text()).config == EngineConfig()
+    assert LLM(model, tokenizer=IdsTokenizer()).config == EngineConfig()
 
 
 def test_one_config_runs_both_cores(model):
-    cfg = EngineConfig(tokenizer=_Text(), max_num_seqs=2, block_size=4, max_num_batched_tokens=16, max_model_len=48)
+    cfg = EngineConfig(tokenizer=IdsTokenizer(), max_num_seqs=2, block_size=4, max_num_batched_tokens=16,
+                       max_model_len=48)
     paged = LLM(model, config=cfg)
     linear = LLM(model, config=dataclasses.replace(cfg, cache="linear"))
     assert isinstance(paged.core, PagedEngineCore) and isinstance(linear.core, LinearEngineCore)
@@ -182,7 +179,7 @@ def test_one_config_runs_both_cores(model):
 def test_pool_and_slots_sized_from_kv_cache_memory(model):
     mem = 2**16
     for kv in KV_FORMATS:
-        llm = LLM(model, tokenizer=_Text(), kv_dtype=kv, block_size=4, kv_cache_memory=mem)
+        llm = LLM(model, tokenizer=IdsTokenizer(), kv_dtype=kv, block_size=4, kv_cache_memory=mem)
         m = llm.model
         block = cache_block_bytes(m.num_layers, m.num_kv_heads, m.head_dim, 4, m.dtype, kv)
         assert llm.stats.num_blocks == mem // block
@@ -190,21 +187,22 @@ def test_pool_and_slots_sized_from_kv_cache_memory(model):
         assert llm.cache.config.kv_dtype == kv
     # linear: max_model_len = what the memory holds for max_num_seqs slots (K and V of 2 layers x 2 heads x 16 fp32)
     per_token = 2 * 2 * 2 * 16 * 4
-    lin = LLM(model, tokenizer=_Text(), cache="linear", max_num_seqs=4, kv_cache_memory=mem)
+    lin = LLM(model, tokenizer=IdsTokenizer(), cache="linear", max_num_seqs=4, kv_cache_memory=mem)
     assert lin.max_model_len == mem // (per_token * 4) == 32
     assert lin.stats.cache_bytes == 4 * 32 * per_token
-    assert LLM(model, tokenizer=_Text(), cache="linear", max_num_seqs=4, kv_cache_memory=1024).max_model_len == 16
+    tiny = LLM(model, tokenizer=IdsTokenizer(), cache="linear", max_num_seqs=4, kv_cache_memory=1024)
+    assert tiny.max_model_len == 16
 
 
 def test_llm_argument_errors(model):
-    cfg = EngineConfig(tokenizer=_Text())
+    cfg = EngineConfig(tokenizer=IdsTokenizer())
     with pytest.raises(TypeError, match="^config: .*not both .*block_size"):
         LLM(model, config=cfg, block_size=8)
     with pytest.raises(TypeError, match="^config: expected an EngineConfig"):
         LLM(model, config={"block_size": 8})
     with pytest.raises(TypeError, match="^blocksize: not an argument of LLM"):
-        LLM(model, tokenizer=_Text(), blocksize=8)
+        LLM(model, tokenizer=IdsTokenizer(), blocksize=8)
     with pytest.raises(ValueError, match="^tokenizer: expected the tokenizer"):
         LLM(model, config=EngineConfig())
     with pytest.raises(ValueError, match="^kv_dtype:"):  # validated before anything is loaded or built
-        LLM(model, tokenizer=_Text(), kv_dtype="int3")
+        LLM(model, tokenizer=IdsTokenizer(), kv_dtype="int3")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvcache.engine import LLM, SamplingParams
+from support_models import IdsTokenizer
 
 
 def _tiny_llama():
@@ -25,11 +26,6 @@ def _tiny_llama():
                       eos_token_id=1, pad_token_id=1)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
-
-
-class _Text:
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +40,7 @@ def _prompts(shared: int = 0) -> list[list[int]]:
 
 
 def _engine(model, *, graphs: bool, **kw) -> LLM:
-    args = dict(tokenizer=_Text(), max_num_seqs=3, block_size=4, max_num_batched_tokens=8, max_model_len=64)
+    args = dict(tokenizer=IdsTokenizer(), max_num_seqs=3, block_size=4, max_num_batched_tokens=8, max_model_len=64)
     args.update(kw)
     return LLM(model, cuda_graphs=graphs, **args)
 

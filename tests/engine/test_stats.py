@@ -10,14 +10,10 @@ import torch
 
 from kvcache.engine import LLM, EngineStats, SamplingParams
 from kvcache.engine.stats import GenerateStats, TotalStats, accumulate
+from support_models import IdsTokenizer
 
 SUMMED = ("requests", "prompt_tokens", "generated_tokens", "elapsed_s", "cached_prompt_tokens", "preemptions",
           "steps", "graph_steps", "overlapped_steps")
-
-
-class _Text:
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +29,7 @@ def _prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("cache", ["paged", "linear"])
 def test_total_sums_the_calls_and_last_covers_one(model, cache):
-    llm = LLM(model, tokenizer=_Text(), cache=cache, max_num_seqs=4, max_model_len=64, kv_cache_memory=2**20)
+    llm = LLM(model, tokenizer=IdsTokenizer(), cache=cache, max_num_seqs=4, max_model_len=64, kv_cache_memory=2**20)
     assert isinstance(llm.stats, GenerateStats) and llm.stats.total == TotalStats(
         num_blocks=llm.stats.num_blocks, cache_bytes=llm.stats.cache_bytes, kv_dtype="auto", cache=cache,
         attention=llm.stats.attention)  # nothing run yet: zero counters, the engine's settings
@@ -63,7 +59,7 @@ def test_total_sums_the_calls_and_last_covers_one(model, cache):
 
 
 def test_a_refused_call_leaves_stats_and_totals(model):
-    llm = LLM(model, tokenizer=_Text(), max_num_seqs=2, max_model_len=32, kv_cache_memory=2**20)
+    llm = LLM(model, tokenizer=IdsTokenizer(), max_num_seqs=2, max_model_len=32, kv_cache_memory=2**20)
     llm.generate(_prompts((4,), 5), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     before = llm.stats
     with pytest.raises(ValueError, match="max_model_len"):

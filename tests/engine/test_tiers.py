@@ -12,14 +12,10 @@ import torch
 
 from kvcache.engine import LLM, SamplingParams
 from kvcache.paged.events import BlockRemoved, BlockStored
+from support_models import IdsTokenizer
 
 BS = 8
 SP = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-
-
-class _Text:
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +31,7 @@ def prompts() -> list[list[int]]:
 
 def _llm(model, **kw) -> LLM:
     kw.setdefault("num_blocks", 12)  # two prompts' blocks: the others are evicted
-    return LLM(model, tokenizer=_Text(), max_num_seqs=2, max_model_len=64, block_size=BS, **kw)
+    return LLM(model, tokenizer=IdsTokenizer(), max_num_seqs=2, max_model_len=64, block_size=BS, **kw)
 
 
 def _visit_twice(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -161,7 +157,7 @@ def test_kv_events_report_the_tiers(model, prompts):
 ])
 def test_refused_by_name(model, kw, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
-        LLM(model, tokenizer=_Text(), max_model_len=64, kv_cache_memory=2**20, **kw)
+        LLM(model, tokenizer=IdsTokenizer(), max_model_len=64, kv_cache_memory=2**20, **kw)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the side stream, events, pinned slots)")
