@@ -21,8 +21,9 @@ from .context import (
     cp_merge_attention,
     cp_plan,
 )
+from .snapshots import recv_snapshot, send_snapshot
 from .tensor import KVHeadShard, kv_heads_for_rank, shard_cache_config, shard_kv_heads, shard_paged_config
-from .transfer import recv_blocks, recv_snapshot, send_blocks, send_snapshot
+from .transfer import recv_blocks, send_blocks
 
 __all__ = [
     "cp_local_len",
