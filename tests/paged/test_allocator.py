@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvcache.paged.allocator as allocator_module
+import kvcache.paged.prefix_cache as prefix_cache_module
 from kvcache.paged.allocator import BlockAllocator, PrefixCacheStats, hash_block_tokens, hash_blocks
 
 ALLOCATOR_PY = Path(allocator_module.__file__)
@@ -677,6 +678,9 @@ def test_check_invariants_detects_corruption(corrupt):
 
 def test_module_doctest():
     result = doctest.testmod(allocator_module)
+    assert result.attempted > 0 and result.failed == 0
+    # the prefix cache's methods (listener, lookup) live in its mixin module; their examples use the allocator
+    result = doctest.testmod(prefix_cache_module, extraglobs={"BlockAllocator": BlockAllocator})
     assert result.attempted > 0 and result.failed == 0
 
 

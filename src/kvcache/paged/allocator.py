@@ -58,7 +58,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from .block_hash import HASH_BITS, _as_hash, _as_int, _as_list, hash_block_tokens, hash_blocks
+from .block_hash import HASH_BITS, _as_int, _as_list, hash_block_tokens, hash_blocks
 from .prefix_cache import PrefixCacheMixin, PrefixCacheStats
 
 __all__ = ["BlockAllocator", "PrefixCacheStats", "hash_block_tokens", "hash_blocks", "HASH_BITS"]
@@ -194,52 +194,6 @@ class BlockAllocator(PrefixCacheMixin):
         """Zero the prefix-cache counters."""
         self._stats = PrefixCacheStats()
 
-    def set_listener(self, listener: object | None) -> None:
-        """Tell ``listener`` of every change to the set of cached blocks (a memory tier below the pool, an event log).
-
-        ``listener.evicted(block_ids, hashes)`` is called once per :meth:`allocate` / :meth:`copy_on_write` that
-        evicted cached blocks, before it returns (so before the new holder writes them: their content is still the
-        cached prefix); ``listener.cached(block_ids, hashes)`` once per :meth:`cache_blocks` with the blocks it
-        newly registered; ``listener.cleared()`` on every :meth:`reset_prefix_cache` (hashes dropped or not: the
-        tiers below may still hold blocks). None removes it.
-
-        Example
-        -------
-        >>> class Log:
-        ...     def evicted(self, ids, hashes): print("evicted", ids)
-        ...     def cached(self, ids, hashes): print("cached", ids)
-        ...     def cleared(self): print("cleared")
-        >>> alloc = BlockAllocator(num_blocks=1, block_size=2); alloc.set_listener(Log())
-        >>> b = alloc.allocate(1); alloc.cache_blocks(b, alloc.hash_blocks([5, 6])); alloc.free(b)
-        cached [0]
-        >>> _ = alloc.allocate(1)
-        evicted [0]
-        """
-        if listener is not None:
-            for name in ("evicted", "cached", "cleared"):
-                if not callable(getattr(listener, name, None)):
-                    raise TypeError(f"listener: expected an object with evicted, cached and cleared methods, "
-                                    f"{type(listener).__name__} has no {name}")
-        self._listener = listener
-
-    def lookup(self, block_hash: int) -> int | None:
-        """The block cached under ``block_hash`` (referenced or not), or None; changes nothing (no LRU touch, no
-        counter).
-
-        Raises
-        ------
-        TypeError, ValueError
-            ``block_hash`` is not an int in ``[0, 2**64)``.
-        """
-        return self._hash_to_block.get(_as_hash("block_hash", block_hash))
-
-    def _notify_evicted(self) -> None:
-        if self._evicted:
-            ids, hashes = [b for b, _ in self._evicted], [h for _, h in self._evicted]
-            self._evicted = []
-            if self._listener is not None:
-                self._listener.evicted(ids, hashes)
-
     def __repr__(self) -> str:
         return (
             f"BlockAllocator(num_blocks={self._num_blocks}, block_size={self._block_size}, "
@@ -317,9 +271,7 @@ class BlockAllocator(PrefixCacheMixin):
             return self._free.popleft()
         b, _ = self._evictable.popitem(last=False)
         del self._hash_to_block[self._hash[b]]
-        if self._listener is not None:
-            self._evicted.append((b, self._hash[b]))
-        self._hash[b] = None
+        self._forget(b)
         self._stats.evictions += 1
         return b
 
@@ -466,9 +418,7 @@ class BlockAllocator(PrefixCacheMixin):
             return new
         if ref == 1:
             del self._hash_to_block[self._hash[b]]
-            if self._listener is not None:
-                self._evicted.append((b, self._hash[b]))
-            self._hash[b] = None
+            self._forget(b)
             self._notify_evicted()
             return b
         return None

@@ -1,6 +1,7 @@
 """The prefix cache of :class:`~kvcache.paged.BlockAllocator`: counters, and the operations on cached blocks
-(match a prefix's block hashes, publish written blocks, drop every cached hash). A mixin of the allocator: it
-uses the allocator's block state (ref counts, hashes, the hash index, the LRU queue of evictable blocks)."""
+(match a prefix's block hashes, publish written blocks, drop every cached hash, look a hash up) and the listener
+told of those changes (a memory tier below the pool). A mixin of the allocator: it uses the allocator's block
+state (ref counts, hashes, the hash index, the LRU queue of evictable blocks)."""
 
 from __future__ import annotations
 
@@ -167,3 +168,56 @@ class PrefixCacheMixin:
         if self._listener is not None:
             self._listener.cleared()
         return True
+
+    def set_listener(self, listener: object | None) -> None:
+        """Tell ``listener`` of every change to the set of cached blocks (a memory tier below the pool, an event log).
+
+        ``listener.evicted(block_ids, hashes)`` is called once per :meth:`allocate` / :meth:`copy_on_write` that
+        evicted cached blocks, before it returns (so before the new holder writes them: their content is still the
+        cached prefix); ``listener.cached(block_ids, hashes)`` once per :meth:`cache_blocks` with the blocks it
+        newly registered; ``listener.cleared()`` on every :meth:`reset_prefix_cache` (hashes dropped or not: the
+        tiers below may still hold blocks). None removes it.
+
+        Example
+        -------
+        >>> class Log:
+        ...     def evicted(self, ids, hashes): print("evicted", ids)
+        ...     def cached(self, ids, hashes): print("cached", ids)
+        ...     def cleared(self): print("cleared")
+        >>> alloc = BlockAllocator(num_blocks=1, block_size=2); alloc.set_listener(Log())
+        >>> b = alloc.allocate(1); alloc.cache_blocks(b, alloc.hash_blocks([5, 6])); alloc.free(b)
+        cached [0]
+        >>> _ = alloc.allocate(1)
+        evicted [0]
+        """
+        if listener is not None:
+            for name in ("evicted", "cached", "cleared"):
+                if not callable(getattr(listener, name, None)):
+                    raise TypeError(f"listener: expected an object with evicted, cached and cleared methods, "
+                                    f"{type(listener).__name__} has no {name}")
+        self._listener = listener
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The block cached under ``block_hash`` (referenced or not), or None; changes nothing (no LRU touch, no
+        counter).
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``block_hash`` is not an int in ``[0, 2**64)``.
+        """
+        return self._hash_to_block.get(_as_hash("block_hash", block_hash))
+
+    def _notify_evicted(self) -> None:
+        if self._evicted:
+            ids, hashes = [b for b, _ in self._evicted], [h for _, h in self._evicted]
+            self._evicted = []
+            if self._listener is not None:
+                self._listener.evicted(ids, hashes)
+
+    def _forget(self, b: int) -> None:
+        """Block ``b`` leaves the prefix cache for a new holder (its hash index entry already removed): recorded for
+        the listener, which :meth:`_notify_evicted` tells once the operation in progress ends."""
+        if self._listener is not None:
+            self._evicted.append((b, self._hash[b]))
+        self._hash[b] = None
