@@ -18,7 +18,7 @@ from .paged_core import PagedEngineCore
 from .prompts import check_conversation
 from .sampling import SamplingParams
 from .sequence import RequestOutput, Sequence
-from .stats import GenerateStats, TotalStats, accumulate
+from .stats import GenerateStats, GroupStats, TotalStats, accumulate
 from .tp import TPLlamaForward
 
 __all__ = ["LLM", "EngineStats"]
@@ -79,7 +79,8 @@ class LLM:
         The cache mode (:class:`~kvcache.engine.core.EngineCore`), chosen by ``config.cache``.
     stats : GenerateStats
         Counters of the last :meth:`generate` call (requests, tokens, time, prefix-cache hit rate, blocks and
-        bytes used: the fields of :class:`EngineStats`), and ``stats.total``, a
+        bytes used: the fields of :class:`EngineStats`; with the paged cache, ``stats.groups`` each layer group's
+        pool and peak blocks), and ``stats.total``, a
         :class:`~kvcache.engine.stats.TotalStats` summed over every completed call (``stats.total.calls`` of
         them). Each call replaces ``stats`` with a new object; one kept from before keeps its figures.
 
@@ -174,8 +175,13 @@ class LLM:
         return self.core.runner  # type: ignore[attr-defined]
 
     def _new_stats(self, total: TotalStats | None = None, **counts: int) -> GenerateStats:
-        return GenerateStats(kv_dtype=self.config.kv_dtype, cache=self.config.cache, num_blocks=self.core.num_blocks,
-                             cache_bytes=self.core.cache_bytes, attention=self.core.attention, total=total, **counts)
+        st = GenerateStats(kv_dtype=self.config.kv_dtype, cache=self.config.cache, num_blocks=self.core.num_blocks,
+                           cache_bytes=self.core.cache_bytes, attention=self.core.attention, total=total, **counts)
+        core = self.core
+        if hasattr(core, "groups"):  # the paged engine's pools, one per layer group
+            st.groups = [GroupStats(g.window, len(g.layers), a.num_blocks)
+                         for g, a in zip(core.groups, core.allocators)]  # type: ignore[attr-defined]
+        return st
 
     # ---------------------------------------------------------------------------------- prompts
 

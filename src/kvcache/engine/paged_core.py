@@ -8,6 +8,12 @@ allocator, the continuous-batching scheduler, the runner and the step loop.
 * Block tables are ``ceil(max_model_len / block_size)`` wide; CUDA graphs cover decode batches up to
   ``min(max_num_seqs, 512)`` requests; with graphs on, each step is launched before the host reads the previous
   step's tokens (:class:`~kvcache.engine.paged_loop.PagedLoop`).
+* Layer groups (:mod:`kvcache.engine.groups`): layers with the same sliding window (None: full attention) share one
+  ``PagedKVCache`` and one ``BlockAllocator``; a window group holds only the blocks its window still reads. The KV
+  budget is split between the groups in proportion to what a sequence of ``max_model_len`` tokens needs in each
+  (:func:`~kvcache.engine.groups.split_blocks`); ``num_blocks`` then stands for the memory of that many blocks of
+  every layer. A model of one full-attention group is built exactly as one cache and one allocator. The memory tiers,
+  KV events and tensor parallel are refused with more than one group.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from ..paged.events import KVEventLog
 from ..paged.tiers import TieredCache, TierStats, tiers_block_bytes, weights_identity
 from .config import EngineConfig, check_config
 from .core import EngineStats, FinishReason, Progress
+from .groups import LayerGroup, layer_groups, model_windows, split_blocks
 from .model import LlamaForward
 from .paged_loop import PagedLoop
 from .paged_runner import PagedRunner
@@ -31,25 +38,48 @@ __all__ = ["PagedEngineCore"]
 MAX_GRAPH_BATCH = 512  # largest decode batch captured as a CUDA graph
 
 
-def pool_blocks(model: LlamaForward, config: EngineConfig) -> int:
-    """Blocks of the pool: ``config.num_blocks``, else what ``config.cache_memory(model)`` holds (at least 2; under
-    tensor parallel the smallest count over the group's ranks).
+def pool_blocks(model: LlamaForward, config: EngineConfig, groups: tuple[LayerGroup, ...] | None = None,
+                max_model_len: int | None = None) -> list[int]:
+    """Blocks of each layer group's pool (default: one group of every layer). One group: ``config.num_blocks``, else
+    what ``config.cache_memory(model)`` holds (at least 2; under tensor parallel the smallest count over the group's
+    ranks). More groups: the memory (``num_blocks`` blocks of every layer, else ``cache_memory``) split in proportion
+    to what a sequence of ``max_model_len`` tokens needs in each (:func:`~kvcache.engine.groups.split_blocks`).
 
     Example
     -------
     >>> pool_blocks(llm.model, EngineConfig(kv_cache_memory=2**26, kv_dtype="int8"))   # doctest: +SKIP
-    2730
+    [2730]
     """
+    groups = groups or (LayerGroup(None, tuple(range(model.num_layers))),)
+    if config.num_blocks is not None and len(groups) == 1:
+        return [config.num_blocks]
+    sizes = [cache_block_bytes(len(g.layers), model.num_kv_heads, model.head_dim, config.block_size, model.dtype,
+                               config.kv_dtype) for g in groups]
     if config.num_blocks is not None:
-        return config.num_blocks
-    block = cache_block_bytes(model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, model.dtype,
-                              config.kv_dtype)
-    n = max(2, config.cache_memory(model) // block)
+        budget = config.num_blocks * sum(sizes)
+    else:
+        budget = config.cache_memory(model)
+    counts = split_blocks(groups, budget, sizes, max_model_len or config.model_len(model), config.block_size)
     if config.tp_group is not None:  # the same pool on every rank: the schedulers must decide alike
-        t = torch.tensor([n], dtype=torch.int64, device=model.device)
+        t = torch.tensor(counts, dtype=torch.int64, device=model.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=config.tp_group)
-        n = int(t.item())
-    return n
+        counts = t.tolist()
+    return counts
+
+
+def _check_groups(groups: tuple[LayerGroup, ...], config: EngineConfig) -> None:
+    """Refuse, by name, what does not run with more than one layer group."""
+    if len(groups) == 1:
+        return
+    used = [name for name, on in (("tp_group", config.tp_group is not None),
+                                  ("host_cache_memory", config.host_cache_memory > 0),
+                                  ("disk_cache_dir", config.disk_cache_dir is not None),
+                                  ("kv_events", config.kv_events)) if on]
+    if used:
+        expected = {"tp_group": "None", "host_cache_memory": "0", "disk_cache_dir": "None", "kv_events": "False"}
+        raise ValueError(f"{used[0]}: not implemented for a model whose layers have different sliding windows "
+                         f"({len(groups)} layer groups, {'; '.join(map(str, groups))}: one pool each), expected "
+                         f"{expected[used[0]]}")
 
 
 def _tiers(model: LlamaForward, cache: PagedKVCache, config: EngineConfig) -> TieredCache | None:
@@ -109,14 +139,20 @@ class PagedEngineCore:
 
     Attributes
     ----------
+    groups : tuple of LayerGroup
+        The layer groups (one for most models), the full-attention one first.
+    caches, allocators : list
+        Each group's ``PagedKVCache`` (its blocks + 1: the last is the runner's scratch block) and ``BlockAllocator``.
     cache : PagedKVCache
-        ``num_blocks + 1`` blocks: the last is the runner's scratch block.
+        The first group's cache (the only one of most models).
     allocator : BlockAllocator
+        The first group's allocator.
     tiers : TieredCache or None
         The host / disk tiers and the event log (``host_cache_memory``, ``disk_cache_dir``, ``kv_events``).
     scheduler : Scheduler
     runner : PagedRunner
     max_model_len, num_blocks, cache_bytes : int
+        ``num_blocks`` and ``cache_bytes`` sum over the groups.
     attention : str
         ``"paged_attention"``.
 
@@ -133,26 +169,32 @@ class PagedEngineCore:
         check_config(config)
         self.model = model
         self.max_model_len = config.model_len(model)
-        num_blocks = pool_blocks(model, config)
+        self.groups = layer_groups(model_windows(model.config, model.num_layers))
+        _check_groups(self.groups, config)
+        counts = pool_blocks(model, config, self.groups, self.max_model_len)
         bs = config.block_size
         width = cdiv(self.max_model_len, bs)
-        self.cache = PagedKVCache(
-            PagedConfig(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                        block_size=bs, num_blocks=num_blocks + 1, dtype=model.dtype, kv_dtype=config.kv_dtype,
+        self.caches = [PagedKVCache(
+            PagedConfig(num_layers=len(g.layers), num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                        block_size=bs, num_blocks=n + 1, dtype=model.dtype, kv_dtype=config.kv_dtype,
                         layout=config.layout, device=model.device),
-            rope=model.rope)
-        self.allocator = BlockAllocator(num_blocks, bs, enable_prefix_caching=config.enable_prefix_caching)
+            rope=model.rope) for g, n in zip(self.groups, counts)]
+        self.allocators = [BlockAllocator(n, bs, enable_prefix_caching=config.enable_prefix_caching) for n in counts]
+        self.cache, self.allocator = self.caches[0], self.allocators[0]
         self.tiers = _tiers(model, self.cache, config)
         self.allocator.set_listener(self.tiers)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
+        one = len(self.groups) == 1
+        self.scheduler = Scheduler(self.allocator if one else self.allocators, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.batched_tokens(model.device), max_blocks_per_seq=width,
-                                   tiers=self.tiers)
+                                   tiers=self.tiers, windows=[g.window for g in self.groups])
         graphs = _graphs(model, config)
         self.runner = PagedRunner(model, self.cache, max_blocks_per_seq=width, max_model_len=self.max_model_len,
-                                  scratch_block=num_blocks, cuda_graphs=graphs,
-                                  max_graph_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH))
-        self.num_blocks = num_blocks
-        self.cache_bytes = self.cache.nbytes
+                                  scratch_block=counts[0], cuda_graphs=graphs,
+                                  max_graph_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH),
+                                  groups=None if one else [(c, g.layers, n) for c, g, n in
+                                                           zip(self.caches, self.groups, counts)])
+        self.num_blocks = sum(counts)
+        self.cache_bytes = sum(c.nbytes for c in self.caches)
 
     def check(self, seq: Sequence) -> None:
         """Raise ValueError if ``seq`` needs more blocks than a block table or the pool hold."""
@@ -172,6 +214,9 @@ class PagedEngineCore:
         for s in seqs:
             sched.add(s)
         PagedLoop(sched, runner, finish_reason, overlap=runner.use_graphs).run(seqs, stats, progress)
+        groups = getattr(stats, "groups", None)
+        if groups and len(self.groups) == 1:  # the loop tracks the one pool's peak in blocks_used
+            groups[0].blocks_used = stats.blocks_used
         stats.cached_prompt_tokens = sched.num_cached_tokens - cached0
         stats.preemptions = sched.num_preemptions - pre0
         stats.graph_steps = runner.graph_steps - graph0

@@ -79,7 +79,7 @@ class PagedLoop:
                     pending = self._resolve(pending)
                     continue
                 batch = sched.schedule()
-                st.blocks_used = max(st.blocks_used, sched.allocator.num_used_blocks)
+                self._track_blocks()
                 if not batch.seqs:
                     if pending is not None:  # its requests may finish and free blocks
                         pending = self._resolve(pending)
@@ -105,7 +105,7 @@ class PagedLoop:
             nxt = sched.schedule_next_decode(inflight.batch)
             ahead = runner.launch_decode(nxt, ahead=True) if nxt is not None else None
             st.overlapped_steps += ahead is not None
-            st.blocks_used = max(st.blocks_used, sched.allocator.num_used_blocks)
+            self._track_blocks()
             self._process(inflight.batch, inflight.greedy_tokens())
             if ahead is not None and any(s.status is _FINISHED for s in ahead.batch.seqs):
                 # a request finished by its last token (EOS, stop): the step ahead ran it once too often. Processing
@@ -113,6 +113,17 @@ class PagedLoop:
                 self._process(ahead.batch, ahead.greedy_tokens())
                 ahead = None
             inflight = ahead
+
+    def _track_blocks(self) -> None:
+        """The peak blocks held: ``blocks_used`` over every group, and each group's (``GenerateStats.groups``)."""
+        st, sched = self._st, self.sched
+        if len(sched.allocators) == 1:
+            st.blocks_used = max(st.blocks_used, sched.allocator.num_used_blocks)
+            return
+        used = sched.used_blocks()
+        st.blocks_used = max(st.blocks_used, sum(used))
+        for group, n in zip(getattr(st, "groups", ()), used):
+            group.blocks_used = max(group.blocks_used, n)
 
     def _report(self, finished: int, generated: int) -> None:
         self._counts[0] += finished

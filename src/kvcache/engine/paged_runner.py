@@ -13,9 +13,16 @@ On CUDA, pure decode steps (one token per request) run as CUDA graphs captured p
 4, 8, then multiples of 8) over static buffers, the bucket's plan built from views of them; padded rows of a
 bucket write into one scratch block the runner holds for itself and attend to it, so every row of a graph is a
 well-defined sequence.
+
+Layer groups (:mod:`kvcache.engine.groups`): layers with different sliding windows may live in caches of their own,
+one per group, each with its own block ids, scratch block and block-table tensor (a static buffer of its own under
+CUDA graphs); a step builds each group's plans from its table, and each layer appends and attends in its group's
+cache (its index there). A model of one group runs exactly the one-cache path.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
@@ -121,15 +128,35 @@ class PagedRunner:
         the same static, padded buffers without capture (a check of the graph path's batch layout).
     max_graph_batch : int
         Largest decode batch run as a graph.
+    groups : sequence of (PagedKVCache, sequence of int, int), optional
+        The layer groups: each group's cache, the model layers it holds (layer ``layers[j]`` is the cache's layer
+        ``j``) and its scratch block; ``Sequence.block_tables[g]`` indexes group ``g``'s cache. Default: one group,
+        ``cache`` holding every layer, with ``scratch_block``.
+
+    Example
+    -------
+    >>> runner = PagedRunner(model, cache, max_blocks_per_seq=16, max_model_len=256, scratch_block=64,
+    ...                      cuda_graphs=False, max_graph_batch=1)                                  # doctest: +SKIP
+    >>> logits = runner.run(scheduler.schedule())                                                   # doctest: +SKIP
     """
 
     def __init__(self, model: LlamaForward, cache: PagedKVCache, *, max_blocks_per_seq: int, max_model_len: int,
-                 scratch_block: int, cuda_graphs: bool, max_graph_batch: int) -> None:
+                 scratch_block: int, cuda_graphs: bool, max_graph_batch: int,
+                 groups: Seq[tuple[PagedKVCache, Seq[int], int]] | None = None) -> None:
         self.model = model
         self.cache = cache
         self.width = max_blocks_per_seq
         self.device = cache.device
         self.scratch_block = scratch_block
+        groups = [(cache, range(model.num_layers), scratch_block)] if groups is None else list(groups)
+        self._caches = [c for c, _, _ in groups]
+        self._scratch = [b for _, _, b in groups]
+        self.num_groups = len(groups)
+        self._scratch_col = np.array(self._scratch, dtype=np.int32)[:, None]  # padded graph rows, per group
+        group_of, self._local = [0] * model.num_layers, list(range(model.num_layers))
+        for g, (_, layers, _) in enumerate(groups):
+            for j, i in enumerate(layers):
+                group_of[i], self._local[i] = g, j
         # on the CPU, cuda_graphs=True runs decode steps through the same static, padded buffers uncaptured: the
         # graph path's batch layout (buckets, scratch-block padding) is then checked without a GPU
         self.use_graphs = bool(cuda_graphs)
@@ -137,10 +164,11 @@ class PagedRunner:
         # the fused decoder leaves the query rotation to the attention kernel (rotate-half over all of head_dim)
         full = not model.rope.interleaved and cos.shape[-1] == model.head_dim
         self._q_rope = (cos.contiguous(), sin.contiguous()) if model.fused and full else None
-        # each layer's (rope, sliding window as transformers applies it (None: full attention), soft-cap); the
-        # keys of a layer whose rope is not the cache's own (Gemma 3's sliding layers) are rotated with theirs
-        self._kinds = [(model.rope_of[i], layer_window(model.config, i), model.softcaps[i])
+        # each layer's (group, rope, sliding window as transformers applies it (None: full attention), soft-cap);
+        # the keys of a layer whose rope is not the cache's own (Gemma 3's sliding layers) are rotated with theirs
+        self._kinds = [(group_of[i], model.rope_of[i], layer_window(model.config, i), model.softcaps[i])
                        for i in range(model.num_layers)]
+        self._plan_keys = sorted({kind[:2] for kind in self._kinds})  # (group, rope): one plan each per step
         self._ropes = [None] + [_static_rope(r, self.device) for r in model.ropes[1:]]
         self.max_graph_batch = max_graph_batch
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -151,29 +179,39 @@ class PagedRunner:
 
     # ---------------------------------------------------------------------------------- attention
 
-    def _plan(self, block_tables: torch.Tensor, cu_q_lens: torch.Tensor, before: torch.Tensor, after: torch.Tensor,
-              *, max_kv_len: int, num_decode: int) -> list[StepPlan]:
-        """The step's plans, one per rope of the model (the first with the cache's own): int32 ``block_tables``
-        ``[B, W]``, ``cu_q_lens`` ``[B + 1]``, lengths ``before`` / ``after`` the step ``[B]`` (device tensors);
-        ``max_kv_len``, ``num_decode``: host hints of the launch."""
-        return [self.cache.plan(block_tables, cu_q_lens, before, seq_lens=after, scale=self.model.scale,
-                                q_rope=self._q_rope, max_kv_len=max_kv_len, num_decode=num_decode, rope=rope)
-                for rope in self._ropes]
+    def _plan(self, block_tables: list[torch.Tensor], cu_q_lens: torch.Tensor, before: torch.Tensor,
+              after: torch.Tensor, *, max_kv_len: int, num_decode: int) -> dict[tuple[int, int], StepPlan]:
+        """The step's plans, one per (group, rope) the layers use (rope 0: the cache's own): each group's int32
+        ``block_tables[g]`` ``[B, W]``, ``cu_q_lens`` ``[B + 1]``, lengths ``before`` / ``after`` the step ``[B]``
+        (device tensors); ``max_kv_len``, ``num_decode``: host hints of the launch."""
+        return {(g, r): self._caches[g].plan(block_tables[g], cu_q_lens, before, seq_lens=after, scale=self.model.scale,
+                                             q_rope=self._q_rope, max_kv_len=max_kv_len, num_decode=num_decode,
+                                             rope=self._ropes[r])
+                for g, r in self._plan_keys}
 
-    def _attention(self, plans: list[StepPlan]) -> AttentionFn:
-        """Every layer's attention for one step: the append and the attention of its rope's plan (``plans``),
-        with the layer's window, soft-cap and sinks; nothing built per layer."""
-        cache, model = self.cache, self.model
-        kinds = self._kinds
-        # one plan per (rope, window, soft-cap) the layers use (the same tensors; launches derived once per step)
-        by_kind = {kind: _with_options(plans[kind[0]], kind[1], kind[2]) for kind in set(kinds)}
+    def _attention(self, plans: dict[tuple[int, int], StepPlan]) -> AttentionFn:
+        """Every layer's attention for one step: the append and the attention of its group's and rope's plan
+        (``plans``), with the layer's window, soft-cap and sinks; nothing built per layer."""
+        model, kinds = self.model, self._kinds
+        # one plan per (group, rope, window, soft-cap) the layers use (launches derived once per step)
+        by_kind = {kind: _with_options(plans[kind[:2]], kind[2], kind[3]) for kind in set(kinds)}
+        if self.num_groups == 1:
+            cache = self.cache
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            plan = by_kind[kinds[i]]
-            cache.append(i, k, v, plan)
-            return cache.attention(i, q, plan, sinks=model.layer_sinks(i))
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                plan = by_kind[kinds[i]]
+                cache.append(i, k, v, plan)
+                return cache.attention(i, q, plan, sinks=model.layer_sinks(i))
+        else:
+            caches, local = self._caches, self._local
 
-        attend.rotates_queries = plans[0].q_rope is not None  # type: ignore[attr-defined]
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                kind = kinds[i]
+                plan, cache, j = by_kind[kind], caches[kind[0]], local[i]
+                cache.append(j, k, v, plan)
+                return cache.attention(j, q, plan, sinks=model.layer_sinks(i))
+
+        attend.rotates_queries = next(iter(plans.values())).q_rope is not None  # type: ignore[attr-defined]
         return attend
 
     # ---------------------------------------------------------------------------------- the step
@@ -182,22 +220,24 @@ class PagedRunner:
                      ) -> tuple[torch.Tensor, torch.Tensor, list[slice], list[int], list[tuple[int, int]]]:
         """The step's host inputs in two buffers (pinned on CUDA, so each reaches the device in one asynchronous
         copy): int64 ``[2, N']`` (token ids, positions; ``N'`` the token count rounded up to even) and int32
-        segments ``cu_q_lens``, lengths before, lengths after, block tables (row after row), at the returned slices.
+        segments ``cu_q_lens``, lengths before, lengths after, then each group's block tables (row after row), at
+        the returned slices.
         Every segment starts on a 16-byte boundary, as a tensor of its own would (the kernels specialise on their
         pointers' alignment). Also returns the lengths after the step as ints, and (token row, ``pending`` row) for
         each input token that is still a placeholder."""
-        b, w = len(batch.seqs), self.width
+        b, w, n_groups = len(batch.seqs), self.width, self.num_groups
         n_tok = sum(batch.num_tokens)
         pin = self.device.type == "cuda"
         tok_t = torch.empty((2, n_tok + n_tok % 2), dtype=torch.int64, pin_memory=pin)
         spans, start = [], 0
-        for n in (b + 1, b, b, b * w):
+        for n in (b + 1, b, b) + (b * w,) * n_groups:
             spans.append(slice(start, start + n))
             start += -(-n // 4) * 4
         int_t = torch.zeros(start, dtype=torch.int32, pin_memory=pin)
         tok, ints = tok_t.numpy(), int_t.numpy()
-        cu, before, after, flat = (ints[sp] for sp in spans)
-        tables = flat.reshape(b, w)
+        cu, before, after = (ints[sp] for sp in spans[:3])
+        tables = ints[spans[3]].reshape(b, w)
+        group_tables = [ints[sp].reshape(b, w) for sp in spans[3:]]
         o = 0
         fix: list[tuple[int, int]] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -210,8 +250,12 @@ class PagedRunner:
             cu[i + 1] = o
             before[i] = c
             after[i] = c + n
-            t = seq.block_table
-            tables[i, :len(t)] = t
+            if n_groups == 1:
+                t = seq.block_table
+                tables[i, :len(t)] = t
+            else:
+                for tab, t in zip(group_tables, seq.block_tables):
+                    tab[i, :len(t)] = t
         return tok_t, int_t, spans, after.tolist(), fix
 
     def run(self, batch: ScheduledBatch, *, pending: PendingTokens | None = None) -> torch.Tensor:
@@ -225,7 +269,8 @@ class PagedRunner:
         tok, ints = tok_h.to(dev, non_blocking=True), int_h.to(dev, non_blocking=True)
         if fix:
             self._patch_ids(tok[0], fix, pending)
-        cu_q, before, after_d, flat = (ints[sp] for sp in spans)
+        cu_q, before, after_d = (ints[sp] for sp in spans[:3])
+        tables = [ints[sp].view(len(batch.seqs), self.width) for sp in spans[3:]]
         # mixed steps: the leading one-token sequences (the scheduler puts running requests first) take decode tiles
         num_decode = 0
         for n in batch.num_tokens:
@@ -234,8 +279,7 @@ class PagedRunner:
             num_decode += 1
         # a host bound of the lengths for the launch plan (never read from the device)
         max_kv = max(after) if after else self.width * self.cache.config.block_size
-        plans = self._plan(flat.view(len(batch.seqs), self.width), cu_q, before, after_d, max_kv_len=max_kv,
-                           num_decode=num_decode)
+        plans = self._plan(tables, cu_q, before, after_d, max_kv_len=max_kv, num_decode=num_decode)
         hidden = self.model.forward(tok[0, :n_tok], tok[1, :n_tok], self._attention(plans))
         if all(batch.sample):  # every request's last row (the common case: no index from the host)
             return self.model.logits(hidden[cu_q[1:].long() - 1])
@@ -286,7 +330,7 @@ class PagedRunner:
             self._static = {
                 "ids": torch.zeros(m, dtype=torch.int64, device=dev),
                 "pos": torch.zeros(m, dtype=torch.int64, device=dev),
-                "bt": torch.zeros((m, self.width), dtype=torch.int32, device=dev),
+                "bt": torch.zeros((self.num_groups, m, self.width), dtype=torch.int32, device=dev),
                 "cu": torch.arange(m + 1, dtype=torch.int32, device=dev),
                 "before": torch.zeros(m, dtype=torch.int32, device=dev),
                 "after": torch.zeros(m, dtype=torch.int32, device=dev),
@@ -295,11 +339,13 @@ class PagedRunner:
                 # step's event has fired. ids / pos as int64 rows, before / after as int32 rows, the tables
                 "h_tok": torch.zeros((2, 2, m), dtype=torch.int64, pin_memory=pin),
                 "h_len": torch.zeros((2, 2, m), dtype=torch.int32, pin_memory=pin),
-                "h_bt": torch.full((2, m, self.width), self.scratch_block, dtype=torch.int32, pin_memory=pin),
+                "h_bt": torch.empty((2, self.num_groups, m, self.width), dtype=torch.int32, pin_memory=pin),
                 # the graph's greedy token per row, and its host copies (same alternation)
                 "next": torch.zeros(m, dtype=torch.int64, device=dev),
                 "h_next": torch.zeros((2, m), dtype=torch.int64, pin_memory=pin),
             }
+            for g, block in enumerate(self._scratch):  # each group's table starts on its own scratch block
+                self._static["h_bt"][:, g] = block
         return self._static
 
     def can_launch_decode(self, batch: ScheduledBatch) -> bool:
@@ -345,14 +391,18 @@ class PagedRunner:
             tok[1, b] = c
             lens[0, b] = c
             lens[1, b] = c + 1
-            t = seq.block_table
-            bt[b, :len(t)] = t
+            if self.num_groups == 1:
+                t = seq.block_table
+                bt[0, b, :len(t)] = t
+            else:
+                for g, t in enumerate(seq.block_tables):
+                    bt[g, b, :len(t)] = t
         # padded rows: a one-token sequence at position 0 of the scratch block (columns past a row's length are
         # never read, so rows only need their first entry reset)
         tok[:, n:bs] = 0
         lens[0, n:bs] = 0
         lens[1, n:bs] = 1
-        bt[n:bs, 0] = self.scratch_block
+        bt[:, n:bs, 0] = self._scratch_col
         if ahead:
             st["ids"][:bs].copy_(st["next"][:bs])
         else:
@@ -362,7 +412,7 @@ class PagedRunner:
         st["pos"][:bs].copy_(h_tok[1, :bs], non_blocking=True)
         st["before"][:bs].copy_(h_len[0, :bs], non_blocking=True)
         st["after"][:bs].copy_(h_len[1, :bs], non_blocking=True)
-        st["bt"][:bs].copy_(h_bt[:bs], non_blocking=True)
+        st["bt"][:, :bs].copy_(h_bt[:, :bs], non_blocking=True)
         graph = self._graphs.get(bs)
         if self.device.type != "cuda":
             logits = self._forward_static(bs)
@@ -384,8 +434,8 @@ class PagedRunner:
         st = self._static_buffers()
         # views of the static buffers; the lengths are the graph's inputs, so the launch is planned for the block
         # table's capacity (a shape, not a value)
-        plans = self._plan(st["bt"][:bs], st["cu"][:bs + 1], st["before"][:bs], st["after"][:bs],
-                           max_kv_len=self.width * self.cache.config.block_size, num_decode=bs)
+        plans = self._plan([st["bt"][g, :bs] for g in range(self.num_groups)], st["cu"][:bs + 1], st["before"][:bs],
+                           st["after"][:bs], max_kv_len=self.width * self.cache.config.block_size, num_decode=bs)
         hidden = self.model.forward(st["ids"][:bs], st["pos"][:bs], self._attention(plans))
         logits = self.model.logits(hidden)
         fused.argmax(logits, out=st["next"][:bs])

@@ -15,15 +15,29 @@ Each step has a token budget (``max_num_batched_tokens``):
 
 After the model ran, :meth:`Scheduler.postprocess` advances the requests, publishes every newly full block in
 the prefix cache (its KV is written) and releases finished requests at once.
+
+Layer groups (:mod:`kvcache.engine.groups`): a model whose layers have different sliding windows gives the
+scheduler one allocator per group (``windows[g]``: the group's window, None for full attention) and every request
+one block table per group. A step's tokens are allocated in every group or in none (a group that is out preempts as
+above). Before allocating, a window group gives back the request's blocks that lie wholly before
+``num_computed - window + 1`` (no later query reads them; :func:`~kvcache.engine.groups.first_live_block`); their
+slots keep an id no request holds (the allocator's ``num_blocks``: the engine's scratch block), outside every
+window, so the attention never reads them. A prefix hit of ``k`` blocks takes, in a full group, the chain's first
+``k`` blocks and, in a window group, only the blocks from ``first_live_block(window, k * block_size)`` on, all
+cached; ``k`` is the longest prefix every group can serve. A model of one full-attention group runs the
+single-allocator code as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Sequence as Seq
 
+from .._validate import cdiv
 from ..paged import BlockAllocator
 from ..paged.tiers import TieredCache
+from .groups import first_live_block, peak_blocks
 from .sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler"]
@@ -59,8 +73,9 @@ class Scheduler:
 
     Parameters
     ----------
-    allocator : BlockAllocator
-        Owns the block ids of the cache (prefix caching on or off there).
+    allocator : BlockAllocator or sequence of BlockAllocator
+        Owns the block ids of the cache (prefix caching on or off there); one per layer group (the same
+        ``block_size`` and ``enable_prefix_caching`` each).
     max_num_seqs : int
         Running requests at most.
     max_num_batched_tokens : int
@@ -72,7 +87,15 @@ class Scheduler:
         Host / disk tiers below the pool (the allocator's listener): a prefix that continues past the device's
         cached blocks is brought back from them at admission. A request whose blocks are still being copied back
         holds its place among the running requests but runs only once they have arrived (other requests do not
-        wait for them); when nothing else can run, the step waits for the copies.
+        wait for them); when nothing else can run, the step waits for the copies. One allocator only.
+    windows : sequence of int or None, optional
+        Each allocator's sliding window (None: full attention); default all None. A window group frees the blocks
+        no later query of a request reads (see the module docstring).
+
+    Attributes
+    ----------
+    allocator : BlockAllocator
+        The first group's (the only one of most models); ``allocators`` holds every group's.
 
     Example
     -------
@@ -81,22 +104,51 @@ class Scheduler:
     >>> s.add(Sequence(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=2)))
     >>> b = s.schedule(); b.num_tokens, b.sample
     ([5], [True])
+
+    A window group gives back what its window no longer reads (window 4, blocks of 4; 12 tokens computed):
+
+    >>> s = Scheduler([BlockAllocator(8, 4), BlockAllocator(8, 4)], windows=[None, 4], max_num_seqs=1,
+    ...               max_num_batched_tokens=16, max_blocks_per_seq=8)
+    >>> s.add(Sequence(0, list(range(12)), SamplingParams(max_tokens=4)))
+    >>> first = s.schedule(); s.postprocess(first, [7]) and None
+    >>> s.schedule().seqs[0].block_tables, s.used_blocks()   # the query at 12 sees 9..12: blocks 0, 1 go back
+    ([[0, 1, 2, 3], [8, 8, 2, 3]], [4, 2])
     """
 
-    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_blocks_per_seq: int, tiers: TieredCache | None = None) -> None:
-        if not isinstance(allocator, BlockAllocator):
-            raise TypeError(f"allocator: expected a BlockAllocator, got {type(allocator).__name__}")
+    def __init__(self, allocator: BlockAllocator | Seq[BlockAllocator], *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_blocks_per_seq: int, tiers: TieredCache | None = None,
+                 windows: Seq[int | None] | None = None) -> None:
+        allocators = [allocator] if isinstance(allocator, BlockAllocator) else allocator
+        if not isinstance(allocators, (list, tuple)) or not allocators or \
+                not all(isinstance(a, BlockAllocator) for a in allocators):
+            raise TypeError(f"allocator: expected a BlockAllocator or a non-empty list of them, got "
+                            f"{type(allocator).__name__}")
+        a0 = allocators[0]
+        if any((a.block_size, a.enable_prefix_caching) != (a0.block_size, a0.enable_prefix_caching)
+               for a in allocators):
+            raise ValueError("allocator: expected the same block_size and enable_prefix_caching in every group, got "
+                             f"{[(a.block_size, a.enable_prefix_caching) for a in allocators]}")
+        windows = [None] * len(allocators) if windows is None else list(windows)
+        if len(windows) != len(allocators) or any(w is not None and (type(w) is not int or w < 1) for w in windows):
+            raise ValueError(f"windows: expected one int >= 1 or None per allocator ({len(allocators)}), got "
+                             f"{windows!r}")
         if tiers is not None and not isinstance(tiers, TieredCache):
             raise TypeError(f"tiers: expected a TieredCache or None, got {type(tiers).__name__}")
+        if tiers is not None and len(allocators) > 1:
+            raise ValueError(f"tiers: the memory tiers hold one pool's blocks, got {len(allocators)} layer groups")
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_blocks_per_seq", max_blocks_per_seq)):
             if type(v) is not int or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
-        self.allocator = allocator
+        self.allocator = a0
+        self.allocators = list(allocators)
+        self.windows = windows
+        # one full-attention group: the single-allocator code, nothing per group
+        self._plain = len(allocators) == 1 and windows[0] is None
+        self._window_groups = [(g, w) for g, w in enumerate(windows) if w is not None]
         self.tiers = tiers
         self._awaiting: dict[int, Sequence] = {}  # id(seq) -> running request whose blocks are still coming back
-        self.block_size = allocator.block_size
+        self.block_size = a0.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -111,16 +163,24 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a request (validated first by :meth:`check`)."""
         self.check(seq)
+        if not self._plain:
+            seq.block_tables = [[] for _ in self.allocators]
+            seq.num_freed = [0] * len(self.allocators)
         self.waiting.append(seq)
 
     def check(self, seq: Sequence) -> None:
-        """Raise ValueError if ``seq`` could never run: more blocks than one block table or the pool hold."""
-        need = -(-(seq.num_prompt_tokens + seq.params.max_tokens) // self.block_size)
-        limit = min(self.max_blocks_per_seq, self.allocator.num_blocks)
-        if need > limit:
-            raise ValueError(
-                f"prompts: request {seq.request_id} needs up to {seq.num_prompt_tokens} + {seq.params.max_tokens} "
-                f"tokens = {need} blocks of {self.block_size}, expected at most {limit} (the pool or max_model_len)")
+        """Raise ValueError if ``seq`` could never run: more blocks than one block table or a group's pool hold (a
+        window group: the most blocks it holds at once, with prefill chunks of the token budget)."""
+        total = seq.num_prompt_tokens + seq.params.max_tokens
+        for a, w in zip(self.allocators, self.windows):
+            need = peak_blocks(w, total, self.max_num_batched_tokens, self.block_size)
+            limit = min(self.max_blocks_per_seq, a.num_blocks)
+            if need > limit:
+                where = "" if w is None else f" in the pool of the layers with sliding window {w}"
+                raise ValueError(
+                    f"prompts: request {seq.request_id} needs up to {seq.num_prompt_tokens} + {seq.params.max_tokens} "
+                    f"tokens = {need} blocks of {self.block_size}{where}, expected at most {limit} (the pool or "
+                    "max_model_len)")
 
     def abort_all(self) -> None:
         """Drop every request, waiting or running, and free their blocks (after an error in a step)."""
@@ -151,21 +211,65 @@ class Scheduler:
             h.extend(self.allocator.hash_blocks(seq.token_ids[len(h) * bs:n_full * bs], parent_hash=parent))
         return h[:n_full]
 
+    def used_blocks(self) -> list[int]:
+        """Blocks held by requests now, one count per layer group.
+
+        Example
+        -------
+        >>> s = Scheduler(BlockAllocator(8, 4), max_num_seqs=1, max_num_batched_tokens=8, max_blocks_per_seq=8)
+        >>> s.used_blocks()
+        [0]
+        """
+        return [a.num_used_blocks for a in self.allocators]
+
     def _grow(self, seq: Sequence, num_new: int) -> bool:
-        """Allocate the blocks ``num_new`` more tokens need; False (nothing changed) when the pool is out."""
-        need = -(-(seq.num_computed + num_new) // self.block_size) - len(seq.block_table)
-        if need <= 0:
+        """Allocate the blocks ``num_new`` more tokens need, in every group or none; False (nothing allocated) when
+        a pool is out. A window group first gives back the blocks its window no longer reads."""
+        if self._plain:
+            need = -(-(seq.num_computed + num_new) // self.block_size) - len(seq.block_table)
+            if need <= 0:
+                return True
+            blocks = self.allocator.allocate(need)
+            if blocks is None:
+                return False
+            seq.block_table.extend(blocks)
             return True
-        blocks = self.allocator.allocate(need)
-        if blocks is None:
+        for g, w in self._window_groups:
+            self._free_outside_window(seq, g, w)
+        end = cdiv(seq.num_computed + num_new, self.block_size)
+        tables = seq.block_tables
+        if any(end - len(t) > a.num_free_blocks for t, a in zip(tables, self.allocators)):
             return False
-        seq.block_table.extend(blocks)
+        for t, a in zip(tables, self.allocators):
+            if end > len(t):
+                t.extend(a.allocate(end - len(t)))
         return True
+
+    def _free_outside_window(self, seq: Sequence, g: int, window: int) -> None:
+        """Give back group ``g``'s blocks of ``seq`` wholly before ``num_computed - window + 1`` (no query at a
+        position >= ``num_computed`` sees them); their slots take the id no request holds."""
+        lo = min(first_live_block(window, seq.num_computed, self.block_size), len(seq.block_tables[g]))
+        k = seq.num_freed[g]
+        if lo > k:
+            t = seq.block_tables[g]
+            self.allocators[g].free(t[k:lo])
+            t[k:lo] = [self.allocators[g].num_blocks] * (lo - k)
+            seq.num_freed[g] = lo
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        """Free every block ``seq`` holds, in every group."""
+        if self._plain:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []
+            return
+        for g, a in enumerate(self.allocators):
+            a.free(seq.block_tables[g][seq.num_freed[g]:])
+        seq.block_tables = [[] for _ in self.allocators]
+        seq.num_freed = [0] * len(self.allocators)
 
     def _release(self, seq: Sequence) -> None:
         self._awaiting.pop(id(seq), None)
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
+        self._drop_blocks(seq)
         seq.num_published = 0
         for h in [h for h, rid in self._pending.items() if rid == seq.request_id]:
             del self._pending[h]
@@ -263,8 +367,10 @@ class Scheduler:
             if self._pending and any(h in self._pending for h in hashes):
                 deferred.append(self.waiting.popleft())  # its prefix is being prefilled: hit it next step
                 continue
-            matched = self.allocator.match_prefix(hashes)
-            seq.block_table = list(matched)
+            if self._plain:
+                seq.block_table = list(self.allocator.match_prefix(hashes))
+            else:
+                self._match_groups(seq, hashes)
             self._bring_back(seq, hashes)
             seq.num_published = len(seq.block_table)
             seq.num_computed = len(seq.block_table) * self.block_size
@@ -274,14 +380,43 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
-                self.allocator.free(seq.block_table)
-                seq.block_table, seq.num_published, seq.num_computed = [], 0, 0
+                self._drop_blocks(seq)
+                seq.num_published, seq.num_computed = 0, 0
                 break
             self._start(seq)
             seqs.append(seq)
             counts.append(n)
             budget -= n
         self.waiting.extendleft(reversed(deferred))
+
+    def _match_groups(self, seq: Sequence, hashes: list[int]) -> None:
+        """The longest prefix of ``hashes`` every group can serve, taken: ``k`` blocks such that a full group caches
+        the chain's first ``k`` and a window group the ones from ``first_live_block(window, k * block_size)`` to
+        ``k``; a window group's table starts with that many slots of the id no request holds."""
+        n, bs = len(hashes), self.block_size
+        if not n or not self.allocator.enable_prefix_caching:
+            return
+        k, gaps = n, []
+        for a, w in zip(self.allocators, self.windows):
+            present = [a.lookup(h) is not None for h in hashes]
+            if w is None:
+                k = min(k, present.index(False) if False in present else n)
+                continue
+            last = [-1] * (n + 1)  # last[j]: the last block before j that this group does not cache
+            for j, ok in enumerate(present):
+                last[j + 1] = last[j] if ok else j
+            gaps.append((w, last))
+        while k > 0 and any(last[k] >= first_live_block(w, k * bs, bs) for w, last in gaps):
+            k -= 1
+        if k == 0:
+            return
+        for g, (a, w) in enumerate(zip(self.allocators, self.windows)):
+            lo = first_live_block(w, k * bs, bs)
+            blocks = a.match_prefix(hashes[lo:k])
+            if len(blocks) != k - lo:  # every block was just looked up: the allocator changed under the scheduler
+                raise RuntimeError(f"allocator: group {g} matched {len(blocks)} of {k - lo} cached blocks")
+            seq.block_tables[g] = [a.num_blocks] * lo + blocks
+            seq.num_freed[g] = lo
 
     def _start(self, seq: Sequence) -> None:
         """Move the first waiting request (its cached prefix taken) to the running ones."""
@@ -337,7 +472,12 @@ class Scheduler:
         hashes = self._hashes(seq, seq.num_computed)
         k = seq.num_published
         if len(hashes) > k:
-            self.allocator.cache_blocks(seq.block_table[k:len(hashes)], hashes[k:])
+            if self._plain:
+                self.allocator.cache_blocks(seq.block_table[k:len(hashes)], hashes[k:])
+            else:
+                for g, a in enumerate(self.allocators):
+                    lo = max(k, seq.num_freed[g])
+                    a.cache_blocks(seq.block_tables[g][lo:len(hashes)], hashes[lo:])
             for h in hashes[k:]:
                 if self._pending.get(h) == seq.request_id:
                     del self._pending[h]

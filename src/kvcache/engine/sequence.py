@@ -56,8 +56,8 @@ class Sequence:
     """
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "generator", "status", "num_computed",
-                 "block_table", "block_hashes", "num_published", "num_cached_tokens", "finish_reason", "stop_text",
-                 "num_preemptions", "slot")
+                 "block_tables", "num_freed", "block_hashes", "num_published", "num_cached_tokens", "finish_reason",
+                 "stop_text", "num_preemptions", "slot")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.request_id = request_id
@@ -69,7 +69,10 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.status = SequenceStatus.WAITING
         self.num_computed = 0
-        self.block_table: list[int] = []
+        # one block table per layer group of the paged engine (group 0: ``block_table``); a window group's leading
+        # ``num_freed[g]`` slots were given back (no query reads them) and hold an id no request owns
+        self.block_tables: list[list[int]] = [[]]
+        self.num_freed: list[int] = [0]
         self.block_hashes: list[int] = []  # hash chain of the full blocks of token_ids (grown on demand)
         self.num_published = 0  # leading blocks registered in the prefix cache
         self.num_cached_tokens = 0
@@ -77,6 +80,15 @@ class Sequence:
         self.stop_text: str | None = None
         self.num_preemptions = 0
         self.slot = -1  # linear mode: the cache slot
+
+    @property
+    def block_table(self) -> list[int]:
+        """The block table of the first layer group (the only one of most models)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -97,5 +109,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     def __repr__(self) -> str:
+        blocks = self.block_tables if len(self.block_tables) > 1 else self.block_table
         return (f"Sequence(id={self.request_id}, status={self.status.value}, len={len(self.token_ids)}, "
-                f"computed={self.num_computed}, blocks={self.block_table})")
+                f"computed={self.num_computed}, blocks={blocks})")

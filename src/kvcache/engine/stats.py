@@ -13,12 +13,38 @@ import dataclasses
 from ..paged.tiers.stats import TierStats
 from .core import EngineStats
 
-__all__ = ["GenerateStats", "TotalStats", "accumulate"]
+__all__ = ["GenerateStats", "GroupStats", "TotalStats", "accumulate"]
 
 # summed over calls; the rates are recomputed from the sums, blocks_used is the peak over calls, and the engine's
 # settings (num_blocks, cache_bytes, kv_dtype, cache, attention) are copied
 _SUMMED = ("requests", "prompt_tokens", "generated_tokens", "elapsed_s", "cached_prompt_tokens", "preemptions",
            "steps", "graph_steps", "overlapped_steps")
+
+
+@dataclasses.dataclass
+class GroupStats:
+    """One layer group's pool of the paged engine (:mod:`kvcache.engine.groups`): layers with one sliding window
+    (None: full attention) and their blocks.
+
+    Attributes
+    ----------
+    window : int or None
+    num_layers : int
+    num_blocks : int
+        Blocks in the group's pool (each holds ``block_size`` tokens of the group's layers).
+    blocks_used : int
+        Peak blocks held by running requests (a window group holds only what its window still reads).
+
+    Example
+    -------
+    >>> llm.stats.groups                                        # doctest: +SKIP
+    [GroupStats(window=None, num_layers=1, num_blocks=120, blocks_used=15), GroupStats(window=8, ...)]
+    """
+
+    window: int | None
+    num_layers: int
+    num_blocks: int
+    blocks_used: int = 0
 
 
 @dataclasses.dataclass
@@ -38,6 +64,9 @@ class TotalStats(EngineStats):
     tiers : dict of str to TierStats
         The memory tiers' counters (``"device"``, ``"host"``, ``"disk"``: :class:`~kvcache.paged.tiers.TierStats`)
         summed over the calls; ``{}`` without tiers. An attribute, not a field.
+    groups : list of GroupStats
+        The paged engine's layer groups, each ``blocks_used`` the peak over the calls; ``[]`` for the linear cache.
+        An attribute, not a field.
 
     Example
     -------
@@ -50,6 +79,7 @@ class TotalStats(EngineStats):
 
     def __post_init__(self) -> None:
         self.tiers: dict[str, TierStats] = {}
+        self.groups: list[GroupStats] = []
 
 
 @dataclasses.dataclass
@@ -74,6 +104,9 @@ class GenerateStats(EngineStats):
         This call's counters of the prefix cache's tiers (``"device"``, ``"host"``, ``"disk"``): blocks
         brought back (``hits``), stored, removed, refused, bytes and GB/s each way (see
         :class:`~kvcache.paged.tiers.TierStats`); ``{}`` without tiers. An attribute, not a field.
+    groups : list of GroupStats
+        The paged engine's layer groups (one for a model without sliding windows): each pool's size and this
+        call's peak blocks; ``[]`` for the linear cache. An attribute, not a field.
 
     Example
     -------
@@ -89,6 +122,7 @@ class GenerateStats(EngineStats):
             raise TypeError(f"total: expected a TotalStats or None, got {type(total).__name__}")
         self.total = total if total is not None else TotalStats(**_settings(self))  # type: ignore[misc]
         self.tiers: dict[str, TierStats] = {}
+        self.groups: list[GroupStats] = []
 
 
 def _settings(stats: EngineStats) -> dict[str, object]:
@@ -108,7 +142,8 @@ def accumulate(total: TotalStats, last: EngineStats) -> TotalStats:
     Returns
     -------
     TotalStats
-        Sums, recomputed rates, the peak ``blocks_used`` and ``calls + 1``; the settings are ``last``'s.
+        Sums, recomputed rates, the peak ``blocks_used`` (also each group's) and ``calls + 1``; the settings are
+        ``last``'s.
 
     Example
     -------
@@ -129,4 +164,7 @@ def accumulate(total: TotalStats, last: EngineStats) -> TotalStats:
     last_tiers = getattr(last, "tiers", {})
     out.tiers = {k: total.tiers.get(k, TierStats()) + last_tiers.get(k, TierStats())
                  for k in {**total.tiers, **last_tiers}}
+    before = {(g.window, g.num_layers): g.blocks_used for g in total.groups}
+    out.groups = [dataclasses.replace(g, blocks_used=max(g.blocks_used, before.get((g.window, g.num_layers), 0)))
+                  for g in getattr(last, "groups", ())]
     return out

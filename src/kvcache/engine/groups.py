@@ -1,0 +1,156 @@
+"""Layer groups of the paged engine: layers with the same sliding window (None: full attention) share one pool and
+one block allocator, and a window group holds only the blocks its window can still read.
+
+A key at position ``p`` is visible from a query at ``q`` when ``q - window < p <= q`` (the attention kernels' rule,
+transformers' ``sliding_window``). Every later query of a sequence that has ``c`` tokens in its cache sits at
+``q >= c``, so no query reads a position below ``c - window + 1`` again: the blocks wholly below it,
+``(c - window + 1) // block_size`` of them, go back to the allocator (:func:`first_live_block`). A decode step then
+holds at most ``ceil(window / block_size) + 1`` blocks of a window group (a window of ``window`` positions spans at
+most that many blocks), a prefill chunk of ``n`` tokens at most ``ceil((window - 1 + n) / block_size) + 1``.
+
+Pure Python (no torch): the scheduler and ``kvcache plan`` use the same rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from .._validate import cdiv, check_int
+
+__all__ = ["LayerGroup", "layer_groups", "model_windows", "first_live_block", "blocks_per_seq", "peak_blocks",
+           "split_blocks"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Attention layers sharing one sliding window (``window=None``: full attention).
+
+    Attributes
+    ----------
+    window : int or None
+        The window in tokens (each query sees itself and the ``window - 1`` positions before it).
+    layers : tuple of int
+        The model's layer indices, ascending; layer ``layers[j]`` is layer ``j`` of the group's cache.
+
+    Example
+    -------
+    >>> g = LayerGroup(1024, (0, 1, 2, 3, 4))
+    >>> g.window, len(g.layers), str(g)
+    (1024, 5, 'sliding window 1024: 5 layers')
+    """
+
+    window: int | None
+    layers: tuple[int, ...]
+
+    def __str__(self) -> str:
+        kind = "full attention" if self.window is None else f"sliding window {self.window}"
+        return f"{kind}: {len(self.layers)} layer{'s' * (len(self.layers) != 1)}"
+
+
+def layer_groups(windows: Sequence[int | None]) -> tuple[LayerGroup, ...]:
+    """The groups of layers with equal windows: the full-attention group first (if any), then the window groups
+    in the order of their first layer.
+
+    Parameters
+    ----------
+    windows : sequence of int or None
+        Each layer's window (``kvcache.support.layer_window``; None: full attention).
+
+    Example
+    -------
+    >>> layer_groups([8, 8, None, 8, 16])
+    (LayerGroup(window=None, layers=(2,)), LayerGroup(window=8, layers=(0, 1, 3)), LayerGroup(window=16, layers=(4,)))
+    >>> layer_groups([None, None])
+    (LayerGroup(window=None, layers=(0, 1)),)
+    """
+    if not windows:
+        raise ValueError("windows: expected one window (or None) per layer, got none")
+    by: dict[int | None, list[int]] = {}
+    for i, w in enumerate(windows):
+        if w is not None:
+            check_int(f"windows[{i}]", w, lo=1)
+        by.setdefault(w, []).append(i)
+    order = sorted(by, key=lambda w: (w is not None, by[w][0]))
+    return tuple(LayerGroup(w, tuple(by[w])) for w in order)
+
+
+def model_windows(config: Any, num_layers: int) -> list[int | None]:
+    """Each layer's window as transformers applies it (:func:`kvcache.support.layer_window`).
+
+    Example
+    -------
+    >>> from transformers import MistralConfig
+    >>> model_windows(MistralConfig(sliding_window=16, num_hidden_layers=2), 2)
+    [16, 16]
+    """
+    from ..support import layer_window
+
+    return [layer_window(config, i) for i in range(num_layers)]
+
+
+def first_live_block(window: int | None, num_computed: int, block_size: int) -> int:
+    """Blocks at the front of a sequence that no query reads any more once ``num_computed`` tokens are in the cache:
+    ``max(0, (num_computed - window + 1) // block_size)`` for a window, 0 for full attention.
+
+    Example
+    -------
+    >>> first_live_block(8, 11, 4), first_live_block(8, 12, 4), first_live_block(None, 100, 4)
+    (1, 1, 0)
+    >>> first_live_block(8, 15, 4)   # positions 0..7 lie below 15 - 8 + 1 = 8
+    2
+    """
+    if window is None:
+        return 0
+    return max(0, (num_computed - window + 1) // block_size)
+
+
+def blocks_per_seq(window: int | None, seq_len: int, block_size: int) -> int:
+    """Blocks a sequence of ``seq_len`` tokens holds at most in decode: ``ceil(seq_len / block_size)``, for a window
+    at most ``ceil(window / block_size) + 1`` (what the pool is sized by).
+
+    Example
+    -------
+    >>> blocks_per_seq(None, 8192, 16), blocks_per_seq(1024, 8192, 16), blocks_per_seq(1024, 100, 16)
+    (512, 65, 7)
+    """
+    full = cdiv(seq_len, block_size)
+    return full if window is None else min(full, cdiv(window, block_size) + 1)
+
+
+def peak_blocks(window: int | None, seq_len: int, chunk: int, block_size: int) -> int:
+    """Blocks a sequence of ``seq_len`` tokens holds at most at any step when it is fed at most ``chunk`` tokens a
+    step: for a window, ``ceil((window - 1 + chunk) / block_size) + 1`` (never more than the whole sequence).
+
+    Example
+    -------
+    >>> peak_blocks(8, 64, 12, 4), peak_blocks(None, 64, 12, 4)
+    (6, 16)
+    """
+    full = cdiv(seq_len, block_size)
+    if window is None:
+        return full
+    return min(full, cdiv(window - 1 + min(chunk, seq_len), block_size) + 1)
+
+
+def split_blocks(groups: Sequence[LayerGroup], budget: int, block_bytes: Sequence[int], seq_len: int,
+                 block_size: int) -> list[int]:
+    """Each group's pool out of ``budget`` bytes, in proportion to what a sequence of ``seq_len`` tokens needs of
+    each (:func:`blocks_per_seq` blocks of ``block_bytes[g]`` bytes each), at least 2 blocks each.
+
+    One group takes ``budget // block_bytes[0]`` blocks (the whole budget).
+
+    Example
+    -------
+    >>> gs = layer_groups([8, None])
+    >>> split_blocks(gs, 100 * 1000, [1000, 1000], 64, 4)   # 16 blocks of the full layer per 3 of the window one
+    [84, 15]
+    """
+    if len(block_bytes) != len(groups):
+        raise ValueError(f"block_bytes: expected one size per group ({len(groups)}), got {len(block_bytes)}")
+    if len(groups) == 1:
+        return [max(2, budget // block_bytes[0])]
+    need = [blocks_per_seq(g.window, seq_len, block_size) for g in groups]
+    per_seq = sum(n * b for n, b in zip(need, block_bytes))
+    return [max(2, budget * n // per_seq) for n in need]
