@@ -307,7 +307,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .hf.plan import load_model_config, parse_memory, plan
+    from .hf.plan import describe_windows, load_model_config, parse_memory, plan
 
     memory = parse_memory(args.memory)  # bad input raises: main prints one line, exit 2
     config = load_model_config(args.model)
@@ -315,6 +315,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     shape, dtype, rows = plan(config, memory, args.seq_len, block_size=args.block_size, dtype=dtype)
     print(f"model: {args.model or 'SmolLM2-135M-Instruct (default)'}: {shape.num_layers} layers, "
           f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim}, model dtype {str(dtype).removeprefix('torch.')}")
+    windows = describe_windows(config, args.seq_len, args.block_size)  # window layers count at their window
+    if windows:
+        print(windows)
     print(f"memory: {memory / 2**30:.2f} GiB for the cache, sequences of {args.seq_len} tokens, "
           f"paged block_size {args.block_size}\n")
     print(f"| {'cache':<6} | {'kv_dtype':<16} | {'bytes/token':>12} | {'tokens':>14} | {'sequences':>10} |")
