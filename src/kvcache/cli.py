@@ -149,6 +149,7 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
     import torch
 
     from . import ops
+    from .ops.paged.format import kv_format
     from .paged import BlockAllocator, PagedConfig, PagedKVCache
 
     H, D, bs = 2, 64, 4
@@ -180,7 +181,7 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
             if kv_dtype == "fp8":  # e4m3: 3 mantissa bits, half a step of relative error
                 bound = x.abs() / 16 + 2.0**-9
             else:  # scale / 2 per (token, head) row, scale = (max - min) / (2^bits - 1)
-                levels = 255 if kv_dtype == "int8" else 15
+                levels = kv_format(kv_dtype).qmax_of(0 if x is k else 1)
                 rng = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)
                 bound = rng / levels / 2 * 1.001 + 1e-6
             ok = ok and bool(((x - y).abs() <= bound).all())
@@ -217,7 +218,7 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
         return ok
 
     checks: list[tuple[str, Callable[[], bool]]] = [("BlockAllocator (allocate, fork, free)", t_allocator)]
-    for kv_dtype, layout in (("auto", "NHD"), ("fp8", "HND"), ("int8", "NHD"), ("int4", "HND")):
+    for kv_dtype, layout in (("auto", "NHD"), ("fp8", "HND"), ("int8", "NHD"), ("int4", "HND"), ("k8v4", "NHD")):
         checks.append((f"PagedKVCache append -> gather ({kv_dtype}, {layout})",
                        lambda kv_dtype=kv_dtype, layout=layout: round_trip(kv_dtype, layout)))
     checks.append(("PagedKVCache.copy_blocks (int8: data and params)", t_copy_blocks))

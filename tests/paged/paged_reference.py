@@ -41,6 +41,19 @@ from kvcache.rope import RopeConfig, apply_rope_reference
 SENTINEL = 0x5A
 FP8_MAX = 448.0
 QMAX = {"int8": 255, "int4": 15}
+# bits of keys and of values per integer format (k8v4: int8 keys in planes 0 / 1, int4 values in plane 2)
+BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}
+QUANTIZED = tuple(BITS)
+
+
+def qmax_of(kv_dtype: str, kv: int) -> int:
+    """Largest code of keys (``kv`` 0) or values (1) of an integer format."""
+    return 2 ** BITS[kv_dtype][kv] - 1
+
+
+def row_elems(kv_dtype: str, head_dim: int) -> int:
+    """Stored elements per row of one plane: ``D // 2`` where values are int4 (int4, k8v4)."""
+    return head_dim // 2 if kv_dtype in ("int4", "k8v4") else head_dim
 
 # (explicit mantissa bits, smallest normal exponent) of each floating dtype used here
 _FLOAT_FORMAT = {
@@ -247,6 +260,16 @@ def fp8_encode(x: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.clamp(x.float() * inv, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+def stored_codes(pool: torch.Tensor, idx: tuple[int, ...], kv_dtype: str) -> list[int]:
+    """The ``D`` integer codes of one stored row of an integer format; ``idx`` is the row's (scale, zero) index
+    (:func:`row_index`; k8v4: keys in planes 0 and 1, values in plane 2)."""
+    if kv_dtype == "k8v4":
+        if idx[1] == 0:
+            return pool[(idx[0], 0, *idx[2:])].tolist() + pool[(idx[0], 1, *idx[2:])].tolist()
+        return unpack_int4(pool[(idx[0], 2, *idx[2:])])
+    return unpack_int4(pool[idx]) if kv_dtype == "int4" else pool[idx].tolist()
+
+
 def decode_row(
     pool: torch.Tensor, params: torch.Tensor | None, idx: tuple[int, ...], kv_dtype: str, fp8_scale: float
 ) -> torch.Tensor:
@@ -257,7 +280,7 @@ def decode_row(
         return raw.float()
     if kv_dtype == "fp8":
         return raw.float() * torch.tensor(fp8_scale, dtype=torch.float32)
-    codes = unpack_int4(raw) if kv_dtype == "int4" else raw.tolist()
+    codes = stored_codes(pool, idx, kv_dtype)
     scale, zero = params[idx][0], params[idx][1]  # type: ignore[index]
     q = torch.tensor(codes, dtype=torch.float32)
     return q * scale + zero
@@ -325,10 +348,17 @@ def append_expected(
                 elif kv_dtype == "fp8":
                     out[idx] = fp8_encode(x[h], fp8_scales[kv])
                 else:
-                    codes, scale, zero = quantize_row(x[h], 8 if kv_dtype == "int8" else 4)
-                    stored = pack_int4(codes) if kv_dtype == "int4" else codes
-                    out[idx] = torch.tensor(stored, dtype=torch.uint8)
+                    bits = BITS[kv_dtype][kv]
+                    codes, scale, zero = quantize_row(x[h], bits)
                     par[idx] = torch.stack([scale, zero])  # type: ignore[index]
+                    if kv_dtype == "k8v4" and kv == 0:  # a key's halves in planes 0 and 1
+                        half = len(codes) // 2
+                        out[(idx[0], 0, *idx[2:])] = torch.tensor(codes[:half], dtype=torch.uint8)
+                        out[(idx[0], 1, *idx[2:])] = torch.tensor(codes[half:], dtype=torch.uint8)
+                        continue
+                    stored = pack_int4(codes) if bits == 4 else codes
+                    at = (idx[0], 2, *idx[2:]) if kv_dtype == "k8v4" else idx
+                    out[at] = torch.tensor(stored, dtype=torch.uint8)
     return Expected(out, par, values, list(targets))
 
 
@@ -380,7 +410,7 @@ def gather_expected(
         _, _, bs, H, dp = p.shape
     else:
         _, _, H, bs, dp = p.shape
-    D = dp * 2 if kv_dtype == "int4" else dp
+    D = dp * 2 if kv_dtype in ("int4", "k8v4") else dp
     B = len(totals)
     k32 = torch.zeros((B, H, s_out, D), dtype=torch.float32)
     v32 = torch.zeros((B, H, s_out, D), dtype=torch.float32)
@@ -441,14 +471,19 @@ def assert_append_matches(
     p = pool.detach().cpu()
     par = None if params is None else params.detach().cpu()
     loose = torch.zeros(p.shape[:4], dtype=torch.bool)
+    loose_par = None if par is None else torch.zeros(par.shape[:4], dtype=torch.bool)
     H = p.shape[3] if layout == "NHD" else p.shape[2]
     if rope is not None:
         for t in exp.targets:
             for h in range(H):
-                loose[row_index(layout, t.block, 0, t.offset, h)] = True
+                idx = row_index(layout, t.block, 0, t.offset, h)
+                for plane in ((0, 1) if kv_dtype == "k8v4" else (0,)):  # a k8v4 key spans planes 0 and 1
+                    loose[(idx[0], plane, *idx[2:])] = True
+                if loose_par is not None:
+                    loose_par[idx] = True
     assert_bits_equal(p[~loose], exp.pool[~loose], f"{what} (rows compared bit-exactly)")
     if par is not None:
-        assert_bits_equal(par[~loose], exp.params[~loose], f"{what} params (rows compared bit-exactly)")  # type: ignore[index]
+        assert_bits_equal(par[~loose_par], exp.params[~loose_par], f"{what} params (rows compared bit-exactly)")  # type: ignore[index]
     if rope is None:
         return
     for t in exp.targets:
@@ -471,7 +506,7 @@ def assert_append_matches(
                 tol = tol + want.abs() * 2.0**-22  # x * (1 / s) vs x / s
                 assert_close(got, want, tol, where)
             else:
-                qmax = QMAX[kv_dtype]
+                qmax = qmax_of(kv_dtype, 0)
                 scale, zero = par[idx][0].double(), par[idx][1].double()  # type: ignore[index]
                 xmin, xmax = x[h].double().min(), x[h].double().max()
                 assert_close(zero, xmin, slack[h][0], where + " zero")
@@ -507,7 +542,7 @@ def assert_gather_matches(
     k, v = k_out.detach().cpu(), v_out.detach().cpu()
     dtype = k.dtype
     pad = ~exp.valid
-    quant = kv_dtype in ("int8", "int4")
+    quant = kv_dtype in QUANTIZED
     for name, got in (("k", k), ("v", v)):
         tail = got.transpose(1, 2)[pad]  # [n_pad, H, D]
         assert_bits_equal(tail, torch.zeros_like(tail), f"{what}: {name} padded tail (must be zero)")

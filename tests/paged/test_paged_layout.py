@@ -14,7 +14,7 @@ from kvcache.rope import RopeConfig
 
 from . import paged_reference as pr
 
-KV_DTYPES = ["auto", "fp8", "int8", "int4"]
+KV_DTYPES = ["auto", "fp8", "int8", "int4"]  # k8v4 (no single K view): its own test
 MODEL_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 MODEL_IDS = ["fp16", "bf16", "fp32"]
 # (L, H, D, block_size, num_blocks): odd shapes included
@@ -83,6 +83,27 @@ def test_pool_shapes_dtypes_and_bytes(device, shape, kv_dtype, layout):
         if cache.params_buffer is not None:
             allocated += cache.params_buffer.numel() * cache.params_buffer.element_size()
         assert allocated == cache.nbytes
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_k8v4_planes_and_bytes(device, layout):
+    """k8v4: three planes of D / 2 bytes per block (key codes [0, D/2), key codes [D/2, D), int4 values), the
+    params pool of the other integer formats, D + D / 2 + 16 bytes per (token, head); no single K view."""
+    L, H, D, bs, nb = 2, 3, 80, 4, 5
+    for dtype in MODEL_DTYPES:
+        cfg = PagedConfig(num_layers=L, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, dtype=dtype,
+                          kv_dtype="k8v4", layout=layout, device=device)
+        cache = PagedKVCache(cfg)
+        want = (nb, 3, bs, H, D // 2) if layout == "NHD" else (nb, 3, H, bs, D // 2)
+        assert cache.pool(1).shape == want and cache.buffer.dtype == torch.uint8
+        pshape = (nb, 2, bs, H, 2) if layout == "NHD" else (nb, 2, H, bs, 2)
+        assert cache.params(1).shape == pshape and cache.params(1).dtype == torch.float32
+        assert cache_block_bytes(L, H, D, bs, dtype, "k8v4") == L * bs * H * (D + D // 2 + 16) == cfg.block_bytes
+        assert cfg.block_bytes * nb == cache.nbytes
+    with pytest.raises(ValueError, match="k8v4"):
+        cache.kv(0)
+    with pytest.raises(ValueError, match="even head_dim"):
+        PagedConfig(num_layers=1, num_kv_heads=1, head_dim=7, block_size=4, num_blocks=2, kv_dtype="k8v4")
 
 
 def bits_any(t: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ from kvcache.rope import RopeConfig
 from . import paged_reference as pr
 
 INT_DTYPES = ["int8", "int4"]
+ALL_INT_DTYPES = [*INT_DTYPES, "k8v4"]  # k8v4: int8 keys, int4 values
 # (head_dim, layout): power-of-two and padded head dims (BLOCK_D > D: masked lanes), both layouts
 SHAPES = [
     pytest.param((8, "NHD"), id="d8-NHD"),
@@ -43,10 +44,10 @@ def _check_quant_properties(cache, exp, kv_dtype, layout, rope):  # type: ignore
     """The documented properties, per written (token, head) row of K and V, from the stored bytes alone and
     the values the reference says were meant to be stored (keys rotated)."""
     p, par = cache.pool(0).cpu(), cache.params(0).cpu()
-    qmax = pr.QMAX[kv_dtype]
     H = cache.config.num_kv_heads
     for t in exp.targets:
         for kv in (0, 1):
+            qmax = pr.qmax_of(kv_dtype, kv)
             x = exp.values[(t.row, kv)]
             slack = pr.rope_slack(x[None], rope)[0] if (rope is not None and kv == 0) else torch.zeros(H, 1)
             for h in range(H):
@@ -54,7 +55,7 @@ def _check_quant_properties(cache, exp, kv_dtype, layout, rope):  # type: ignore
                 where = f"row {t.row} kv {kv} head {h}"
                 scale, zero = par[idx][0], par[idx][1]
                 assert torch.isfinite(scale) and torch.isfinite(zero) and float(scale) >= 0.0, where
-                codes = pr.unpack_int4(p[idx]) if kv_dtype == "int4" else p[idx].tolist()
+                codes = pr.stored_codes(p, idx, kv_dtype)
                 assert all(0 <= c <= qmax for c in codes), where
                 deq = pr.decode_row(p, par, idx, kv_dtype, 1.0)
                 assert not torch.isnan(deq).any(), where
@@ -72,7 +73,7 @@ def _check_quant_properties(cache, exp, kv_dtype, layout, rope):  # type: ignore
 
 @pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kv_dtype", INT_DTYPES)
+@pytest.mark.parametrize("kv_dtype", ALL_INT_DTYPES)
 def test_int_append(device, kv_dtype, shape, use_rope):
     """Without RoPE: codes, scale and zero bit-exact against the reference's float32 formula. With RoPE
     (partial rotary on the padded shapes): within the derived bounds. Both: the documented properties."""
@@ -92,7 +93,7 @@ def test_int_append(device, kv_dtype, shape, use_rope):
     _check_quant_properties(cache, exp, kv_dtype, layout, rope)
 
 
-@pytest.mark.parametrize("kv_dtype", INT_DTYPES)
+@pytest.mark.parametrize("kv_dtype", ALL_INT_DTYPES)
 def test_int_append_bf16_and_fp32_models(device, kv_dtype):
     for dtype in (torch.bfloat16, torch.float32):
         gen = pr.generator(110)
@@ -304,7 +305,7 @@ def test_fp8_rounding_edge_values(device):
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4", "fp8"])
 def test_quantized_gather(device, kv_dtype, layout):
     """Gather dequantizes: fp8 bit-exact (x * scale, one float32 product), int8 / int4 within one ulp of the
     model dtype of q * scale + zero, and within scale / 2 (+ one model-dtype rounding) of what was appended."""
@@ -341,7 +342,7 @@ def test_quantized_gather(device, kv_dtype, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4", "fp8"])
 def test_quantized_sweep_large(device, kv_dtype, layout, use_rope):
     """GPU-sized: 8 heads, head_dims 128 and 576 (padded to 1024 lanes), block 16."""
     for D in (128, 576):

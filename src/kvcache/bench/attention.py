@@ -142,15 +142,16 @@ class Pool:
         fmt = kv_format(kv_dtype)
         self.kv_dtype, self.bs, self.num_blocks, self.layout = kv_dtype, bs, num_blocks, layout
         shape = cfg.pool_shape()
-        if fmt.bits is None:  # fp16, or fp8 codes of fp16 values
+        if fmt.key_bits is None:  # fp16, or fp8 codes of fp16 values
             values = torch.randn(shape, dtype=torch.float16, device=dev, generator=gen)
             self.pool = values.to(fmt.storage_dtype(torch.float16))
-        else:  # int8 codes, or two random int4 codes per byte
+        else:  # int8 codes, or two random int4 codes per byte (k8v4: both, in their planes)
             self.pool = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
         self.params = None
         if fmt.row_params:
             self.params = torch.empty(cfg.params_shape(), dtype=torch.float32, device=dev)
-            self.params[..., 0] = 6.0 / fmt.qmax
+            self.params[:, 0, ..., 0] = 6.0 / fmt.qmax_of(0)
+            self.params[:, 1, ..., 0] = 6.0 / fmt.qmax_of(1)
             self.params[..., 1] = -3.0
         self.kv_scales = torch.ones(2, dtype=torch.float32, device=dev) if fmt.per_layer_scale else None
 

@@ -71,7 +71,7 @@ FIELD_NAMES = {
 KIND_BLOCKS, KIND_SNAPSHOT = 1, 2
 ACCEPT, NO_ROOM, REJECT = 0, 1, 2
 
-KV_DTYPE_CODES = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3}
+KV_DTYPE_CODES = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3, "k8v4": 4}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 DECODE = {

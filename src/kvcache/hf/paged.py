@@ -55,7 +55,7 @@ class PagedCache(CacheCapacity, Cache):
         Tokens per row the pool is sized for by default (``num_blocks = max_batch_size * ceil(max_cache_len /
         block_size)``).
     kv_dtype : str
-        ``"auto"`` (the model's dtype), ``"fp8"``, ``"int8"`` or ``"int4"`` (see :mod:`kvcache.paged.config`).
+        ``"auto"`` (the model's dtype), ``"fp8"``, ``"int8"``, ``"int4"`` or ``"k8v4"`` (see :mod:`kvcache.paged.config`).
     block_size : int
         Tokens per block.
     num_blocks : int, optional
@@ -108,8 +108,8 @@ class PagedCache(CacheCapacity, Cache):
             raise ValueError(f"kv_dtype: expected one of {KV_FORMATS}, got {kv_dtype!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-        if kv_dtype == "int4" and shape.head_dim % 2:
-            raise ValueError(f"kv_dtype: 'int4' needs an even head_dim, the model's is {shape.head_dim}")
+        if kv_dtype in ("int4", "k8v4") and shape.head_dim % 2:
+            raise ValueError(f"kv_dtype: {kv_dtype!r} needs an even head_dim, the model's is {shape.head_dim}")
         self.model_config = config
         check_supported(config, self._path(), name="config")  # a property of the model this path does not run
         self._checked = {self._path()}  # the paths checked (a model may change its attention implementation)

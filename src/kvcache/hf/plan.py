@@ -137,7 +137,7 @@ def plan(config: Any, memory: int, seq_len: int, *, block_size: int = 16, dtype:
     rows = []
     per_seq_blocks = cdiv(seq_len, block_size)
     for kv in KV_FORMATS:
-        if kv == "int4" and D % 2:
+        if kv in ("int4", "k8v4") and D % 2:
             continue
         name = f"auto ({str(dtype).removeprefix('torch.')})" if kv == "auto" else kv
         block = cache_block_bytes(L, H, D, block_size, dtype, kv)

@@ -135,17 +135,21 @@ class PagedKVCache:
 
     def pool(self, layer: int) -> torch.Tensor:
         """Data pool of ``layer``: NHD ``[num_blocks, 2, block_size, H, D]`` / HND ``[num_blocks, 2, H, block_size, D]``
-        (``D // 2`` bytes per row for int4)."""
+        (``D // 2`` bytes per row for int4; k8v4: 3 planes of ``D // 2`` bytes, :mod:`kvcache.paged.config`)."""
         return self.buffer[self._layer(layer)]
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of ``pool(layer)``: NHD ``[num_blocks, block_size, H, D]`` each (FlashAttention's
-        paged ``k_cache`` / ``v_cache``), HND ``[num_blocks, H, block_size, D]``."""
+        paged ``k_cache`` / ``v_cache``), HND ``[num_blocks, H, block_size, D]``. Not for k8v4, whose key rows span
+        two planes (:meth:`gather` reads them back)."""
+        if self._config.kv_dtype == "k8v4":
+            raise ValueError("kv: kv_dtype 'k8v4' stores each key row in two planes (no single K view); use "
+                             "pool(layer) or gather")
         p = self.pool(layer)
         return p[:, 0], p[:, 1]
 
     def params(self, layer: int) -> torch.Tensor | None:
-        """float32 (scale, zero) pool of ``layer`` for int8 / int4, else None."""
+        """float32 (scale, zero) pool of ``layer`` for int8 / int4 / k8v4, else None."""
         return None if self.params_buffer is None else self.params_buffer[self._layer(layer)]
 
     # ------------------------------------------------------------------------------------------ append / gather

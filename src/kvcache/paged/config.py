@@ -10,16 +10,20 @@ kv_dtype    data, per layer                                                store
 "fp8"       same shapes                                                    float8_e4m3fn of ``x * (1/scale)``
 "int8"      same shapes                                                    uint8 code
 "int4"      same shapes with ``D // 2`` bytes per row                      two uint4 codes per byte
+"k8v4"      ``[num_blocks, 3, block_size, H, D // 2]`` (NHD) /             keys: uint8 codes; values: two
+            ``[num_blocks, 3, H, block_size, D // 2]`` (HND)               uint4 codes per byte
 ==========  ============================================================  ==============================
 
-``[:, 0]`` holds keys, ``[:, 1]`` values: the single-tensor paged layout of FlashInfer (``NHD``: ``[pages, 2,
+``[:, 0]`` holds keys, ``[:, 1]`` values (k8v4: ``[:, 0]`` / ``[:, 1]`` the int8 codes of key elements ``[0, D/2)``
+/ ``[D/2, D)``, ``[:, 2]`` the int4 values): the single-tensor paged layout of FlashInfer (``NHD``: ``[pages, 2,
 page_size, heads, head_dim]``; ``HND``: ``[pages, 2, heads, page_size, head_dim]``), so ``auto`` and ``fp8``
 pools are handed to FlashInfer as they are, and ``pool[:, 0]`` / ``pool[:, 1]`` (NHD) are the
 ``[num_blocks, block_size, H, D]`` K / V caches of FlashAttention's ``flash_attn_with_kvcache``.
 
 Quantization (TurboMind's, per token and head, asymmetric):
 
-* int8 / int4 (``b`` = 8 / 4 bits): over the ``D`` values of one (token, head) — keys after RoPE —
+* int8 / int4 / k8v4 (``b`` = 8 / 4 bits; k8v4: keys 8, values 4): over the ``D`` values of one (token, head) —
+  keys after RoPE —
   ``scale = (max - min) / (2^b - 1)``, ``zero = min``, ``q = clamp(round_half_even((x - zero) * (1 / scale)),
   0, 2^b - 1)`` (one IEEE reciprocal per row, then multiplies; ``q = 0`` when ``scale == 0``: a constant
   vector round-trips exactly), dequantized as ``q * scale + zero``; all in float32. ``scale`` and ``zero``
@@ -27,7 +31,11 @@ Quantization (TurboMind's, per token and head, asymmetric):
   NHD ``[num_blocks, 2, block_size, H, 2]``, HND ``[num_blocks, 2, H, block_size, 2]``. Padded lanes
   (head_dim not a power of two) never take part in min / max. Error bound:
   ``|x - dequant(q)| <= scale / 2`` (plus float32 rounding).
-* int4 nibble order (planar halves): element ``i`` of a row in the low nibble of byte ``i``, element
+* k8v4: keys are int8 rows (what quality needs most: their channels differ in size, and one scale per row
+  spends 4 bits' 16 levels on the largest channel), values int4 rows; bytes per (token, head)
+  ``D + D / 2 + 16``, against int8's ``2 D + 16`` and int4's ``D + 16``.
+* int4 nibble order (planar halves, the values of k8v4 too): element ``i`` of a row in the low nibble of byte
+  ``i``, element
   ``D/2 + i`` in the high nibble (``byte[i] = q[i] | q[D/2 + i] << 4``, ``i < D/2``). ``head_dim`` must be
   even. Chosen over adjacent pairs because the two halves are exactly the pairs of rotate-half RoPE: the
   kernels rotate, quantize and pack a row from two contiguous half tiles, with no data shuffles.
@@ -66,7 +74,12 @@ def cache_block_bytes(
     dtype : torch.dtype
         Model dtype (float16, bfloat16, float32): the stored element for ``kv_dtype="auto"``.
     kv_dtype : str
-        ``"auto"``, ``"fp8"``, ``"int8"`` or ``"int4"``.
+        ``"auto"``, ``"fp8"``, ``"int8"``, ``"int4"`` or ``"k8v4"``.
+
+    Example
+    -------
+    >>> cache_block_bytes(32, 8, 128, 16, torch.bfloat16, "k8v4") // (32 * 8 * 16)  # bytes per (token, head)
+    208
     """
     check_int("num_layers", num_layers, 1)
     check_int("num_kv_heads", num_kv_heads, 1)
@@ -74,14 +87,10 @@ def cache_block_bytes(
     check_int("block_size", block_size, 1)
     check_dtype_in("dtype", dtype, MODEL_DTYPES)
     check_choice("kv_dtype", kv_dtype, KV_FORMATS)
-    if kv_dtype == "int4" and head_dim % 2:
-        raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {head_dim}")
     fmt = kv_format(kv_dtype)
-    elt = torch.empty((), dtype=fmt.storage_dtype(dtype)).element_size()
-    per_row = fmt.row_elems(head_dim) * elt
-    if fmt.row_params:
-        per_row += 2 * 4  # float32 scale and zero
-    return num_layers * 2 * block_size * num_kv_heads * per_row
+    if fmt.needs_even_head_dim and head_dim % 2:
+        raise ValueError(f"head_dim: expected an even head_dim for kv_dtype={kv_dtype!r}, got {head_dim}")
+    return num_layers * block_size * num_kv_heads * fmt.token_head_bytes(head_dim, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +100,7 @@ class PagedConfig:
     Parameters
     ----------
     num_layers, num_kv_heads, head_dim : int
-        Any head_dim (even for int4).
+        Any head_dim (even for int4 and k8v4).
     block_size : int
         Tokens per block (page), any positive int (16 and 64 are common).
     num_blocks : int
@@ -99,7 +108,7 @@ class PagedConfig:
     dtype : torch.dtype
         The model dtype: of K / V given to ``append`` and returned by ``gather``.
     kv_dtype : str
-        ``"auto"`` (store ``dtype``), ``"fp8"``, ``"int8"``, ``"int4"`` (see the module docstring).
+        ``"auto"`` (store ``dtype``), ``"fp8"``, ``"int8"``, ``"int4"``, ``"k8v4"`` (see the module docstring).
     layout : str
         ``"NHD"`` (token-major inside a block) or ``"HND"`` (head-major).
     device : torch.device | str | int | None
@@ -124,33 +133,35 @@ class PagedConfig:
         check_dtype_in("dtype", self.dtype, MODEL_DTYPES)
         check_choice("kv_dtype", self.kv_dtype, KV_FORMATS)
         check_choice("layout", self.layout, LAYOUTS)
-        if self.kv_dtype == "int4" and self.head_dim % 2:
-            raise ValueError(f"head_dim: expected an even head_dim for kv_dtype='int4', got {self.head_dim}")
+        if kv_format(self.kv_dtype).needs_even_head_dim and self.head_dim % 2:
+            raise ValueError(f"head_dim: expected an even head_dim for kv_dtype={self.kv_dtype!r}, got {self.head_dim}")
         object.__setattr__(self, "device", resolve_device(self.device))
 
     @property
     def quantized(self) -> bool:
-        """True for int8 / int4 (scale and zero per token and head)."""
-        return self.kv_dtype in ("int8", "int4")
+        """True for int8 / int4 / k8v4 (scale and zero per token and head)."""
+        return kv_format(self.kv_dtype).row_params
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        """torch dtype of the data pool: the model dtype (auto), float8_e4m3fn (fp8) or uint8 (int8 / int4)."""
+        """torch dtype of the data pool: the model dtype (auto), float8_e4m3fn (fp8) or uint8 (int8 / int4 / k8v4)."""
         return kv_format(self.kv_dtype).storage_dtype(self.dtype)
 
     @property
     def row_elems(self) -> int:
-        """Stored elements per (token, head) row: ``head_dim``, or ``head_dim // 2`` bytes for int4."""
+        """Stored elements per (token, head) row of one plane: ``head_dim``, or ``head_dim // 2`` bytes for int4 and
+        k8v4."""
         return kv_format(self.kv_dtype).row_elems(self.head_dim)
 
     def pool_shape(self) -> tuple[int, ...]:
         """Shape of one layer's data pool."""
+        planes = kv_format(self.kv_dtype).planes
         if self.layout == "NHD":
-            return (self.num_blocks, 2, self.block_size, self.num_kv_heads, self.row_elems)
-        return (self.num_blocks, 2, self.num_kv_heads, self.block_size, self.row_elems)
+            return (self.num_blocks, planes, self.block_size, self.num_kv_heads, self.row_elems)
+        return (self.num_blocks, planes, self.num_kv_heads, self.block_size, self.row_elems)
 
     def params_shape(self) -> tuple[int, ...]:
-        """Shape of one layer's (scale, zero) pool (int8 / int4 only)."""
+        """Shape of one layer's (scale, zero) pool (int8 / int4 / k8v4 only)."""
         if self.layout == "NHD":
             return (self.num_blocks, 2, self.block_size, self.num_kv_heads, 2)
         return (self.num_blocks, 2, self.num_kv_heads, self.block_size, 2)

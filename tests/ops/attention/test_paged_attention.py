@@ -16,7 +16,7 @@ from kvcache.ops.attention import attention_plan
 
 from .attn_reference import assert_attn_close, dequantized, i32, make_paged, paged_expected
 
-FORMATS = ["auto", "fp8", "int8", "int4"]
+FORMATS = ["auto", "fp8", "int8", "int4", "k8v4"]
 
 
 def _run(cache, bt, q, q_lens, kv_lens, device, **kw):  # type: ignore[no-untyped-def]
@@ -86,7 +86,7 @@ def test_query_dtypes(device, dtype):
     assert_attn_close(out, lse, eo, el, dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4"])
 def test_quantized_bf16_queries(device, kv_dtype):
     """bf16 queries over int8 / int4 codes: int8 codes reach 255, past the 128 + c bf16 rule of the int4 codes
     (compiled: bf16 K operands; interpreter: float32 ones)."""
@@ -102,7 +102,7 @@ def test_quantized_bf16_queries(device, kv_dtype):
     assert_attn_close(out, lse, eo, el, torch.bfloat16, what=kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4"])
 def test_quantized_bf16_query_magnitudes(device, kv_dtype):
     """bf16 query rows of very different magnitudes over int8 / int4 codes in decode: rows of |q| ~ 1e-20, 1,
     3e5 (past float16's largest value) and an all-zero row each match the reference (compiled int8 decode runs
@@ -332,7 +332,7 @@ def test_nothing_to_attend(device):
     assert (o1 == 0).all() and torch.allclose(l1[0], sinks)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4", "k8v4"])
 def test_quantized_against_fp16_cache(device, kv_dtype):
     """A quantized cache's attention stays within the bound its quantization error implies of the fp16 cache's:
     every score moves by at most delta = scale * max |q . (k_deq - k)|, so softmax weights move by a factor within
@@ -360,7 +360,7 @@ def test_quantized_against_fp16_cache(device, kv_dtype):
         row += ql
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4"])
 @pytest.mark.parametrize("which", ["k", "v"])
 def test_nan_in_cache_stays_visible(device, kv_dtype, which):
     """NaN in a key or value the row attends to reaches its output (never a finite value), in every format: fp8
@@ -413,7 +413,7 @@ def test_quantized_v_scales_spanning_1000x(device, kv_dtype):
 @pytest.mark.parametrize("offset", [0.0, 4.0], ids=["centred", "offset"])
 @pytest.mark.parametrize("qdt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [80, 128])
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4"])
 def test_quantized_decode_wide_rows(device, kv_dtype, D, qdt, offset, opts):
     """Decode rows at head_dims over 64, K / V centred or offset from zero (mean ``offset``), ragged lengths with
     partial tiles, alone, with splits + window + sinks, or softcap, against the reference over the dequantized cache.
@@ -438,7 +438,7 @@ def test_quantized_decode_wide_rows(device, kv_dtype, D, qdt, offset, opts):
     assert_attn_close(out, lse, eo, el, qdt, what=f"{kv_dtype} D={D} offset {offset} {opts}")
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4"])
 def test_quantized_decode_queries_with_a_mean(device, kv_dtype):
     """Decode queries far from zero mean (32 (1 + randn)): every score carries a large sum(q) term, so a kernel that
     left a constant offset in the K codes and took it out of the scores afterwards would lose the log-sum-exp to

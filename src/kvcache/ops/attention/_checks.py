@@ -76,19 +76,20 @@ def check_pool(pool: object, params: object, kv_scales: object, kv_dtype: str, l
     dev = q.device
     stored = (q.dtype,) if fmt.storage is None else (fmt.storage,)
     check_tensor_arg("pool", pool, dtypes=stored, ndim=5, device=dev, ref="q")
-    want = "[num_blocks, 2, block_size, H, R]" if layout == "NHD" else "[num_blocks, 2, H, block_size, R]"
-    if pool.shape[1] != 2:
+    p = fmt.planes
+    want = f"[num_blocks, {p}, block_size, H, R]" if layout == "NHD" else f"[num_blocks, {p}, H, block_size, R]"
+    if pool.shape[1] != p:
         raise ValueError(f"pool: expected shape {want} ({layout}), got {fmt_shape(pool.shape)}")
     if not pool.is_contiguous():
         raise ValueError(f"pool: expected a contiguous tensor, got strides {tuple(pool.stride())}")
     nb = pool.shape[0]
     bs, h = (pool.shape[2], pool.shape[3]) if layout == "NHD" else (pool.shape[3], pool.shape[2])
     d = q.shape[-1]
-    r = d // 2 if kv_dtype == "int4" else d
-    if pool.shape[4] != r or (kv_dtype == "int4" and d % 2):
+    r = fmt.row_elems(d)
+    if pool.shape[4] != r or (fmt.needs_even_head_dim and d % 2):
         raise ValueError(f"pool: expected rows of {r} elements for head_dim {d} and kv_dtype {kv_dtype!r}, got "
                          f"shape {fmt_shape(pool.shape)}")
-    if kv_dtype in ("int8", "int4"):
+    if fmt.row_params:
         if params is None:
             raise ValueError(f"params: expected the float32 (scale, zero) pool for kv_dtype {kv_dtype!r}, got None")
         check_tensor_arg("params", params, dtypes=(torch.float32,), ndim=5, device=dev, ref="q")

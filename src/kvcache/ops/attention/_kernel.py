@@ -104,16 +104,26 @@ def _tile(
     for bfloat16 queries under the interpreter, whose dots run in float32), the rounding target of the
     prefill tiles' 16-bit dequantization.
     """
+    if QUANT == 4:  # k8v4: int8 keys in planes 0 / 1 (the second half S_KV after the first), int4 values in plane 2
+        QK: tl.constexpr = 2
+        QV: tl.constexpr = 3
+        K_HI: tl.constexpr = S_KV
+        V_AT: tl.constexpr = 2 * S_KV
+    else:
+        QK: tl.constexpr = QUANT
+        QV: tl.constexpr = QUANT
+        K_HI: tl.constexpr = H1
+        V_AT: tl.constexpr = S_KV
     j = t * BLOCK_N + offs_n
     ok_n, blk, tok, base = _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS, S_BLK, S_TOK, S_HEAD, LINEAR)
     k_off = base[None, :] + dd[:, None]
-    k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], H1, QUANT,
+    k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], K_HI, QK,
                           q_lo.dtype, not V_FOLD, INTERP, False)
     pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
     if QUANT >= 2 and not V_FOLD:
         # prefill tiles: dequantize K per element (many rows share it), no per-score affine
         ks, kz = _load_params(qparams, pbase, ok_n)
-        k_lo, k_hi = dequant(k_lo, k_hi, ks, kz, qdt, Q_DT, 4 if QUANT == 3 else 8, True, INTERP)
+        k_lo, k_hi = dequant(k_lo, k_hi, ks, kz, qdt, Q_DT, 4 if QK == 3 else 8, True, INTERP)
     s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
     s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
     # without softcap (every format but fp8, whose scale is data): the rows' maxima of unscaled scores times the
@@ -149,7 +159,7 @@ def _tile(
         p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     m_i = m_new
-    vbase = base + S_KV
+    vbase = base + V_AT
     # int8 / int4 decode tiles: V in float16 for 16-bit queries (codes exact; P's operand sits in float16's normal
     # range), float32 for float32 queries
     if qdt == tl.float32:
@@ -157,7 +167,7 @@ def _tile(
     else:
         vdt: tl.constexpr = tl.float16
     v_off = vbase[:, None] + dd[None, :]
-    v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, None] & ok_lo[None, :], ok_n[:, None] & ok_hi[None, :], H1, QUANT, vdt,
+    v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, None] & ok_lo[None, :], ok_n[:, None] & ok_hi[None, :], H1, QV, vdt,
                           not V_FOLD, INTERP, V_MAGIC)
     if QUANT >= 2:
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
@@ -187,7 +197,7 @@ def _tile(
                 pvs = tl.dot(pv, tl.full([BLOCK_N, 16], 1.0, vdt), acc=pvs * f[:, None], input_precision=PRECISION)
         else:
             # prefill tiles (many rows per key): dequantize V per element, the rows share it
-            v_lo, v_hi = dequant(v_lo, v_hi, vs, vz, qdt, Q_DT, 4 if QUANT == 3 else 8, False, INTERP)
+            v_lo, v_hi = dequant(v_lo, v_hi, vs, vz, qdt, Q_DT, 4 if QV == 3 else 8, False, INTERP)
             pc = p.to(qdt)
             acc_lo = tl.dot(pc, v_lo, acc=acc_lo * alpha[:, None], input_precision=PRECISION)
             acc_hi = tl.dot(pc, v_hi, acc=acc_hi * alpha[:, None], input_precision=PRECISION)
@@ -216,7 +226,7 @@ def _attention_kernel(
     HEADS_INNER: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
     Q_ROPE: tl.constexpr,
 ):
-    # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4.
+    # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4, 4 k8v4 (keys int8, values int4).
     if PDL:
         # launched as a programmatic dependent: the grid may be resident before the previous kernel (the append,
         # which releases its dependents early) ends; nothing is read before that kernel has finished

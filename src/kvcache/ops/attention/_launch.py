@@ -137,8 +137,9 @@ def _launch(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, sinks:
     if quant == 1:
         pool = pool.view(torch.uint8)  # bytes: see _load_kv
     if plan.warp_split and quant < 2:
-        raise ValueError(f"warp-split attention tiles need an int8 / int4 cache, got kv_dtype {kv_dtype!r}")
-    # int8 / int4 decode tiles (16 rows) and warp-split tiles fold V's (scale, zero) per token (_kernel docstring)
+        raise ValueError(f"warp-split attention tiles need an int8 / int4 / k8v4 cache, got kv_dtype {kv_dtype!r}")
+    # int8 / int4 / k8v4 decode tiles (16 rows) and warp-split tiles fold V's (scale, zero) per token (_kernel
+    # docstring)
     v_fold = quant >= 2 and (plan.block_q * next_pow2(g) <= 16 or plan.warp_split)
     s_blk, s_kv, s_tok, s_head = kv.strides
     table_width, bt_stride, n_blocks = kv.table
@@ -159,7 +160,7 @@ def _launch(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, sinks:
         LINEAR=linear, LOG_B=_search_steps(n_seqs), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,
-        V_FOLD=v_fold, Q_RESCALE=v_fold and quant == 2 and q.dtype == torch.bfloat16,
+        V_FOLD=v_fold, Q_RESCALE=v_fold and quant in (2, 4) and q.dtype == torch.bfloat16,  # int8 keys
         WARPS_K=plan.num_warps if plan.warp_split else 1, HEADS_INNER=plan.block_q * next_pow2(g) <= 16,
         MIN_SPLIT_TILES=max(1, plan.min_split_keys // plan.block_n), INTERP=dev.type != "cuda",
         Q_ROPE=q_rope is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,

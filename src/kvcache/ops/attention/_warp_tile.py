@@ -29,12 +29,22 @@ def _tile_w(
     """KV tile ``t`` split over the warps: ``offs_w`` ``[W, BLOCK_N / W]`` are the tile's key offsets of each
     warp; q ``[W, M, HALF_P]`` (the query tile broadcast), state ``[W, M]`` / ``[W, M, HALF_P]``. Returns the
     updated (m_i, l_i, acc_lo, acc_hi, zacc)."""
-    tl.static_assert(QUANT >= 2, "warp-split tiles: int8 / int4 caches")
+    tl.static_assert(QUANT >= 2, "warp-split tiles: int8 / int4 / k8v4 caches")
+    if QUANT == 4:  # k8v4: int8 keys in planes 0 / 1, int4 values in plane 2
+        QK: tl.constexpr = 2
+        QV: tl.constexpr = 3
+        K_HI: tl.constexpr = S_KV
+        V_AT: tl.constexpr = 2 * S_KV
+    else:
+        QK: tl.constexpr = QUANT
+        QV: tl.constexpr = QUANT
+        K_HI: tl.constexpr = H1
+        V_AT: tl.constexpr = S_KV
     j = t * BLOCK_N + offs_w
     ok_n, blk, tok, base = _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS, S_BLK, S_TOK, S_HEAD, LINEAR)
     k_off = base[:, None, :] + dd[None, :, None]
     k_lo, k_hi = _load_kv(pool, k_off, ok_n[:, None, :] & ok_lo[None, :, None], ok_n[:, None, :] & ok_hi[None, :, None],
-                          H1, QUANT, q_lo.dtype, False, INTERP, False)
+                          K_HI, QK, q_lo.dtype, False, INTERP, False)
     s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
     s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
     pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
@@ -62,9 +72,9 @@ def _tile_w(
         vdt: tl.constexpr = tl.float32
     else:
         vdt: tl.constexpr = tl.float16
-    v_off = (base + S_KV)[:, :, None] + dd[None, None, :]
+    v_off = (base + V_AT)[:, :, None] + dd[None, None, :]
     v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, :, None] & ok_lo[None, None, :], ok_n[:, :, None] & ok_hi[None, None, :],
-                          H1, QUANT, vdt, False, INTERP, False)
+                          H1, QV, vdt, False, INTERP, False)
     vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
     vs, vz = _load_params(qparams, vp, ok_n)
     # the V fold of _kernel's docstring, over each warp's keys: (s_max / R) sum_j (R p_j s_j / s_max) c_j

@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from ..paged.format import stored_planes, unpack_codes
+
 __all__ = ["dequantize_rows", "attend_rows", "paged_attention_reference", "linear_attention_reference",
            "merge_attention_states_reference"]
 
@@ -48,9 +50,9 @@ def dequantize_rows(
     if kv_dtype == "fp8":
         scale = kv_scales[which].float() if kv_scales is not None else torch.ones((), device=pool.device)
         return raw.float() * scale
-    codes = raw.to(torch.int32)
-    if kv_dtype == "int4":
-        codes = torch.cat([codes & 15, codes >> 4], dim=-1)  # planar halves: low nibbles first
+    planes = [pool[blocks, p, offsets] if layout == "NHD" else pool[blocks, p, :, offsets]
+              for p in stored_planes(kv_dtype, which)]
+    codes = unpack_codes(kv_dtype, which, planes)
     return codes.float() * par[..., 0:1] + par[..., 1:2]
 
 

@@ -25,8 +25,9 @@ def pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> t
     check_choice("layout", layout, LAYOUTS)
     if not isinstance(pool, torch.Tensor):
         raise TypeError(f"pool: expected a torch.Tensor, got {type(pool).__name__}")
-    if pool.dim() != 5 or pool.shape[1] != 2:
-        want = "[num_blocks, 2, block_size, H, D]" if layout == "NHD" else "[num_blocks, 2, H, block_size, D]"
+    if pool.dim() != 5 or pool.shape[1] != fmt.planes:
+        p = fmt.planes
+        want = f"[num_blocks, {p}, block_size, H, D]" if layout == "NHD" else f"[num_blocks, {p}, H, block_size, D]"
         raise ValueError(f"pool: expected shape {want} ({layout}), got {fmt_shape(pool.shape)}")
     if not pool.is_contiguous():
         raise ValueError(f"pool: expected a contiguous tensor, got strides {tuple(pool.stride())}")
@@ -40,7 +41,7 @@ def pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> t
         if not isinstance(params, torch.Tensor):
             raise TypeError(f"params: expected a float32 tensor of scales and zeros for kv_dtype {kv_dtype!r}, "
                             f"got {type(params).__name__}")
-        want = (*pool.shape[:4], 2)
+        want = (pool.shape[0], 2, *pool.shape[2:4], 2)  # (scale, zero) of K and of V
         if tuple(params.shape) != want or params.dtype != torch.float32 or not params.is_contiguous():
             raise ValueError(f"params: expected a contiguous float32 tensor of shape {fmt_shape(want)}, got "
                              f"{params.dtype} {fmt_shape(params.shape)}")
@@ -58,8 +59,8 @@ def check_kv_rows(k: object, v: object, pool: torch.Tensor, kv_dtype: str, h: in
     if tuple(v.shape) != tuple(k.shape) or v.dtype != k.dtype:  # type: ignore[union-attr]
         raise ValueError(f"{names[1]}: expected {k.dtype} {fmt_shape(k.shape)} (as {names[0]}), got "  # type: ignore[union-attr]
                          f"{v.dtype} {fmt_shape(v.shape)}")  # type: ignore[union-attr]
-    want_dp = d // 2 if kv_dtype == "int4" else d
-    if k.shape[1] != h or dp != want_dp or (kv_dtype == "int4" and d % 2):  # type: ignore[union-attr]
+    fmt = kv_format(kv_dtype)
+    if k.shape[1] != h or dp != fmt.row_elems(d) or (fmt.needs_even_head_dim and d % 2):  # type: ignore[union-attr]
         raise ValueError(f"{names[0]}: expected [n, {h}, D] matching pool {fmt_shape(pool.shape)} "
                          f"(kv_dtype {kv_dtype!r}), got {fmt_shape(k.shape)}")  # type: ignore[union-attr]
     if kv_dtype == "auto" and pool.dtype != k.dtype:  # type: ignore[union-attr]

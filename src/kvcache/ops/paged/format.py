@@ -10,7 +10,8 @@ import dataclasses
 
 import torch
 
-__all__ = ["KVFormat", "KV_FORMAT_TABLE", "KV_FORMATS", "LAYOUTS", "kv_format"]
+__all__ = ["KVFormat", "KV_FORMAT_TABLE", "KV_FORMATS", "LAYOUTS", "kv_format", "pack_codes", "stored_planes",
+           "unpack_codes"]
 
 LAYOUTS = ("NHD", "HND")
 
@@ -22,47 +23,74 @@ class KVFormat:
     Attributes
     ----------
     name : str
-        ``"auto"``, ``"fp8"``, ``"int8"`` or ``"int4"``.
+        ``"auto"``, ``"fp8"``, ``"int8"``, ``"int4"`` or ``"k8v4"``.
     code : int
-        The kernels' ``QUANT`` constexpr: 0 auto, 1 fp8, 2 int8, 3 int4.
+        The kernels' ``QUANT`` constexpr: 0 auto, 1 fp8, 2 int8, 3 int4, 4 k8v4.
     storage : torch.dtype or None
         dtype of the data pool; None: the model dtype (``"auto"``).
-    bits : int or None
-        Bits per stored code of the integer formats (8, 4); None for float formats.
+    key_bits, value_bits : int or None
+        Bits per stored code of keys and of values in the integer formats (8 or 4); None for float formats.
     per_layer_scale : bool
         One float32 scale per layer for K and one for V (fp8: ``PagedKVCache.kv_scales``).
     row_params : bool
-        A float32 (scale, zero) per (token, head) in a params pool (int8 / int4).
+        A float32 (scale, zero) per (token, head) in a params pool (int8 / int4 / k8v4).
+    planes : int
+        Planes of a block in the data pool (dim 1): 2 (K, V); k8v4: 3 (the first and second halves of the int8 key
+        rows, then the int4 value rows), each of ``row_elems`` bytes per (token, head).
     """
 
     name: str
     code: int
     storage: torch.dtype | None
-    bits: int | None
+    key_bits: int | None
+    value_bits: int | None
     per_layer_scale: bool
     row_params: bool
+    planes: int = 2
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """dtype of the data pool for a model dtype."""
         return model_dtype if self.storage is None else self.storage
 
     def row_elems(self, head_dim: int) -> int:
-        """Stored elements per (token, head) row: ``head_dim``, or ``head_dim // 2`` bytes for int4."""
-        return head_dim // 2 if self.bits == 4 else head_dim
+        """Stored elements per (token, head) row of one plane: ``head_dim``, or ``head_dim // 2`` bytes where values
+        are int4 (int4, k8v4)."""
+        return head_dim // 2 if self.value_bits == 4 else head_dim
+
+    @property
+    def bits(self) -> int | None:
+        """Bits per code where keys and values share them (8 int8, 4 int4); None otherwise (float formats, k8v4)."""
+        return self.key_bits if self.key_bits == self.value_bits else None
+
+    def qmax_of(self, kind: int) -> int:
+        """Largest code of keys (``kind`` 0) or values (1): 255 or 15; 0 for float formats."""
+        bits = self.key_bits if kind == 0 else self.value_bits
+        return 0 if bits is None else 2**bits - 1
 
     @property
     def qmax(self) -> int:
-        """Largest code of an integer format (255, 15); 0 for float formats."""
+        """Largest code where keys and values share their bits (255, 15); 0 otherwise."""
         return 0 if self.bits is None else 2**self.bits - 1
+
+    @property
+    def needs_even_head_dim(self) -> bool:
+        """int4 values pack elements ``i`` and ``D/2 + i`` in one byte: head_dim must be even."""
+        return self.value_bits == 4
+
+    def token_head_bytes(self, head_dim: int, model_dtype: torch.dtype) -> int:
+        """Bytes of one (token, head) over K and V, (scale, zero) included."""
+        elt = torch.empty((), dtype=self.storage_dtype(model_dtype)).element_size()
+        return self.planes * self.row_elems(head_dim) * elt + (2 * 2 * 4 if self.row_params else 0)
 
 
 KV_FORMAT_TABLE: dict[str, KVFormat] = {
     f.name: f
     for f in (
-        KVFormat("auto", 0, None, None, False, False),
-        KVFormat("fp8", 1, torch.float8_e4m3fn, None, True, False),
-        KVFormat("int8", 2, torch.uint8, 8, False, True),
-        KVFormat("int4", 3, torch.uint8, 4, False, True),
+        KVFormat("auto", 0, None, None, None, False, False),
+        KVFormat("fp8", 1, torch.float8_e4m3fn, None, None, True, False),
+        KVFormat("int8", 2, torch.uint8, 8, 8, False, True),
+        KVFormat("int4", 3, torch.uint8, 4, 4, False, True),
+        KVFormat("k8v4", 4, torch.uint8, 8, 4, False, True, planes=3),
     )
 }
 KV_FORMATS = tuple(KV_FORMAT_TABLE)  # the values of kv_dtype
@@ -76,3 +104,53 @@ def kv_format(kv_dtype: object, name: str = "kv_dtype") -> KVFormat:
     if fmt is None:
         raise ValueError(f"{name}: expected one of {KV_FORMATS}, got {kv_dtype!r}")
     return fmt
+
+
+def stored_planes(kv_dtype: str, kind: int) -> tuple[int, ...]:
+    """Planes (dim 1 of a pool) that hold the key (``kind`` 0) or value (1) rows of ``kv_dtype``.
+
+    Example
+    -------
+    >>> stored_planes("k8v4", 0), stored_planes("k8v4", 1), stored_planes("int8", 1)
+    ((0, 1), (2,), (1,))
+    """
+    if kv_format(kv_dtype).planes == 3:
+        return (0, 1) if kind == 0 else (2,)
+    return (kind,)
+
+
+def _bits(kv_dtype: str, kind: int) -> int | None:
+    fmt = kv_format(kv_dtype)
+    return fmt.key_bits if kind == 0 else fmt.value_bits
+
+
+def pack_codes(kv_dtype: str, kind: int, q: torch.Tensor) -> list[torch.Tensor]:
+    """Integer codes ``q`` ``[..., D]`` (D even where 4-bit) of key (``kind`` 0) or value (1) rows as stored: one
+    uint8 tensor per plane of :func:`stored_planes` (int4: planar nibbles, ``byte[i] = q[i] | q[D/2 + i] << 4``;
+    k8v4 keys: elements ``[0, D/2)`` then ``[D/2, D)``).
+
+    Example
+    -------
+    >>> [t.tolist() for t in pack_codes("k8v4", 0, torch.tensor([1, 2, 3, 4]))]
+    [[1, 2], [3, 4]]
+    """
+    half = q.shape[-1] // 2
+    if _bits(kv_dtype, kind) == 4:
+        return [(q[..., :half] | (q[..., half:] << 4)).to(torch.uint8)]
+    if kv_format(kv_dtype).planes == 3:
+        return [q[..., :half].to(torch.uint8), q[..., half:].to(torch.uint8)]
+    return [q.to(torch.uint8)]
+
+
+def unpack_codes(kv_dtype: str, kind: int, planes: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of :func:`pack_codes`: int32 codes ``[..., D]`` from the stored rows of each plane.
+
+    Example
+    -------
+    >>> unpack_codes("int4", 1, [torch.tensor([0x31, 0x42], dtype=torch.uint8)]).tolist()
+    [1, 2, 3, 4]
+    """
+    raw = [t.to(torch.int32) for t in planes]
+    if _bits(kv_dtype, kind) == 4:
+        return torch.cat([raw[0] & 15, (raw[0] >> 4) & 15], dim=-1)
+    return torch.cat(raw, dim=-1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_fp8_scales, pool_geometry
+from .format import kv_format
 from .step import Geometry
 
 __all__ = ["PagedLayer"]
@@ -61,7 +62,7 @@ class PagedLayer:
         self.kv_dtype = kv_dtype
         self.layout = layout
         self.dtype = dtype
-        self.geometry: Geometry = (nb, bs, h, dp * 2 if kv_dtype == "int4" else dp, kv_dtype, layout)
+        self.geometry: Geometry = (nb, bs, h, dp * 2 if kv_format(kv_dtype).value_bits == 4 else dp, kv_dtype, layout)
         self.device = pool.device
         # what get_device() returns for tensors on this device: a CUDA index, -1 for the CPU
         self.dev_id = pool.device.index if pool.device.type == "cuda" else -1

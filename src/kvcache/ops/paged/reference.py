@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...rope import RopeKernelParams
-from .format import KV_FORMAT_TABLE
+from .format import KV_FORMAT_TABLE, pack_codes, stored_planes, unpack_codes
 from .layer import PagedLayer
 from .step import StepPlan
 
@@ -116,16 +116,19 @@ def append_paged_kv_reference(k: torch.Tensor, v: torch.Tensor, layer: PagedLaye
             y = x.float() * inv  # finite values saturate; NaN and +-inf are stored as NaN (e4m3fn has no infinity)
             data = torch.where(torch.isfinite(y), y.clamp(-_FP8_MAX, _FP8_MAX), float("nan")).to(pool.dtype)
         else:
-            q, scale, zero = quantize_rows_reference(x, KV_FORMAT_TABLE[kv_dtype].bits)
-            if kv_dtype == "int4":  # planar nibbles: byte i = q[i] | q[D/2 + i] << 4
-                half = q.shape[-1] // 2
-                q = (q[..., :half] | (q[..., half:] << 4)).to(torch.uint8)
-            data = q
+            fmt = KV_FORMAT_TABLE[kv_dtype]
+            q, scale, zero = quantize_rows_reference(x, fmt.key_bits if kv == 0 else fmt.value_bits)
             par = torch.stack([scale, zero], dim=-1)  # [n, H, 2]
             if hnd:
                 params[blks, kv, :, offs] = par
             else:
                 params[blks, kv, offs] = par
+            for plane, data in zip(stored_planes(kv_dtype, kv), pack_codes(kv_dtype, kv, q)):
+                if hnd:
+                    pool[blks, plane, :, offs] = data
+                else:
+                    pool[blks, plane, offs] = data
+            continue
         if hnd:
             pool[blks, kv, :, offs] = data
         else:
@@ -163,11 +166,8 @@ def gather_paged_kv_reference(k_out: torch.Tensor, v_out: torch.Tensor, layer: P
                 x = data.float() * fp8_scales[kv].float()
             else:
                 par = params[blks, kv, :, offs] if hnd else params[blks, kv, offs]  # [n, H, 2]
-                if kv_dtype == "int4":
-                    q = torch.cat([data & 15, (data >> 4) & 15], dim=-1)
-                else:
-                    q = data
-                x = dequantize_rows_reference(q, par[..., 0], par[..., 1])
+                rows = [pool[blks, p, :, offs] if hnd else pool[blks, p, offs] for p in stored_planes(kv_dtype, kv)]
+                x = dequantize_rows_reference(unpack_codes(kv_dtype, kv, rows), par[..., 0], par[..., 1])
             if kv == 0 and rope is not None:
                 x = _rope_rows(x, t_idx * cp_size + cp_rank, rope)
             if kv_dtype == "auto" and not (kv == 0 and rope is not None):

@@ -104,7 +104,7 @@ def _row_codes(
             elif is_v == 0:
                 x1, x2 = _rope_k(x1, x2, pos, freqs, FMAX, k, n, stride_kn, hh, i, m1, m2, inv_freq, ROT, INTERLEAVED,
                                  ATTN_SCALE, D, HALF, STRIDE_KH, LIBDEVICE, VEC, cs_c, cs_s, CS_GIVEN)
-        c1, c2, scale, zero = _encode(x1, x2, inv, hh, m1, m2, QUANT, H, BLOCK_H, LIBDEVICE)
+        c1, c2, scale, zero = _encode(x1, x2, inv, hh, m1, m2, is_v, QUANT, H, BLOCK_H, LIBDEVICE)
     return c1, c2, scale, zero
 
 

@@ -6,8 +6,8 @@ import triton
 import triton.language as tl
 
 from ...._backend import kernel
-from .codes import BY_KV_LENS, Q_FP8, Q_INT4, Q_INT8, Q_NONE
-from .quant import _load_dequantized, _tile_params
+from .codes import BY_KV_LENS, Q_FP8, Q_INT4, Q_INT8, Q_K8V4, Q_NONE
+from .quant import _load_dequantized, _split_elem, _tile_params
 from .rope import _rope_pairs, _rotate
 
 
@@ -17,10 +17,11 @@ def _read_tile(
     QUANT: tl.constexpr, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, TOK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
-    OUT_S, OUT_H, LIBDEVICE: tl.constexpr,
+    OUT_S, OUT_H, LIBDEVICE: tl.constexpr, HI: tl.constexpr,
 ):
     # TOK tokens x H heads x D of one of K / V from one block into dst[h, t, d] (model dtype); tokens that
-    # are not valid (past the sequence) are written as zeros.
+    # are not valid (past the sequence) are written as zeros. HI: where an int8 row's second half starts
+    # (_split_elem; k8v4 keys)
     m = (hh < H) & (dd < D) & (tt >= 0)
     lm = m & tvalid
     out_ptr = dst + tt * OUT_S + hh * OUT_H + dd
@@ -41,16 +42,17 @@ def _read_tile(
     else:
         if QUANT == Q_INT8:  # one scale / zero per (token, head), not per element
             hm = (hh < H) & tvalid & (tt >= 0)
-            q = tl.load(row + tt * S_TOK + hh * S_HEAD + dd, mask=lm, other=0).to(tl.float32)
+            q = tl.load(row + tt * S_TOK + hh * S_HEAD + _split_elem(dd, D // 2, HI), mask=lm, other=0)
+            q = q.to(tl.float32)
             scale, zero = _tile_params(par, tt, hh, hm, P_TOK, P_HEAD, TOK, BLOCK_H)
             x = q * scale + zero
         else:
             x = _load_dequantized(row, par, dd, lm, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt, hh, D // 2,
-                                  LIBDEVICE)
+                                  LIBDEVICE, HI)
         if ROPE:
             partner, j, first, in_rot = _rope_pairs(dd, ROT, INTERLEAVED)
             xp = _load_dequantized(row, par, partner, lm & in_rot, fp8_scale, QUANT, S_TOK, S_HEAD, P_TOK, P_HEAD, tt,
-                                   hh, D // 2, LIBDEVICE)
+                                   hh, D // 2, LIBDEVICE, HI)
             f = tl.load(inv_freq + j, mask=in_rot, other=0.0)
             x = _rotate(x, xp, f, first, in_rot, pos_f, attn_scale, LIBDEVICE)
         x = tl.where(tvalid, x, 0.0)
@@ -92,10 +94,20 @@ def _gather_kernel(
     # (t * 0 + ...) makes has_block a vector: triton 3.9's interpreter rejects vector & scalar masks
     tvalid = (t < local) & (t < s_out) & ((t * 0 + has_block.to(tl.int64)) != 0)
     tt = tl.where(t < s_out, tt, -1)  # rows past S_out: masked off everywhere (tt >= 0 in the masks)
-    s_kv: tl.constexpr = BLOCK_SIZE * H * DP
+    s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one plane of a block
     p_kv: tl.constexpr = BLOCK_SIZE * H * 2
+    if QUANT == Q_K8V4:  # keys: int8 rows in planes 0 / 1 (second half s_kv after the first); values: int4, plane 2
+        PLANES: tl.constexpr = 3
+        QK: tl.constexpr = Q_INT8
+        QV: tl.constexpr = Q_INT4
+        K_HI: tl.constexpr = s_kv
+    else:
+        PLANES: tl.constexpr = 2
+        QK: tl.constexpr = QUANT
+        QV: tl.constexpr = QUANT
+        K_HI: tl.constexpr = 0
     off0 = t0 % BLOCK_SIZE
-    base = blk * (2 * s_kv) + off0 * S_TOK
+    base = blk * (PLANES * s_kv) + off0 * S_TOK
     pbase = blk * (2 * p_kv) + off0 * P_TOK
     pos_f = (t * CP_SIZE + CP_RANK).to(tl.float32)
     k_scale = 1.0
@@ -111,8 +123,8 @@ def _gather_kernel(
         sv_h = sv_h.to(tl.int64)
         sv_s = sv_s.to(tl.int64)
     _read_tile(pool + base, qparams + pbase, k_out + b * (sk_b * VEC) + t0 * (sk_s * VEC), tvalid, pos_f, inv_freq,
-               ATTN_SCALE, k_scale, tt, hh, dd, QUANT, ROPE, ROT, INTERLEAVED, H, D, TOK, BLOCK_H, BLOCK_D, S_TOK,
-               S_HEAD, P_TOK, P_HEAD, sk_s * VEC, sk_h * VEC, LIBDEVICE)
-    _read_tile(pool + base + s_kv, qparams + pbase + p_kv, v_out + b * (sv_b * VEC) + t0 * (sv_s * VEC), tvalid,
-               pos_f, inv_freq, ATTN_SCALE, v_scale, tt, hh, dd, QUANT, False, ROT, INTERLEAVED, H, D, TOK, BLOCK_H,
-               BLOCK_D, S_TOK, S_HEAD, P_TOK, P_HEAD, sv_s * VEC, sv_h * VEC, LIBDEVICE)
+               ATTN_SCALE, k_scale, tt, hh, dd, QK, ROPE, ROT, INTERLEAVED, H, D, TOK, BLOCK_H, BLOCK_D, S_TOK,
+               S_HEAD, P_TOK, P_HEAD, sk_s * VEC, sk_h * VEC, LIBDEVICE, K_HI)
+    _read_tile(pool + base + (PLANES - 1) * s_kv, qparams + pbase + p_kv, v_out + b * (sv_b * VEC) + t0 * (sv_s * VEC),
+               tvalid, pos_f, inv_freq, ATTN_SCALE, v_scale, tt, hh, dd, QV, False, ROT, INTERLEAVED, H, D, TOK,
+               BLOCK_H, BLOCK_D, S_TOK, S_HEAD, P_TOK, P_HEAD, sv_s * VEC, sv_h * VEC, LIBDEVICE, 0)

@@ -5,17 +5,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codes import Q_FP8, Q_INT4, Q_INT8, Q_NONE
+from .codes import Q_FP8, Q_INT4, Q_INT8, Q_K8V4, Q_NONE
 from .numerics import _codes, _div, _fp8_grid, _rcp
 
 
 @triton.jit
-def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
+def _encode(x1, x2, inv_fp8, hh, m1, m2, is_v, QUANT: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr,
             LIBDEVICE: tl.constexpr):
     # One token's rows, given as float32 half tiles [BLOCK_H, BLOCK_HF] of elements i (x1) and HALF + i (x2)
     # (m1 / m2: the elements that exist),
-    # encoded in the pool's format: (codes of the first half, codes of the second half (QUANT 3: unused, both
-    # halves are packed in the first), per-head scale, per-head zero (unused unless QUANT >= Q_INT8)). Pure
+    # encoded in the pool's format: (codes of the first half, codes of the second half (int4 and k8v4 values:
+    # unused, both halves are packed in the first), per-head scale, per-head zero (unused unless QUANT >=
+    # Q_INT8)). is_v (k8v4: keys int8, values int4) is a constant or a per-program value. Pure
     # arithmetic: the caller runs it before it knows where the row goes (the block-table load), so that the
     # two overlap.
     c1 = x1
@@ -41,6 +42,8 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
         # per (token, head) asymmetric: masked lanes never take part in min / max
         if QUANT == Q_INT4:
             qmax = 15.0
+        elif QUANT == Q_K8V4:
+            qmax = tl.where(is_v == 0, 255.0, 15.0)
         else:
             qmax = 255.0
         # the two halves combined element-wise first: one cross-thread reduction each for min and max. Kept
@@ -66,6 +69,9 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, QUANT: tl.constexpr, H: tl.constexpr, B
         if QUANT == Q_INT4:
             c1 = (q1 | (q2 << 4)).to(tl.uint8)
             c2 = c1  # unused
+        elif QUANT == Q_K8V4:  # keys: two int8 halves (two planes); values: int4 nibbles (one plane)
+            c1 = tl.where(is_v == 0, q1, q1 | (q2 << 4)).to(tl.uint8)
+            c2 = q2.to(tl.uint8)
         else:
             c1 = q1.to(tl.uint8)  # the low byte
             c2 = q2.to(tl.uint8)
@@ -79,10 +85,17 @@ def _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2
                PAIR_ASM: tl.constexpr, MASKED: tl.constexpr, LIBDEVICE: tl.constexpr):
     # Store what _encode returned (or, unquantized, the values to store in any float dtype) as the K (is_v == 0)
     # or V row at (blk, off) of the data pool and of the (scale, zero) pool; m1 / m2: the elements that exist;
-    # MASKED: ok (a scalar) masks every store too
-    s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's K (or V) region, data and params
+    # MASKED: ok (a scalar) masks every store too. k8v4: a block has 3 planes, keys in the first two (elements
+    # [0, HALF) and [HALF, D)), values in the third
+    s_kv: tl.constexpr = BLOCK_SIZE * H * DP  # one block's plane, data and params
     p_kv: tl.constexpr = BLOCK_SIZE * H * 2
-    dst = pool + (blk * (2 * s_kv) + off * S_TOK + is_v * s_kv)
+    if QUANT == Q_K8V4:
+        PLANES: tl.constexpr = 3
+        V_PLANE: tl.constexpr = 2
+    else:
+        PLANES: tl.constexpr = 2
+        V_PLANE: tl.constexpr = 1
+    dst = pool + (blk * (PLANES * s_kv) + off * S_TOK + is_v * (V_PLANE * s_kv))
     par = qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv)
     hm = hh < H
     if MASKED:  # tl.where: `tile & scalar` is an int32 tile under triton 3.9's interpreter, not a mask
@@ -99,7 +112,9 @@ def _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2
         tl.store(p8 + HALF, b2, mask=m2)
     else:
         tl.store(p1, c1.to(dst.dtype.element_ty), mask=m1, cache_modifier=STORE_CM)
-        if QUANT != Q_INT4:
+        if QUANT == Q_K8V4:  # a key's second half in the next plane
+            tl.store(p1 + s_kv, c2, mask=tl.where(is_v == 0, m2, False), cache_modifier=STORE_CM)
+        elif QUANT != Q_INT4:
             tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2, cache_modifier=STORE_CM)
     if QUANT >= Q_INT8:  # scale / zero [BLOCK_H, 1]
         if PAIR_ASM:
@@ -128,9 +143,20 @@ def _store_pair(ptr, a, b, mask, STORE_CM: tl.constexpr):
 
 
 @triton.jit
+def _split_elem(e, HALF: tl.constexpr, HI: tl.constexpr):
+    # where element e of an int8 row lives: HI == 0, in one row; else (k8v4 keys) elements [HALF, D) start HI
+    # elements after the row (the next plane)
+    if HI == 0:
+        return e
+    return tl.where(e < HALF, e, e + (HI - HALF))
+
+
+@triton.jit
 def _load_dequantized(row, par, e, mask, fp8_scale, QUANT: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
-                      P_TOK: tl.constexpr, P_HEAD: tl.constexpr, tt, hh, HALF: tl.constexpr, LIBDEVICE: tl.constexpr):
-    # float32 values of elements e of tokens tt, heads hh of one block's K or V region (dequantized)
+                      P_TOK: tl.constexpr, P_HEAD: tl.constexpr, tt, hh, HALF: tl.constexpr, LIBDEVICE: tl.constexpr,
+                      HI: tl.constexpr):
+    # float32 values of elements e of tokens tt, heads hh of one block's K or V region (dequantized); HI: see
+    # _split_elem (int8 rows)
     if QUANT == Q_NONE:
         x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32)
     elif QUANT == Q_FP8:
@@ -145,7 +171,7 @@ def _load_dequantized(row, par, e, mask, fp8_scale, QUANT: tl.constexpr, S_TOK: 
             byte = byte.to(tl.int32)
             q = tl.where(low, byte & 15, (byte >> 4) & 15).to(tl.float32)
         else:
-            q = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0).to(tl.float32)
+            q = tl.load(row + tt * S_TOK + hh * S_HEAD + _split_elem(e, HALF, HI), mask=mask, other=0).to(tl.float32)
         pm = (tt >= 0) & (hh >= 0) & mask  # only for the per-element path with RoPE partners
         scale = tl.load(par + tt * P_TOK + hh * P_HEAD, mask=pm, other=0.0)
         zero = tl.load(par + tt * P_TOK + hh * P_HEAD + 1, mask=pm, other=0.0)
