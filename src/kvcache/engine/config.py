@@ -92,12 +92,17 @@ class EngineConfig:
     max_num_batched_tokens : int, optional
         Token budget of a step (prefill chunks + decodes); default 2048 on the CPU, 8192 on CUDA.
     num_blocks : int, optional
-        Pool size (paged); default: what ``kv_cache_memory`` holds (e.g. a tiny pool to force preemption).
+        Pool size (paged); default: what ``kv_cache_memory`` holds (e.g. a tiny pool to force preemption). A model
+        whose layers have different sliding windows has one pool per layer group (:mod:`kvcache.engine.groups`):
+        ``num_blocks`` then stands for the memory of that many blocks of every layer, split between the groups as
+        ``kv_cache_memory`` is.
     max_model_len : int, optional
         Longest request (prompt + max_tokens); default ``min(max_position_embeddings, 4096)`` (linear: also at
         most what ``kv_cache_memory`` holds for ``max_num_seqs`` slots).
     kv_cache_memory : int, optional
-        Bytes for the KV cache (overrides ``gpu_memory_utilization``; default 256 MiB on the CPU).
+        Bytes for the KV cache (overrides ``gpu_memory_utilization``; default 256 MiB on the CPU). Paged, with
+        sliding-window layers: split between the layer groups by what a ``max_model_len`` sequence needs in each (a
+        window layer at most ``ceil(window / block_size) + 1`` blocks).
     layout : str
         Paged pool layout, ``"HND"`` (default: each head's rows of a block contiguous; the int8 engine runs 2%
         faster on it than on NHD and matches bf16; H100, 2026-11-26) or ``"NHD"``.
