@@ -136,7 +136,8 @@ def _blocks_roundtrip(ctx: RankContext, kw: dict, checksum: bool, rows_per_chunk
     dict(kv_dtype="fp8", layout="NHD", dtype=torch.float16),
     dict(kv_dtype="int8", layout="HND", dtype=torch.float16),
     dict(kv_dtype="int4", layout="NHD", dtype=torch.bfloat16, head_dim=10, num_kv_heads=3),
-], ids=["fp16-NHD", "bf16-HND", "fp8", "int8-HND", "int4-D10-H3"])
+    dict(kv_dtype="k8v4", layout="HND", dtype=torch.float16, head_dim=10, num_kv_heads=3),
+], ids=["fp16-NHD", "bf16-HND", "fp8", "int8-HND", "int4-D10-H3", "k8v4-HND"])
 def test_blocks_arrive_bit_exact(world, kw: dict) -> None:
     res = world.run(_blocks_roundtrip, kw, True)
     assert len(res[-1]) == (world.size - 1) * sum(-(-n // 4) for n in PROMPTS)

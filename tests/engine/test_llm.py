@@ -112,7 +112,7 @@ def test_linear_mode_prompt_equal_to_prefix_reuses_n_minus_1(smollm, prompt_ids,
 
 def test_int8_and_int4_caches_run_close_to_hf(smollm, conversations, prompt_ids, hf_greedy):
     model, tok = smollm
-    for kv_dtype in ("int8", "int4"):
+    for kv_dtype in ("int8", "k8v4", "int4"):
         llm = LLM(model, tokenizer=tok, kv_dtype=kv_dtype, max_num_seqs=8)
         outs = llm.generate(conversations, GREEDY)
         assert llm.stats.kv_dtype == kv_dtype
@@ -120,6 +120,10 @@ def test_int8_and_int4_caches_run_close_to_hf(smollm, conversations, prompt_ids,
         refs = [hf_greedy(p, NEW_TOKENS) for p in prompt_ids]
         if kv_dtype == "int8":  # int8 K / V within scale / 2 of the float32 values: the first tokens agree
             assert all(o.token_ids[:4] == r[:4] for o, r in zip(outs, refs)), [o.token_ids for o in outs]
+        elif kv_dtype == "k8v4":  # 8-bit keys, 4-bit values: the first 4 tokens of half the answers or more (2 / 4
+            # here: a near tie, "Le Grand Paris is" / "The capital of France", flips on the first token)
+            agree = [o.token_ids[:4] == r[:4] for o, r in zip(outs, refs)]
+            assert sum(agree) >= len(agree) // 2, agree
         else:  # int4 (16 levels per row) drifts sooner (first tokens: 15/16 agree on the demo's prompts, 2/4 here);
             # a broken int4 path (garbage K / V) agrees on none
             agree = [o.token_ids[:1] == r[:1] for o, r in zip(outs, refs)]

@@ -117,7 +117,7 @@ def _int_bound(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("kind", "kv_dtype"), [("paged", "fp8"), ("paged", "int8"), ("paged", "int4"),
-                                                 ("linear", "fp8"), ("linear", "bf16")])
+                                                 ("paged", "k8v4"), ("linear", "fp8"), ("linear", "bf16")])
 def test_quantized_kv_within_format_bound(tiny, kind, kv_dtype):
     """After prefill, every stored key / value of the first layer (dequantized) is within its format's rounding
     bound of the model's own (DynamicCache's; later layers see different inputs); logits stay close."""
@@ -138,10 +138,10 @@ def test_quantized_kv_within_format_bound(tiny, kind, kv_dtype):
                 bound = _fp8_bound(x)
             elif kv_dtype == "bf16":
                 bound = x.abs() * 2.0**-8  # half a unit in the last place of 8 significant bits
-            else:
-                bound = _int_bound(x, 8 if kv_dtype == "int8" else 4)
+            else:  # k8v4: 8-bit keys, 4-bit values
+                bound = _int_bound(x, {"int8": 8, "int4": 4, "k8v4": 8 if x is want_k else 4}[kv_dtype])
             assert ((x - y).abs() <= bound).all(), f"layer {i}: max error {(x - y).abs().max().item()}"
-    _close(got, ref, 0.5 if kv_dtype == "int4" else 0.1)
+    _close(got, ref, 0.5 if kv_dtype in ("int4", "k8v4") else 0.1)
 
 
 @pytest.mark.parametrize(("kind", "attn"), [("linear", "sdpa"), ("paged", "sdpa"), ("paged", "kvcache_paged")])
