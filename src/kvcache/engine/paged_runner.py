@@ -323,14 +323,15 @@ class PagedRunner:
                 return b
         return -(-n // 8) * 8
 
-    def _static_buffers(self) -> dict[str, torch.Tensor]:
+    def _static_buffers(self) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         if self._static is None:
             m, dev = self._bucket(self.max_graph_batch), self.device
             pin = dev.type == "cuda"
             self._static = {
                 "ids": torch.zeros(m, dtype=torch.int64, device=dev),
                 "pos": torch.zeros(m, dtype=torch.int64, device=dev),
-                "bt": torch.zeros((self.num_groups, m, self.width), dtype=torch.int32, device=dev),
+                # one block-table tensor per layer group (each its own allocation: aligned as the kernels expect)
+                "bt": [torch.zeros((m, self.width), dtype=torch.int32, device=dev) for _ in range(self.num_groups)],
                 "cu": torch.arange(m + 1, dtype=torch.int32, device=dev),
                 "before": torch.zeros(m, dtype=torch.int32, device=dev),
                 "after": torch.zeros(m, dtype=torch.int32, device=dev),
@@ -412,7 +413,8 @@ class PagedRunner:
         st["pos"][:bs].copy_(h_tok[1, :bs], non_blocking=True)
         st["before"][:bs].copy_(h_len[0, :bs], non_blocking=True)
         st["after"][:bs].copy_(h_len[1, :bs], non_blocking=True)
-        st["bt"][:, :bs].copy_(h_bt[:, :bs], non_blocking=True)
+        for g, table in enumerate(st["bt"]):
+            table[:bs].copy_(h_bt[g, :bs], non_blocking=True)
         graph = self._graphs.get(bs)
         if self.device.type != "cuda":
             logits = self._forward_static(bs)
@@ -434,7 +436,7 @@ class PagedRunner:
         st = self._static_buffers()
         # views of the static buffers; the lengths are the graph's inputs, so the launch is planned for the block
         # table's capacity (a shape, not a value)
-        plans = self._plan([st["bt"][g, :bs] for g in range(self.num_groups)], st["cu"][:bs + 1], st["before"][:bs],
+        plans = self._plan([table[:bs] for table in st["bt"]], st["cu"][:bs + 1], st["before"][:bs],
                            st["after"][:bs], max_kv_len=self.width * self.cache.config.block_size, num_decode=bs)
         hidden = self.model.forward(st["ids"][:bs], st["pos"][:bs], self._attention(plans))
         logits = self.model.logits(hidden)
