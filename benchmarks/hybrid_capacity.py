@@ -90,7 +90,7 @@ def _build(config, device: torch.device, dtype: torch.dtype, state: dict | None 
 
 def _run(model, a: argparse.Namespace, label: str) -> dict:
     from kvcache.engine import LLM, SamplingParams
-    from kvcache.engine.groups import blocks_per_seq
+    from kvcache.paged.groups import blocks_per_seq
 
     seq_len = a.prompt + a.new
     llm = LLM(model, tokenizer=_Ids(), max_model_len=seq_len, block_size=a.block_size,

@@ -34,7 +34,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["PATHS", "ENGINE_FAMILIES", "Feature", "unsupported_features", "check_supported", "layer_window"]
+from ._validate import check_int
+
+__all__ = ["PATHS", "ENGINE_FAMILIES", "Feature", "unsupported_features", "check_supported", "layer_window",
+           "model_windows"]
 
 PATHS: dict[str, str] = {
     "engine-fused": "the kvcache engine's fused decoder",
@@ -450,3 +453,16 @@ def check_supported(model: Any, path: str, name: str = "model") -> None:
     ok = [p for p in others if p != path and not unsupported_features(model, p)]
     msg += f"; paths that run it: {', '.join(ok)}" if ok else "; no kvcache path runs it"
     raise ValueError(msg)
+
+
+def model_windows(config: Any, num_layers: int) -> list[int | None]:
+    """Each layer's window as transformers applies it (:func:`layer_window`; None: full attention).
+
+    Example
+    -------
+    >>> from transformers import MistralConfig
+    >>> model_windows(MistralConfig(sliding_window=16, num_hidden_layers=2), 2)
+    [16, 16]
+    """
+    check_int("num_layers", num_layers, 1)
+    return [layer_window(config, i) for i in range(num_layers)]

@@ -8,6 +8,8 @@ import importlib.util
 import pathlib
 import re
 
+import torch
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "hybrid_capacity.py"
 
 
@@ -15,7 +17,12 @@ def test_quick_run_fits_more_sequences_with_window_groups(capsys):
     spec = importlib.util.spec_from_file_location("hybrid_capacity", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--quick"]) == 0
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    try:
+        assert mod.main(["--quick"]) == 0
+    finally:  # the script sets the process's threads and seed: later tests of this worker keep theirs
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
     out = capsys.readouterr().out
     row = r"\| (window groups|every layer global) \| (\d+) \| (\d+) \|"  # variant, fits, peak running
     rows = {m[0]: (int(m[1]), int(m[2])) for m in re.findall(row, out)}

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import support_models as sm
 from kvcache.engine import LLM, EngineConfig, SamplingParams
-from kvcache.engine.groups import layer_groups
+from kvcache.paged.groups import layer_groups
 from kvcache.engine.model import LlamaForward
 from kvcache.engine.paged_core import PagedEngineCore
 from kvcache.engine.scheduler import Scheduler
@@ -185,3 +185,36 @@ def test_window_pool_too_small_for_one_request_refused_by_name():
     with pytest.raises(ValueError, match="7 blocks of 4 in the pool of the layers with sliding window 8, expected at "
                                          "most 5"):
         llm.generate([PROMPT], SamplingParams(max_tokens=NEW, temperature=0))
+
+
+def test_reset_prefix_cache_forgets_every_group():
+    # new weights in place: after llm.reset_prefix_cache() the prompt is recomputed and published again, and a
+    # request sharing its prefix hits the new blocks of the global and of the window layer (a reset of the first
+    # group alone would leave the window layer's old blocks matched under the same hashes)
+    model = sm.build("gemma3")
+    llm = LLM(model, tokenizer=sm.IdsTokenizer(), max_num_seqs=2, max_model_len=64, block_size=BS,
+              max_num_batched_tokens=48)
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    llm.generate([PROMPT], sp)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "k_proj" in name or "v_proj" in name:
+                p.mul_(-1.5)  # every layer's K / V change
+    assert llm.reset_prefix_cache() is True
+    first = llm.generate([PROMPT], sp)[0]
+    again = llm.generate([PROMPT[:33]], sp)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 32
+    assert [first.token_ids, again.token_ids] == [sm.greedy(model, prompt=p, n=6) for p in (PROMPT, PROMPT[:33])]
+    with pytest.raises(ValueError, match="reset_prefix_cache: the linear cache keeps no prefix cache"):
+        LLM(model, tokenizer=sm.IdsTokenizer(), cache="linear", max_model_len=64).reset_prefix_cache()
+
+
+def test_window_only_tables_are_bounded_by_max_blocks_per_seq():
+    # every layer windowed (Mistral): the window group's table keeps a slot per block of the context, so a request
+    # longer than max_blocks_per_seq blocks is refused although its window holds 3
+    s = Scheduler([BlockAllocator(32, BS)], windows=[6], max_num_seqs=2, max_num_batched_tokens=8,
+                  max_blocks_per_seq=4)
+    s.add(Sequence(0, list(range(2, 12)), SamplingParams(max_tokens=6, temperature=0)))  # 16 tokens: 4 blocks
+    with pytest.raises(ValueError, match="request 1 needs up to 40 \\+ 8 tokens = 12 blocks of 4 in the pool of the "
+                                         "layers with sliding window 6, expected at most 4"):
+        s.add(Sequence(1, list(range(2, 42)), SamplingParams(max_tokens=8, temperature=0)))

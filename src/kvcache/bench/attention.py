@@ -142,7 +142,7 @@ class Pool:
         fmt = kv_format(kv_dtype)
         self.kv_dtype, self.bs, self.num_blocks, self.layout = kv_dtype, bs, num_blocks, layout
         shape = cfg.pool_shape()
-        if fmt.key_bits is None:  # fp16, or fp8 codes of fp16 values
+        if fmt.is_float:  # fp16, or fp8 codes of fp16 values
             values = torch.randn(shape, dtype=torch.float16, device=dev, generator=gen)
             self.pool = values.to(fmt.storage_dtype(torch.float16))
         else:  # int8 codes, or two random int4 codes per byte (k8v4: both, in their planes)

@@ -1,5 +1,5 @@
 """KV transfer between ranks by torch.distributed point-to-point (NCCL on GPUs, gloo on CPUs): paged blocks of
-every layer (any kv_dtype; int8 / int4 scale / zero and fp8 scales included), for disaggregated serving (prefill
+every layer (any kv_dtype; int8 / int4 / k8v4 scale / zero and fp8 scales included), for disaggregated serving (prefill
 on one rank, decode on another); :mod:`.snapshots` sends :class:`~kvcache.KVSnapshot` prefixes the same way, with
 the helpers below.
 
@@ -76,7 +76,7 @@ def _wide(pool: torch.Tensor) -> torch.Tensor:
 
 
 def _pools(cache: PagedKVCache) -> list[torch.Tensor]:
-    """The row views (:func:`_wide`) of the data pool and, for int8 / int4, the params pool."""
+    """The row views (:func:`_wide`) of the data pool and, for int8 / int4 / k8v4, the params pool."""
     return [_wide(cache.buffer)] + ([_wide(cache.params_buffer)] if cache.params_buffer is not None else [])
 
 
@@ -189,7 +189,7 @@ def send_blocks(
 ) -> bool:
     """Send blocks of every layer of ``cache`` to rank ``dst``, which calls :func:`recv_blocks`.
 
-    The blocks' bytes (data pool, int8 / int4 scale / zero, fp8 K / V scales) are packed on the cache's device
+    The blocks' bytes (data pool, int8 / int4 / k8v4 scale / zero, fp8 K / V scales) are packed on the cache's device
     chunk by chunk (rows of one block of one layer, layer-major) and sent once the receiver has accepted the
     header; chunk ``i + 1`` is packed and checksummed while chunk ``i`` is on the wire.
 

@@ -43,6 +43,7 @@ import dataclasses
 import torch
 
 from .._validate import cdiv
+from ..ops.paged.format import KV_FORMAT_TABLE
 from ._kernels import checksum_into, reference_sums
 
 MAGIC = 0x6B7663616368_02  # "kvcach" + format version 2
@@ -71,7 +72,7 @@ FIELD_NAMES = {
 KIND_BLOCKS, KIND_SNAPSHOT = 1, 2
 ACCEPT, NO_ROOM, REJECT = 0, 1, 2
 
-KV_DTYPE_CODES = {"auto": 0, "fp8": 1, "int8": 2, "int4": 3, "k8v4": 4}
+KV_DTYPE_CODES = {name: fmt.code for name, fmt in KV_FORMAT_TABLE.items()}  # the kernels' QUANT codes
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float8_e4m3fn: 4}
 DECODE = {

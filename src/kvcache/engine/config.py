@@ -71,7 +71,8 @@ class EngineConfig:
         (outputs, stop strings), ``__call__`` (string prompts) and ``apply_chat_template`` (conversations).
     kv_dtype : str
         A format of the :data:`~kvcache.ops.paged.format.KV_FORMAT_TABLE`: ``"auto"`` (the model dtype),
-        ``"fp8"``, ``"int8"``, ``"int4"`` (paged cache; the linear cache stores the model dtype: ``"auto"`` only).
+        ``"fp8"``, ``"int8"``, ``"k8v4"`` (int8 keys, int4 values), ``"int4"`` (paged cache; the linear cache stores
+        the model dtype: ``"auto"`` only).
     block_size : int
         Tokens per block (paged).
     max_num_seqs : int
@@ -93,7 +94,7 @@ class EngineConfig:
         Token budget of a step (prefill chunks + decodes); default 2048 on the CPU, 8192 on CUDA.
     num_blocks : int, optional
         Pool size (paged); default: what ``kv_cache_memory`` holds (e.g. a tiny pool to force preemption). A model
-        whose layers have different sliding windows has one pool per layer group (:mod:`kvcache.engine.groups`):
+        whose layers have different sliding windows has one pool per layer group (:mod:`kvcache.paged.groups`):
         ``num_blocks`` then stands for the memory of that many blocks of every layer, split between the groups as
         ``kv_cache_memory`` is.
     max_model_len : int, optional
@@ -129,7 +130,7 @@ class EngineConfig:
         The model's identity in the disk tier's fingerprint (``"org/model@revision"``), kept for the engine's life:
         the user vouches that it names the weights (after updating weights in place, give a new engine a new id).
         Default: :func:`~kvcache.paged.tiers.weights_identity` of the weights, recomputed on
-        ``llm.allocator.reset_prefix_cache()``, so weights updated in place never read blocks of the old ones.
+        ``llm.reset_prefix_cache()``, so weights updated in place never read blocks of the old ones.
         Only with ``disk_cache_dir``.
     kv_events : bool
         Record the prefix cache's events (blocks stored / removed per tier: ``LLM.kv_events()``). Paged cache only.

@@ -169,6 +169,33 @@ class LLM:
             raise ValueError("kv_events: the engine records no events, expected LLM(..., kv_events=True)")
         return tiers.events.drain()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, in every layer group's allocator (after updating the weights in place, so that
+        no request reads blocks the old weights wrote; with host / disk tiers, what ``BlockAllocator.
+        reset_prefix_cache`` does to them). A model with window layers has one allocator per group: resetting
+        ``llm.allocator`` (the first group's) alone would leave the window layers' old blocks matchable.
+
+        Returns
+        -------
+        bool
+            True if any group dropped a hash.
+
+        Raises
+        ------
+        ValueError
+            With ``cache="linear"`` (it keeps no prefix cache).
+
+        Example
+        -------
+        >>> with torch.no_grad(): model.lm_head.weight.mul_(0.5)   # weights updated in place  # doctest: +SKIP
+        >>> llm.reset_prefix_cache()                                                            # doctest: +SKIP
+        True
+        """
+        allocators = getattr(self.core, "allocators", None)
+        if allocators is None:
+            raise ValueError("reset_prefix_cache: the linear cache keeps no prefix cache, expected cache='paged'")
+        return any([a.reset_prefix_cache() for a in allocators])  # a list: every group resets
+
     @property
     def runner(self) -> Any:
         """The paged core's ``PagedRunner`` (AttributeError with the linear cache)."""

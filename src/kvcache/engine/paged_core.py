@@ -8,10 +8,10 @@ allocator, the continuous-batching scheduler, the runner and the step loop.
 * Block tables are ``ceil(max_model_len / block_size)`` wide; CUDA graphs cover decode batches up to
   ``min(max_num_seqs, 512)`` requests; with graphs on, each step is launched before the host reads the previous
   step's tokens (:class:`~kvcache.engine.paged_loop.PagedLoop`).
-* Layer groups (:mod:`kvcache.engine.groups`): layers with the same sliding window (None: full attention) share one
+* Layer groups (:mod:`kvcache.paged.groups`): layers with the same sliding window (None: full attention) share one
   ``PagedKVCache`` and one ``BlockAllocator``; a window group holds only the blocks its window still reads. The KV
   budget is split between the groups in proportion to what a sequence of ``max_model_len`` tokens needs in each
-  (:func:`~kvcache.engine.groups.split_blocks`); ``num_blocks`` then stands for the memory of that many blocks of
+  (:func:`~kvcache.paged.groups.split_blocks`); ``num_blocks`` then stands for the memory of that many blocks of
   every layer. A model of one full-attention group is built exactly as one cache and one allocator. The memory tiers,
   KV events and tensor parallel are refused with more than one group.
 """
@@ -26,7 +26,8 @@ from ..paged.events import KVEventLog
 from ..paged.tiers import TieredCache, TierStats, tiers_block_bytes, weights_identity
 from .config import EngineConfig, check_config
 from .core import EngineStats, FinishReason, Progress
-from .groups import LayerGroup, layer_groups, model_windows, split_blocks
+from ..paged.groups import LayerGroup, layer_groups, split_blocks
+from ..support import model_windows
 from .model import LlamaForward
 from .paged_loop import PagedLoop
 from .paged_runner import PagedRunner
@@ -43,7 +44,7 @@ def pool_blocks(model: LlamaForward, config: EngineConfig, groups: tuple[LayerGr
     """Blocks of each layer group's pool (default: one group of every layer). One group: ``config.num_blocks``, else
     what ``config.cache_memory(model)`` holds (at least 2; under tensor parallel the smallest count over the group's
     ranks). More groups: the memory (``num_blocks`` blocks of every layer, else ``cache_memory``) split in proportion
-    to what a sequence of ``max_model_len`` tokens needs in each (:func:`~kvcache.engine.groups.split_blocks`).
+    to what a sequence of ``max_model_len`` tokens needs in each (:func:`~kvcache.paged.groups.split_blocks`).
 
     Example
     -------

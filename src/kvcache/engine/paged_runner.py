@@ -14,7 +14,7 @@ On CUDA, pure decode steps (one token per request) run as CUDA graphs captured p
 bucket write into one scratch block the runner holds for itself and attend to it, so every row of a graph is a
 well-defined sequence.
 
-Layer groups (:mod:`kvcache.engine.groups`): layers with different sliding windows may live in caches of their own,
+Layer groups (:mod:`kvcache.paged.groups`): layers with different sliding windows may live in caches of their own,
 one per group, each with its own block ids, scratch block and block-table tensor (a static buffer of its own under
 CUDA graphs); a step builds each group's plans from its table, and each layer appends and attends in its group's
 cache (its index there). A model of one group runs exactly the one-cache path.
@@ -149,6 +149,10 @@ class PagedRunner:
         self.device = cache.device
         self.scratch_block = scratch_block
         groups = [(cache, range(model.num_layers), scratch_block)] if groups is None else list(groups)
+        placed = sorted(i for _, layers, _ in groups for i in layers)
+        if placed != list(range(model.num_layers)):
+            raise ValueError(f"groups: expected every layer 0..{model.num_layers - 1} in exactly one group, got "
+                             f"{[list(layers) for _, layers, _ in groups]}")
         self._caches = [c for c, _, _ in groups]
         self._scratch = [b for _, _, b in groups]
         self.num_groups = len(groups)

@@ -16,11 +16,11 @@ Each step has a token budget (``max_num_batched_tokens``):
 After the model ran, :meth:`Scheduler.postprocess` advances the requests, publishes every newly full block in
 the prefix cache (its KV is written) and releases finished requests at once.
 
-Layer groups (:mod:`kvcache.engine.groups`): a model whose layers have different sliding windows gives the
+Layer groups (:mod:`kvcache.paged.groups`): a model whose layers have different sliding windows gives the
 scheduler one allocator per group (``windows[g]``: the group's window, None for full attention) and every request
 one block table per group. A step's tokens are allocated in every group or in none (a group that is out preempts as
 above). Before allocating, a window group gives back the request's blocks that lie wholly before
-``num_computed - window + 1`` (no later query reads them; :func:`~kvcache.engine.groups.first_live_block`); their
+``num_computed - window + 1`` (no later query reads them; :func:`~kvcache.paged.groups.first_live_block`); their
 slots keep an id no request holds (the allocator's ``num_blocks``: the engine's scratch block), outside every
 window, so the attention never reads them. A prefix hit of ``k`` blocks takes, in a full group, the chain's first
 ``k`` blocks and, in a window group, only the blocks from ``first_live_block(window, k * block_size)`` on, all
@@ -37,7 +37,7 @@ from collections.abc import Sequence as Seq
 from .._validate import cdiv
 from ..paged import BlockAllocator
 from ..paged.tiers import TieredCache
-from .groups import first_live_block, peak_blocks
+from ..paged.groups import first_live_block, peak_blocks
 from .sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler"]
@@ -173,8 +173,11 @@ class Scheduler:
         window group: the most blocks it holds at once, with prefill chunks of the token budget)."""
         total = seq.num_prompt_tokens + seq.params.max_tokens
         for a, w in zip(self.allocators, self.windows):
+            # a window group's table keeps a slot for every block of the context: the table's width bounds it too
             need = peak_blocks(w, total, self.max_num_batched_tokens, self.block_size)
             limit = min(self.max_blocks_per_seq, a.num_blocks)
+            if w is not None and cdiv(total, self.block_size) > self.max_blocks_per_seq:
+                need, limit = cdiv(total, self.block_size), self.max_blocks_per_seq
             if need > limit:
                 where = "" if w is None else f" in the pool of the layers with sliding window {w}"
                 raise ValueError(

@@ -23,7 +23,7 @@ _SUMMED = ("requests", "prompt_tokens", "generated_tokens", "elapsed_s", "cached
 
 @dataclasses.dataclass
 class GroupStats:
-    """One layer group's pool of the paged engine (:mod:`kvcache.engine.groups`): layers with one sliding window
+    """One layer group's pool of the paged engine (:mod:`kvcache.paged.groups`): layers with one sliding window
     (None: full attention) and their blocks.
 
     Attributes

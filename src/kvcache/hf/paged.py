@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache
 
 from .._validate import cdiv
 from ..paged import BlockAllocator, PagedConfig, PagedKVCache, StepPlan
+from ..ops.paged.format import kv_format
 from ..paged.config import KV_FORMATS, LAYOUTS
 from ..support import check_supported, layer_window
 from ._common import CacheCapacity, LayerView, ModelShape, tokens_to_keep
@@ -108,7 +109,7 @@ class PagedCache(CacheCapacity, Cache):
             raise ValueError(f"kv_dtype: expected one of {KV_FORMATS}, got {kv_dtype!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-        if kv_dtype in ("int4", "k8v4") and shape.head_dim % 2:
+        if kv_format(kv_dtype).needs_even_head_dim and shape.head_dim % 2:
             raise ValueError(f"kv_dtype: {kv_dtype!r} needs an even head_dim, the model's is {shape.head_dim}")
         self.model_config = config
         check_supported(config, self._path(), name="config")  # a property of the model this path does not run

@@ -8,7 +8,7 @@ of ``seq_len`` tokens.
 
 Sliding-window layers (:func:`kvcache.support.layer_window`: Gemma 2 / 3, Mistral, gpt-oss, ...) are counted at
 their window, as the engine holds them: in the paged cache a sequence holds at most ``ceil(window / block_size) + 1``
-blocks of a window layer (:func:`kvcache.engine.groups.blocks_per_seq`), in the linear cache a window layer's slot is
+blocks of a window layer (:func:`kvcache.paged.groups.blocks_per_seq`), in the linear cache a window layer's slot is
 twice the largest window (where that is shorter than ``seq_len``). Such a model's ``bytes_per_token`` is a
 ``seq_len``-token sequence's bytes over its tokens, and ``tokens`` is ``sequences x seq_len``.
 """
@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from .._validate import cdiv
-from ..engine.groups import blocks_per_seq, layer_groups, model_windows
-from ..ops.paged.format import KV_FORMATS
+from ..paged.groups import blocks_per_seq, layer_groups
+from ..support import model_windows
+from ..ops.paged.format import KV_FORMATS, kv_format
 from ..paged import cache_block_bytes
 from ._common import ModelShape
 
@@ -137,7 +138,7 @@ def plan(config: Any, memory: int, seq_len: int, *, block_size: int = 16, dtype:
     rows = []
     per_seq_blocks = cdiv(seq_len, block_size)
     for kv in KV_FORMATS:
-        if kv in ("int4", "k8v4") and D % 2:
+        if kv_format(kv).needs_even_head_dim and D % 2:
             continue
         name = f"auto ({str(dtype).removeprefix('torch.')})" if kv == "auto" else kv
         block = cache_block_bytes(L, H, D, block_size, dtype, kv)

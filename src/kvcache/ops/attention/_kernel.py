@@ -87,8 +87,9 @@ def _tile(
     t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
     bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr,
     SOFTCAP: tl.constexpr, H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr,
-    S_KV: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr,
-    P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    K_HI: tl.constexpr, V_AT: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr,
+    P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QK: tl.constexpr, QV: tl.constexpr,
+    LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr,
     INTERP: tl.constexpr, Q_DT: tl.constexpr, V_MAGIC: tl.constexpr,
 ):
@@ -104,23 +105,13 @@ def _tile(
     for bfloat16 queries under the interpreter, whose dots run in float32), the rounding target of the
     prefill tiles' 16-bit dequantization.
     """
-    if QUANT == 4:  # k8v4: int8 keys in planes 0 / 1 (the second half S_KV after the first), int4 values in plane 2
-        QK: tl.constexpr = 2
-        QV: tl.constexpr = 3
-        K_HI: tl.constexpr = S_KV
-        V_AT: tl.constexpr = 2 * S_KV
-    else:
-        QK: tl.constexpr = QUANT
-        QV: tl.constexpr = QUANT
-        K_HI: tl.constexpr = H1
-        V_AT: tl.constexpr = S_KV
     j = t * BLOCK_N + offs_n
     ok_n, blk, tok, base = _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS, S_BLK, S_TOK, S_HEAD, LINEAR)
     k_off = base[None, :] + dd[:, None]
     k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], K_HI, QK,
                           q_lo.dtype, not V_FOLD, INTERP, False)
     pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
-    if QUANT >= 2 and not V_FOLD:
+    if QK >= 2 and not V_FOLD:
         # prefill tiles: dequantize K per element (many rows share it), no per-score affine
         ks, kz = _load_params(qparams, pbase, ok_n)
         k_lo, k_hi = dequant(k_lo, k_hi, ks, kz, qdt, Q_DT, 4 if QK == 3 else 8, True, INTERP)
@@ -129,9 +120,9 @@ def _tile(
     # without softcap (every format but fp8, whose scale is data): the rows' maxima of unscaled scores times the
     # score scale (> 0) are the maxima of the scaled ones, and the scale enters exp2's argument, one multiply-add per
     # score; rescaled bfloat16 queries (Q_RESCALE) fold their rows' 1 / r into that scale
-    LATE: tl.constexpr = QUANT != 1 and SOFTCAP == 0
+    LATE: tl.constexpr = QK != 1 and SOFTCAP == 0
     qk_row = q_inv * qk_scale  # q_inv is 1 without Q_RESCALE
-    if QUANT >= 2 and V_FOLD:
+    if QK >= 2 and V_FOLD:
         ks, kz = _load_params(qparams, pbase, ok_n)
         s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
         if Q_RESCALE and not LATE:
@@ -169,7 +160,7 @@ def _tile(
     v_off = vbase[:, None] + dd[None, :]
     v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, None] & ok_lo[None, :], ok_n[:, None] & ok_hi[None, :], H1, QV, vdt,
                           not V_FOLD, INTERP, V_MAGIC)
-    if QUANT >= 2:
+    if QK >= 2:
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
         vs, vz = _load_params(qparams, vp, ok_n)
         if V_FOLD:
@@ -337,6 +328,18 @@ def _attention_kernel(
     # decode tiles without a warp split take int8 V rows over 64 elements as float16 magic numbers with the offset
     # left in (module docstring); every other operand converts exactly
     V_MAGIC: tl.constexpr = V_FOLD and WARPS_K == 1 and QUANT == 2 and HALF_P >= 64 and qdt != tl.float32
+    # the keys' and the values' formats and where they live: k8v4 stores int8 keys in planes 0 / 1 (the second half
+    # S_KV after the first) and int4 values in plane 2; the other formats a key row's halves H1 apart, values at S_KV
+    if QUANT == 4:
+        QK: tl.constexpr = 2
+        QV: tl.constexpr = 3
+        K_HI: tl.constexpr = S_KV
+        V_AT: tl.constexpr = 2 * S_KV
+    else:
+        QK: tl.constexpr = QUANT
+        QV: tl.constexpr = QUANT
+        K_HI: tl.constexpr = H1
+        V_AT: tl.constexpr = S_KV
 
     k_scale = 1.0
     v_scale = 1.0
@@ -394,20 +397,20 @@ def _attention_kernel(
                 m_w, l_w, acc_lo_w, acc_hi_w, zacc_w = _tile_w(
                     t, m_w, l_w, acc_lo_w, acc_hi_w, zacc_w, q_lo_w, q_hi_w, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
                     qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_w, dd, ok_lo, ok_hi, qdt,
-                    SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
-                    HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
+                    SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV,
+                LINEAR, HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
         for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
             m_w, l_w, acc_lo_w, acc_hi_w, zacc_w = _tile_w(
                 t, m_w, l_w, acc_lo_w, acc_hi_w, zacc_w, q_lo_w, q_hi_w, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
                 qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_w, dd, ok_lo, ok_hi, qdt,
-                SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
-                HAS_WINDOW, PRECISION, False, Q_RESCALE, INTERP)
+                SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV,
+                LINEAR, HAS_WINDOW, PRECISION, False, Q_RESCALE, INTERP)
         for t in range(tl.maximum(t_begin, tf_hi), t_end):
             m_w, l_w, acc_lo_w, acc_hi_w, zacc_w = _tile_w(
                 t, m_w, l_w, acc_lo_w, acc_hi_w, zacc_w, q_lo_w, q_hi_w, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
                 qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_w, dd, ok_lo, ok_hi, qdt,
-                SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
-                HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
+                SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV,
+                LINEAR, HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
         m_i, l_i, acc_lo, acc_hi, zacc = _merge_warps(m_w, l_w, acc_lo_w, acc_hi_w, zacc_w)
     else:
         m_i = tl.full([BLOCK_Q * G_P], float("-inf"), tl.float32)
@@ -427,20 +430,20 @@ def _attention_kernel(
                 m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
                     t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale,
                     pool, qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi,
-                    qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT,
+                    qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV,
                     LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
             m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
                 qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
-                SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
-                HAS_WINDOW, PRECISION, False, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
+                SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV,
+                LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_hi), t_end):
             m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
                 qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
-                SOFTCAP, H1, BLOCK_N, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QUANT, LINEAR,
-                HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
+                SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV,
+                LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
 
     if HAS_SINKS:
         # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only

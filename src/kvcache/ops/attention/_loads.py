@@ -33,10 +33,12 @@ def _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS: tl.constexpr, S_BLK: tl.con
 
 
 @triton.jit
-def _load_kv(pool, off, m_lo, m_hi, H1: tl.constexpr, QUANT: tl.constexpr, DT: tl.constexpr, RAW: tl.constexpr,
+def _load_kv(pool, off, m_lo, m_hi, HI: tl.constexpr, QUANT: tl.constexpr, DT: tl.constexpr, RAW: tl.constexpr,
              INTERP: tl.constexpr, MAGIC: tl.constexpr):
     """The two halves of K or V rows: elements ``[0, H1)`` at ``pool + off`` (mask ``m_lo``) and ``[H1, D)`` at
-    ``pool + off + H1`` (mask ``m_hi``; int4: the high nibbles of the same bytes).
+    ``pool + off + HI`` (mask ``m_hi``; ``HI`` is ``H1``, or a plane's stride for k8v4 keys, whose second half is the
+    next plane; int4: the high nibbles of the same bytes). ``QUANT``: the format of these rows (k8v4 keys: 2,
+    values: 3).
 
     ``RAW``: as stored (16-bit values, fp8 values, int8 codes as uint8, int4 byte rows as uint8 twice); the caller
     converts at the dot (prefill tiles dequantize int8 / int4 there). Else (int8 / int4 decode tiles only) the
@@ -61,7 +63,7 @@ def _load_kv(pool, off, m_lo, m_hi, H1: tl.constexpr, QUANT: tl.constexpr, DT: t
             lo, hi = u4_to(raw, DT)
     else:
         lo = tl.load(pool + off, mask=m_lo, other=0)
-        hi = tl.load(pool + off + H1, mask=m_hi, other=0)
+        hi = tl.load(pool + off + HI, mask=m_hi, other=0)
         if QUANT == 1:
             b_lo = lo
             b_hi = hi

@@ -21,25 +21,16 @@ from ._loads import LOG2E, PV_RANGE, _key_rows, _load_kv, _load_params
 def _tile_w(
     t, m_i, l_i, acc_lo, acc_hi, zacc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams, bt_row, b, kvh,
     j_hi, n_blocks, cp_rank, cp_size, window, offs_w, dd, ok_lo, ok_hi, qdt: tl.constexpr, SOFTCAP: tl.constexpr,
-    H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
-    S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr,
-    P_HEAD: tl.constexpr, QUANT: tl.constexpr, LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, MASK: tl.constexpr, Q_RESCALE: tl.constexpr, INTERP: tl.constexpr,
+    H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, K_HI: tl.constexpr,
+    V_AT: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_KV: tl.constexpr,
+    P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QK: tl.constexpr, QV: tl.constexpr, LINEAR: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, MASK: tl.constexpr, Q_RESCALE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """KV tile ``t`` split over the warps: ``offs_w`` ``[W, BLOCK_N / W]`` are the tile's key offsets of each
     warp; q ``[W, M, HALF_P]`` (the query tile broadcast), state ``[W, M]`` / ``[W, M, HALF_P]``. Returns the
     updated (m_i, l_i, acc_lo, acc_hi, zacc)."""
-    tl.static_assert(QUANT >= 2, "warp-split tiles: int8 / int4 / k8v4 caches")
-    if QUANT == 4:  # k8v4: int8 keys in planes 0 / 1, int4 values in plane 2
-        QK: tl.constexpr = 2
-        QV: tl.constexpr = 3
-        K_HI: tl.constexpr = S_KV
-        V_AT: tl.constexpr = 2 * S_KV
-    else:
-        QK: tl.constexpr = QUANT
-        QV: tl.constexpr = QUANT
-        K_HI: tl.constexpr = H1
-        V_AT: tl.constexpr = S_KV
+    tl.static_assert(QK >= 2, "warp-split tiles: int8 / int4 / k8v4 caches")
     j = t * BLOCK_N + offs_w
     ok_n, blk, tok, base = _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS, S_BLK, S_TOK, S_HEAD, LINEAR)
     k_off = base[:, None, :] + dd[None, :, None]

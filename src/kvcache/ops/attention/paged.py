@@ -39,15 +39,17 @@ def paged_attention(
         shape ``[n_tokens, Hq, D]``, float16 / bfloat16 / float32 (the pool's dtype for ``kv_dtype="auto"``),
         head_dim contiguous. ``Hq`` any multiple of the pool's ``H`` (GQA / MQA).
     pool : torch.Tensor
-        One layer's pool, ``PagedKVCache.pool(layer)``: NHD ``[num_blocks, 2, block_size, H, R]`` or HND
-        ``[num_blocks, 2, H, block_size, R]`` with ``R = D`` (``D // 2`` bytes for int4); contiguous.
+        One layer's pool, ``PagedKVCache.pool(layer)``: NHD ``[num_blocks, P, block_size, H, R]`` or HND
+        ``[num_blocks, P, H, block_size, R]`` with ``P = 2`` planes (K, V) and ``R = D`` (``D // 2`` bytes for
+        int4), or for k8v4 ``P = 3`` planes of ``R = D // 2`` bytes; contiguous.
     params : torch.Tensor, optional
-        ``PagedKVCache.params(layer)``: float32 (scale, zero) per token and head, required for int8 / int4.
+        ``PagedKVCache.params(layer)``: float32 (scale, zero) per token and head, ``[num_blocks, 2, ...]``,
+        required for int8 / int4 / k8v4.
     kv_scales : torch.Tensor, optional
         ``PagedKVCache.kv_scales[layer]``: float32 ``[2]`` = (k_scale, v_scale), required for fp8, ignored for the
         other formats.
     kv_dtype, layout : str
-        ``"auto" | "fp8" | "int8" | "int4"`` and ``"NHD" | "HND"`` (the byte format of
+        ``"auto" | "fp8" | "int8" | "int4" | "k8v4"`` and ``"NHD" | "HND"`` (the byte format of
         :mod:`kvcache.paged.config`).
     block_tables : torch.Tensor
         int32 ``[B, max_blocks]``: each sequence's blocks in order (this rank's local blocks under context

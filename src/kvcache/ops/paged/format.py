@@ -58,13 +58,18 @@ class KVFormat:
         return head_dim // 2 if self.value_bits == 4 else head_dim
 
     @property
+    def is_float(self) -> bool:
+        """A float format (auto, fp8): no integer codes, no (scale, zero)."""
+        return self.key_bits is None
+
+    @property
     def bits(self) -> int | None:
         """Bits per code where keys and values share them (8 int8, 4 int4); None otherwise (float formats, k8v4)."""
         return self.key_bits if self.key_bits == self.value_bits else None
 
     def qmax_of(self, kind: int) -> int:
         """Largest code of keys (``kind`` 0) or values (1): 255 or 15; 0 for float formats."""
-        bits = self.key_bits if kind == 0 else self.value_bits
+        bits = self.key_bits if _kind(kind) == 0 else self.value_bits
         return 0 if bits is None else 2**bits - 1
 
     @property
@@ -106,6 +111,12 @@ def kv_format(kv_dtype: object, name: str = "kv_dtype") -> KVFormat:
     return fmt
 
 
+def _kind(kind: object) -> int:
+    if kind not in (0, 1) or type(kind) is not int:
+        raise ValueError(f"kind: expected 0 (keys) or 1 (values), got {kind!r}")
+    return kind
+
+
 def stored_planes(kv_dtype: str, kind: int) -> tuple[int, ...]:
     """Planes (dim 1 of a pool) that hold the key (``kind`` 0) or value (1) rows of ``kv_dtype``.
 
@@ -115,13 +126,15 @@ def stored_planes(kv_dtype: str, kind: int) -> tuple[int, ...]:
     ((0, 1), (2,), (1,))
     """
     if kv_format(kv_dtype).planes == 3:
-        return (0, 1) if kind == 0 else (2,)
-    return (kind,)
+        return (0, 1) if _kind(kind) == 0 else (2,)
+    return (_kind(kind),)
 
 
 def _bits(kv_dtype: str, kind: int) -> int | None:
     fmt = kv_format(kv_dtype)
-    return fmt.key_bits if kind == 0 else fmt.value_bits
+    if fmt.is_float:
+        raise ValueError(f"kv_dtype: expected an integer format, got {kv_dtype!r}")
+    return fmt.key_bits if _kind(kind) == 0 else fmt.value_bits
 
 
 def pack_codes(kv_dtype: str, kind: int, q: torch.Tensor) -> list[torch.Tensor]:

@@ -14,15 +14,16 @@ __all__ = ["PagedLayer"]
 
 
 class PagedLayer:
-    """One layer's pools: data ``pool``, float32 (scale, zero) ``params`` (int8 / int4), fp8 ``(k_scale,
+    """One layer's pools: data ``pool``, float32 (scale, zero) ``params`` (int8 / int4 / k8v4), fp8 ``(k_scale,
     v_scale)``, in the format ``kv_dtype`` / ``layout`` (see :mod:`kvcache.paged.config`).
 
     Parameters
     ----------
     pool : torch.Tensor
-        NHD ``[num_blocks, 2, block_size, H, R]`` or HND ``[num_blocks, 2, H, block_size, R]``, contiguous.
+        NHD ``[num_blocks, P, block_size, H, R]`` or HND ``[num_blocks, P, H, block_size, R]``, contiguous; ``P``
+        planes: 2 (K, V), 3 for k8v4.
     params : torch.Tensor or None
-        float32 ``[*pool.shape[:4], 2]`` for int8 / int4, else None.
+        float32 ``[num_blocks, 2, *pool.shape[2:4], 2]`` for int8 / int4 / k8v4, else None.
     scales : torch.Tensor or None
         float32 ``[2]`` (k_scale, v_scale), required for fp8 (ignored, and not kept, for the other formats).
     kv_dtype, layout : str

@@ -101,7 +101,7 @@ def plan_append(
         Sequences of a ragged batch; None for a slot mapping.
     num_kv_heads, head_dim : int
     kv_dtype : str
-        ``"auto" | "fp8" | "int8" | "int4"``.
+        ``"auto" | "fp8" | "int8" | "int4" | "k8v4"``.
     rope : {"none", "full", "partial"}
         No RoPE; rotate-half over the whole head_dim; partial rotary dim or interleaved pairs.
     pdl : bool

@@ -159,14 +159,14 @@ def gather_paged_kv_reference(k_out: torch.Tensor, v_out: torch.Tensor, layer: P
         blks = torch.tensor([tables[b][t // bs] for t in ts], dtype=torch.long, device=pool.device)
         offs = t_idx % bs
         for kv, out in ((0, k_out), (1, v_out)):
-            data = pool[blks, kv, :, offs] if hnd else pool[blks, kv, offs]  # [n, H, DP]
+            rows = [pool[blks, p, :, offs] if hnd else pool[blks, p, offs] for p in stored_planes(kv_dtype, kv)]
+            data = rows[0]  # [n, H, DP]: the row itself, but for k8v4 keys (two planes)
             if kv_dtype == "auto":
                 x = data.float()
             elif kv_dtype == "fp8":
                 x = data.float() * fp8_scales[kv].float()
             else:
                 par = params[blks, kv, :, offs] if hnd else params[blks, kv, offs]  # [n, H, 2]
-                rows = [pool[blks, p, :, offs] if hnd else pool[blks, p, offs] for p in stored_planes(kv_dtype, kv)]
                 x = dequantize_rows_reference(unpack_codes(kv_dtype, kv, rows), par[..., 0], par[..., 1])
             if kv == 0 and rope is not None:
                 x = _rope_rows(x, t_idx * cp_size + cp_rank, rope)

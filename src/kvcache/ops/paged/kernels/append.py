@@ -124,9 +124,9 @@ def _append_kernel(
     stride_kn, stride_vn, bt_stride, table_width, n_seqs,
     guess_mul,  # see _guess_mul
     MODE: tl.constexpr,  # 0: cu_q_lens + kv_lens, 1: cu_q_lens + cu_k_lens, 2: slot mapping
-    QUANT: tl.constexpr,  # 0 none, 1 fp8, 2 int8, 3 int4
+    QUANT: tl.constexpr,  # 0 none, 1 fp8, 2 int8, 3 int4, 4 k8v4 (codes.py)
     ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
-    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,  # DP: stored elements per row (D or D // 2)
+    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,  # DP: stored elements per row of a plane (D or D // 2)
     BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,  # see _block_strides
     CP_RANK: tl.constexpr, CP_SIZE: tl.constexpr,

@@ -1,4 +1,4 @@
-"""Layer groups of the paged engine: layers with the same sliding window (None: full attention) share one pool and
+"""Layer groups of a paged cache: layers with the same sliding window (None: full attention) share one pool and
 one block allocator, and a window group holds only the blocks its window can still read.
 
 A key at position ``p`` is visible from a query at ``q`` when ``q - window < p <= q`` (the attention kernels' rule,
@@ -8,19 +8,18 @@ transformers' ``sliding_window``). Every later query of a sequence that has ``c`
 holds at most ``ceil(window / block_size) + 1`` blocks of a window group (a window of ``window`` positions spans at
 most that many blocks), a prefill chunk of ``n`` tokens at most ``ceil((window - 1 + n) / block_size) + 1``.
 
-Pure Python (no torch): the scheduler and ``kvcache plan`` use the same rules.
+Pure Python (no torch): the engine's scheduler and ``kvcache plan`` use the same rules (each layer's window:
+:func:`kvcache.support.model_windows`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from .._validate import cdiv, check_int
 
-__all__ = ["LayerGroup", "layer_groups", "model_windows", "first_live_block", "blocks_per_seq", "peak_blocks",
-           "split_blocks"]
+__all__ = ["LayerGroup", "layer_groups", "first_live_block", "blocks_per_seq", "peak_blocks", "split_blocks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,18 +75,15 @@ def layer_groups(windows: Sequence[int | None]) -> tuple[LayerGroup, ...]:
     return tuple(LayerGroup(w, tuple(by[w])) for w in order)
 
 
-def model_windows(config: Any, num_layers: int) -> list[int | None]:
-    """Each layer's window as transformers applies it (:func:`kvcache.support.layer_window`).
-
-    Example
-    -------
-    >>> from transformers import MistralConfig
-    >>> model_windows(MistralConfig(sliding_window=16, num_hidden_layers=2), 2)
-    [16, 16]
-    """
-    from ..support import layer_window
-
-    return [layer_window(config, i) for i in range(num_layers)]
+def _check(window: object, block_size: object, **counts: object) -> None:
+    # cheap checks (the scheduler calls these every step): ints, window and block_size >= 1, counts >= 0
+    if type(block_size) is not int or block_size < 1:
+        raise ValueError(f"block_size: expected an int >= 1, got {block_size!r}")
+    if window is not None and (type(window) is not int or window < 1):
+        raise ValueError(f"window: expected an int >= 1 or None, got {window!r}")
+    for name, v in counts.items():
+        if type(v) is not int or v < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
 
 
 def first_live_block(window: int | None, num_computed: int, block_size: int) -> int:
@@ -101,6 +97,7 @@ def first_live_block(window: int | None, num_computed: int, block_size: int) -> 
     >>> first_live_block(8, 15, 4)   # positions 0..7 lie below 15 - 8 + 1 = 8
     2
     """
+    _check(window, block_size, num_computed=num_computed)
     if window is None:
         return 0
     return max(0, (num_computed - window + 1) // block_size)
@@ -115,6 +112,7 @@ def blocks_per_seq(window: int | None, seq_len: int, block_size: int) -> int:
     >>> blocks_per_seq(None, 8192, 16), blocks_per_seq(1024, 8192, 16), blocks_per_seq(1024, 100, 16)
     (512, 65, 7)
     """
+    _check(window, block_size, seq_len=seq_len)
     full = cdiv(seq_len, block_size)
     return full if window is None else min(full, cdiv(window, block_size) + 1)
 
@@ -128,6 +126,7 @@ def peak_blocks(window: int | None, seq_len: int, chunk: int, block_size: int) -
     >>> peak_blocks(8, 64, 12, 4), peak_blocks(None, 64, 12, 4)
     (6, 16)
     """
+    _check(window, block_size, seq_len=seq_len, chunk=chunk)
     full = cdiv(seq_len, block_size)
     if window is None:
         return full
@@ -149,6 +148,9 @@ def split_blocks(groups: Sequence[LayerGroup], budget: int, block_bytes: Sequenc
     """
     if len(block_bytes) != len(groups):
         raise ValueError(f"block_bytes: expected one size per group ({len(groups)}), got {len(block_bytes)}")
+    _check(None, block_size, budget=budget, seq_len=seq_len)
+    for i, b in enumerate(block_bytes):
+        check_int(f"block_bytes[{i}]", b, lo=1)
     if len(groups) == 1:
         return [max(2, budget // block_bytes[0])]
     need = [blocks_per_seq(g.window, seq_len, block_size) for g in groups]
