@@ -271,6 +271,8 @@ VARIANTS: list[Variant] = [
     _both("fp8-had", _fp8("one", rotate=True)),
     _both("fp8-had-layer-amax", _fp8("layer", rotate=True)),
     _both("fp8-had-row-f16", _fp8("row", F16, True)),
+    Variant("fp8-k-had", _fp8("one", rotate=True), _fp8("one")),  # keys rotated only: no output rotation needed
+    Variant("fp8-v-had", _fp8("one"), _fp8("one", rotate=True)),
 ]
 
 

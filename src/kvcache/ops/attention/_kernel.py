@@ -398,7 +398,7 @@ def _attention_kernel(
                     t, m_w, l_w, acc_lo_w, acc_hi_w, zacc_w, q_lo_w, q_hi_w, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
                     qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_w, dd, ok_lo, ok_hi, qdt,
                     SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV,
-                LINEAR, HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
+                    LINEAR, HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
         for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
             m_w, l_w, acc_lo_w, acc_hi_w, zacc_w = _tile_w(
                 t, m_w, l_w, acc_lo_w, acc_hi_w, zacc_w, q_lo_w, q_hi_w, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
