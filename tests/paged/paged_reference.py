@@ -40,7 +40,6 @@ from kvcache.rope import RopeConfig, apply_rope_reference
 
 SENTINEL = 0x5A
 FP8_MAX = 448.0
-QMAX = {"int8": 255, "int4": 15}
 # bits of keys and of values per integer format (k8v4: int8 keys in planes 0 / 1, int4 values in plane 2)
 BITS = {"int8": (8, 8), "int4": (4, 4), "k8v4": (8, 4)}
 QUANTIZED = tuple(BITS)
@@ -50,10 +49,6 @@ def qmax_of(kv_dtype: str, kv: int) -> int:
     """Largest code of keys (``kv`` 0) or values (1) of an integer format."""
     return 2 ** BITS[kv_dtype][kv] - 1
 
-
-def row_elems(kv_dtype: str, head_dim: int) -> int:
-    """Stored elements per row of one plane: ``D // 2`` where values are int4 (int4, k8v4)."""
-    return head_dim // 2 if kv_dtype in ("int4", "k8v4") else head_dim
 
 # (explicit mantissa bits, smallest normal exponent) of each floating dtype used here
 _FLOAT_FORMAT = {

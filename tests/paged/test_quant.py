@@ -158,7 +158,7 @@ def test_int8_exact_codes(device):
 @pytest.mark.parametrize("kv_dtype", INT_DTYPES)
 def test_round_half_to_even(device, kv_dtype):
     """(x - zero) / scale exactly k + 0.5 rounds to the even neighbour."""
-    qmax = pr.QMAX[kv_dtype]
+    qmax = pr.qmax_of(kv_dtype, 0)
     halves = [0.5, 1.5, 2.5, 3.5, 6.5, 7.5, 12.5, 13.5]
     want = [0, 2, 2, 4, 6, 8, 12, 14]
     if kv_dtype == "int8":
@@ -234,7 +234,7 @@ def test_masked_lanes_never_enter_min_max(device, kv_dtype, D, use_rope):
     cache.append(0, k, v, cache.plan(slot_mapping=torch.tensor(slots, device=device), **kw))
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
     scales = torch.stack([cache.params(0)[s // 4, :, s % 4, :, 0] for s in slots]).cpu()
-    assert float(scales.max()) < 10.0 / pr.QMAX[kv_dtype], "a scale reflects the 1e4 lanes past the row"
+    assert float(scales.max()) < 10.0 / pr.qmax_of(kv_dtype, 0), "a scale reflects the 1e4 lanes past the row"
     _check_quant_properties(cache, exp, kv_dtype, "NHD", rope)
 
 
