@@ -58,6 +58,10 @@ BAD = [
     ("disk_cache_bytes", 0, ValueError),
     ("cache_model_id", "", TypeError),
     ("kv_events", 1, TypeError),
+    ("decode_reserve", 1.5, ValueError),
+    ("decode_reserve", -0.1, ValueError),
+    ("decode_reserve", "0.5", TypeError),
+    ("decode_reserve", True, TypeError),
 ]
 
 
@@ -77,6 +81,7 @@ def test_bad_field_raises_naming_it(field, bad, err):
     (dict(cuda_graphs=True, tp_group="group"), "cuda_graphs"),
     (dict(cache_model_id="org/model@1"), "cache_model_id"),  # a disk tier setting without disk_cache_dir
     (dict(disk_cache_bytes=2**30), "disk_cache_bytes"),
+    (dict(cache="linear", decode_reserve=1.0), "decode_reserve"),
 ])
 def test_fields_that_exclude_each_other(kw, field):
     kw = {k: _group() if v == "group" else v for k, v in kw.items()}

@@ -73,7 +73,8 @@ def _params(ref, greedy_only: bool = True) -> list[SamplingParams]:
 def test_overlapped_steps_equal_step_by_step(model, case):
     kw: dict = {"enable_prefix_caching": case == "prefix"}
     if case == "preempt":
-        kw["num_blocks"] = 10  # room for one request of 34 tokens: three running ones preempt each other
+        # room for one request of 34 tokens, admission by the free blocks alone: three running ones preempt each other
+        kw.update(num_blocks=10, decode_reserve=0.0)
     prompts = _prompts(shared=10 if case == "prefix" else 0)
     plain = _engine(model, graphs=False, **kw)
     ref = plain.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))

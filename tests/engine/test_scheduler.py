@@ -14,9 +14,11 @@ from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.sequence import Sequence, SequenceStatus
 
 
-def _sched(num_blocks=16, block_size=4, max_num_seqs=4, budget=64, width=16, prefix=True) -> Scheduler:
+def _sched(num_blocks=16, block_size=4, max_num_seqs=4, budget=64, width=16, prefix=True, reserve=0.0) -> Scheduler:
+    # decode_reserve 0 (admit while the prompt fits): the preemption tests need requests to outgrow the pool
     alloc = BlockAllocator(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(alloc, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_blocks_per_seq=width)
+    return Scheduler(alloc, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_blocks_per_seq=width,
+                     decode_reserve=reserve)
 
 
 def _seq(i: int, prompt: list[int], max_tokens: int = 4) -> Sequence:

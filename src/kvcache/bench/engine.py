@@ -19,7 +19,9 @@ download), 64 requests x 512 random prompt tokens + 128 new tokens, greedy, EOS 
 (hidden 4096, 32 layers, 32 / 8 heads, head_dim 128, bf16), a fixed 4 GiB KV budget, 192 requests x (512 prompt +
 512 new) tokens, one timed run per kv_dtype after a warm-up run of the same workload: generated tokens/s and its
 ratio to bf16 KV, decode tokens per step (the batch the budget held), preemptions, and the bytes per token the
-format stores.
+format stores. ``--decode-reserves default,0`` runs every kv_dtype under each admission policy
+(``EngineConfig.decode_reserve``: the default, learned, never preempts requests that run to ``max_tokens``; 0 admits
+while the next chunk fits and preempts).
 
 Writes JSON (``--out``). ``--quick``: 16 requests x 128 + 32 tokens, for a smoke test.
 """
@@ -162,9 +164,9 @@ def _agreement(rows: list[dict]) -> None:
         r["first_token_agrees_with_hf_dynamic"] = f"{sum(a[:1] == b[:1] for a, b in zip(toks, ref))}/{len(ref)}"
 
 
-def _capacity_row(model: Any, prompts: list[list[int]], kv_dtype: str) -> dict:
+def _capacity_row(model: Any, prompts: list[list[int]], kv_dtype: str, **engine: Any) -> dict:
     """One timed run of the capacity workload (:data:`CAPACITY`) with ``kv_dtype``, after a warm-up run of the same
-    workload."""
+    workload; ``engine``: more :class:`~kvcache.engine.EngineConfig` fields."""
     from ..engine import LLM, SamplingParams
 
     _free()
@@ -172,7 +174,7 @@ def _capacity_row(model: Any, prompts: list[list[int]], kv_dtype: str) -> dict:
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     llm = LLM(model, tokenizer=_IdsOnlyTokenizer(), kv_dtype=kv_dtype, max_num_seqs=len(prompts),
               kv_cache_memory=CAPACITY["kv_gib"] * 2**30, max_model_len=len(prompts[0]) + new,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **engine)
     # warm-up: the whole workload once, so every kernel is compiled and every decode bucket the run passes through
     # is captured before the timed run (a shorter warm-up leaves compilation and capture inside the timed run)
     llm.generate(prompts, sp)
@@ -209,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ----------
     argv : list of str, optional
         ``--out FILE`` (JSON, default ``engine_bench.json``), ``--quick``, ``--long`` (add the 8 x 16k row),
-        ``--kv-dtypes auto,int8,int4``, ``--no-hf``, ``--capacity`` (the fixed-budget workload alone).
+        ``--kv-dtypes auto,int8,int4``, ``--no-hf``, ``--capacity`` (the fixed-budget workload alone),
+        ``--decode-reserves default,0`` (with ``--capacity``: each kv_dtype under each admission policy, see
+        ``EngineConfig.decode_reserve``).
 
     Example
     -------
@@ -224,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--capacity", action="store_true",
                    help="only the fixed-budget workload: 8B shape, 4 GiB of KV, 192 x (512 + 512), per kv_dtype")
+    p.add_argument("--decode-reserves", default="default",
+                   help="with --capacity: comma-separated decode_reserve values ('default' or a float in [0, 1])")
     args = p.parse_args(argv)
+    reserves = _reserves(p, args.decode_reserves)
     kv_dtypes = [k for k in args.kv_dtypes.split(",") if k]
     bad = [k for k in kv_dtypes if k not in KV_FORMATS]
     if bad:
@@ -234,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dev = torch.device("cuda")
     if args.capacity:
-        return _capacity_main(args.out, kv_dtypes, dev)
+        return _capacity_main(args.out, kv_dtypes, dev, reserves)
     n_req, plen, new = (16, 128, 32) if args.quick else (64, 512, 128)
     model = _model(dev)
     prompts = _prompts(n_req, plen, SHAPE["vocab_size"])
@@ -286,18 +293,34 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _capacity_main(out: str, kv_dtypes: list[str], dev: torch.device) -> int:
-    """``--capacity``: one row per kv_dtype, each with its tokens/s relative to bf16 KV (``auto``) when it ran."""
+def _reserves(p: argparse.ArgumentParser, spec: str) -> list[float | None]:
+    out: list[float | None] = []
+    for v in spec.split(","):
+        try:
+            out.append(None if v == "default" else float(v))
+        except ValueError:
+            p.error(f"--decode-reserves: expected 'default' or floats in [0, 1], got {v!r}")
+        if out[-1] is not None and not 0 <= out[-1] <= 1:
+            p.error(f"--decode-reserves: expected 'default' or floats in [0, 1], got {v!r}")
+    return out
+
+
+def _capacity_main(out: str, kv_dtypes: list[str], dev: torch.device, reserves: list[float | None]) -> int:
+    """``--capacity``: one row per (decode_reserve, kv_dtype), each with its tokens/s relative to bf16 KV (``auto``)
+    under the same decode_reserve when it ran."""
     model = _model(dev, SHAPE_8B)
     prompts = _prompts(CAPACITY["requests"], CAPACITY["prompt_tokens"], SHAPE_8B["vocab_size"], seed=3)
     rows, code = [], 0
-    for kv in kv_dtypes:
+    for reserve, kv in [(r, kv) for r in reserves for kv in kv_dtypes]:
+        label = "default" if reserve is None else reserve
         try:
-            row = _capacity_row(model, prompts, kv)
+            row = _capacity_row(model, prompts, kv, decode_reserve=reserve)
         except Exception as e:  # one failed row must not lose the others
             row, code = {"kind": "kvcache.engine capacity", "kv_dtype": kv, "error": f"{type(e).__name__}: {e}"}, 1
+        row["decode_reserve"] = label
         rows.append(row)
-        base = next((r for r in rows if r["kv_dtype"] == "auto" and "error" not in r), None)
+        base = next((r for r in rows if r["kv_dtype"] == "auto" and r["decode_reserve"] == label and
+                     "error" not in r), None)
         if base is not None and "error" not in row:
             row["vs_auto"] = row["generated_tok_s"] / base["generated_tok_s"]
         print(json.dumps(row), flush=True)

@@ -134,6 +134,12 @@ class EngineConfig:
         Only with ``disk_cache_dir``.
     kv_events : bool
         Record the prefix cache's events (blocks stored / removed per tier: ``LLM.kv_events()``). Paged cache only.
+    decode_reserve : float, optional
+        Paged cache: the fraction of each running request's remaining ``max_tokens`` the scheduler keeps blocks for
+        before it admits another request (:mod:`kvcache.engine.admission`). None (default): learned from the
+        requests that finished, starting at 1.0. ``1.0``: nothing admitted is ever preempted (TensorRT-LLM's
+        guaranteed-no-evict); ``0.0``: no reserve, admit while the next prompt chunk fits and preempt when a running
+        request runs out (vLLM's policy).
 
     Raises
     ------
@@ -141,7 +147,8 @@ class EngineConfig:
         A field of the wrong type or out of range, ``kv_dtype`` other than ``"auto"`` with the linear cache,
         ``tp_group`` with the linear cache or with ``cuda_graphs=True``; ``host_cache_memory``,
         ``disk_cache_dir`` or ``kv_events`` with the linear cache, the tiers without prefix caching or with
-        ``tp_group``; ``cache_model_id`` or a non-default ``disk_cache_bytes`` without ``disk_cache_dir``.
+        ``tp_group``; ``cache_model_id`` or a non-default ``disk_cache_bytes`` without ``disk_cache_dir``;
+        ``decode_reserve`` with the linear cache.
 
     Example
     -------
@@ -173,6 +180,7 @@ class EngineConfig:
     disk_cache_bytes: int = DEFAULT_DISK_BYTES
     cache_model_id: str | None = None
     kv_events: bool = False
+    decode_reserve: float | None = None
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and not callable(getattr(self.tokenizer, "decode", None)):
@@ -204,6 +212,13 @@ class EngineConfig:
         if self.tp_group is not None and self.cuda_graphs:
             raise ValueError("cuda_graphs: not supported with tp_group (expected None or False)")
         self._check_tiers()
+        r = self.decode_reserve
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float))):
+            raise TypeError(f"decode_reserve: expected a float in [0, 1] or None, got {type(r).__name__}")
+        if r is not None and not 0 <= r <= 1:
+            raise ValueError(f"decode_reserve: expected a float in [0, 1] or None, got {r!r}")
+        if r is not None and self.cache != "paged":
+            raise ValueError(f"decode_reserve: the linear cache admits by free slots, expected None, got {r!r}")
 
     def _check_tiers(self) -> None:
         check_int("host_cache_memory", self.host_cache_memory, lo=0)

@@ -187,7 +187,8 @@ class PagedEngineCore:
         one = len(self.groups) == 1
         self.scheduler = Scheduler(self.allocator if one else self.allocators, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.batched_tokens(model.device), max_blocks_per_seq=width,
-                                   tiers=self.tiers, windows=[g.window for g in self.groups])
+                                   tiers=self.tiers, windows=[g.window for g in self.groups],
+                                   decode_reserve=config.decode_reserve)
         graphs = _graphs(model, config)
         self.runner = PagedRunner(model, self.cache, max_blocks_per_seq=width, max_model_len=self.max_model_len,
                                   scratch_block=counts[0], cuda_graphs=graphs,

@@ -37,7 +37,8 @@ from collections.abc import Sequence as Seq
 from .._validate import cdiv
 from ..paged import BlockAllocator
 from ..paged.tiers import TieredCache
-from ..paged.groups import first_live_block, peak_blocks
+from ..paged.groups import first_live_block, match_groups, peak_blocks
+from .admission import DecodeReserve
 from .sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler"]
@@ -91,6 +92,10 @@ class Scheduler:
     windows : sequence of int or None, optional
         Each allocator's sliding window (None: full attention); default all None. A window group frees the blocks
         no later query of a request reads (see the module docstring).
+    decode_reserve : float, optional
+        A fixed :attr:`~kvcache.engine.admission.DecodeReserve.ratio`; None: learned (see
+        :mod:`kvcache.engine.admission`). A waiting request is admitted only while the free blocks hold its expected
+        tokens and the running requests' expected growth.
 
     Attributes
     ----------
@@ -117,7 +122,7 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator | Seq[BlockAllocator], *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_blocks_per_seq: int, tiers: TieredCache | None = None,
-                 windows: Seq[int | None] | None = None) -> None:
+                 windows: Seq[int | None] | None = None, decode_reserve: float | None = None) -> None:
         allocators = [allocator] if isinstance(allocator, BlockAllocator) else allocator
         if not isinstance(allocators, (list, tuple)) or not allocators or \
                 not all(isinstance(a, BlockAllocator) for a in allocators):
@@ -157,6 +162,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at admission
         self._pending: dict[int, int] = {}  # hash of a block being prefilled -> request id
+        self.reserve = DecodeReserve(self.block_size, windows, max_num_batched_tokens, ratio=decode_reserve)
 
     # ----------------------------------------------------------------------------------- requests
 
@@ -281,6 +287,7 @@ class Scheduler:
         self._release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
+        self.reserve.preempted()
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -364,6 +371,7 @@ class Scheduler:
 
     def _admit(self, seqs: list[Sequence], counts: list[int], budget: int) -> None:
         deferred: list[Sequence] = []
+        reserved = self.reserve.total(self.running) if self.waiting else []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hashes = self._hashes(seq, len(seq.token_ids) - 1)
@@ -372,14 +380,21 @@ class Scheduler:
                 continue
             if self._plain:
                 seq.block_table = list(self.allocator.match_prefix(hashes))
-            else:
-                self._match_groups(seq, hashes)
+            elif (tables := match_groups(self.allocators, self.windows, hashes)) is not None:
+                seq.block_tables = tables
+                seq.num_freed = [t.count(a.num_blocks) for t, a in zip(tables, self.allocators)]
             self._bring_back(seq, hashes)
             seq.num_published = len(seq.block_table)
             seq.num_computed = len(seq.block_table) * self.block_size
+            need = self.reserve.blocks(seq)
+            if self.running and any(r + n > a.num_free_blocks for r, n, a in zip(reserved, need, self.allocators)):
+                self._drop_blocks(seq)  # the running requests' expected growth leaves it no room (admission.py)
+                seq.num_published, seq.num_computed = 0, 0
+                break
             if self.tiers is not None and self.tiers.loading and not self.tiers.ready(seq.block_table):
                 self._start(seq)  # runs once its blocks have arrived: takes no budget this step
                 self._awaiting[id(seq)] = seq
+                reserved = [r + n for r, n in zip(reserved, need)]
                 continue
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
@@ -390,36 +405,8 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            reserved = [r + n for r, n in zip(reserved, self.reserve.blocks(seq))]
         self.waiting.extendleft(reversed(deferred))
-
-    def _match_groups(self, seq: Sequence, hashes: list[int]) -> None:
-        """The longest prefix of ``hashes`` every group can serve, taken: ``k`` blocks such that a full group caches
-        the chain's first ``k`` and a window group the ones from ``first_live_block(window, k * block_size)`` to
-        ``k``; a window group's table starts with that many slots of the id no request holds."""
-        n, bs = len(hashes), self.block_size
-        if not n or not self.allocator.enable_prefix_caching:
-            return
-        k, gaps = n, []
-        for a, w in zip(self.allocators, self.windows):
-            present = [a.lookup(h) is not None for h in hashes]
-            if w is None:
-                k = min(k, present.index(False) if False in present else n)
-                continue
-            last = [-1] * (n + 1)  # last[j]: the last block before j that this group does not cache
-            for j, ok in enumerate(present):
-                last[j + 1] = last[j] if ok else j
-            gaps.append((w, last))
-        while k > 0 and any(last[k] >= first_live_block(w, k * bs, bs) for w, last in gaps):
-            k -= 1
-        if k == 0:
-            return
-        for g, (a, w) in enumerate(zip(self.allocators, self.windows)):
-            lo = first_live_block(w, k * bs, bs)
-            blocks = a.match_prefix(hashes[lo:k])
-            if len(blocks) != k - lo:  # every block was just looked up: the allocator changed under the scheduler
-                raise RuntimeError(f"allocator: group {g} matched {len(blocks)} of {k - lo} cached blocks")
-            seq.block_tables[g] = [a.num_blocks] * lo + blocks
-            seq.num_freed[g] = lo
 
     def _start(self, seq: Sequence) -> None:
         """Move the first waiting request (its cached prefix taken) to the running ones."""
@@ -494,5 +481,7 @@ class Scheduler:
             self._release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        if seq.status is not SequenceStatus.FINISHED:
+            self.reserve.finished(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -18,8 +18,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from .._validate import cdiv, check_int
+from .allocator import BlockAllocator
 
-__all__ = ["LayerGroup", "layer_groups", "first_live_block", "blocks_per_seq", "peak_blocks", "split_blocks"]
+__all__ = ["LayerGroup", "layer_groups", "first_live_block", "blocks_per_seq", "peak_blocks", "split_blocks",
+           "match_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,3 +158,50 @@ def split_blocks(groups: Sequence[LayerGroup], budget: int, block_bytes: Sequenc
     need = [blocks_per_seq(g.window, seq_len, block_size) for g in groups]
     per_seq = sum(n * b for n, b in zip(need, block_bytes))
     return [max(2, budget * n // per_seq) for n in need]
+
+
+def match_groups(allocators: Sequence[BlockAllocator], windows: Sequence[int | None], hashes: Sequence[int],
+                 ) -> list[list[int]] | None:
+    """Take the longest cached prefix of a hash chain that every layer group can serve: ``k`` blocks such that a full
+    group caches the chain's first ``k`` and a window group the ones from ``first_live_block(window, k * block_size)``
+    to ``k`` (the only ones a query after the prefix reads).
+
+    Returns each group's block table (a window group's starts with ``lo`` slots of ``allocators[g].num_blocks``, the
+    id no request holds; ``lo`` = the number of such slots), the blocks taken (their ref counts raised); None when no
+    block of the chain can be served (nothing taken).
+
+    Example
+    -------
+    >>> full, win = BlockAllocator(8, 4), BlockAllocator(8, 4)
+    >>> h = full.hash_blocks(list(range(12)))
+    >>> full.cache_blocks(full.allocate(3), h); win.cache_blocks(win.allocate(3)[2:], h[2:])
+    >>> match_groups([full, win], [None, 4], h)   # window 4 after 12 tokens reads block 2 only
+    [[0, 1, 2], [8, 8, 2]]
+    """
+    if len(allocators) != len(windows):
+        raise ValueError(f"windows: expected one per allocator ({len(allocators)}), got {len(windows)}")
+    n, bs = len(hashes), allocators[0].block_size
+    if not n or not allocators[0].enable_prefix_caching:
+        return None
+    k, gaps = n, []
+    for a, w in zip(allocators, windows):
+        present = [a.lookup(h) is not None for h in hashes]
+        if w is None:
+            k = min(k, present.index(False) if False in present else n)
+            continue
+        last = [-1] * (n + 1)  # last[j]: the last block before j that this group does not cache
+        for j, ok in enumerate(present):
+            last[j + 1] = last[j] if ok else j
+        gaps.append((w, last))
+    while k > 0 and any(last[k] >= first_live_block(w, k * bs, bs) for w, last in gaps):
+        k -= 1
+    if k == 0:
+        return None
+    tables = []
+    for g, (a, w) in enumerate(zip(allocators, windows)):
+        lo = first_live_block(w, k * bs, bs)
+        blocks = a.match_prefix(list(hashes[lo:k]))
+        if len(blocks) != k - lo:  # every block was just looked up: the allocator changed in between
+            raise RuntimeError(f"allocator: group {g} matched {len(blocks)} of {k - lo} cached blocks")
+        tables.append([a.num_blocks] * lo + blocks)
+    return tables
