@@ -9,7 +9,9 @@ Each step has a token budget (``max_num_batched_tokens``):
    prompt and generated so far), and so on until the allocation succeeds or the request preempts itself.
 2. Then waiting requests, in arrival order (preempted ones first), while the budget, ``max_num_seqs`` and the
    pool allow: the longest cached prefix of the request's tokens (``BlockAllocator.match_prefix`` over the full
-   blocks of all tokens but the last, whose logits must be computed) is taken, then blocks for its first chunk.
+   blocks of all tokens but the last, whose logits must be computed) is taken, then blocks for its first chunk,
+   provided the free blocks also hold what the running requests and this one are expected to generate
+   (:mod:`kvcache.engine.admission`; by default, nothing admitted is preempted while requests run to max_tokens).
    A request whose prefix is being prefilled by a running request right now waits for it (one step or a few),
    so a system prompt shared by a burst of requests is prefilled once, then hit by all the others.
 
