@@ -75,7 +75,9 @@ def test_reserve_rules():
     seq.block_tables, seq.num_freed = [[], []], [0, 0]  # one table per group, as the scheduler gives it
     assert r.expected_tokens(seq) == 64
     assert r.blocks(seq) == [16, 5]  # a window-8 group holds at most ceil((8 - 1 + 8) / 4) + 1 blocks
-    assert r.total([seq, seq]) == [32, 10]
+    # two of them need 32 full-attention blocks and 10 window ones (a window group: the sum of what each still needs)
+    assert r.admits([seq], seq, free=[32, 10]) and not r.admits([seq], seq, free=[31, 10])
+    assert not r.admits([seq], seq, free=[32, 9])
     seq.block_tables, seq.num_freed = [list(range(10)), [99] * 6 + [0, 1, 2, 3]], [0, 6]
     assert r.blocks(seq) == [6, 1]
     seq.token_ids += [5] * 6  # 6 of 24 generated, then stopped: 1/4 of the budget
@@ -137,3 +139,18 @@ def test_engine_learns_from_early_stops(llama):
     assert llm.stats.preemptions > 0
     assert llm.allocator.num_used_blocks == 0
     llm.allocator.check_invariants()
+
+
+def test_finishes_are_credited():
+    # a request 2 tokens from its end holds 8 of 10 blocks; a new one needs 8 blocks, 6 of them after the first
+    # finishes: it fits with 4 free blocks once the 8 given back are counted (the sum of growths would need 8)
+    r = DecodeReserve(block_size=4, windows=[None], chunk=64)
+    old = _seq(0, list(range(8)), 24)
+    old.token_ids += [5] * 22  # 30 tokens, 2 to go
+    old.block_tables = [list(range(8))]
+    new = _seq(1, list(range(8)), 24)
+    assert r.admits([old], new, free=[4])
+    assert not r.admits([old], new, free=[2])  # its prompt and the old one's last blocks do not fit now
+    busy = _seq(2, list(range(8)), 24)  # a request that finishes later than the new one: nothing given back in time
+    busy.block_tables = [[8, 9]]
+    assert not r.admits([busy], new, free=[13]) and r.admits([busy], new, free=[14])  # 6 + 8 blocks

@@ -21,7 +21,8 @@ download), 64 requests x 512 random prompt tokens + 128 new tokens, greedy, EOS 
 ratio to bf16 KV, decode tokens per step (the batch the budget held), preemptions, and the bytes per token the
 format stores. ``--decode-reserves default,0`` runs every kv_dtype under each admission policy
 (``EngineConfig.decode_reserve``: the default, learned, never preempts requests that run to ``max_tokens``; 0 admits
-while the next chunk fits and preempts).
+while the next chunk fits and preempts). ``--varied-lengths``: each request's max_tokens drawn from 64..960 (mean
+512, seeded), so requests finish at different steps.
 
 Writes JSON (``--out``). ``--quick``: 16 requests x 128 + 32 tokens, for a smoke test.
 """
@@ -164,14 +165,24 @@ def _agreement(rows: list[dict]) -> None:
         r["first_token_agrees_with_hf_dynamic"] = f"{sum(a[:1] == b[:1] for a, b in zip(toks, ref))}/{len(ref)}"
 
 
-def _capacity_row(model: Any, prompts: list[list[int]], kv_dtype: str, **engine: Any) -> dict:
-    """One timed run of the capacity workload (:data:`CAPACITY`) with ``kv_dtype``, after a warm-up run of the same
-    workload; ``engine``: more :class:`~kvcache.engine.EngineConfig` fields."""
+def _capacity_lengths(n: int, varied: bool) -> list[int]:
+    """Each request's max_tokens: :data:`CAPACITY`'s ``new_tokens``, or (``varied``) drawn uniformly from 64..960
+    (mean 512; seeded), so that requests finish at different steps."""
+    if not varied:
+        return [CAPACITY["new_tokens"]] * n
+    return torch.randint(64, 961, (n,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def _capacity_row(model: Any, prompts: list[list[int]], kv_dtype: str, varied: bool = False, **engine: Any) -> dict:
+    """One timed run of the capacity workload (:data:`CAPACITY`; ``varied``: max_tokens per request from
+    :func:`_capacity_lengths`) with ``kv_dtype``, after a warm-up run of the same workload; ``engine``: more
+    :class:`~kvcache.engine.EngineConfig` fields."""
     from ..engine import LLM, SamplingParams
 
     _free()
-    new = CAPACITY["new_tokens"]
-    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    lengths = _capacity_lengths(len(prompts), varied)
+    new = max(lengths)
+    sp = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     llm = LLM(model, tokenizer=_IdsOnlyTokenizer(), kv_dtype=kv_dtype, max_num_seqs=len(prompts),
               kv_cache_memory=CAPACITY["kv_gib"] * 2**30, max_model_len=len(prompts[0]) + new,
               enable_prefix_caching=False, **engine)
@@ -187,7 +198,7 @@ def _capacity_row(model: Any, prompts: list[list[int]], kv_dtype: str, **engine:
            "preemptions": st.preemptions, "cache_gib": st.cache_bytes / 2**30,
            "kv_bytes_per_token": cache_block_bytes(SHAPE_8B["num_hidden_layers"], SHAPE_8B["num_key_value_heads"],
                                                    SHAPE_8B["head_dim"], 16, torch.bfloat16, kv_dtype) // 16}
-    if any(len(o.token_ids) != new for o in outs):
+    if [len(o.token_ids) for o in outs] != lengths:
         row["error"] = "a request generated fewer tokens than asked"
     del llm, outs
     return row
@@ -213,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         ``--out FILE`` (JSON, default ``engine_bench.json``), ``--quick``, ``--long`` (add the 8 x 16k row),
         ``--kv-dtypes auto,int8,int4``, ``--no-hf``, ``--capacity`` (the fixed-budget workload alone),
         ``--decode-reserves default,0`` (with ``--capacity``: each kv_dtype under each admission policy, see
-        ``EngineConfig.decode_reserve``).
+        ``EngineConfig.decode_reserve``), ``--varied-lengths`` (with ``--capacity``: max_tokens from 64 to 960).
 
     Example
     -------
@@ -230,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the fixed-budget workload: 8B shape, 4 GiB of KV, 192 x (512 + 512), per kv_dtype")
     p.add_argument("--decode-reserves", default="default",
                    help="with --capacity: comma-separated decode_reserve values ('default' or a float in [0, 1])")
+    p.add_argument("--varied-lengths", action="store_true",
+                   help="with --capacity: each request's max_tokens drawn from 64..960 (mean 512), not 512")
     args = p.parse_args(argv)
     reserves = _reserves(p, args.decode_reserves)
     kv_dtypes = [k for k in args.kv_dtypes.split(",") if k]
@@ -241,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dev = torch.device("cuda")
     if args.capacity:
-        return _capacity_main(args.out, kv_dtypes, dev, reserves)
+        return _capacity_main(args.out, kv_dtypes, dev, reserves, args.varied_lengths)
     n_req, plen, new = (16, 128, 32) if args.quick else (64, 512, 128)
     model = _model(dev)
     prompts = _prompts(n_req, plen, SHAPE["vocab_size"])
@@ -305,7 +318,8 @@ def _reserves(p: argparse.ArgumentParser, spec: str) -> list[float | None]:
     return out
 
 
-def _capacity_main(out: str, kv_dtypes: list[str], dev: torch.device, reserves: list[float | None]) -> int:
+def _capacity_main(out: str, kv_dtypes: list[str], dev: torch.device, reserves: list[float | None],
+                   varied: bool = False) -> int:
     """``--capacity``: one row per (decode_reserve, kv_dtype), each with its tokens/s relative to bf16 KV (``auto``)
     under the same decode_reserve when it ran."""
     model = _model(dev, SHAPE_8B)
@@ -314,7 +328,7 @@ def _capacity_main(out: str, kv_dtypes: list[str], dev: torch.device, reserves: 
     for reserve, kv in [(r, kv) for r in reserves for kv in kv_dtypes]:
         label = "default" if reserve is None else reserve
         try:
-            row = _capacity_row(model, prompts, kv, decode_reserve=reserve)
+            row = _capacity_row(model, prompts, kv, varied, decode_reserve=reserve)
         except Exception as e:  # one failed row must not lose the others
             row, code = {"kind": "kvcache.engine capacity", "kv_dtype": kv, "error": f"{type(e).__name__}: {e}"}, 1
         row["decode_reserve"] = label
@@ -327,7 +341,8 @@ def _capacity_main(out: str, kv_dtypes: list[str], dev: torch.device, reserves: 
     with open(out, "w") as f:
         json.dump({"benchmark": "kvcache.bench.engine --capacity", "device": torch.cuda.get_device_name(dev),
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "torch": torch.__version__,
-                   "workload": {**CAPACITY, "model": SHAPE_8B, "dtype": "bf16"}, "rows": rows}, f, indent=2)
+                   "workload": {**CAPACITY, "varied_lengths": varied, "model": SHAPE_8B, "dtype": "bf16"},
+                   "rows": rows}, f, indent=2)
     print(f"wrote {out}")
     return code
 

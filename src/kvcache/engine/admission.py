@@ -2,20 +2,26 @@
 running requests are expected to generate, so that admitting it does not force a preemption later.
 
 A request may still generate ``max_tokens - num_generated`` tokens; it is expected to generate ``ratio`` of that
-(rounded up). ``ratio`` starts at 1.0: with no evidence every request may use its whole budget, and nothing the
-scheduler admits is preempted (TensorRT-LLM's guaranteed-no-evict). It then follows the finished requests: an
-exponential average (weight 1/8) of ``num_generated / max_tokens``, so requests that stop early (EOS, a stop string)
-let more of them in, the way SGLang's new-token ratio does. A preemption shows the estimate ran short: ``ratio``
-moves halfway back to 1.0. It never drops below 0.05. ``LLM(decode_reserve=r)`` fixes it instead: 1.0 never
-preempts, 0.0 reserves nothing (a request is admitted while its next chunk fits: vLLM's policy).
+(rounded up), one token a step, then finish and give its blocks back. A request is admitted when, at every step
+until the last of them is expected to finish, the blocks it and the running requests are expected to hold fit in
+the free ones plus those given back by then (checked just before each expected finish: between finishes the blocks
+in use only grow). Crediting the finishes lets requests of staggered lengths fill the pool without preemption; the
+plain sum of every request's remaining growth would cap a pool of requests at mid-life to about 3/4 of it.
+
+``ratio`` starts at 1.0: with no evidence every request may use its whole budget, and nothing the scheduler admits
+is preempted (TensorRT-LLM's guaranteed-no-evict). It then follows the finished requests: an exponential average
+(weight 1/8) of ``num_generated / max_tokens``, so requests that stop early (EOS, a stop string) let more of them in,
+the way SGLang's new-token ratio does. A preemption shows the estimate ran short: ``ratio`` moves halfway back to 1.0.
+It never drops below 0.05. ``LLM(decode_reserve=r)`` fixes it instead: 1.0 never preempts, 0.0 reserves nothing (a
+request is admitted while its next chunk fits: vLLM's policy).
 
 A preempted request is recomputed from its tokens (prompt and generated), a prefill of everything it held. Admitting
 by the pool's free blocks alone (what the scheduler did before) refills the pool with the prompts of new requests
 while the running ones still grow, then preempts them one by one as they do: at a fixed 4 GiB budget on an
 8B-shaped model (192 requests x (512 + 512) tokens), 125 of 192 requests were preempted with bf16 KV.
 
-Blocks are counted per layer group: a window group's request holds at most :func:`~kvcache.paged.groups.peak_blocks`
-blocks, however long it grows.
+Blocks are counted per layer group. A window group's request holds at most :func:`~kvcache.paged.groups.peak_blocks`
+blocks however long it grows: there the sum of what each request still needs must fit.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class DecodeReserve:
     >>> seq = Sequence(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8))
     >>> r.blocks(seq)          # 5 + 8 tokens: 4 blocks, none held yet
     [4]
+    >>> r.admits([], seq, free=[4]), r.admits([], seq, free=[3])
+    (True, False)
     >>> seq.token_ids += [9] * 2; r.finished(seq); round(r.ratio, 3)   # it stopped after 2 of 8 tokens
     0.906
     """
@@ -89,25 +97,53 @@ class DecodeReserve:
         return len(seq.token_ids) + math.ceil(self.ratio * remaining)
 
     def blocks(self, seq: Sequence) -> list[int]:
-        """Blocks each group must still give ``seq`` for :meth:`expected_tokens` (beyond those it holds); none at
-        ``ratio`` 0 (no reserve: a request is admitted while its next chunk fits)."""
-        if self.ratio == 0:
-            return [0] * len(self.windows)
-        total = self.expected_tokens(seq)
-        out = []
-        for g, w in enumerate(self.windows):
-            live = len(seq.block_tables[g]) - seq.num_freed[g]
-            peak = cdiv(total, self.block_size) if w is None else peak_blocks(w, total, self.chunk, self.block_size)
-            out.append(max(peak - live, 0))
-        return out
+        """Blocks each group must still give ``seq`` for :meth:`expected_tokens` (beyond those it holds)."""
+        return [self._blocks_in(seq, g) for g in range(len(self.windows))]
 
-    def total(self, seqs: Seq[Sequence]) -> list[int]:
-        """:meth:`blocks` summed over ``seqs``, per group."""
-        out = [0] * len(self.windows)
-        for seq in seqs:
-            for g, n in enumerate(self.blocks(seq)):
-                out[g] += n
-        return out
+    def _blocks_in(self, seq: Sequence, g: int) -> int:
+        total, w = self.expected_tokens(seq), self.windows[g]
+        peak = cdiv(total, self.block_size) if w is None else peak_blocks(w, total, self.chunk, self.block_size)
+        return max(peak - (len(seq.block_tables[g]) - seq.num_freed[g]), 0)
+
+    def admits(self, running: Seq[Sequence], seq: Sequence, free: Seq[int]) -> bool:
+        """Whether ``seq`` may start beside ``running`` with ``free[g]`` blocks free in group ``g``.
+
+        In a full-attention group, at every step until the last of them is expected to finish, the blocks they are
+        expected to hold must fit, counting those each request gives back when it is expected to finish: a request
+        adds one token a step for ``ratio`` of its remaining ``max_tokens`` steps (its unfed prompt counts at once).
+        A window group (its requests hold at most their window) needs the sum of :meth:`blocks` to fit. Always
+        True at ``ratio`` 0.
+        """
+        if self.ratio == 0:
+            return True
+        reqs = [*running, seq]
+        for g, w in enumerate(self.windows):
+            if w is None:
+                if not self._fits_over_time(reqs, g, free[g]):
+                    return False
+            elif sum(self._blocks_in(q, g) for q in reqs) > free[g]:
+                return False
+        return True
+
+    def _fits_over_time(self, reqs: Seq[Sequence], g: int, free: int) -> bool:
+        # a check just before each expected finish (the blocks in use only grow between finishes). The blocks of the
+        # n requests alive at step s, sum(ceil((tokens_i + s) / block_size)), lie between ceil((T + n * s) /
+        # block_size) and (T + n * (s + block_size - 1)) // block_size (T = sum(tokens_i)): the exact sum is taken
+        # only when the limit falls between the two
+        bs = self.block_size
+        items = sorted((math.ceil(self.ratio * max(q.params.max_tokens - q.num_generated, 0)), len(q.token_ids),
+                        len(q.block_tables[g]) - q.num_freed[g]) for q in reqs)
+        tokens = sum(t for _, t, _ in items)
+        held = sum(h for _, _, h in items)
+        freed = 0
+        for i, (steps, t, h) in enumerate(items):
+            alive, room = len(items) - i, free + freed + held
+            if (tokens + alive * (steps + bs - 1)) // bs > room and (
+                    cdiv(tokens + alive * steps, bs) > room or
+                    sum(cdiv(u + steps, bs) for _, u, _ in items[i:]) > room):
+                return False
+            tokens, held, freed = tokens - t, held - h, freed + h
+        return True
 
     def finished(self, seq: Sequence) -> None:
         """Learn from a request that finished: it generated ``num_generated`` of its ``max_tokens``."""

@@ -373,7 +373,6 @@ class Scheduler:
 
     def _admit(self, seqs: list[Sequence], counts: list[int], budget: int) -> None:
         deferred: list[Sequence] = []
-        reserved = self.reserve.total(self.running) if self.waiting else []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hashes = self._hashes(seq, len(seq.token_ids) - 1)
@@ -388,15 +387,14 @@ class Scheduler:
             self._bring_back(seq, hashes)
             seq.num_published = len(seq.block_table)
             seq.num_computed = len(seq.block_table) * self.block_size
-            need = self.reserve.blocks(seq)
-            if self.running and any(r + n > a.num_free_blocks for r, n, a in zip(reserved, need, self.allocators)):
+            free = [a.num_free_blocks for a in self.allocators]
+            if self.running and not self.reserve.admits(self.running, seq, free):
                 self._drop_blocks(seq)  # the running requests' expected growth leaves it no room (admission.py)
                 seq.num_published, seq.num_computed = 0, 0
                 break
             if self.tiers is not None and self.tiers.loading and not self.tiers.ready(seq.block_table):
                 self._start(seq)  # runs once its blocks have arrived: takes no budget this step
                 self._awaiting[id(seq)] = seq
-                reserved = [r + n for r, n in zip(reserved, need)]
                 continue
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
@@ -407,7 +405,6 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-            reserved = [r + n for r, n in zip(reserved, self.reserve.blocks(seq))]
         self.waiting.extendleft(reversed(deferred))
 
     def _start(self, seq: Sequence) -> None:
