@@ -22,7 +22,7 @@ ratio to bf16 KV, decode tokens per step (the batch the budget held), preemption
 format stores. ``--decode-reserves default,0`` runs every kv_dtype under each admission policy
 (``EngineConfig.decode_reserve``: the default, learned, never preempts requests that run to ``max_tokens``; 0 admits
 while the next chunk fits and preempts). ``--varied-lengths``: each request's max_tokens drawn from 64..960 (mean
-512, seeded), so requests finish at different steps.
+525, seeded), so requests finish at different steps.
 
 Writes JSON (``--out``). ``--quick``: 16 requests x 128 + 32 tokens, for a smoke test.
 """
@@ -167,7 +167,7 @@ def _agreement(rows: list[dict]) -> None:
 
 def _capacity_lengths(n: int, varied: bool) -> list[int]:
     """Each request's max_tokens: :data:`CAPACITY`'s ``new_tokens``, or (``varied``) drawn uniformly from 64..960
-    (mean 512; seeded), so that requests finish at different steps."""
+    (seeded: a mean of 525 over 192 requests), so that requests finish at different steps."""
     if not varied:
         return [CAPACITY["new_tokens"]] * n
     return torch.randint(64, 961, (n,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-reserves", default="default",
                    help="with --capacity: comma-separated decode_reserve values ('default' or a float in [0, 1])")
     p.add_argument("--varied-lengths", action="store_true",
-                   help="with --capacity: each request's max_tokens drawn from 64..960 (mean 512), not 512")
+                   help="with --capacity: each request's max_tokens drawn from 64..960 (seeded), not 512")
     args = p.parse_args(argv)
     reserves = _reserves(p, args.decode_reserves)
     kv_dtypes = [k for k in args.kv_dtypes.split(",") if k]
