@@ -218,3 +218,21 @@ def test_window_only_tables_are_bounded_by_max_blocks_per_seq():
     with pytest.raises(ValueError, match="request 1 needs up to 40 \\+ 8 tokens = 12 blocks of 4 in the pool of the "
                                          "layers with sliding window 6, expected at most 4"):
         s.add(Sequence(1, list(range(2, 42)), SamplingParams(max_tokens=8, temperature=0)))
+
+
+def test_match_groups_takes_what_every_group_serves_and_refuses_bad_input():
+    from kvcache.paged.groups import match_groups
+
+    full, win = BlockAllocator(8, BS), BlockAllocator(8, BS)
+    h = full.hash_blocks(list(range(12)))
+    full.cache_blocks(full.allocate(3), h)
+    win.cache_blocks(win.allocate(3)[2:], h[2:])  # the window group caches only the last block
+    assert match_groups([full, win], [None, 4], h) == [[0, 1, 2], [8, 8, 2]]
+    used = full.num_used_blocks
+    # window 8: a prefix of 3, 2 or 1 blocks needs blocks 1-2, 0-1 or 0 of the window group, not all cached
+    assert match_groups([full, win], [None, 8], h) is None and full.num_used_blocks == used
+    assert match_groups([full], [None], []) is None
+    with pytest.raises(ValueError, match="^allocators: expected at least one"):
+        match_groups([], [], h)
+    with pytest.raises(ValueError, match="^windows: expected one per allocator"):
+        match_groups([full, win], [None], h)

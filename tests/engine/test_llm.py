@@ -61,8 +61,9 @@ def test_paged_without_prefix_caching_equals_hf(smollm, conversations, prompt_id
 def test_preemption_in_a_tiny_pool_equals_hf(smollm, conversations, prompt_ids, hf_greedy):
     model, tok = smollm
     bs = 8
-    # exactly the blocks of the first two prompts: both are admitted (admission by the free blocks alone), and
-    # the first that needs a new block for its generated tokens preempts the other (recomputed later from its prompt and generated tokens)
+    # exactly the blocks of the first two prompts: both are admitted (admission by the free blocks alone), and the
+    # first that needs a new block for its generated tokens preempts the other (recomputed later from its prompt
+    # and generated tokens)
     first_two = sum(-(-len(p) // bs) for p in prompt_ids[:2])
     assert max(len(p) for p in prompt_ids) + NEW_TOKENS <= first_two * bs
     llm = LLM(model, tokenizer=tok, max_num_seqs=4, block_size=bs, num_blocks=first_two,

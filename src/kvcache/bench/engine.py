@@ -310,11 +310,12 @@ def _reserves(p: argparse.ArgumentParser, spec: str) -> list[float | None]:
     out: list[float | None] = []
     for v in spec.split(","):
         try:
-            out.append(None if v == "default" else float(v))
+            r = None if v == "default" else float(v)
         except ValueError:
+            r = -1.0
+        if r is not None and not 0 <= r <= 1:
             p.error(f"--decode-reserves: expected 'default' or floats in [0, 1], got {v!r}")
-        if out[-1] is not None and not 0 <= out[-1] <= 1:
-            p.error(f"--decode-reserves: expected 'default' or floats in [0, 1], got {v!r}")
+        out.append(r)
     return out
 
 

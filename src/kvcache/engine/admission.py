@@ -2,14 +2,17 @@
 running requests are expected to generate, so that admitting it does not force a preemption later.
 
 A request may still generate ``max_tokens - num_generated`` tokens; it is expected to generate ``ratio`` of that
-(rounded up), one token a step, then finish and give its blocks back. A request is admitted when, at every step
-until the last of them is expected to finish, the blocks it and the running requests are expected to hold fit in
-the free ones plus those given back by then (checked just before each expected finish: between finishes the blocks
-in use only grow). Crediting the finishes lets requests of staggered lengths fill the pool without preemption; the
-plain sum of every request's remaining growth would cap a pool of requests at mid-life to about 3/4 of it.
+(rounded up), one token a step, then finish and give its blocks back; a request whose prompt is not fed yet holds
+all of it at once and finishes later by the steps the token budget needs to feed it and every older unfed prompt. A
+request is admitted when, at every step until the last of them is expected to finish, the blocks it and the running
+requests are expected to hold fit in the pool (its free blocks and those the requests hold, a shared prefix block
+once; checked just before each expected finish: between finishes the blocks in use only grow). Crediting the
+finishes lets requests of staggered lengths fill the pool without preemption; the plain sum of every request's
+remaining growth would cap a pool of requests at mid-life to about 3/4 of it. Not counted: a wait for host-tier
+copies (:mod:`kvcache.paged.tiers`), which delays a request's finish by the steps the copies take.
 
 ``ratio`` starts at 1.0: with no evidence every request may use its whole budget, and nothing the scheduler admits
-is preempted (TensorRT-LLM's guaranteed-no-evict). It then follows the finished requests: an exponential average
+is preempted while requests run to ``max_tokens`` (TensorRT-LLM's guaranteed-no-evict). It then follows the finished requests: an exponential average
 (weight 1/8) of ``num_generated / max_tokens``, so requests that stop early (EOS, a stop string) let more of them in,
 the way SGLang's new-token ratio does. A preemption shows the estimate ran short: ``ratio`` moves halfway back to 1.0.
 It never drops below 0.05. ``LLM(decode_reserve=r)`` fixes it instead: 1.0 never preempts, 0.0 reserves nothing (a
@@ -37,7 +40,8 @@ __all__ = ["DecodeReserve"]
 
 
 class DecodeReserve:
-    """The blocks running requests are expected to still need, and the estimate behind it.
+    """Whether a waiting request may start: the blocks it and the running requests are expected to hold, step by
+    step until they are expected to finish, against the blocks they may hold at once.
 
     Parameters
     ----------
@@ -46,7 +50,7 @@ class DecodeReserve:
     windows : sequence of int or None
         Each layer group's sliding window (None: full attention).
     chunk : int
-        Tokens a request is fed per step at most (the scheduler's token budget): bounds a window group's blocks.
+        The scheduler's token budget of a step: how fast prompts are fed, and a window group's blocks.
     ratio : float, optional
         A fixed ratio in [0, 1] (never learned); None (default): learned, starting at 1.0.
 
@@ -63,10 +67,8 @@ class DecodeReserve:
     >>> from kvcache.engine.sampling import SamplingParams
     >>> r = DecodeReserve(block_size=4, windows=[None], chunk=16)
     >>> seq = Sequence(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8))
-    >>> r.blocks(seq)          # 5 + 8 tokens: 4 blocks, none held yet
-    [4]
-    >>> r.admits([], seq, free=[4]), r.admits([], seq, free=[3])
-    (True, False)
+    >>> r.expected_tokens(seq), r.admits([], seq, room=[4]), r.admits([], seq, room=[3])   # 4 blocks of 4 tokens
+    (13, True, False)
     >>> seq.token_ids += [9] * 2; r.finished(seq); round(r.ratio, 3)   # it stopped after 2 of 8 tokens
     0.906
     """
@@ -81,8 +83,9 @@ class DecodeReserve:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
         if not windows or any(w is not None and (type(w) is not int or w < 1) for w in windows):
             raise ValueError(f"windows: expected a non-empty list of ints >= 1 or None, got {windows!r}")
-        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or
-                                  not 0 <= ratio <= 1):
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
+            raise TypeError(f"ratio: expected a float in [0, 1] or None, got {type(ratio).__name__}")
+        if ratio is not None and not 0 <= ratio <= 1:
             raise ValueError(f"ratio: expected a float in [0, 1] or None, got {ratio!r}")
         self.block_size = block_size
         self.windows = list(windows)
@@ -93,56 +96,60 @@ class DecodeReserve:
     def expected_tokens(self, seq: Sequence) -> int:
         """Tokens ``seq`` is expected to hold when it finishes: its tokens now (an unfed prompt included) plus
         ``ratio`` of its remaining ``max_tokens``, rounded up."""
-        remaining = max(seq.params.max_tokens - seq.num_generated, 0)
-        return len(seq.token_ids) + math.ceil(self.ratio * remaining)
+        return len(seq.token_ids) + self._steps(seq)
 
-    def blocks(self, seq: Sequence) -> list[int]:
-        """Blocks each group must still give ``seq`` for :meth:`expected_tokens` (beyond those it holds)."""
-        return [self._blocks_in(seq, g) for g in range(len(self.windows))]
+    def _steps(self, seq: Sequence) -> int:
+        return math.ceil(self.ratio * max(seq.params.max_tokens - seq.num_generated, 0))
 
-    def _blocks_in(self, seq: Sequence, g: int) -> int:
-        total, w = self.expected_tokens(seq), self.windows[g]
-        peak = cdiv(total, self.block_size) if w is None else peak_blocks(w, total, self.chunk, self.block_size)
-        return max(peak - (len(seq.block_tables[g]) - seq.num_freed[g]), 0)
+    def admits(self, running: Seq[Sequence], seq: Sequence, room: Seq[int]) -> bool:
+        """Whether ``seq`` may start beside ``running`` (oldest first), ``room[g]``: the blocks of group ``g`` the
+        requests may hold at once (the free ones and those they hold; a block two requests share counts once).
 
-    def admits(self, running: Seq[Sequence], seq: Sequence, free: Seq[int]) -> bool:
-        """Whether ``seq`` may start beside ``running`` with ``free[g]`` blocks free in group ``g``.
+        A full-attention group: at every step until the last of them is expected to finish, each request holds its
+        tokens now plus one a step (its whole prompt at once), and gives its blocks back when it is expected to
+        finish: after ``ratio`` of its remaining ``max_tokens``, plus, while its prompt is unfed, the steps the
+        budget needs to feed it and every older unfed prompt. A window group (a request holds at most its window):
+        the most each request holds, summed. Always True at ``ratio`` 0.
 
-        In a full-attention group, at every step until the last of them is expected to finish, the blocks they are
-        expected to hold must fit, counting those each request gives back when it is expected to finish: a request
-        adds one token a step for ``ratio`` of its remaining ``max_tokens`` steps (its unfed prompt counts at once).
-        A window group (its requests hold at most their window) needs the sum of :meth:`blocks` to fit. Always
-        True at ``ratio`` 0.
+        Raises
+        ------
+        ValueError
+            ``room`` does not give one count per group.
         """
+        if len(room) != len(self.windows):
+            raise ValueError(f"room: expected one count per group ({len(self.windows)}), got {len(room)}")
         if self.ratio == 0:
             return True
         reqs = [*running, seq]
         for g, w in enumerate(self.windows):
             if w is None:
-                if not self._fits_over_time(reqs, g, free[g]):
+                if not self._fits_over_time(reqs, room[g]):
                     return False
-            elif sum(self._blocks_in(q, g) for q in reqs) > free[g]:
+            elif sum(peak_blocks(w, self.expected_tokens(q), min(self.chunk, max(q.num_uncomputed, 1)),
+                                 self.block_size) for q in reqs) > room[g]:
                 return False
         return True
 
-    def _fits_over_time(self, reqs: Seq[Sequence], g: int, free: int) -> bool:
+    def _fits_over_time(self, reqs: Seq[Sequence], room: int) -> bool:
         # a check just before each expected finish (the blocks in use only grow between finishes). The blocks of the
         # n requests alive at step s, sum(ceil((tokens_i + s) / block_size)), lie between ceil((T + n * s) /
         # block_size) and (T + n * (s + block_size - 1)) // block_size (T = sum(tokens_i)): the exact sum is taken
-        # only when the limit falls between the two
-        bs = self.block_size
-        items = sorted((math.ceil(self.ratio * max(q.params.max_tokens - q.num_generated, 0)), len(q.token_ids),
-                        len(q.block_tables[g]) - q.num_freed[g]) for q in reqs)
-        tokens = sum(t for _, t, _ in items)
-        held = sum(h for _, _, h in items)
-        freed = 0
-        for i, (steps, t, h) in enumerate(items):
-            alive, room = len(items) - i, free + freed + held
+        # only when the room falls between the two. Shared blocks count once per holder: an upper bound.
+        bs, feed = self.block_size, max(self.chunk - len(reqs), 1)
+        items, unfed = [], 0
+        for q in reqs:  # oldest first, as the scheduler feeds prompts (a decode feeds 1 token: its last sampled one)
+            pending = q.num_uncomputed if q.num_uncomputed > 1 else 0
+            unfed += pending
+            items.append(((cdiv(unfed, feed) if pending else 0) + self._steps(q), len(q.token_ids)))
+        items.sort()
+        tokens = sum(t for _, t in items)
+        for i, (steps, t) in enumerate(items):
+            alive = len(items) - i
             if (tokens + alive * (steps + bs - 1)) // bs > room and (
                     cdiv(tokens + alive * steps, bs) > room or
-                    sum(cdiv(u + steps, bs) for _, u, _ in items[i:]) > room):
+                    sum(cdiv(u + steps, bs) for _, u in items[i:]) > room):
                 return False
-            tokens, held, freed = tokens - t, held - h, freed + h
+            tokens -= t
         return True
 
     def finished(self, seq: Sequence) -> None:

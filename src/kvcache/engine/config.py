@@ -137,9 +137,9 @@ class EngineConfig:
     decode_reserve : float, optional
         Paged cache: the fraction of each running request's remaining ``max_tokens`` the scheduler keeps blocks for
         before it admits another request (:mod:`kvcache.engine.admission`). None (default): learned from the
-        requests that finished, starting at 1.0. ``1.0``: nothing admitted is ever preempted (TensorRT-LLM's
-        guaranteed-no-evict); ``0.0``: no reserve, admit while the next prompt chunk fits and preempt when a running
-        request runs out (vLLM's policy).
+        requests that finished, starting at 1.0. ``1.0``: requests that run to ``max_tokens`` are not preempted
+        (TensorRT-LLM's guaranteed-no-evict); ``0.0``: no reserve, admit while the next prompt chunk fits and preempt
+        when a running request runs out (vLLM's policy).
 
     Raises
     ------

@@ -384,28 +384,32 @@ class Scheduler:
             elif (tables := match_groups(self.allocators, self.windows, hashes)) is not None:
                 seq.block_tables = tables
                 seq.num_freed = [t.count(a.num_blocks) for t, a in zip(tables, self.allocators)]
+            seq.num_computed = len(seq.block_table) * self.block_size
+            room = [a.num_free_blocks + a.num_used_blocks for a in self.allocators]
+            if self.running and not self.reserve.admits(self.running, seq, room):
+                self._unadmit(seq)  # the running requests' expected growth leaves it no room (admission.py)
+                break
             self._bring_back(seq, hashes)
             seq.num_published = len(seq.block_table)
             seq.num_computed = len(seq.block_table) * self.block_size
-            free = [a.num_free_blocks for a in self.allocators]
-            if self.running and not self.reserve.admits(self.running, seq, free):
-                self._drop_blocks(seq)  # the running requests' expected growth leaves it no room (admission.py)
-                seq.num_published, seq.num_computed = 0, 0
-                break
             if self.tiers is not None and self.tiers.loading and not self.tiers.ready(seq.block_table):
                 self._start(seq)  # runs once its blocks have arrived: takes no budget this step
                 self._awaiting[id(seq)] = seq
                 continue
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
-                self._drop_blocks(seq)
-                seq.num_published, seq.num_computed = 0, 0
+                self._unadmit(seq)
                 break
             self._start(seq)
             seqs.append(seq)
             counts.append(n)
             budget -= n
         self.waiting.extendleft(reversed(deferred))
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Give back what admitting the first waiting request took (it stays first in the queue)."""
+        self._drop_blocks(seq)
+        seq.num_published, seq.num_computed = 0, 0
 
     def _start(self, seq: Sequence) -> None:
         """Move the first waiting request (its cached prefix taken) to the running ones."""

@@ -166,9 +166,26 @@ def match_groups(allocators: Sequence[BlockAllocator], windows: Sequence[int | N
     group caches the chain's first ``k`` and a window group the ones from ``first_live_block(window, k * block_size)``
     to ``k`` (the only ones a query after the prefix reads).
 
-    Returns each group's block table (a window group's starts with ``lo`` slots of ``allocators[g].num_blocks``, the
-    id no request holds; ``lo`` = the number of such slots), the blocks taken (their ref counts raised); None when no
-    block of the chain can be served (nothing taken).
+    Parameters
+    ----------
+    allocators : sequence of BlockAllocator
+        One per group, the same ``block_size`` and prefix caching setting.
+    windows : sequence of int or None
+        Each group's sliding window (None: full attention).
+    hashes : sequence of int
+        The hash chain of the request's full blocks (``BlockAllocator.hash_blocks``).
+
+    Returns
+    -------
+    list of list of int or None
+        Each group's block table (a window group's starts with slots of ``allocators[g].num_blocks``, the id no
+        request holds), the blocks taken (their ref counts raised); None when no block of the chain can be served
+        (nothing taken).
+
+    Raises
+    ------
+    ValueError
+        No allocator, or not one window per allocator.
 
     Example
     -------
@@ -178,6 +195,8 @@ def match_groups(allocators: Sequence[BlockAllocator], windows: Sequence[int | N
     >>> match_groups([full, win], [None, 4], h)   # window 4 after 12 tokens reads block 2 only
     [[0, 1, 2], [8, 8, 2]]
     """
+    if not allocators:
+        raise ValueError("allocators: expected at least one BlockAllocator, got none")
     if len(allocators) != len(windows):
         raise ValueError(f"windows: expected one per allocator ({len(allocators)}), got {len(windows)}")
     n, bs = len(hashes), allocators[0].block_size
