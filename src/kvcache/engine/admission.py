@@ -19,7 +19,7 @@ It never drops below 0.05. ``LLM(decode_reserve=r)`` fixes it instead: 1.0 never
 request is admitted while its next chunk fits: vLLM's policy).
 
 A preempted request is recomputed from its tokens (prompt and generated), a prefill of everything it held. Admitting
-by the pool's free blocks alone (what the scheduler did before) refills the pool with the prompts of new requests
+by the pool's free blocks alone (``decode_reserve=0``) refills the pool with the prompts of new requests
 while the running ones still grow, then preempts them one by one as they do: at a fixed 4 GiB budget on an
 8B-shaped model (192 requests x (512 + 512) tokens), 125 of 192 requests were preempted with bf16 KV.
 
@@ -103,7 +103,7 @@ class DecodeReserve:
 
     def admits(self, running: Seq[Sequence], seq: Sequence, room: Seq[int]) -> bool:
         """Whether ``seq`` may start beside ``running`` (oldest first), ``room[g]``: the blocks of group ``g`` the
-        requests may hold at once (the free ones and those they hold; a block two requests share counts once).
+        requests may hold at once (the pool: its free blocks and those the requests hold, a shared one once).
 
         A full-attention group: at every step until the last of them is expected to finish, each request holds its
         tokens now plus one a step (its whole prompt at once), and gives its blocks back when it is expected to

@@ -10,7 +10,7 @@ Each step has a token budget (``max_num_batched_tokens``):
 2. Then waiting requests, in arrival order (preempted ones first), while the budget, ``max_num_seqs`` and the
    pool allow: the longest cached prefix of the request's tokens (``BlockAllocator.match_prefix`` over the full
    blocks of all tokens but the last, whose logits must be computed) is taken, then blocks for its first chunk,
-   provided the free blocks also hold what the running requests and this one are expected to generate
+   provided the pool holds what this request and the running ones are expected to hold until they finish
    (:mod:`kvcache.engine.admission`; by default, nothing admitted is preempted while requests run to max_tokens).
    A request whose prefix is being prefilled by a running request right now waits for it (one step or a few),
    so a system prompt shared by a burst of requests is prefilled once, then hit by all the others.
@@ -96,8 +96,8 @@ class Scheduler:
         no later query of a request reads (see the module docstring).
     decode_reserve : float, optional
         A fixed :attr:`~kvcache.engine.admission.DecodeReserve.ratio`; None: learned (see
-        :mod:`kvcache.engine.admission`). A waiting request is admitted only while the free blocks hold its expected
-        tokens and the running requests' expected growth.
+        :mod:`kvcache.engine.admission`). A waiting request is admitted only when the pool holds what it and the
+        running requests are expected to hold until they finish.
 
     Attributes
     ----------
@@ -385,8 +385,8 @@ class Scheduler:
                 seq.block_tables = tables
                 seq.num_freed = [t.count(a.num_blocks) for t, a in zip(tables, self.allocators)]
             seq.num_computed = len(seq.block_table) * self.block_size
-            room = [a.num_free_blocks + a.num_used_blocks for a in self.allocators]
-            if self.running and not self.reserve.admits(self.running, seq, room):
+            # every block is free, cached and unreferenced, or held by a request: the requests' room is the pool
+            if self.running and not self.reserve.admits(self.running, seq, [a.num_blocks for a in self.allocators]):
                 self._unadmit(seq)  # the running requests' expected growth leaves it no room (admission.py)
                 break
             self._bring_back(seq, hashes)
