@@ -160,6 +160,7 @@ class Side:
     fp8_scale: str = "one"
     rotate: bool = False
     smooth: bool = False  # divide by the per-(head, channel) amax of the layer's first append, then quantize
+    pair_smooth: bool = False  # as smooth, one scale per rotate-half pair (i, i + D/2): the pair's largest norm
     clip: bool = False  # integer formats: per-group clip search (CLIP_RATIOS)
 
     def nbytes(self, d: int) -> float:
@@ -175,10 +176,15 @@ class Side:
         if self.kind == "kivi":  # quantized by the cache when a 32-token group fills
             return x
         rot = smooth = None
-        if self.smooth:  # fixed per layer from its first append (the prompt): [H, D], applied to q by a kernel
+        if self.smooth or self.pair_smooth:  # fixed per layer from its first append: [H, D], applied to q by a kernel
             skey = key + ("smooth",)
             if skey not in state:
-                amax = x.abs().amax(dim=(0, 2))
+                if self.pair_smooth:  # RoPE turns each pair by the position: its norm is what stays
+                    h = x.shape[-1] // 2
+                    norm = (x[..., :h].square() + x[..., h:].square()).sqrt().amax(dim=(0, 2))
+                    amax = torch.cat([norm, norm], -1)
+                else:
+                    amax = x.abs().amax(dim=(0, 2))
                 state[skey] = torch.where(amax > 0, amax, torch.ones_like(amax))[None, :, None, :]
             smooth = state[skey]
             x = x / smooth
@@ -215,8 +221,8 @@ F16, F32 = torch.float16, torch.float32
 
 
 def _int(bits: int = 4, group: int = 0, sd: torch.dtype = F32, rotate: bool = False, smooth: bool = False,
-         clip: bool = False) -> Side:
-    return Side("int", bits, group, sd, rotate=rotate, smooth=smooth, clip=clip)
+         clip: bool = False, pair_smooth: bool = False) -> Side:
+    return Side("int", bits, group, sd, rotate=rotate, smooth=smooth, clip=clip, pair_smooth=pair_smooth)
 
 
 def _fp8(mode: str, sd: torch.dtype = F16, rotate: bool = False) -> Side:
@@ -250,6 +256,10 @@ VARIANTS: list[Variant] = [
             _int(4, sd=F16, rotate=True)),
     Variant("int4-k-smooth-had-g32-f16/v-had-f16", _int(4, 32, F16, rotate=True, smooth=True),
             _int(4, sd=F16, rotate=True)),
+    Variant("int4-k-psmooth-f16/v-had-f16", _int(4, sd=F16, pair_smooth=True), _int(4, sd=F16, rotate=True)),
+    Variant("int4-k-psmooth-had-f16/v-had-f16", _int(4, sd=F16, rotate=True, pair_smooth=True),
+            _int(4, sd=F16, rotate=True)),
+    Variant("int4-k-psmooth-g32-f16/v-had-f16", _int(4, 32, F16, pair_smooth=True), _int(4, sd=F16, rotate=True)),
     Variant("int4-k-had-f16-clip/v-had-f16-clip", _int(4, 0, F16, True, clip=True),
             _int(4, sd=F16, rotate=True, clip=True)),
     Variant("int4-k-had-g32-f16-clip/v-had-f16-clip", _int(4, 32, F16, True, clip=True),
