@@ -131,16 +131,21 @@ class DecodeReserve:
         return True
 
     def _fits_over_time(self, reqs: Seq[Sequence], room: int) -> bool:
-        # a check just before each expected finish (the blocks in use only grow between finishes). The blocks of the
-        # n requests alive at step s, sum(ceil((tokens_i + s) / block_size)), lie between ceil((T + n * s) /
-        # block_size) and (T + n * (s + block_size - 1)) // block_size (T = sum(tokens_i)): the exact sum is taken
-        # only when the room falls between the two. Shared blocks count once per holder: an upper bound.
+        # Step 1 is the step being scheduled. A request samples its next token at step d (1 for a decode; for an unfed
+        # prompt, the steps the budget needs to feed it and the older unfed prompts), then one a step: it finishes
+        # at step d + r - 1 (r = _steps) and never stores its last token. Up to then it holds at most
+        # tokens_i - 1 + s tokens at step s >= 1 (its whole prompt at once). A check just before each expected
+        # finish (the blocks in use only grow between finishes): the blocks of the n requests alive at step s,
+        # sum(ceil((tokens_i - 1 + s) / block_size)), lie between ceil((T + n * s) / block_size) and
+        # (T + n * (s + block_size - 1)) // block_size (T = sum(tokens_i - 1)): the exact sum is taken only when the
+        # room falls between the two. Shared blocks count once per holder: an upper bound.
         bs, feed = self.block_size, max(self.chunk - len(reqs), 1)
         items, unfed = [], 0
         for q in reqs:  # oldest first, as the scheduler feeds prompts (a decode feeds 1 token: its last sampled one)
             pending = q.num_uncomputed if q.num_uncomputed > 1 else 0
             unfed += pending
-            items.append(((cdiv(unfed, feed) if pending else 0) + self._steps(q), len(q.token_ids)))
+            first = cdiv(unfed, feed) if pending else 1
+            items.append((max(first + self._steps(q) - 1, 1), len(q.token_ids) - 1))
         items.sort()
         tokens = sum(t for _, t in items)
         for i, (steps, t) in enumerate(items):
