@@ -12,9 +12,9 @@ remaining growth would cap a pool of requests at mid-life to about 3/4 of it. No
 copies (:mod:`kvcache.paged.tiers`), which delays a request's finish by the steps the copies take.
 
 ``ratio`` starts at 1.0: with no evidence every request may use its whole budget, and nothing the scheduler admits
-is preempted while requests run to ``max_tokens`` (TensorRT-LLM's guaranteed-no-evict). It then follows the finished requests: an exponential average
-(weight 1/8) of ``num_generated / max_tokens``, so requests that stop early (EOS, a stop string) let more of them in,
-the way SGLang's new-token ratio does. A preemption shows the estimate ran short: ``ratio`` moves halfway back to 1.0.
+is preempted while requests run to ``max_tokens`` (TensorRT-LLM's guaranteed-no-evict). It then follows the finished
+requests: an exponential average (weight 1/8) of ``num_generated / max_tokens``, so requests that stop early (EOS, a
+stop string) let more of them in, the way SGLang's new-token ratio does. A preemption shows the estimate ran short: ``ratio`` moves halfway back to 1.0.
 It never drops below 0.05. ``LLM(decode_reserve=r)`` fixes it instead: 1.0 never preempts, 0.0 reserves nothing (a
 request is admitted while its next chunk fits: vLLM's policy).
 
@@ -67,7 +67,7 @@ class DecodeReserve:
     >>> from kvcache.engine.sampling import SamplingParams
     >>> r = DecodeReserve(block_size=4, windows=[None], chunk=16)
     >>> seq = Sequence(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=8))
-    >>> r.expected_tokens(seq), r.admits([], seq, room=[4]), r.admits([], seq, room=[3])   # 4 blocks of 4 tokens
+    >>> r.expected_tokens(seq), r.admits([], seq, room=[3]), r.admits([], seq, room=[2])   # its last token unstored
     (13, True, False)
     >>> seq.token_ids += [9] * 2; r.finished(seq); round(r.ratio, 3)   # it stopped after 2 of 8 tokens
     0.906
