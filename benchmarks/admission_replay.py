@@ -25,29 +25,25 @@ import json
 
 import torch
 
+from kvcache.bench.engine import CAPACITY, SHAPE_8B, _capacity_lengths
 from kvcache.engine.sampling import SamplingParams
 from kvcache.engine.scheduler import Scheduler
 from kvcache.engine.sequence import Sequence
 from kvcache.ops.paged.format import KV_FORMATS
 from kvcache.paged import BlockAllocator, cache_block_bytes
 
-REQUESTS, PROMPT, NEW, BUDGET, BLOCK = 192, 512, 512, 8192, 16
-KV_BYTES = 4 * 2**30
+REQUESTS, PROMPT = CAPACITY["requests"], CAPACITY["prompt_tokens"]
+BUDGET, BLOCK = 8192, 16  # the engine's token budget on CUDA, its default block size
+KV_BYTES = CAPACITY["kv_gib"] * 2**30
 COST = (4.9e-3, 24.5e-6, 3.2e-3)  # seconds: a step, a prompt token fed, a step outside the decode graphs
-
-
-def lengths(varied: bool, n: int = REQUESTS) -> list[int]:
-    """Each request's max_tokens, as the bench draws them."""
-    if not varied:
-        return [NEW] * n
-    return torch.randint(64, 961, (n,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
 def replay(kv_dtype: str, reserve: float | None, varied: bool = False, requests: int = REQUESTS,
            kv_bytes: int = KV_BYTES) -> dict:
     """Steps, prompt tokens fed, non-decode steps and preemptions of the workload under ``decode_reserve=reserve``."""
-    num_blocks = kv_bytes // cache_block_bytes(32, 8, 128, BLOCK, torch.bfloat16, kv_dtype)
-    new = lengths(varied, requests)
+    num_blocks = kv_bytes // cache_block_bytes(SHAPE_8B["num_hidden_layers"], SHAPE_8B["num_key_value_heads"],
+                                               SHAPE_8B["head_dim"], BLOCK, torch.bfloat16, kv_dtype)
+    new = _capacity_lengths(requests, varied)  # the bench's own draw
     s = Scheduler(BlockAllocator(num_blocks, BLOCK, enable_prefix_caching=False), max_num_seqs=requests,
                   max_num_batched_tokens=BUDGET, max_blocks_per_seq=-(-(PROMPT + max(new)) // BLOCK),
                   decode_reserve=reserve)

@@ -28,5 +28,6 @@ def test_replay_of_a_small_workload(capsys):
     assert eager["preemptions"] > 0 and eager["steps"] < default["steps"]
     assert eager["prompt_tokens_fed"] > default["prompt_tokens_fed"]  # the preempted requests' recompute
     assert mod.estimate_s(default, default) == 0
-    assert mod.main(["--kv-dtypes", "auto", "--decode-reserves", "default,0", "--requests", "12", "--kv-gib", "0.5"]) == 0
+    args = ["--kv-dtypes", "auto", "--decode-reserves", "default,0", "--requests", "12", "--kv-gib", "0.5"]
+    assert mod.main(args) == 0
     assert "| auto | 0.0 | 256 |" in capsys.readouterr().out
