@@ -64,7 +64,7 @@ from kvcache.engine.loader import load_model
 
 JARGON = "/usr/share/doc/jargon-text/jargon.txt.gz"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-KIVI_GROUP = 32  # tokens per KIVI-style key group
+KIVI_GROUP = 32  # tokens per KIVI-style key group (Side.group 0)
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "How many legs does a spider have?",
     "Write a haiku about the sea.", "What is 12 times 12?", "Why is the sky blue?", "Give me a synonym for happy.",
@@ -130,11 +130,11 @@ def fp8_row_scale(x: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     return fp8_e4m3(x, scale)
 
 
-def kivi_keys(x: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> torch.Tensor:
-    """Per-channel asymmetric codes over groups of ``KIVI_GROUP`` tokens: x [B, H, T, D], T a multiple of it."""
+def kivi_keys(x: torch.Tensor, bits: int, scale_dtype: torch.dtype, group: int = KIVI_GROUP) -> torch.Tensor:
+    """Per-channel asymmetric codes over groups of ``group`` tokens: x [B, H, T, D], T a multiple of it."""
     b, h, t, d = x.shape
-    xt = x.reshape(b, h, t // KIVI_GROUP, KIVI_GROUP, d).transpose(-1, -2)  # [B, H, G, D, 32]
-    return int_asym(xt, bits, KIVI_GROUP, scale_dtype).transpose(-1, -2).reshape(x.shape)
+    xt = x.reshape(b, h, t // group, group, d).transpose(-1, -2)  # [B, H, G, D, group]
+    return int_asym(xt, bits, group, scale_dtype).transpose(-1, -2).reshape(x.shape)
 
 
 def hadamard(d: int) -> torch.Tensor:
@@ -162,20 +162,27 @@ class Side:
     smooth: bool = False  # divide by the per-(head, channel) amax of the layer's first append, then quantize
     pair_smooth: bool = False  # as smooth, one scale per rotate-half pair (i, i + D/2): the pair's largest norm
     clip: bool = False  # integer formats: per-group clip search (CLIP_RATIOS)
+    center: bool = False  # subtract the per-(head, channel) mean of the layer's first append, fixed after it
 
     def nbytes(self, d: int) -> float:
         sb = torch.finfo(self.scale_dtype).bits // 8
         if self.kind == "int":
             return d * self.bits / 8 + (d // (self.group or d)) * 2 * sb
         if self.kind == "kivi":
-            return d * self.bits / 8 + d * 2 * sb / KIVI_GROUP
+            return d * self.bits / 8 + d * 2 * sb / (self.group or KIVI_GROUP)
         return d + (sb if self.fp8_scale == "row" else 0)  # fp8; a per-layer scale costs nothing per token
 
     def apply(self, x: torch.Tensor, state: dict, key: tuple) -> torch.Tensor:
         """Stored-then-read values of newly appended x [B, H, T, D] (float32). ``state`` keeps per-layer scales."""
         if self.kind == "kivi":  # quantized by the cache when a 32-token group fills
             return x
-        rot = smooth = None
+        rot = smooth = mean = None
+        if self.center:  # keys: q.(k - m) = q.k - q.m, one shift per query (softmax keeps it); values: out + m
+            ckey = key + ("center",)
+            if ckey not in state:
+                state[ckey] = x.mean(dim=(0, 2))[None, :, None, :]
+            mean = state[ckey]
+            x = x - mean
         if self.smooth or self.pair_smooth:  # fixed per layer from its first append: [H, D], applied to q by a kernel
             skey = key + ("smooth",)
             if skey not in state:
@@ -203,7 +210,8 @@ class Side:
         else:
             y = fp8_row_scale(x, self.scale_dtype)
         y = y @ rot if rot is not None else y
-        return y * smooth if smooth is not None else y
+        y = y * smooth if smooth is not None else y
+        return y + mean if mean is not None else y
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,12 +229,13 @@ F16, F32 = torch.float16, torch.float32
 
 
 def _int(bits: int = 4, group: int = 0, sd: torch.dtype = F32, rotate: bool = False, smooth: bool = False,
-         clip: bool = False, pair_smooth: bool = False) -> Side:
-    return Side("int", bits, group, sd, rotate=rotate, smooth=smooth, clip=clip, pair_smooth=pair_smooth)
+         clip: bool = False, pair_smooth: bool = False, center: bool = False) -> Side:
+    return Side("int", bits, group, sd, rotate=rotate, smooth=smooth, clip=clip, pair_smooth=pair_smooth,
+                center=center)
 
 
-def _fp8(mode: str, sd: torch.dtype = F16, rotate: bool = False) -> Side:
-    return Side("fp8", scale_dtype=sd, fp8_scale=mode, rotate=rotate)
+def _fp8(mode: str, sd: torch.dtype = F16, rotate: bool = False, center: bool = False) -> Side:
+    return Side("fp8", scale_dtype=sd, fp8_scale=mode, rotate=rotate, center=center)
 
 
 def _both(name: str, side: Side) -> Variant:
@@ -274,6 +283,8 @@ VARIANTS: list[Variant] = [
     Variant("k-int8-f16/v-int4-had-f16", _int(8, sd=F16), _int(4, sd=F16, rotate=True)),
     Variant("kivi-k32-f16/v-int4-f16", Side("kivi", 4, scale_dtype=F16), _int(4, sd=F16)),
     Variant("kivi-k32-f16/v-had-f16", Side("kivi", 4, scale_dtype=F16), _int(4, sd=F16, rotate=True)),
+    Variant("kivi-k16-f16/v-int4-f16", Side("kivi", 4, 16, F16), _int(4, sd=F16)),
+    Variant("kivi-k64-f16/v-int4-f16", Side("kivi", 4, 64, F16), _int(4, sd=F16)),
     _both("fp8", _fp8("one")),
     _both("fp8-layer-amax", _fp8("layer")),
     _both("fp8-row-f16", _fp8("row", F16)),
@@ -283,6 +294,20 @@ VARIANTS: list[Variant] = [
     _both("fp8-had-row-f16", _fp8("row", F16, True)),
     Variant("fp8-k-had", _fp8("one", rotate=True), _fp8("one")),  # keys rotated only: no output rotation needed
     Variant("fp8-v-had", _fp8("one"), _fp8("one", rotate=True)),
+    Variant("int4-k-center/v", _int(4, center=True), _int(4)),
+    Variant("int4-k-smooth/v", _int(4, smooth=True), _int(4)),
+    Variant("int4-k-psmooth/v", _int(4, pair_smooth=True), _int(4)),
+    Variant("int4-center", _int(4, center=True), _int(4, center=True)),
+    Variant("int4-k-center-had/v-had", _int(4, rotate=True, center=True), _int(4, rotate=True)),
+    _both("int4-center-had", _int(4, rotate=True, center=True)),
+    Variant("int4-k-center-g32/v", _int(4, 32, center=True), _int(4)),
+    Variant("int4-k-center-g16/v", _int(4, 16, center=True), _int(4)),
+    Variant("int4-k-center-f16/v-f16", _int(4, sd=F16, center=True), _int(4, sd=F16)),
+    Variant("k8v4-center", _int(8, center=True), _int(4, center=True)),
+    Variant("fp8-k-center", _fp8("one", center=True), _fp8("one")),
+    _both("fp8-center", _fp8("one", center=True)),
+    Variant("fp8-k-center-had", _fp8("one", rotate=True, center=True), _fp8("one")),
+    _both("fp8-center-had", _fp8("one", rotate=True, center=True)),
 ]
 
 
@@ -306,11 +331,12 @@ class QuantCache(DynamicCache):
         keys, values = super().update(k, v, layer_idx, *args, **kwargs)
         if self.variant.k.kind == "kivi":
             layer = self.layers[layer_idx]
-            done, full = self.kivi_done.get(layer_idx, 0), keys.shape[-2] // KIVI_GROUP * KIVI_GROUP
+            g = self.variant.k.group or KIVI_GROUP
+            done, full = self.kivi_done.get(layer_idx, 0), keys.shape[-2] // g * g
             if full > done:
                 part = layer.keys[..., done:full, :].float()
-                layer.keys[..., done:full, :] = kivi_keys(part, self.variant.k.bits,
-                                                          self.variant.k.scale_dtype).to(dtype)
+                layer.keys[..., done:full, :] = kivi_keys(part, self.variant.k.bits, self.variant.k.scale_dtype,
+                                                          g).to(dtype)
                 self.kivi_done[layer_idx] = full
             keys = layer.keys
         return keys, values

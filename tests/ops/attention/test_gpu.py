@@ -65,19 +65,22 @@ def test_int4_warp_split_realistic(layout, bs):
     assert_attn_close(o, l_, ro, rl, torch.float16, what=f"int4 warp split {layout} bs {bs}")
 
 
-@pytest.mark.parametrize("kv_dtype,D_", [("int8", 128), ("int4", 128), ("int8", 64)])
-def test_one_warp_decode_realistic(kv_dtype, D_):
-    """The one-warp decode tiles: int8 / int4 at head_dim 128 over a batch with two programs per SM and a block
-    table past LONG_MIN_KV tokens (KV ranges split), and int8 at head_dim 64 (asserted on the plan)."""
+@pytest.mark.parametrize("kv_dtype,D_,per_sm", [("int8", 128, 5), ("int4", 128, 5), ("k8v4", 128, 5), ("int8", 64, 2),
+                                                 ("int8", 128, 2), ("k8v4", 128, 2)])
+def test_one_warp_decode_realistic(kv_dtype, D_, per_sm):
+    """The one-warp decode tiles over a block table past LONG_MIN_KV tokens: int8 / int4 / k8v4 at head_dim 128 with
+    five programs per SM (KV ranges split), int8 / k8v4 with two (five stages, unsplit), and int8 at head_dim 64
+    (asserted on the plan)."""
     n_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    n = -(-2 * n_sms // H) + 3
+    n = -(-per_sm * n_sms // H) + 3
     gen = torch.Generator().manual_seed(4)
     kv_lens = [9000, 1, 17, 8192, 4100] + torch.randint(1, 9001, (n - 5,), generator=gen).tolist()
     qdt = torch.bfloat16 if D_ == 64 else torch.float16
     cache, bt, _ = make_paged(DEV, kv_dtype=kv_dtype, layout="NHD", H=H, D=D_, bs=16, lens=kv_lens, dtype=qdt, seed=5)
     plan = attention_plan(num_q_heads=HQ, num_kv_heads=H, head_dim=D_, n_tokens=n, num_seqs=n,
                           max_kv_len=bt.shape[1] * 16, kv_dtype=kv_dtype, num_sms=n_sms)
-    assert plan.num_warps == 1 and (plan.num_splits > 1) == (D_ == 128)
+    assert plan.num_warps == 1 and (plan.num_splits > 1) == (D_ == 128 and per_sm == 5)
+    assert (plan.num_stages == 5) == (D_ == 128 and per_sm == 2)
     q = torch.randn((n, HQ, D_), device=DEV, dtype=qdt)
     (o, l_), (ro, rl) = _both(cache, bt, q, [1] * n, kv_lens)
     assert_attn_close(o, l_, ro, rl, qdt, what=f"one-warp {kv_dtype} D {D_}")
