@@ -94,7 +94,7 @@ class LLM:
     -------
     >>> llm = LLM(kv_dtype="int8")                                           # doctest: +SKIP
     >>> llm = LLM(None, config=EngineConfig(kv_dtype="int8"))                # the same engine  # doctest: +SKIP
-    >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))  # doctest: +SKIP
     >>> out[0].text, out[0].finish_reason                                    # doctest: +SKIP
     (' Paris. ...', 'length')
     >>> llm.stats.generated_tokens, llm.stats.total.generated_tokens, llm.stats.total.calls   # doctest: +SKIP

@@ -51,6 +51,8 @@ class SlotCache(SlotLengths):
 
         Example
         -------
+        >>> import torch
+        >>> from kvcache import CacheConfig, LinearKVCache
         >>> cache = LinearKVCache(CacheConfig(1, 2, 16, 2, 8, dtype=torch.float32, device="cpu"))
         >>> cache.reset_for_new_sequences([0, 0])
         >>> k = torch.randn(2, 2, 3, 8)

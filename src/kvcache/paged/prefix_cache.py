@@ -184,6 +184,7 @@ class PrefixCacheMixin:
         ...     def evicted(self, ids, hashes): print("evicted", ids)
         ...     def cached(self, ids, hashes): print("cached", ids)
         ...     def cleared(self): print("cleared")
+        >>> from kvcache import BlockAllocator
         >>> alloc = BlockAllocator(num_blocks=1, block_size=2); alloc.set_listener(Log())
         >>> b = alloc.allocate(1); alloc.cache_blocks(b, alloc.hash_blocks([5, 6])); alloc.free(b)
         cached [0]
