@@ -107,21 +107,22 @@ def first_live_block(window: int | None, num_computed: int, block_size: int) -> 
 
 def blocks_per_seq(window: int | None, seq_len: int, block_size: int) -> int:
     """Blocks a sequence of ``seq_len`` tokens holds at most in decode: ``ceil(seq_len / block_size)``, for a window
-    at most ``ceil(window / block_size) + 1`` (what the pool is sized by).
+    at most ``ceil((window - 1) / block_size) + 1`` (what the pool is sized by; :func:`peak_blocks` of one token a
+    step).
 
     Example
     -------
     >>> blocks_per_seq(None, 8192, 16), blocks_per_seq(1024, 8192, 16), blocks_per_seq(1024, 100, 16)
     (512, 65, 7)
     """
-    _check(window, block_size, seq_len=seq_len)
-    full = cdiv(seq_len, block_size)
-    return full if window is None else min(full, cdiv(window, block_size) + 1)
+    return peak_blocks(window, seq_len, 1, block_size)
 
 
 def peak_blocks(window: int | None, seq_len: int, chunk: int, block_size: int) -> int:
     """Blocks a sequence of ``seq_len`` tokens holds at most at any step when it is fed at most ``chunk`` tokens a
-    step: for a window, ``ceil((window - 1 + chunk) / block_size) + 1`` (never more than the whole sequence).
+    step: for a window, the blocks ``window - 1 + chunk`` consecutive tokens can touch, ``ceil((window - 2 + chunk)
+    / block_size) + 1`` (the first one read by the chunk's first query, up to its last token; never more than the
+    whole sequence).
 
     Example
     -------
@@ -132,7 +133,7 @@ def peak_blocks(window: int | None, seq_len: int, chunk: int, block_size: int) -
     full = cdiv(seq_len, block_size)
     if window is None:
         return full
-    return min(full, cdiv(window - 1 + min(chunk, seq_len), block_size) + 1)
+    return min(full, cdiv(window - 2 + min(chunk, seq_len), block_size) + 1)
 
 
 def split_blocks(groups: Sequence[LayerGroup], budget: int, block_bytes: Sequence[int], seq_len: int,
