@@ -5,8 +5,8 @@ A key at position ``p`` is visible from a query at ``q`` when ``q - window < p <
 transformers' ``sliding_window``). Every later query of a sequence that has ``c`` tokens in its cache sits at
 ``q >= c``, so no query reads a position below ``c - window + 1`` again: the blocks wholly below it,
 ``(c - window + 1) // block_size`` of them, go back to the allocator (:func:`first_live_block`). A decode step then
-holds at most ``ceil(window / block_size) + 1`` blocks of a window group (a window of ``window`` positions spans at
-most that many blocks), a prefill chunk of ``n`` tokens at most ``ceil((window - 1 + n) / block_size) + 1``.
+holds at most ``ceil((window - 1) / block_size) + 1`` blocks of a window group (``window`` consecutive positions
+touch at most that many blocks), a prefill chunk of ``n`` tokens at most ``ceil((window - 2 + n) / block_size) + 1``.
 
 Pure Python (no torch): the engine's scheduler and ``kvcache plan`` use the same rules (each layer's window:
 :func:`kvcache.support.model_windows`).
