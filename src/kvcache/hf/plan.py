@@ -7,9 +7,9 @@ metadata, both read through transformers' ``AutoConfig``. Paged bytes are :func:
 of ``seq_len`` tokens.
 
 Sliding-window layers (:func:`kvcache.support.layer_window`: Gemma 2 / 3, Mistral, gpt-oss, ...) are counted at
-their window, as the engine holds them: in the paged cache a sequence holds at most ``ceil((window - 1) / block_size)
-+ 1`` blocks of a window layer (:func:`kvcache.paged.groups.blocks_per_seq`), in the linear cache a window layer's
-slot is twice the largest window (where that is shorter than ``seq_len``). Such a model's ``bytes_per_token`` is a
+their window, as the engine holds them: in the paged cache a sequence holds at most ``ceil(window / block_size) + 1``
+blocks of a window layer (:func:`kvcache.paged.groups.blocks_per_seq`), in the linear cache a window layer's slot is
+twice the largest window (where that is shorter than ``seq_len``). Such a model's ``bytes_per_token`` is a
 ``seq_len``-token sequence's bytes over its tokens, and ``tokens`` is ``sequences x seq_len``.
 """
 

@@ -5,8 +5,9 @@ A key at position ``p`` is visible from a query at ``q`` when ``q - window < p <
 transformers' ``sliding_window``). Every later query of a sequence that has ``c`` tokens in its cache sits at
 ``q >= c``, so no query reads a position below ``c - window + 1`` again: the blocks wholly below it,
 ``(c - window + 1) // block_size`` of them, go back to the allocator (:func:`first_live_block`). A decode step then
-holds at most ``ceil((window - 1) / block_size) + 1`` blocks of a window group (``window`` consecutive positions
-touch at most that many blocks), a prefill chunk of ``n`` tokens at most ``ceil((window - 2 + n) / block_size) + 1``.
+holds at most ``ceil(window / block_size) + 1`` blocks of a window group (the ``window + 1`` positions from the
+first one its query reads to the step scheduled one ahead touch at most that many blocks), a prefill chunk of ``n``
+tokens at most ``ceil((window - 2 + n) / block_size) + 1``.
 
 Pure Python (no torch): the engine's scheduler and ``kvcache plan`` use the same rules (each layer's window:
 :func:`kvcache.support.model_windows`).
@@ -107,8 +108,8 @@ def first_live_block(window: int | None, num_computed: int, block_size: int) -> 
 
 def blocks_per_seq(window: int | None, seq_len: int, block_size: int) -> int:
     """Blocks a sequence of ``seq_len`` tokens holds at most in decode: ``ceil(seq_len / block_size)``, for a window
-    at most ``ceil((window - 1) / block_size) + 1`` (what the pool is sized by; :func:`peak_blocks` of one token a
-    step).
+    at most ``ceil(window / block_size) + 1`` (what the pool is sized by; :func:`peak_blocks` of one token a step,
+    the step scheduled one ahead included).
 
     Example
     -------
@@ -120,8 +121,9 @@ def blocks_per_seq(window: int | None, seq_len: int, block_size: int) -> int:
 
 def peak_blocks(window: int | None, seq_len: int, chunk: int, block_size: int) -> int:
     """Blocks a sequence of ``seq_len`` tokens holds at most at any step when it is fed at most ``chunk`` tokens a
-    step: for a window, the blocks ``window - 1 + chunk`` consecutive tokens can touch, ``ceil((window - 2 + chunk)
-    / block_size) + 1`` (the first one read by the chunk's first query, up to its last token; never more than the
+    step: for a window, the blocks that ``window - 1 + n`` consecutive tokens can touch, ``ceil((window - 2 + n) /
+    block_size) + 1`` with ``n = max(chunk, 2)`` (from the block the step's first query reads to the one its last
+    token goes to; a decode step scheduled one ahead holds blocks for two tokens past the cache; never more than the
     whole sequence).
 
     Example
@@ -133,7 +135,7 @@ def peak_blocks(window: int | None, seq_len: int, chunk: int, block_size: int) -
     full = cdiv(seq_len, block_size)
     if window is None:
         return full
-    return min(full, cdiv(window - 2 + min(chunk, seq_len), block_size) + 1)
+    return min(full, cdiv(window - 2 + max(min(chunk, seq_len), 2), block_size) + 1)
 
 
 def split_blocks(groups: Sequence[LayerGroup], budget: int, block_bytes: Sequence[int], seq_len: int,

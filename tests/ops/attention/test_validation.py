@@ -166,8 +166,9 @@ def test_plan_quantized_prefill_and_small_decode_tiles():
 
 
 def test_plan_long_context_one_warp_tiles():
-    """int8 / int4 decode at head_dim 65..128: one-warp tiles in batches with two programs per SM or more (every KV
-    range split LONG_SPLITS ways over block tables of LONG_MIN_KV+ tokens) and, with fp8, for few sequences over
+    """int8 / int4 / k8v4 decode at head_dim 65..128: one-warp tiles in batches with two programs per SM or more
+    (past four per SM, and int4 always: every KV range split LONG_SPLITS ways over block tables of LONG_MIN_KV+
+    tokens; int8 / k8v4 at two to four per SM: five stages, unsplit) and, with fp8, for few sequences over
     FEW_MIN_KV+ tokens; few sequences over shorter tables, fp8 batches, 16-bit caches, float32 queries, head_dim 64 or
     256 and prefill keep their tiles."""
     kw = dict(num_q_heads=32, num_kv_heads=8, n_tokens=80, num_seqs=80, num_sms=132)  # 640 programs: 4.8 per SM

@@ -44,9 +44,9 @@ DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8"
 # 4-warp tiles (int4's two stages leave shared memory for seven programs per SM). Fewer programs over FEW_MIN_KV+
 # token tables (DECODE_TILE_FEW, fp8 too): split for FEW_PROGRAMS_PER_SM programs per SM, 32-key tiles on five
 # stages, the first depth at which Triton gives a paged tile two shared-memory buffers (it costs programs per SM, so
-# the batches above keep fewer stages): 1 x 128k int8 / int4 / fp8 -10% / -1% / -5%, 2 x 40k -11% / -7% / -28%
-# against 64-key two-stage one-warp tiles (fp8: its 4-warp tile). Shorter tables of few sequences keep the 4-warp
-# tiles (docs/tuning-history.md).
+# the batches above keep fewer stages past DECODE_TILE_WAVE's four per SM): 1 x 128k int8 / int4 / fp8 -10% / -1% /
+# -5%, 2 x 40k -11% / -7% / -28% against 64-key two-stage one-warp tiles (fp8: its 4-warp tile). Shorter tables of
+# few sequences keep the 4-warp tiles (docs/tuning-history.md).
 DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2), "k8v4": (32, 3)}
 # int8 / k8v4 batches of LONG_MIN_PROGRAMS..WAVE_PROGRAMS_PER_SM programs per SM take DECODE_TILE_WAVE instead (keys,
 # stages), unsplit at every length: five stages, and the batch still runs as one wave (H200, 2026-11-29, 32 / 8 heads
