@@ -163,6 +163,7 @@ class Side:
     pair_smooth: bool = False  # as smooth, one scale per rotate-half pair (i, i + D/2): the pair's largest norm
     clip: bool = False  # integer formats: per-group clip search (CLIP_RATIOS)
     center: bool = False  # subtract the per-(head, channel) mean of the layer's first append, fixed after it
+    fixed_scale: float = 1.0  # fp8 "one": the per-tensor scale (x / scale stored)
 
     def nbytes(self, d: int) -> float:
         sb = torch.finfo(self.scale_dtype).bits // 8
@@ -201,7 +202,7 @@ class Side:
         if self.kind == "int":
             y = int_asym(x, self.bits, self.group or x.shape[-1], self.scale_dtype, self.clip)
         elif self.fp8_scale == "one":
-            y = fp8_e4m3(x, 1.0)
+            y = fp8_e4m3(x, self.fixed_scale)
         elif self.fp8_scale == "layer":  # amax of the layer's first append (K or V), then fixed
             if key not in state:
                 amax = float(x.abs().amax())
@@ -308,6 +309,11 @@ VARIANTS: list[Variant] = [
     _both("fp8-center", _fp8("one", center=True)),
     Variant("fp8-k-center-had", _fp8("one", rotate=True, center=True), _fp8("one")),
     _both("fp8-center-had", _fp8("one", rotate=True, center=True)),
+    _both("fp8-s0.25", Side("fp8", fp8_scale="one", fixed_scale=0.25)),
+    _both("fp8-s0.0625", Side("fp8", fp8_scale="one", fixed_scale=0.0625)),
+    _both("fp8-s4", Side("fp8", fp8_scale="one", fixed_scale=4.0)),
+    Variant("fp8-k-row-f16", _fp8("row", F16), _fp8("one")),
+    Variant("fp8-k-row-f16-had", _fp8("row", F16, True), _fp8("one")),
 ]
 
 
