@@ -53,7 +53,8 @@ class LinearCache(CacheCapacity, Cache):
     ...                   num_key_value_heads=2, vocab_size=100)
     >>> model = LlamaForCausalLM(cfg).eval()
     >>> cache = LinearCache(cfg, max_batch_size=1, max_cache_len=16)
-    >>> out = model.generate(torch.tensor([[1, 2, 3]]), past_key_values=cache, max_new_tokens=4, do_sample=False)
+    >>> out = model.generate(torch.tensor([[1, 2, 3]]), past_key_values=cache, max_new_tokens=4, min_new_tokens=4,
+    ...                      do_sample=False)  # min_new_tokens: a random model may sample its end token early
     >>> cache.get_seq_length()
     6
     """

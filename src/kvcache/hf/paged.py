@@ -79,7 +79,8 @@ class PagedCache(CacheCapacity, Cache):
     ...                   num_key_value_heads=2, vocab_size=100)
     >>> model = LlamaForCausalLM(cfg).eval()
     >>> cache = PagedCache(cfg, max_batch_size=1, max_cache_len=32, kv_dtype="int8", block_size=4)
-    >>> out = model.generate(torch.tensor([[1, 2, 3]]), past_key_values=cache, max_new_tokens=4, do_sample=False)
+    >>> out = model.generate(torch.tensor([[1, 2, 3]]), past_key_values=cache, max_new_tokens=4, min_new_tokens=4,
+    ...                      do_sample=False)  # min_new_tokens: a random model may sample its end token early
     >>> cache.get_seq_length(), cache.block_tables
     (6, [[0, 1]])
     """
