@@ -181,6 +181,7 @@ def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, n
         raise ValueError(f"kv_dtype: expected one of {tuple(DECODE_TILE)}, got {kv_dtype!r}")
     g = next_pow2(max(1, num_q_heads // num_kv_heads))
     decode = n_tokens <= DECODE_ROWS * max(num_seqs, 1)
+    programs = max(1, num_seqs) * num_kv_heads  # before KV splits
     if decode:
         # M = 16 rows at least (tensor-core minimum): a decode row's whole GQA group, padded with spare tokens
         block_q = max(1, 16 // g)
@@ -191,16 +192,13 @@ def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, n
         warp_split = (warp_split and block_n // warps >= 16 and max_kv_len >= WARP_SPLIT_MIN_KV and head_dim <= 128
                       and block_q * g <= 16)
         one_warp = 64 < head_dim <= 128 and block_q * g <= 16 and q_bytes <= 2
-        many = max(1, num_seqs) * num_kv_heads >= LONG_MIN_PROGRAMS * num_sms
+        many = programs >= LONG_MIN_PROGRAMS * num_sms
         long_tiles = one_warp and many and kv_dtype in DECODE_TILE_LONG
         few_tiles = one_warp and not many and max_kv_len >= FEW_MIN_KV and kv_dtype in DECODE_TILE_FEW
-        wave_tiles = (long_tiles and kv_dtype in DECODE_TILE_WAVE
-                      and max(1, num_seqs) * num_kv_heads <= WAVE_PROGRAMS_PER_SM * num_sms)
-        if wave_tiles:
-            (block_n, stages), warps, warp_split = DECODE_TILE_WAVE[kv_dtype], 1, False
-        elif long_tiles or few_tiles:
-            (block_n, stages), warps = (DECODE_TILE_LONG if long_tiles else DECODE_TILE_FEW)[kv_dtype], 1
-            warp_split = False
+        wave_tiles = long_tiles and kv_dtype in DECODE_TILE_WAVE and programs <= WAVE_PROGRAMS_PER_SM * num_sms
+        if long_tiles or few_tiles:
+            table = DECODE_TILE_WAVE if wave_tiles else DECODE_TILE_LONG if long_tiles else DECODE_TILE_FEW
+            (block_n, stages), warps, warp_split = table[kv_dtype], 1, False
         elif warps == 1 and (q_bytes > 2 or block_q * g > 16):
             warps, stages = 4, 2  # one warp cannot hold float32 queries' or GQA groups over 16's tiles (spills)
     else:
@@ -224,11 +222,9 @@ def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, n
     min_split_keys = MIN_SPLIT_TOKENS if num_splits is None else 0
     if num_splits is None:
         num_splits = 1
-        programs = max(1, num_seqs) * num_kv_heads
-        if wave_tiles:
-            num_splits = 1
-        elif long_tiles:
-            num_splits = min(LONG_SPLITS, max_kv_len // MIN_SPLIT_TOKENS) if max_kv_len >= LONG_MIN_KV else 1
+        if long_tiles:  # DECODE_TILE_WAVE's batches unsplit at every length
+            long_split = max_kv_len >= LONG_MIN_KV and not wave_tiles
+            num_splits = min(LONG_SPLITS, max_kv_len // MIN_SPLIT_TOKENS) if long_split else 1
         elif few_tiles:
             num_splits = min(cdiv(FEW_PROGRAMS_PER_SM * num_sms, programs), max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS)
         elif decode and programs < num_sms:
