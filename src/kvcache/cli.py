@@ -178,8 +178,10 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
             return torch.equal(got_k, k) and torch.equal(got_v, v)
         ok = True
         for x, y in ((k, got_k), (v, got_v)):
-            if kv_dtype == "fp8":  # e4m3: 3 mantissa bits, half a step of relative error
+            if kv_dtype == "fp8" or (kv_dtype == "fp8k" and x is v):  # e4m3: 3 mantissa bits, half a step
                 bound = x.abs() / 16 + 2.0**-9
+            elif kv_dtype == "fp8k":  # keys scaled per row by amax / 448: subnormals step by scale / 512
+                bound = torch.maximum(x.abs() / 16, x.abs().amax(-1, keepdim=True) / 448 / 1024) * 1.001 + 1e-6
             else:  # scale / 2 per (token, head) row, scale = (max - min) / (2^bits - 1)
                 levels = kv_format(kv_dtype).qmax_of(0 if x is k else 1)
                 rng = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)
@@ -218,7 +220,8 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
         return ok
 
     checks: list[tuple[str, Callable[[], bool]]] = [("BlockAllocator (allocate, fork, free)", t_allocator)]
-    for kv_dtype, layout in (("auto", "NHD"), ("fp8", "HND"), ("int8", "NHD"), ("int4", "HND"), ("k8v4", "NHD")):
+    for kv_dtype, layout in (("auto", "NHD"), ("fp8", "HND"), ("int8", "NHD"), ("int4", "HND"), ("k8v4", "NHD"),
+                             ("fp8k", "HND")):
         checks.append((f"PagedKVCache append -> gather ({kv_dtype}, {layout})",
                        lambda kv_dtype=kv_dtype, layout=layout: round_trip(kv_dtype, layout)))
     checks.append(("PagedKVCache.copy_blocks (int8: data and params)", t_copy_blocks))

@@ -234,7 +234,7 @@ def _gather(dev: torch.device, gen: torch.Generator, quick: bool) -> list[Result
         cache.buffer.view(torch.uint8).random_(0, 256)
         if cache.params_buffer is not None:
             cache.params_buffer.uniform_(0.001, 0.01)
-        if kv_dtype == "fp8":
+        if kv_dtype in ("fp8", "fp8k"):
             cache.buffer.view(torch.uint8).bitwise_and_(0x77)  # finite e4m3 values only
         if kv_dtype == "auto":
             cache.buffer.view(torch.uint8).bitwise_and_(0xBF)  # finite fp16 values only

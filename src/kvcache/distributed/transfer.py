@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _validate
+from ..ops.paged.format import kv_format
 from ..paged import BlockAllocator, PagedKVCache
 from . import wire as W
 from ._comm import check_peer
@@ -90,7 +91,7 @@ def _rows_index(cache: PagedKVCache, ids: list[int]) -> torch.Tensor:
 def _block_layout(cache: PagedKVCache, n: int, chunk_rows: int | None = None,
                   chunk_bytes: int | None = None) -> W.Layout:
     parts = tuple(p.shape[1] * p.element_size() for p in _pools(cache))
-    prefix = cache.num_layers * 2 * 4 if cache.config.kv_dtype == "fp8" and n else 0
+    prefix = cache.num_layers * 2 * 4 if kv_format(cache.config.kv_dtype).per_layer_scale and n else 0
     if chunk_rows is not None:
         return W.Layout(prefix, parts, cache.num_layers * n, max(1, chunk_rows))
     return W.Layout.build(prefix, parts, cache.num_layers * n, chunk_bytes)

@@ -21,7 +21,7 @@ from .tokens import prompt_ids, text_ids, windows
 
 __all__ = ["evaluate", "check_options", "DEFAULT_KV_DTYPES"]
 
-DEFAULT_KV_DTYPES: tuple[str, ...] = ("auto", "fp8", "int8", "k8v4", "int4")
+DEFAULT_KV_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8k", "int8", "k8v4", "int4")
 
 Progress = Callable[[str, int, int], None]
 

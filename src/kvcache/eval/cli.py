@@ -12,6 +12,7 @@ __all__ = ["eval_main"]
 
 def _parser() -> argparse.ArgumentParser:
     from ..paged.config import KV_FORMATS
+    from .api import DEFAULT_KV_DTYPES
     from .texts import DEFAULT_TEXT, TEXTS
 
     p = argparse.ArgumentParser(
@@ -24,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
                    f"{DEFAULT_TEXT}) or a UTF-8 text file")
     p.add_argument("--kv-dtype", action="append", default=None, metavar="NAME",
                    help=f"format(s) to measure, repeatable or comma-separated, from {', '.join(KV_FORMATS)} "
-                   "(default: auto, fp8, int8, k8v4, int4)")
+                   f"(default: {', '.join(DEFAULT_KV_DTYPES)})")
     p.add_argument("--chunk", type=int, default=128, help="tokens per forward (default 128)")
     p.add_argument("--window", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--max-tokens", default="4096", help="cap on scored tokens, or 'all' (default 4096: a few "

@@ -56,7 +56,8 @@ class PagedCache(CacheCapacity, Cache):
         Tokens per row the pool is sized for by default (``num_blocks = max_batch_size * ceil(max_cache_len /
         block_size)``).
     kv_dtype : str
-        ``"auto"`` (the model's dtype), ``"fp8"``, ``"int8"``, ``"int4"`` or ``"k8v4"`` (see :mod:`kvcache.paged.config`).
+        ``"auto"`` (the model's dtype), ``"fp8"``, ``"fp8k"``, ``"int8"``, ``"int4"`` or ``"k8v4"`` (see
+        :mod:`kvcache.paged.config`).
     block_size : int
         Tokens per block.
     num_blocks : int, optional

@@ -12,6 +12,7 @@ kv_dtype    data, per layer                                                store
 "int4"      same shapes with ``D // 2`` bytes per row                      two uint4 codes per byte
 "k8v4"      ``[num_blocks, 3, block_size, H, D // 2]`` (NHD) /             keys: uint8 codes; values: two
             ``[num_blocks, 3, H, block_size, D // 2]`` (HND)               uint4 codes per byte
+"fp8k"      as "fp8"                                                       float8_e4m3fn of ``x * (1/scale)``
 ==========  ============================================================  ==============================
 
 ``[:, 0]`` holds keys, ``[:, 1]`` values (k8v4: ``[:, 0]`` / ``[:, 1]`` the int8 codes of key elements ``[0, D/2)``
@@ -42,6 +43,15 @@ Quantization (TurboMind's, per token and head, asymmetric):
 * fp8: ``float8_e4m3fn(clamp(x * (1 / scale), -448, 448))`` (round to nearest even, saturating) with one
   float32 scale per layer for K and one for V
   (``PagedKVCache.kv_scales[layer] = (k_scale, v_scale)``, default 1.0), as vLLM's ``fp8`` cache.
+* fp8k: values as fp8 (scale ``v_scale``); keys (after RoPE) with one float32 scale per (token, head),
+  ``scale = amax / 448`` over the row's ``D`` elements (``amax`` the largest magnitude; ``k_scale`` is not used),
+  stored as ``float8_e4m3fn(x * (1 / scale))`` (one IEEE reciprocal per row): the row's largest element is
+  stored as +-448, exactly, which is what the scores of a key with an outlier channel need (e4m3's error is
+  relative, so a fixed scale cannot help). ``scale == 0`` (a zero row) stores zeros; a row with a NaN or an
+  infinity stores scale NaN (it reads back NaN). The scales live in a params pool of one plane: NHD
+  ``[num_blocks, 1, block_size, H, 1]``, HND ``[num_blocks, 1, H, block_size, 1]``. Bytes per (token, head)
+  ``2 D + 4`` (fp8: ``2 D``). Error bound of a key element: ``|x - dequant| <= max(|x| / 16, scale / 1024)``
+  (half a step of e4m3's 3 mantissa bits, or of its subnormals).
 """
 
 from __future__ import annotations
@@ -74,7 +84,7 @@ def cache_block_bytes(
     dtype : torch.dtype
         Model dtype (float16, bfloat16, float32): the stored element for ``kv_dtype="auto"``.
     kv_dtype : str
-        ``"auto"``, ``"fp8"``, ``"int8"``, ``"int4"`` or ``"k8v4"``.
+        ``"auto"``, ``"fp8"``, ``"int8"``, ``"int4"``, ``"k8v4"`` or ``"fp8k"``.
 
     Example
     -------
@@ -108,7 +118,8 @@ class PagedConfig:
     dtype : torch.dtype
         The model dtype: of K / V given to ``append`` and returned by ``gather``.
     kv_dtype : str
-        ``"auto"`` (store ``dtype``), ``"fp8"``, ``"int8"``, ``"int4"``, ``"k8v4"`` (see the module docstring).
+        ``"auto"`` (store ``dtype``), ``"fp8"``, ``"int8"``, ``"int4"``, ``"k8v4"``, ``"fp8k"`` (see the module
+        docstring).
     layout : str
         ``"NHD"`` (token-major inside a block) or ``"HND"`` (head-major).
     device : torch.device | str | int | None
@@ -139,8 +150,9 @@ class PagedConfig:
 
     @property
     def quantized(self) -> bool:
-        """True for int8 / int4 / k8v4 (scale and zero per token and head)."""
-        return kv_format(self.kv_dtype).row_params
+        """True where the format keeps a params pool: int8 / int4 / k8v4 (scale and zero per token and head of K
+        and V), fp8k (a scale per token and head of K)."""
+        return kv_format(self.kv_dtype).has_params
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -161,10 +173,14 @@ class PagedConfig:
         return (self.num_blocks, planes, self.num_kv_heads, self.block_size, self.row_elems)
 
     def params_shape(self) -> tuple[int, ...]:
-        """Shape of one layer's (scale, zero) pool (int8 / int4 / k8v4 only)."""
+        """Shape of one layer's params pool (formats where :attr:`quantized`): ``[num_blocks, P, block_size, H, W]``
+        (NHD) / ``[num_blocks, P, H, block_size, W]`` (HND), ``(P, W)`` = (2, 2) for (scale, zero) of K and V, (1, 1)
+        for fp8k's key scales."""
+        fmt = kv_format(self.kv_dtype)
+        p, w = (fmt.param_planes, fmt.param_width) if fmt.has_params else (2, 2)
         if self.layout == "NHD":
-            return (self.num_blocks, 2, self.block_size, self.num_kv_heads, 2)
-        return (self.num_blocks, 2, self.num_kv_heads, self.block_size, 2)
+            return (self.num_blocks, p, self.block_size, self.num_kv_heads, w)
+        return (self.num_blocks, p, self.num_kv_heads, self.block_size, w)
 
     @property
     def block_bytes(self) -> int:

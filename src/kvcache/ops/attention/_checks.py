@@ -89,26 +89,28 @@ def check_pool(pool: object, params: object, kv_scales: object, kv_dtype: str, l
     if pool.shape[4] != r or (fmt.needs_even_head_dim and d % 2):
         raise ValueError(f"pool: expected rows of {r} elements for head_dim {d} and kv_dtype {kv_dtype!r}, got "
                          f"shape {fmt_shape(pool.shape)}")
-    if fmt.row_params:
+    if fmt.has_params:
         if params is None:
-            raise ValueError(f"params: expected the float32 (scale, zero) pool for kv_dtype {kv_dtype!r}, got None")
+            what = "(scale, zero)" if fmt.row_params else "key scale"
+            raise ValueError(f"params: expected the float32 {what} pool for kv_dtype {kv_dtype!r}, got None")
         check_tensor_arg("params", params, dtypes=(torch.float32,), ndim=5, device=dev, ref="q")
-        pshape = (nb, 2, bs, h, 2) if layout == "NHD" else (nb, 2, h, bs, 2)
+        pp, pw = fmt.param_planes, fmt.param_width
+        pshape = (nb, pp, bs, h, pw) if layout == "NHD" else (nb, pp, h, bs, pw)
         if tuple(params.shape) != pshape or not params.is_contiguous():
             raise ValueError(f"params: expected a contiguous float32 {fmt_shape(pshape)}, got "
                              f"{fmt_shape(params.shape)} strides {tuple(params.stride())}")
     elif params is not None:
         raise ValueError(f"params: expected None for kv_dtype {kv_dtype!r}, got a tensor")
-    if kv_dtype == "fp8":  # other formats ignore kv_scales (as the append does): PagedKVCache.kv_scales[layer] fits all
-        check_kv_scales(kv_scales, dev, required=True)
+    if fmt.per_layer_scale:  # other formats ignore kv_scales (as the append does): PagedKVCache.kv_scales[layer] fits all
+        check_kv_scales(kv_scales, dev, required=True, kv_dtype=kv_dtype)
     return nb, bs, h
 
 
-def check_kv_scales(kv_scales: object, device: torch.device, required: bool) -> None:
+def check_kv_scales(kv_scales: object, device: torch.device, required: bool, kv_dtype: str = "fp8") -> None:
     if kv_scales is None and not required:
         return
     if kv_scales is None:
-        raise ValueError("kv_scales: expected float32 [2] (k_scale, v_scale) for kv_dtype 'fp8', got None")
+        raise ValueError(f"kv_scales: expected float32 [2] (k_scale, v_scale) for kv_dtype {kv_dtype!r}, got None")
     check_tensor_arg("kv_scales", kv_scales, dtypes=(torch.float32,), ndim=1, device=device, ref="q")
     if kv_scales.shape[0] != 2 or kv_scales.stride(0) != 1:
         raise ValueError(f"kv_scales: expected a contiguous float32 [2] (k_scale, v_scale), got "

@@ -18,6 +18,8 @@ Dequantization happens in registers right after the load:
 
 * fp8: the tile converts to the query dtype; ``k_scale`` is folded into the score scale and ``v_scale`` into
   the final normalisation.
+* fp8k: as fp8, and each key's float32 scale (per token and head) multiplies its scores after the dot, one
+  multiply per score (``k_scale`` is not used).
 * int8 / int4 decode tiles (``V_FOLD``: 16 rows, each K / V element used by few rows, so per-element work would
   dominate): both dots run on the codes (exact in fp16 / bf16), and the (scale, zero) pairs act per token. QK^T:
   ``q . k = scale_k * (q . codes) + zero_k * sum(q)``, one multiply-add per score. PV:
@@ -111,18 +113,22 @@ def _tile(
     k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], K_HI, QK,
                           q_lo.dtype, not V_FOLD, INTERP, False)
     pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
-    if QK >= 2 and not V_FOLD:
+    if QK >= 2 and QK <= 4 and not V_FOLD:
         # prefill tiles: dequantize K per element (many rows share it), no per-score affine
         ks, kz = _load_params(qparams, pbase, ok_n)
         k_lo, k_hi = dequant(k_lo, k_hi, ks, kz, qdt, Q_DT, 4 if QK == 3 else 8, True, INTERP)
     s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
     s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
+    if QK == 5:
+        # fp8k: each key's scale, one multiply per score (keys past the length or the table load 0: their scores
+        # are masked, or are the zero keys' 0 of the other formats)
+        s = s * tl.load(qparams + pbase, mask=ok_n, other=0.0)[None, :]
     # without softcap (every format but fp8, whose scale is data): the rows' maxima of unscaled scores times the
     # score scale (> 0) are the maxima of the scaled ones, and the scale enters exp2's argument, one multiply-add per
     # score; rescaled bfloat16 queries (Q_RESCALE) fold their rows' 1 / r into that scale
     LATE: tl.constexpr = QK != 1 and SOFTCAP == 0
     qk_row = q_inv * qk_scale  # q_inv is 1 without Q_RESCALE
-    if QK >= 2 and V_FOLD:
+    if QK >= 2 and QK <= 4 and V_FOLD:
         ks, kz = _load_params(qparams, pbase, ok_n)
         s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
         if Q_RESCALE and not LATE:
@@ -160,7 +166,7 @@ def _tile(
     v_off = vbase[:, None] + dd[None, :]
     v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, None] & ok_lo[None, :], ok_n[:, None] & ok_hi[None, :], H1, QV, vdt,
                           not V_FOLD, INTERP, V_MAGIC)
-    if QK >= 2:
+    if QV >= 2:
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
         vs, vz = _load_params(qparams, vp, ok_n)
         if V_FOLD:
@@ -217,7 +223,8 @@ def _attention_kernel(
     HEADS_INNER: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
     Q_ROPE: tl.constexpr,
 ):
-    # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4, 4 k8v4 (keys int8, values int4).
+    # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4, 4 k8v4 (keys int8, values int4), 5 fp8k (fp8 keys with
+    # a scale per token and head, fp8 values).
     if PDL:
         # launched as a programmatic dependent: the grid may be resident before the previous kernel (the append,
         # which releases its dependents early) ends; nothing is read before that kernel has finished
@@ -251,7 +258,7 @@ def _attention_kernel(
     else:
         # decode tiles take their sequence by a checked guess first; fp8 tiles keep the search: Triton 3.6 compiles
         # its head_dim-64 decode tile 32-43% slower with the guess's branch
-        b, row0, q_len = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B, HEADS_INNER and QUANT != 1)
+        b, row0, q_len = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B, HEADS_INNER and QUANT != 1 and QUANT != 5)
         lt = pid - (row0 // BLOCK_Q + b)
         ws_row0 = row0
         kv_len = tl.load(kv_lens + b)
@@ -299,7 +306,7 @@ def _attention_kernel(
         qb = q_hi.to(tl.float32)
         q_lo = (qa * cos_q - qb * sin_q).to(q.dtype.element_ty)
         q_hi = (qb * cos_q + qa * sin_q).to(q.dtype.element_ty)
-    if QUANT >= 2:
+    if QUANT >= 2 and QUANT <= 4:
         q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
     else:
         q_sum = tl.zeros([BLOCK_Q * G_P], tl.float32)  # unused
@@ -335,6 +342,11 @@ def _attention_kernel(
         QV: tl.constexpr = 3
         K_HI: tl.constexpr = S_KV
         V_AT: tl.constexpr = 2 * S_KV
+    elif QUANT == 5:
+        QK: tl.constexpr = 5
+        QV: tl.constexpr = 1
+        K_HI: tl.constexpr = H1
+        V_AT: tl.constexpr = S_KV
     else:
         QK: tl.constexpr = QUANT
         QV: tl.constexpr = QUANT
@@ -344,7 +356,8 @@ def _attention_kernel(
     k_scale = 1.0
     v_scale = 1.0
     if FP8_SCALED:
-        k_scale = tl.load(kv_scales)
+        if QUANT == 1:  # fp8k's keys carry their own scales
+            k_scale = tl.load(kv_scales)
         v_scale = tl.load(kv_scales + 1)
     if SOFTCAP > 0:
         qk_scale = k_scale * (SM_SCALE / SOFTCAP)

@@ -131,16 +131,18 @@ def _launch(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, sinks:
         ws_out = ws_lse = dummy
     sq, so, sl = _strides3(q, linear), _strides3(out, linear), _strides3(lse, linear)
     quant = KV_FORMAT_TABLE[kv_dtype].code
-    kv_scales = kv.kv_scales if quant == 1 else None
+    fp8 = quant in (1, 5)  # fp8 / fp8k: e4m3 rows with the layer's scales
+    integer = quant in (2, 3, 4)  # int8 / int4 / k8v4: codes with (scale, zero) per token and head
+    kv_scales = kv.kv_scales if fp8 else None
     # triton's interpreter computes bf16 dots wrongly (it multiplies the raw bits): float32 operands there
     dot_f32 = dev.type != "cuda" and q.dtype == torch.bfloat16
-    if quant == 1:
+    if fp8:
         pool = pool.view(torch.uint8)  # bytes: see _load_kv
-    if plan.warp_split and quant < 2:
+    if plan.warp_split and not integer:
         raise ValueError(f"warp-split attention tiles need an int8 / int4 / k8v4 cache, got kv_dtype {kv_dtype!r}")
     # int8 / int4 / k8v4 decode tiles (16 rows) and warp-split tiles fold V's (scale, zero) per token (_kernel
     # docstring)
-    v_fold = quant >= 2 and (plan.block_q * next_pow2(g) <= 16 or plan.warp_split)
+    v_fold = integer and (plan.block_q * next_pow2(g) <= 16 or plan.warp_split)
     s_blk, s_kv, s_tok, s_head = kv.strides
     table_width, bt_stride, n_blocks = kv.table
     _attention_kernel.launch(

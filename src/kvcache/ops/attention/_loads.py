@@ -38,7 +38,7 @@ def _load_kv(pool, off, m_lo, m_hi, HI: tl.constexpr, QUANT: tl.constexpr, DT: t
     """The two halves of K or V rows: elements ``[0, H1)`` at ``pool + off`` (mask ``m_lo``) and ``[H1, D)`` at
     ``pool + off + HI`` (mask ``m_hi``; ``HI`` is ``H1``, or a plane's stride for k8v4 keys, whose second half is the
     next plane; int4: the high nibbles of the same bytes). ``QUANT``: the format of these rows (k8v4 keys: 2,
-    values: 3).
+    values: 3; fp8k keys: 5, values: 1).
 
     ``RAW``: as stored (16-bit values, fp8 values, int8 codes as uint8, int4 byte rows as uint8 twice); the caller
     converts at the dot (prefill tiles dequantize int8 / int4 there). Else (int8 / int4 decode tiles only) the
@@ -64,7 +64,7 @@ def _load_kv(pool, off, m_lo, m_hi, HI: tl.constexpr, QUANT: tl.constexpr, DT: t
     else:
         lo = tl.load(pool + off, mask=m_lo, other=0)
         hi = tl.load(pool + off + HI, mask=m_hi, other=0)
-        if QUANT == 1:
+        if QUANT == 1 or QUANT == 5:  # fp8, fp8k
             b_lo = lo
             b_hi = hi
             lo = b_lo.to(tl.float8e4nv, bitcast=True)

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..._backend import use_triton
+from ..paged.format import kv_format
 from ..paged.layer import PagedLayer
 from ..paged.step import StepPlan
 from . import _checks as c
@@ -44,12 +45,13 @@ def paged_attention(
         int4), or for k8v4 ``P = 3`` planes of ``R = D // 2`` bytes; contiguous.
     params : torch.Tensor, optional
         ``PagedKVCache.params(layer)``: float32 (scale, zero) per token and head, ``[num_blocks, 2, ...]``,
-        required for int8 / int4 / k8v4.
+        required for int8 / int4 / k8v4; fp8k: the keys' float32 scale per token and head, ``[num_blocks, 1, ...,
+        1]``.
     kv_scales : torch.Tensor, optional
-        ``PagedKVCache.kv_scales[layer]``: float32 ``[2]`` = (k_scale, v_scale), required for fp8, ignored for the
-        other formats.
+        ``PagedKVCache.kv_scales[layer]``: float32 ``[2]`` = (k_scale, v_scale), required for fp8 and fp8k (which
+        uses v_scale alone), ignored for the other formats.
     kv_dtype, layout : str
-        ``"auto" | "fp8" | "int8" | "int4" | "k8v4"`` and ``"NHD" | "HND"`` (the byte format of
+        ``"auto" | "fp8" | "int8" | "int4" | "k8v4" | "fp8k"`` and ``"NHD" | "HND"`` (the byte format of
         :mod:`kvcache.paged.config`).
     block_tables : torch.Tensor
         int32 ``[B, max_blocks]``: each sequence's blocks in order (this rank's local blocks under context
@@ -133,7 +135,7 @@ def paged_attention(
     """
     q = c.check_q(q, 3, "[n_tokens, num_q_heads, head_dim]")
     c.check_pool(pool, params, kv_scales, kv_dtype, layout, q)
-    layer = PagedLayer(pool, params, kv_scales if kv_dtype == "fp8" else None, kv_dtype, layout)
+    layer = PagedLayer(pool, params, kv_scales if kv_format(kv_dtype).per_layer_scale else None, kv_dtype, layout)
     index = dict(block_tables=block_tables, cu_q_lens=cu_q_lens, seq_lens=kv_lens, cp_rank=cp_rank, cp_size=cp_size)
     options = dict(scale=scale, window=window, softcap=softcap, q_rope=q_rope, max_kv_len=max_kv_len,
                    num_decode=num_decode, num_splits=num_splits, workspace=workspace)

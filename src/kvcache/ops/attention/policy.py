@@ -34,9 +34,9 @@ PROGRAMS_PER_SM_QUANT = 2
 # 128-key tiles, int8 one-warp tiles of 64 keys, 3 stages (H100, 2026-11-26). k8v4 (int8 keys, two thirds of its
 # bytes) takes int8's tiles throughout.
 DECODE_TILE = {"auto": (32, 4, 4, False), "fp8": (128, 3, 4, False), "int8": (128, 3, 4, False),
-               "int4": (128, 3, 4, True), "k8v4": (128, 3, 4, False)}
+               "int4": (128, 3, 4, True), "k8v4": (128, 3, 4, False), "fp8k": (128, 3, 4, False)}
 DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8": (64, 3, 1, False),
-                     "int4": (128, 2, 4, False), "k8v4": (64, 3, 1, False)}
+                     "int4": (128, 2, 4, False), "k8v4": (64, 3, 1, False), "fp8k": (64, 3, 4, False)}
 # Quantized decode at head_dim 65..128 with 16-bit queries: one-warp tiles (keys, stages). One warp per program needs
 # no exchange between warps per tile; KV splits bring the resident warps back. Batches with LONG_MIN_PROGRAMS+
 # programs per SM (DECODE_TILE_LONG, int8 / int4): every KV range split LONG_SPLITS ways once the block table holds
@@ -55,7 +55,7 @@ DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2), "k8v4": (32, 3)}
 # (int8 80 x 768); int4's 64-key tiles keep their place (five stages: -5% at 64 x 1k, +9% at 64 x 16k).
 DECODE_TILE_WAVE = {"int8": (32, 5), "k8v4": (32, 5)}
 WAVE_PROGRAMS_PER_SM = 4
-DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5), "k8v4": (32, 5)}
+DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5), "k8v4": (32, 5), "fp8k": (32, 5)}
 LONG_MIN_KV = 4096
 LONG_MIN_PROGRAMS = 2
 LONG_SPLITS = 8
@@ -64,10 +64,10 @@ FEW_PROGRAMS_PER_SM = 4
 # Prefill tiles of fp8 / int4 caches at head_dim 65..128 (GQA groups up to 64): 64 rows of 4 warps (keys per tile,
 # stages) instead of the 16-bit caches' 128 rows of 8 warps, measured faster on the H100; int8 keeps
 # the 128-row tile (1-11% faster).
-PREFILL_TILE_QUANT = {"fp8": (128, 2), "int4": (128, 3)}
+PREFILL_TILE_QUANT = {"fp8": (128, 2), "int4": (128, 3), "fp8k": (128, 2)}
 # Prefill stages at head_dim <= 64 (128 rows x 64 keys, 4 warps): int8 / int4 are faster with 3, 16-bit and fp8 caches
 # with 2 (H100, docs/tuning-history.md).
-PREFILL_STAGES_SMALL = {"auto": 2, "fp8": 2, "int8": 3, "int4": 3, "k8v4": 3}
+PREFILL_STAGES_SMALL = {"auto": 2, "fp8": 2, "int8": 3, "int4": 3, "k8v4": 3, "fp8k": 2}
 WARP_SPLIT_MIN_KV = 4096
 # Average query rows per sequence at or below which a batch is launched with decode tiles.
 DECODE_ROWS = 4
@@ -141,7 +141,7 @@ def attention_plan(
         Streaming multiprocessors of the device (132 on an H100 SXM).
     num_splits : int, optional
         Force the KV split (1 = none); default: the heuristic below.
-    kv_dtype : {"auto", "fp8", "int8", "int4", "k8v4"}
+    kv_dtype : {"auto", "fp8", "int8", "int4", "k8v4", "fp8k"}
         Stored format of the cache (decode tiles depend on it).
     q_bytes : int
         Bytes per query element (2 for fp16 / bf16, 4 for fp32: prefill tiles of fp32 queries are halved to fit

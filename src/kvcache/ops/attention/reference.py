@@ -39,15 +39,19 @@ def dequantize_rows(
     which: int,
 ) -> torch.Tensor:
     """float32 ``[n, H, D]`` K (``which=0``) or V (``which=1``) rows at (block, offset) pairs of a paged pool."""
+    # params plane of these rows: (scale, zero) of K / V; fp8k: the keys' scales alone (plane 0)
+    pp = 0 if kv_dtype == "fp8k" else which
     if layout == "NHD":
         raw = pool[blocks, which, offsets]  # [n, H, R]
-        par = params[blocks, which, offsets] if params is not None else None
+        par = params[blocks, pp, offsets] if params is not None else None
     else:
         raw = pool[blocks, which, :, offsets]  # [n, H, R]
-        par = params[blocks, which, :, offsets] if params is not None else None
+        par = params[blocks, pp, :, offsets] if params is not None else None
     if kv_dtype == "auto":
         return raw.float()
-    if kv_dtype == "fp8":
+    if kv_dtype == "fp8k" and which == 0:
+        return raw.float() * par  # type: ignore[operator]
+    if kv_dtype in ("fp8", "fp8k"):
         scale = kv_scales[which].float() if kv_scales is not None else torch.ones((), device=pool.device)
         return raw.float() * scale
     planes = [pool[blocks, p, offsets] if layout == "NHD" else pool[blocks, p, :, offsets]

@@ -37,11 +37,13 @@ def pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> t
                          f"{kv_dtype!r}, got {pool.dtype}")
     nb = pool.shape[0]
     bs, h = (pool.shape[2], pool.shape[3]) if layout == "NHD" else (pool.shape[3], pool.shape[2])
-    if fmt.row_params:
+    if fmt.has_params:
+        what = "scales and zeros" if fmt.row_params else "key scales"
         if not isinstance(params, torch.Tensor):
-            raise TypeError(f"params: expected a float32 tensor of scales and zeros for kv_dtype {kv_dtype!r}, "
+            raise TypeError(f"params: expected a float32 tensor of {what} for kv_dtype {kv_dtype!r}, "
                             f"got {type(params).__name__}")
-        want = (pool.shape[0], 2, *pool.shape[2:4], 2)  # (scale, zero) of K and of V
+        # (scale, zero) of K and of V; fp8k: the scale of K
+        want = (pool.shape[0], fmt.param_planes, *pool.shape[2:4], fmt.param_width)
         if tuple(params.shape) != want or params.dtype != torch.float32 or not params.is_contiguous():
             raise ValueError(f"params: expected a contiguous float32 tensor of shape {fmt_shape(want)}, got "
                              f"{params.dtype} {fmt_shape(params.shape)}")
@@ -133,10 +135,10 @@ def check_index_vector(name: str, t: object, n: int | None, device: torch.device
 
 
 def check_fp8_scales(fp8_scales: object, kv_dtype: str, device: torch.device) -> torch.Tensor | None:
-    if kv_dtype != "fp8":
+    if not kv_format(kv_dtype).per_layer_scale:
         return None
     if fp8_scales is None:
-        raise ValueError("fp8_scales: expected a float32 tensor [2] (k_scale, v_scale) for kv_dtype 'fp8'")
+        raise ValueError(f"fp8_scales: expected a float32 tensor [2] (k_scale, v_scale) for kv_dtype {kv_dtype!r}")
     t = check_arg_tensor("fp8_scales", fp8_scales, dtypes=(torch.float32,), ndim=1, device=device)
     if t.shape[0] != 2 or not t.is_contiguous():
         raise ValueError(f"fp8_scales: expected a contiguous float32 tensor [2], got {fmt_shape(t.shape)}")

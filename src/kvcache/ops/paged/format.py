@@ -23,20 +23,22 @@ class KVFormat:
     Attributes
     ----------
     name : str
-        ``"auto"``, ``"fp8"``, ``"int8"``, ``"int4"`` or ``"k8v4"``.
+        ``"auto"``, ``"fp8"``, ``"int8"``, ``"int4"``, ``"k8v4"`` or ``"fp8k"``.
     code : int
-        The kernels' ``QUANT`` constexpr: 0 auto, 1 fp8, 2 int8, 3 int4, 4 k8v4.
+        The kernels' ``QUANT`` constexpr: 0 auto, 1 fp8, 2 int8, 3 int4, 4 k8v4, 5 fp8k.
     storage : torch.dtype or None
         dtype of the data pool; None: the model dtype (``"auto"``).
     key_bits, value_bits : int or None
         Bits per stored code of keys and of values in the integer formats (8 or 4); None for float formats.
     per_layer_scale : bool
-        One float32 scale per layer for K and one for V (fp8: ``PagedKVCache.kv_scales``).
+        One float32 scale per layer for K and one for V (fp8: ``PagedKVCache.kv_scales``; fp8k: V's only).
     row_params : bool
         A float32 (scale, zero) per (token, head) in a params pool (int8 / int4 / k8v4).
     planes : int
         Planes of a block in the data pool (dim 1): 2 (K, V); k8v4: 3 (the first and second halves of the int8 key
         rows, then the int4 value rows), each of ``row_elems`` bytes per (token, head).
+    key_scale : bool
+        A float32 scale per (token, head) of the keys alone in a params pool (fp8k: ``amax / 448``).
     """
 
     name: str
@@ -47,6 +49,7 @@ class KVFormat:
     per_layer_scale: bool
     row_params: bool
     planes: int = 2
+    key_scale: bool = False
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """dtype of the data pool for a model dtype."""
@@ -59,7 +62,7 @@ class KVFormat:
 
     @property
     def is_float(self) -> bool:
-        """A float format (auto, fp8): no integer codes, no (scale, zero)."""
+        """A float format (auto, fp8, fp8k): no integer codes, no (scale, zero)."""
         return self.key_bits is None
 
     @property
@@ -78,14 +81,30 @@ class KVFormat:
         return 0 if self.bits is None else 2**self.bits - 1
 
     @property
+    def has_params(self) -> bool:
+        """A params pool beside the data: (scale, zero) pairs of K and V (int8 / int4 / k8v4), or the keys' scales
+        (fp8k)."""
+        return self.row_params or self.key_scale
+
+    @property
+    def param_planes(self) -> int:
+        """Planes of a block in the params pool (dim 1): 2 (K, V) for (scale, zero) pairs, 1 (K) for fp8k, else 0."""
+        return 2 if self.row_params else (1 if self.key_scale else 0)
+
+    @property
+    def param_width(self) -> int:
+        """float32 values per (token, head) of a params plane (last dim): 2 (scale, zero), 1 (fp8k's scale), else 0."""
+        return 2 if self.row_params else (1 if self.key_scale else 0)
+
+    @property
     def needs_even_head_dim(self) -> bool:
         """int4 values pack elements ``i`` and ``D/2 + i`` in one byte: head_dim must be even."""
         return self.value_bits == 4
 
     def token_head_bytes(self, head_dim: int, model_dtype: torch.dtype) -> int:
-        """Bytes of one (token, head) over K and V, (scale, zero) included."""
+        """Bytes of one (token, head) over K and V, their scales (and zeros) included."""
         elt = torch.empty((), dtype=self.storage_dtype(model_dtype)).element_size()
-        return self.planes * self.row_elems(head_dim) * elt + (2 * 2 * 4 if self.row_params else 0)
+        return self.planes * self.row_elems(head_dim) * elt + self.param_planes * self.param_width * 4
 
 
 KV_FORMAT_TABLE: dict[str, KVFormat] = {
@@ -96,6 +115,7 @@ KV_FORMAT_TABLE: dict[str, KVFormat] = {
         KVFormat("int8", 2, torch.uint8, 8, 8, False, True),
         KVFormat("int4", 3, torch.uint8, 4, 4, False, True),
         KVFormat("k8v4", 4, torch.uint8, 8, 4, False, True, planes=3),
+        KVFormat("fp8k", 5, torch.float8_e4m3fn, None, None, True, False, key_scale=True),
     )
 }
 KV_FORMATS = tuple(KV_FORMAT_TABLE)  # the values of kv_dtype

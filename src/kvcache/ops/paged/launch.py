@@ -56,12 +56,14 @@ def default_append_launch(n_rows: int, layer: PagedLayer, plan: StepPlan) -> App
                        metadata_ready=plan.metadata_ready, rope_ready=plan.rope_ready)
 
 
-def _block_strides(hnd: bool, H: int, DP: int, bs: int) -> dict[str, int]:
+def _block_strides(hnd: bool, H: int, DP: int, bs: int, kv_dtype: str) -> dict[str, int]:
     """Element strides inside one K (or V) region of a block, [bs, H, DP] (NHD) or [H, bs, DP] (HND): of a
-    token and of a head, in the data pool (S_*) and in the (scale, zero) params pool (P_*, 2 floats per row)."""
+    token and of a head, in the data pool (S_*) and in the params pool (P_*, ``w`` floats per row: 2 for (scale,
+    zero), 1 for fp8k's key scales)."""
+    w = KV_FORMAT_TABLE[kv_dtype].param_width or 2
     if hnd:
-        return dict(S_TOK=DP, S_HEAD=bs * DP, P_TOK=2, P_HEAD=bs * 2)
-    return dict(S_TOK=H * DP, S_HEAD=DP, P_TOK=H * 2, P_HEAD=2)
+        return dict(S_TOK=DP, S_HEAD=bs * DP, P_TOK=w, P_HEAD=bs * w)
+    return dict(S_TOK=H * DP, S_HEAD=DP, P_TOK=H * w, P_HEAD=w)
 
 
 def _rope_args(rope):  # type: ignore[no-untyped-def]
@@ -125,7 +127,8 @@ def append_paged_kv_launch(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, 
         MODE=(BY_SLOTS if not ragged else BY_KV_LENS if plan.kv_lens is not None else BY_CU_K_LENS).value,
         QUANT=KV_FORMAT_TABLE[layer.kv_dtype].code, ROPE=has_rope,
         ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, FMAX=_max_freq(plan.rope), H=H, D=D, DP=dp,
-        BLOCK_SIZE=bs, NUM_BLOCKS=nb, **_block_strides(layer.layout == "HND", H, dp, bs), CP_RANK=plan.cp_rank,
+        BLOCK_SIZE=bs, NUM_BLOCKS=nb, **_block_strides(layer.layout == "HND", H, dp, bs, layer.kv_dtype),
+        CP_RANK=plan.cp_rank,
         CP_SIZE=plan.cp_size,
         SEARCH=next_pow2(ns) if 0 < ns <= 1024 else 0, LOG_B=max(ns - 1, 0).bit_length(),
         STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=next_pow2(H) // hg, HG=hg,
@@ -228,7 +231,7 @@ def gather_paged_kv_launch(k_out: torch.Tensor, v_out: torch.Tensor, layer: Page
         *[st // vec for st in out_strides], bt.stride(0), bt.shape[1], s_out,  # type: ignore[union-attr]
         MODE=mode.value, QUANT=KV_FORMAT_TABLE[layer.kv_dtype].code, ROPE=has_rope, ROT=rot, INTERLEAVED=inter,
         ATTN_SCALE=attn_scale, H=H, D=D, DP=pool.shape[-1], BLOCK_SIZE=bs, NUM_BLOCKS=nb,
-        **_block_strides(layer.layout == "HND", H, pool.shape[-1], bs),
+        **_block_strides(layer.layout == "HND", H, pool.shape[-1], bs, layer.kv_dtype),
         CP_RANK=plan.cp_rank, CP_SIZE=plan.cp_size, TOK=tok, BLOCK_H=next_pow2(H), BLOCK_D=max(2, next_pow2(D)),
         LIBDEVICE=pool.device.type == "cuda", VEC=vec, WIDE=launch.wide,
         num_warps=launch.num_warps,

@@ -101,7 +101,7 @@ def plan_append(
         Sequences of a ragged batch; None for a slot mapping.
     num_kv_heads, head_dim : int
     kv_dtype : str
-        ``"auto" | "fp8" | "int8" | "int4" | "k8v4"``.
+        ``"auto" | "fp8" | "int8" | "int4" | "k8v4" | "fp8k"``.
     rope : {"none", "full", "partial"}
         No RoPE; rotate-half over the whole head_dim; partial rotary dim or interleaved pairs.
     pdl : bool
@@ -156,7 +156,7 @@ def plan_append(
     return AppendLaunch(
         split=split, head_groups=1, pdl=pdl, index_first=index_first, cs_first=cs_first, speculate=speculate,
         freqs_late=freqs_late, early=early, masked=early and not rope_select, rope_select=rope_select,
-        hints=not split, pair_asm=ptx and not split and quant >= 2, num_warps=max(1, min(8, warps)),
+        hints=not split, pair_asm=ptx and not split and 2 <= quant <= 4, num_warps=max(1, min(8, warps)),
     )
 
 

@@ -10,7 +10,7 @@ from .layer import PagedLayer
 from .step import StepPlan
 
 __all__ = ["append_paged_kv_reference", "gather_paged_kv_reference", "quantize_rows_reference",
-           "dequantize_rows_reference"]
+           "dequantize_rows_reference", "key_scales_reference"]
 
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -28,6 +28,18 @@ def quantize_rows_reference(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, t
     q = torch.round((xf - mn[..., None]) * inv[..., None]).clamp(0, qmax)  # round half to even
     nan = torch.full_like(scale, float("nan"))
     return q.to(torch.uint8), torch.where(bad, nan, scale), torch.where(bad, nan, mn)
+
+
+def key_scales_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8k's key scales: (scale f32 [...], its reciprocal f32 [...]) of rows ``x`` [..., D], ``scale = amax / 448``.
+    ``scale == 0`` (a zero row) has reciprocal 0; a row with a NaN or an infinity has scale NaN and reciprocal 0."""
+    x = x.float()
+    bad = ~torch.isfinite(x).all(dim=-1)
+    amax = torch.where(bad[..., None], torch.zeros_like(x), x).abs().amax(dim=-1)
+    scale = amax / _FP8_MAX
+    inv = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(scale))
+    inv = torch.where(bad, torch.zeros_like(inv), inv)  # the row's finite elements store 0, the others NaN
+    return torch.where(bad, torch.full_like(scale, float("nan")), scale), inv
 
 
 def dequantize_rows_reference(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -111,7 +123,15 @@ def append_paged_kv_reference(k: torch.Tensor, v: torch.Tensor, layer: PagedLaye
             x = _rope_rows(x.float(), pos, rope)
         if kv_dtype == "auto":
             data = x.to(pool.dtype)
-        elif kv_dtype == "fp8":
+        elif kv_dtype == "fp8k" and kv == 0:
+            scale, inv = key_scales_reference(x)
+            if hnd:
+                params[blks, 0, :, offs] = scale[..., None]
+            else:
+                params[blks, 0, offs] = scale[..., None]
+            y = x.float() * inv[..., None]
+            data = torch.where(torch.isfinite(y), y.clamp(-_FP8_MAX, _FP8_MAX), float("nan")).to(pool.dtype)
+        elif kv_dtype in ("fp8", "fp8k"):
             inv = 1.0 / fp8_scales[kv].float()
             y = x.float() * inv  # finite values saturate; NaN and +-inf are stored as NaN (e4m3fn has no infinity)
             data = torch.where(torch.isfinite(y), y.clamp(-_FP8_MAX, _FP8_MAX), float("nan")).to(pool.dtype)
@@ -163,7 +183,9 @@ def gather_paged_kv_reference(k_out: torch.Tensor, v_out: torch.Tensor, layer: P
             data = rows[0]  # [n, H, DP]: the row itself, but for k8v4 keys (two planes)
             if kv_dtype == "auto":
                 x = data.float()
-            elif kv_dtype == "fp8":
+            elif kv_dtype == "fp8k" and kv == 0:
+                x = data.float() * (params[blks, 0, :, offs] if hnd else params[blks, 0, offs])  # [n, H, 1] scales
+            elif kv_dtype in ("fp8", "fp8k"):
                 x = data.float() * fp8_scales[kv].float()
             else:
                 par = params[blks, kv, :, offs] if hnd else params[blks, kv, offs]  # [n, H, 2]

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ...._backend import kernel
-from .codes import Q_FP8, Q_NONE
+from .codes import Q_FP8, Q_FP8K, Q_NONE
 from .lookup import _lookup, _spec_lookup, _spec_same
 from .numerics import _rcp
 from .quant import _encode, _store_row
@@ -89,6 +89,8 @@ def _row_codes(
         inv = 1.0
         if QUANT == Q_FP8:  # one IEEE reciprocal per row, then multiplies (as the reference)
             inv = _rcp(tl.load(fp8_scales + is_v), LIBDEVICE)
+        elif QUANT == Q_FP8K:  # the values' (the keys have their own, per head: _encode)
+            inv = _rcp(tl.load(fp8_scales + 1), LIBDEVICE)
         x1 = r1.to(tl.float32)
         x2 = r2.to(tl.float32)
         if ROPE:
@@ -112,7 +114,7 @@ def _row_codes(
 def _append_kernel(
     k, v,  # model dtype [N, H, D], head_dim contiguous; row strides stride_kn * VEC / stride_vn * VEC
     pool,  # storage dtype, one layer (see kvcache.paged.config)
-    qparams,  # float32 (scale, zero) pool when QUANT >= Q_INT8, else unused (not `params`: triton's binder
+    qparams,  # float32 (scale, zero) pool when QUANT >= Q_INT8 (fp8k: key scales), else unused (not `params`: triton's binder
     # uses that name for a local)
     block_tables,  # int32 [B, table_width] (MODE 0 / 1)
     cu_q,  # int32 [B + 1] (MODE 0 / 1)
@@ -120,11 +122,11 @@ def _append_kernel(
     slots,  # int64 [N] (MODE 2)
     positions,  # int32 / int64 [N] (MODE 2 with ROPE)
     inv_freq,  # float32 [ROT // 2] (ROPE)
-    fp8_scales,  # float32 [2]: k_scale, v_scale (QUANT == Q_FP8)
+    fp8_scales,  # float32 [2]: k_scale, v_scale (QUANT == Q_FP8; Q_FP8K: v_scale alone)
     stride_kn, stride_vn, bt_stride, table_width, n_seqs,
     guess_mul,  # see _guess_mul
     MODE: tl.constexpr,  # 0: cu_q_lens + kv_lens, 1: cu_q_lens + cu_k_lens, 2: slot mapping
-    QUANT: tl.constexpr,  # 0 none, 1 fp8, 2 int8, 3 int4, 4 k8v4 (codes.py)
+    QUANT: tl.constexpr,  # 0 none, 1 fp8, 2 int8, 3 int4, 4 k8v4, 5 fp8k (codes.py)
     ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,  # DP: stored elements per row of a plane (D or D // 2)
     BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr,

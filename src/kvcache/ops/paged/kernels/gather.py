@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ...._backend import kernel
-from .codes import BY_KV_LENS, Q_FP8, Q_INT4, Q_INT8, Q_K8V4, Q_NONE
+from .codes import BY_KV_LENS, Q_FP8, Q_FP8K, Q_INT4, Q_INT8, Q_K8V4, Q_NONE
 from .quant import _load_dequantized, _split_elem, _tile_params
 from .rope import _rope_pairs, _rotate
 
@@ -101,6 +101,11 @@ def _gather_kernel(
         QK: tl.constexpr = Q_INT8
         QV: tl.constexpr = Q_INT4
         K_HI: tl.constexpr = s_kv
+    elif QUANT == Q_FP8K:  # keys: fp8 rows with their own scales; values: fp8 with the layer's
+        PLANES: tl.constexpr = 2
+        QK: tl.constexpr = Q_FP8K
+        QV: tl.constexpr = Q_FP8
+        K_HI: tl.constexpr = 0
     else:
         PLANES: tl.constexpr = 2
         QK: tl.constexpr = QUANT
@@ -108,12 +113,16 @@ def _gather_kernel(
         K_HI: tl.constexpr = 0
     off0 = t0 % BLOCK_SIZE
     base = blk * (PLANES * s_kv) + off0 * S_TOK
-    pbase = blk * (2 * p_kv) + off0 * P_TOK
+    if QUANT == Q_FP8K:  # params: the keys' scales, one plane of one float per (token, head)
+        pbase = blk * (BLOCK_SIZE * H) + off0 * P_TOK
+    else:
+        pbase = blk * (2 * p_kv) + off0 * P_TOK
     pos_f = (t * CP_SIZE + CP_RANK).to(tl.float32)
     k_scale = 1.0
     v_scale = 1.0
     if QUANT == Q_FP8:
         k_scale = tl.load(fp8_scales)
+    if QUANT == Q_FP8 or QUANT == Q_FP8K:
         v_scale = tl.load(fp8_scales + 1)
     if WIDE:  # the strides times VEC, and a head's offset, may pass int32: 64-bit address arithmetic
         sk_b = sk_b.to(tl.int64)

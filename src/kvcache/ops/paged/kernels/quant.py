@@ -1,11 +1,12 @@
-"""Encoding a row in the pool's format (fp8 / int8 / int4 with (scale, zero)), storing it, and reading it back."""
+"""Encoding a row in the pool's format (fp8 / fp8k / int8 / int4 with (scale, zero)), storing it, and reading it
+back."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .codes import Q_FP8, Q_INT4, Q_INT8, Q_K8V4, Q_NONE
+from .codes import Q_FP8, Q_FP8K, Q_INT4, Q_INT8, Q_K8V4, Q_NONE
 from .numerics import _codes, _div, _fp8_grid, _rcp
 
 
@@ -16,18 +17,32 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, is_v, QUANT: tl.constexpr, H: tl.conste
     # (m1 / m2: the elements that exist),
     # encoded in the pool's format: (codes of the first half, codes of the second half (int4 and k8v4 values:
     # unused, both halves are packed in the first), per-head scale, per-head zero (unused unless QUANT >=
-    # Q_INT8)). is_v (k8v4: keys int8, values int4) is a constant or a per-program value. Pure
+    # Q_INT8; fp8k: the key's scale)). is_v (k8v4: keys int8, values int4; fp8k: keys scaled per row) is a
+    # constant or a per-program value. Pure
     # arithmetic: the caller runs it before it knows where the row goes (the block-table load), so that the
     # two overlap.
     c1 = x1
     c2 = x2
     scale = tl.zeros([BLOCK_H, 1], tl.float32)  # unused unless QUANT >= Q_INT8
     zero = scale
-    if QUANT == Q_FP8:
+    if QUANT == Q_FP8 or QUANT == Q_FP8K:
+        if QUANT == Q_FP8K:
+            # keys: scale = amax / 448 per head (the largest element stored as +-448, exactly), one IEEE division
+            # and one reciprocal per head, as the reference; values: the layer's scale as fp8. A head holding a NaN
+            # or an infinity gets scale NaN (bad, as the integer formats below) and reciprocal 0
+            amax = tl.max(tl.maximum(tl.where(m1, tl.abs(x1), 0.0), tl.where(m2, tl.abs(x2), 0.0)), axis=1,
+                          keep_dims=True)
+            bad = tl.sum(tl.where(m1, x1 * 0.0, 0.0) + tl.where(m2, x2 * 0.0, 0.0), axis=1, keep_dims=True)
+            amax = tl.where(hh < H, amax, 0.0)
+            scale = _div(amax, tl.zeros_like(amax) + 448.0, LIBDEVICE) + bad
+            k_inv = tl.where(scale > 0.0, _rcp(tl.where(scale > 0.0, scale, 1.0), LIBDEVICE), 0.0)
+            inv_row = tl.where(is_v == 0, k_inv, inv_fp8)
+        else:
+            inv_row = inv_fp8
         # finite values saturate at +-448; NaN and +-inf are stored as NaN (e4m3fn has no infinity): visible,
         # never a finite value
-        y1 = x1 * inv_fp8
-        y2 = x2 * inv_fp8
+        y1 = x1 * inv_row
+        y2 = x2 * inv_row
         if LIBDEVICE:
             # y * 0 is a zero of y's sign for finite y and NaN for +-inf and NaN: added to the clamp (which drops
             # NaN), it makes every non-finite value NaN and leaves the others as they are, -0.0 included
@@ -96,14 +111,17 @@ def _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2
         PLANES: tl.constexpr = 2
         V_PLANE: tl.constexpr = 1
     dst = pool + (blk * (PLANES * s_kv) + off * S_TOK + is_v * (V_PLANE * s_kv))
-    par = qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv)
+    if QUANT == Q_FP8K:  # one plane of one float per (token, head): the keys' scales
+        par = qparams + (blk * (BLOCK_SIZE * H) + off * P_TOK)
+    else:
+        par = qparams + (blk * (2 * p_kv) + off * P_TOK + is_v * p_kv)
     hm = hh < H
     if MASKED:  # tl.where: `tile & scalar` is an int32 tile under triton 3.9's interpreter, not a mask
         m1 = tl.where(ok, m1, False)
         m2 = tl.where(ok, m2, False)
         hm = tl.where(ok, hm, False)
     p1 = dst + hh * S_HEAD + i
-    if QUANT == Q_FP8 and not LIBDEVICE:
+    if (QUANT == Q_FP8 or QUANT == Q_FP8K) and not LIBDEVICE:
         # the interpreter converts float32 NaN to 384.0 in fp8: NaN lanes are written as the NaN byte 0x7F
         b1 = tl.where(c1 == c1, c1.to(tl.float8e4nv).to(tl.uint8, bitcast=True), 0x7F).to(tl.uint8)
         b2 = tl.where(c2 == c2, c2.to(tl.float8e4nv).to(tl.uint8, bitcast=True), 0x7F).to(tl.uint8)
@@ -116,7 +134,9 @@ def _store_row(c1, c2, scale, zero, pool, qparams, blk, off, is_v, hh, i, m1, m2
             tl.store(p1 + s_kv, c2, mask=tl.where(is_v == 0, m2, False), cache_modifier=STORE_CM)
         elif QUANT != Q_INT4:
             tl.store(p1 + HALF, c2.to(dst.dtype.element_ty), mask=m2, cache_modifier=STORE_CM)
-    if QUANT >= Q_INT8:  # scale / zero [BLOCK_H, 1]
+    if QUANT == Q_FP8K:  # the key's scale [BLOCK_H, 1]
+        tl.store(par + hh * P_HEAD, scale, mask=tl.where(is_v == 0, hm, False), cache_modifier=STORE_CM)
+    elif QUANT >= Q_INT8:  # scale / zero [BLOCK_H, 1]
         if PAIR_ASM:
             _store_pair(par + hh * P_HEAD, scale, zero, hm, STORE_CM)
         else:
@@ -159,9 +179,13 @@ def _load_dequantized(row, par, e, mask, fp8_scale, QUANT: tl.constexpr, S_TOK: 
     # _split_elem (int8 rows)
     if QUANT == Q_NONE:
         x = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0).to(tl.float32)
-    elif QUANT == Q_FP8:
+    elif QUANT == Q_FP8 or QUANT == Q_FP8K:
         raw = tl.load(row + tt * S_TOK + hh * S_HEAD + e, mask=mask, other=0.0)
-        x = raw.to(tl.float32) * fp8_scale
+        if QUANT == Q_FP8K:  # the key's own scale
+            pm = (tt >= 0) & (hh >= 0) & mask
+            x = raw.to(tl.float32) * tl.load(par + tt * P_TOK + hh * P_HEAD, mask=pm, other=0.0)
+        else:
+            x = raw.to(tl.float32) * fp8_scale
         if not LIBDEVICE:  # the interpreter reads the NaN bytes 0x7F / 0xFF as +-480
             x = tl.where((raw.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), x)
     else:
