@@ -25,6 +25,9 @@ Tolerances (derived once here, used by every test):
 * int8 / int4: the documented bound ``|dequant(q) - x| <= scale / 2``, plus float32 rounding of ``x - zero``,
   of the division, of ``q * scale + zero`` (each at most an ulp of values bounded by ``max|x_row|``):
   ``2^-20 * max|x_row|`` covers them (:func:`quant_bound`).
+* fp8k keys: the documented bound ``max(|x| / 16, scale / 1024)`` (half a step of e4m3's 3 mantissa bits, or of
+  its subnormals, times the row's scale), plus float32 rounding of ``x * (1 / scale)`` and of ``code * scale``:
+  ``2^-20 * max|x_row|`` covers them (:func:`fp8k_bound`).
 """
 
 from __future__ import annotations
@@ -248,6 +251,34 @@ def unpack_int4(row: torch.Tensor) -> list[int]:
     return [b & 15 for b in data] + [b >> 4 for b in data]
 
 
+def fp8k_key_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8k's encoding of one key row (float32 ``[D]``): (stored float8_e4m3fn ``[D]``, scale float32 ``[1]``).
+
+    ``scale = amax / 448`` (one IEEE float32 division), ``inv = 1 / scale`` (one IEEE reciprocal; 0 when
+    ``scale == 0``), stored ``float8_e4m3fn(clamp(x * inv, -448, 448))``. A row holding a NaN or an infinity
+    stores scale NaN and ``inv = 0``: its finite elements become (signed) zeros, the others NaN.
+    """
+    x = x.float()
+    if not bool(torch.isfinite(x).all()):
+        y = x * torch.tensor(0.0, dtype=torch.float32)
+        stored = torch.where(torch.isfinite(y), y, torch.tensor(float("nan"))).to(torch.float8_e4m3fn)
+        return stored, torch.tensor([float("nan")], dtype=torch.float32)
+    scale = x.abs().max() / torch.tensor(FP8_MAX, dtype=torch.float32)
+    if float(scale) == 0.0:
+        inv = torch.tensor(0.0, dtype=torch.float32)
+    else:
+        inv = torch.tensor(1.0, dtype=torch.float32) / scale
+    return torch.clamp(x * inv, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.reshape(1)
+
+
+def fp8k_bound(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Documented fp8k key bound ``max(|x| / 16, scale / 1024)`` elementwise, plus float32 rounding
+    (``2^-20 * max|x_row|``), float64 of ``x``'s shape; ``scale`` broadcasts against ``x[..., :1]``."""
+    xd = x.detach().cpu().double()
+    s = scale.detach().cpu().double()
+    return torch.maximum(xd.abs() / 16, s / 1024) + xd.abs().amax(dim=-1, keepdim=True) * 2.0**-20
+
+
 def fp8_encode(x: torch.Tensor, scale: float) -> torch.Tensor:
     """``float8_e4m3fn(clamp(x * (1 / scale), -448, 448))``: one float32 reciprocal, a float32 product, torch's
     round-to-nearest-even conversion."""
@@ -268,12 +299,14 @@ def stored_codes(pool: torch.Tensor, idx: tuple[int, ...], kv_dtype: str) -> lis
 def decode_row(
     pool: torch.Tensor, params: torch.Tensor | None, idx: tuple[int, ...], kv_dtype: str, fp8_scale: float
 ) -> torch.Tensor:
-    """float32 values of one stored row (CPU tensors): model dtype as is, fp8 times its scale, int8 / int4
-    ``q * scale + zero`` (float32 product, then float32 sum)."""
+    """float32 values of one stored row (CPU tensors): model dtype as is, fp8 times its scale (fp8k keys: times
+    the row's own scale in ``params``), int8 / int4 ``q * scale + zero`` (float32 product, then float32 sum)."""
     raw = pool[idx]
     if kv_dtype == "auto":
         return raw.float()
-    if kv_dtype == "fp8":
+    if kv_dtype == "fp8k" and idx[1] == 0:
+        return raw.float() * params[idx][0]  # type: ignore[index]
+    if kv_dtype in ("fp8", "fp8k"):
         return raw.float() * torch.tensor(fp8_scale, dtype=torch.float32)
     codes = stored_codes(pool, idx, kv_dtype)
     scale, zero = params[idx][0], params[idx][1]  # type: ignore[index]
@@ -340,7 +373,9 @@ def append_expected(
                 idx = row_index(layout, t.block, kv, t.offset, h)
                 if kv_dtype == "auto":
                     out[idx] = x[h].to(out.dtype)
-                elif kv_dtype == "fp8":
+                elif kv_dtype == "fp8k" and kv == 0:
+                    out[idx], par[idx] = fp8k_key_encode(x[h])  # type: ignore[index]
+                elif kv_dtype in ("fp8", "fp8k"):
                     out[idx] = fp8_encode(x[h], fp8_scales[kv])
                 else:
                     bits = BITS[kv_dtype][kv]
@@ -405,7 +440,7 @@ def gather_expected(
         _, _, bs, H, dp = p.shape
     else:
         _, _, H, bs, dp = p.shape
-    D = dp * 2 if kv_dtype in ("int4", "k8v4") else dp
+    D = dp * 2 if kv_dtype in ("int4", "k8v4") else dp  # fp8k: one fp8 per element, as fp8
     B = len(totals)
     k32 = torch.zeros((B, H, s_out, D), dtype=torch.float32)
     v32 = torch.zeros((B, H, s_out, D), dtype=torch.float32)
@@ -459,7 +494,9 @@ def assert_append_matches(
     Bit-exact: every byte not written (it must keep its old value), every value row, every key row when
     there is no RoPE (int8 / int4 codes and float32 scale / zero included: the documented float32 formula).
     With RoPE, key rows are bounded (module docstring): auto / fp8 within one ulp of the stored format plus
-    the float32 RoPE slack, dims past ``rotary_dim`` bit-exact (auto); int8 / int4 ``zero`` within the
+    the float32 RoPE slack, dims past ``rotary_dim`` bit-exact (auto); fp8k ``scale`` within ``slack / 448`` (plus
+    a float32 rounding) of ``max|x| / 448`` and every dequantized element within :func:`fp8k_bound` (+ slack) of
+    the rotated key; int8 / int4 ``zero`` within the
     slack of the rotated row's min, ``scale`` within ``2 * slack / qmax`` of ``(max - min) / qmax``, and
     every dequantized element within ``scale / 2`` (+ float32 rounding + slack) of the rotated key.
     """
@@ -500,6 +537,15 @@ def assert_append_matches(
                 tol = ulp(torch.maximum(got.abs(), want.abs()), torch.float8_e4m3fn) + slack[h] / s
                 tol = tol + want.abs() * 2.0**-22  # x * (1 / s) vs x / s
                 assert_close(got, want, tol, where)
+            elif kv_dtype == "fp8k":
+                scale = par[idx].double()  # type: ignore[index]
+                want_scale = x[h].double().abs().amax() / FP8_MAX
+                tol = slack[h] / FP8_MAX + want_scale * 2.0**-22  # amax moves by the slack at most
+                assert_close(scale, want_scale.reshape(1), tol, where + " scale")
+                deq = decode_row(p, par, idx, kv_dtype, 1.0).double()
+                # the kernel encodes its own rotation x' (|x' - x| <= slack): bound of x' plus slack (1 + 1/16)
+                bound = fp8k_bound(par[idx], x[h]) + slack[h] * (1 + 2.0**-4)  # type: ignore[index]
+                assert_close(deq, x[h], bound, where + " dequantized")
             else:
                 qmax = qmax_of(kv_dtype, 0)
                 scale, zero = par[idx][0].double(), par[idx][1].double()  # type: ignore[index]

@@ -177,7 +177,7 @@ def test_no_tokens_is_a_no_op(device):
     pr.assert_bits_equal(cache.buffer, before, "pool")
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"])
 @pytest.mark.parametrize("split", [False, True], ids=["per-row", "split"])
 def test_rows_outside_the_block_table_are_skipped_without_check(device, split, kv_dtype):
     """Without check=True, rows whose block index is past the table, or whose block id is -1 or past the
@@ -241,7 +241,7 @@ def test_slot_mapping_with_padding(device, layout, slot_dtype):
 
 
 @pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"])
 @pytest.mark.parametrize("split", [False, True], ids=["per-row", "split"])
 def test_slot_mapping_past_the_pool_is_skipped_without_check(device, split, kv_dtype, use_rope):
     """Slots -1 and past the pool write nothing, in both launch shapes and every format (see above), with RoPE

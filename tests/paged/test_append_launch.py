@@ -29,7 +29,7 @@ from kvcache.rope import RopeConfig
 from . import launches as la
 from . import paged_reference as pr
 
-FORMATS = ["auto", "fp8", "int8", "int4", "k8v4"]
+FORMATS = ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"]
 
 # (q_lens, kv_lens, padding rows): the guess hits (decode, equal prefills), misses (mixed), padding past cu_q
 BATCHES = [

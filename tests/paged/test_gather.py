@@ -322,7 +322,7 @@ def test_random_ragged_append_then_gather(device, kv_dtype, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"])
 def test_gather_sweep_large(device, kv_dtype):
     """GPU-sized: 16 sequences up to 300 tokens, 8 heads, head_dim 128, block 16, with and without RoPE."""
     H, D, bs, nb = 8, 128, 16, 400
@@ -352,7 +352,7 @@ def _filled_cache(device, seed: int, H: int, D: int, bs: int, lens: list, kv_dty
     return cache, tables
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"])
 def test_gather_into_odd_strided_outputs(device, kv_dtype):
     """Outputs whose token stride is an odd element count (vector width 1), one of them at an odd element
     offset: every row lands where the strides say, the bytes around stay untouched."""

@@ -32,7 +32,7 @@ def _roundtrip(device: torch.device, kv_dtype: str, layout: str, x: torch.Tensor
 
 @pytest.mark.parametrize("bad", list(BAD))
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"])
 def test_nonfinite_values_stay_visible(device, kv_dtype, layout, bad):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, H, D, generator=gen) * 2
@@ -59,7 +59,7 @@ def test_nonfinite_values_stay_visible(device, kv_dtype, layout, bad):
         assert bool((err <= step[~heads][:, None] / 2 + 1e-2).all())
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"])
 def test_nonfinite_keys_with_rope_stay_visible(device, kv_dtype):
     """RoPE mixes a pair's two elements: a non-finite element makes its partner non-finite too; whatever it
     touches comes back NaN or infinite, never finite."""

@@ -40,7 +40,7 @@ def _assert_unchanged(cache: PagedKVCache, snap, what: str) -> None:  # type: ig
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"])
 def test_copy_blocks_every_layer_data_and_params(device, kv_dtype, layout):
     gen = pr.generator(400)
     cache = pr.sentinel_cache(device, num_layers=3, num_kv_heads=3, head_dim=80, block_size=4, num_blocks=9,

@@ -153,6 +153,8 @@ class Pool:
             self.params[:, 0, ..., 0] = 6.0 / fmt.qmax_of(0)
             self.params[:, 1, ..., 0] = 6.0 / fmt.qmax_of(1)
             self.params[..., 1] = -3.0
+        elif fmt.key_scale:  # fp8k: a scale per key row
+            self.params = torch.full(cfg.params_shape(), 1.0 / 64, dtype=torch.float32, device=dev)
         self.kv_scales = torch.ones(2, dtype=torch.float32, device=dev) if fmt.per_layer_scale else None
 
     def tables(self, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
