@@ -75,8 +75,10 @@ def _pool(kv_dtype: str, bs: int, num_blocks: int, dev: torch.device, gen: torch
 def _launch_fn(p, q, bt, cu, kl, out, plan, ws):
     from kvcache.ops.attention._launch import AttentionPart, launch_paged_attention
     from kvcache.ops.paged import PagedLayer, StepPlan
+    from kvcache.ops.paged.format import kv_format
 
-    layer = PagedLayer(p.pool, p.params, p.kv_scales if p.kv_dtype == "fp8" else None, p.kv_dtype, p.layout)
+    layer = PagedLayer(p.pool, p.params, p.kv_scales if kv_format(p.kv_dtype).per_layer_scale else None, p.kv_dtype,
+                       p.layout)
     step = StepPlan.build(layer.geometry, q.device, dict(block_tables=bt, cu_q_lens=cu, seq_lens=kl),
                           dict(scale=D ** -0.5), lens_name="kv_lens")
     part = AttentionPart(bt, cu, kl, plan, D ** -0.5)

@@ -30,6 +30,10 @@ from . import launches as la
 from . import paged_reference as pr
 
 FORMATS = ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"]
+# the widest sweeps run fp8k compiled on a GPU (and with --run-slow): under the interpreter they would add ~20 s to
+# the CPU suite, and its launch shapes are covered there by test_slot_mapping_launch_variants (every shape, RoPE),
+# test_cache_append_with_metadata_ready (index-first decode) and tests/paged/test_fp8k.py
+FORMATS_FP8K_SLOW = [*FORMATS[:-1], pytest.param("fp8k", marks=pytest.mark.slow)]
 
 # (q_lens, kv_lens, padding rows): the guess hits (decode, equal prefills), misses (mixed), padding past cu_q
 BATCHES = [
@@ -58,7 +62,7 @@ def shape(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
-@pytest.mark.parametrize("kv_dtype", FORMATS)
+@pytest.mark.parametrize("kv_dtype", FORMATS_FP8K_SLOW)
 @pytest.mark.parametrize("batch", BATCHES)
 def test_ragged_launch_variants(device, shape, batch, kv_dtype, use_rope):
     q_lens, kv_lens, pad = batch
@@ -640,7 +644,7 @@ def index_first_launch(k: torch.Tensor, *, kv_dtype: str, n_seqs: int | None, ro
 
 @pytest.mark.parametrize("cs_first", [False, True], ids=["cs-after", "cs-first"])
 @pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
-@pytest.mark.parametrize("kv_dtype", FORMATS)
+@pytest.mark.parametrize("kv_dtype", FORMATS_FP8K_SLOW)
 @pytest.mark.parametrize("split", [True, False], ids=["split", "per-row"])
 @pytest.mark.parametrize("batch", [BATCHES[0], BATCHES[2], BATCHES[3]])
 def test_index_first_launches_match_the_reference(device, batch, split, kv_dtype, use_rope, cs_first):

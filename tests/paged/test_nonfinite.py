@@ -5,6 +5,8 @@ same on the torch path, the interpreter and the GPU:
 * fp8: finite values saturate at +-448 x scale; NaN and +-inf are stored as NaN (e4m3fn has no infinity);
 * int8 / int4: a (token, head) holding a NaN or an infinity stores codes 0 with scale and zero NaN, and reads
   back as NaN in every element; its other heads and tokens are unaffected.
+* fp8k: values as fp8; a key (token, head) holding a NaN or an infinity stores scale NaN and reads back as NaN
+  in every element, its other heads and tokens within the documented bound.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def test_nonfinite_values_stay_visible(device, kv_dtype, layout, bad):
     x[1, 0, 3] = BAD[bad]  # token 1, head 0
     x[4, 2, D - 1] = BAD[bad]  # token 4, head 2: the last element (int4: the second half's high nibble)
     xd = x.to(torch.float16).to(device)
-    _, v, _ = _roundtrip(device, kv_dtype, layout, xd, rope=False)
+    k, v, _ = _roundtrip(device, kv_dtype, layout, xd, rope=False)
     heads = torch.zeros(6, H, dtype=torch.bool)
     heads[1, 0] = heads[4, 2] = True
     elems = ~torch.isfinite(x)
@@ -48,9 +50,16 @@ def test_nonfinite_values_stay_visible(device, kv_dtype, layout, bad):
         want = x.to(torch.float16).float()
         assert torch.equal(torch.isnan(v), torch.isnan(want))
         assert torch.equal(v[~torch.isnan(want)], want[~torch.isnan(want)])
-    elif kv_dtype == "fp8":
+    elif kv_dtype in ("fp8", "fp8k"):
         assert torch.isnan(v[elems]).all()
         assert torch.isfinite(v[~elems]).all()
+        if kv_dtype == "fp8k":  # keys: the whole (token, head) NaN, the others within max(|x| / 16, scale / 1024)
+            assert torch.isnan(k[heads]).all()
+            assert torch.isfinite(k[~heads]).all()
+            xh = x.to(torch.float16).float()[~heads]
+            scale = xh.abs().amax(-1, keepdim=True) / 448
+            err = (k[~heads] - xh).abs()
+            assert bool((err <= torch.maximum(xh.abs() / 16, scale / 1024) + xh.abs() * 2.0**-10).all())
     else:
         assert torch.isnan(v[heads]).all()  # every element of the (token, head)
         assert torch.isfinite(v[~heads]).all()

@@ -169,8 +169,16 @@ def test_copy_blocks_op_unchecked_skips_ids_out_of_range(device):
 # swap
 
 
+# swap_in copies with index_copy_, which torch has no CPU kernel of for float8_e4m3fn: the fp8 formats fail there
+_FP8_SWAP_IN_ON_CPU = pytest.mark.xfail(
+    not torch.cuda.is_available(), raises=NotImplementedError, strict=True,
+    reason="library bug: PagedKVCache.swap_in of a float8_e4m3fn pool on the CPU raises NotImplementedError "
+           "(index_copy_ in src/kvcache/paged/swap.py; tiers/host.py copies through a uint8 view instead)")
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4", pytest.param("fp8", marks=_FP8_SWAP_IN_ON_CPU),
+                                      pytest.param("fp8k", marks=_FP8_SWAP_IN_ON_CPU)])
 def test_swap_out_swap_in_round_trip(device, kv_dtype, layout):
     """swap_out copies blocks of every layer to (pinned, on a GPU) host memory; swap_in writes them into other
     block ids, of this cache or another of the same shape: bytes identical, nothing else touched."""
@@ -191,6 +199,10 @@ def test_swap_out_swap_in_round_trip(device, kv_dtype, layout):
     else:
         assert swapped.event is None
     assert (swapped.params is None) == (cache.params_buffer is None)
+    if swapped.params is not None:
+        assert swapped.params.shape == (3, 3, *cache.params_buffer.shape[2:])
+        for i, blk in enumerate([1, 4, 5]):
+            pr.assert_bits_equal(swapped.params[i], orig[1][:, blk], f"swapped params of block {blk}")
     swapped.synchronize()
     _assert_unchanged(cache, orig, "swap_out must not write the cache")
     for i, blk in enumerate([1, 4, 5]):
@@ -217,6 +229,8 @@ def test_swap_out_swap_in_round_trip(device, kv_dtype, layout):
     other.swap_in(swapped, torch.tensor([0, 1, 2]))
     for i, blk in enumerate([1, 4, 5]):
         pr.assert_bits_equal(other.buffer[:, i], orig[0][:, blk], f"second cache block {i}")
+        if orig[1] is not None:
+            pr.assert_bits_equal(other.params_buffer[:, i], orig[1][:, blk], f"second cache params of block {i}")
 
 
 def test_swap_rejects(device):
@@ -256,12 +270,15 @@ def test_swap_rejects(device):
 
 def test_swap_in_rejects_blocks_of_another_format(device):
     """int8 blocks of head_dim 8 and int4 blocks of head_dim 16 have the same storage shape and dtype (8 bytes
-    per row); fp16 blocks of an NHD and an HND cache with block_size == heads too. swap_in takes blocks only
-    into a cache of the format they came from: ValueError, nothing written."""
+    per row); fp16 blocks of an NHD and an HND cache with block_size == heads too; fp8 and fp8k blocks share the
+    data pool's shape and dtype. swap_in takes blocks only into a cache of the format they came from: ValueError,
+    nothing written."""
     gen = pr.generator(411)
     pairs = [
         (dict(num_kv_heads=2, head_dim=8, kv_dtype="int8"), dict(num_kv_heads=2, head_dim=16, kv_dtype="int4")),
         (dict(num_kv_heads=4, head_dim=8, layout="NHD"), dict(num_kv_heads=4, head_dim=8, layout="HND")),
+        (dict(num_kv_heads=2, head_dim=8, kv_dtype="fp8"), dict(num_kv_heads=2, head_dim=8, kv_dtype="fp8k")),
+        (dict(num_kv_heads=2, head_dim=8, kv_dtype="fp8k"), dict(num_kv_heads=2, head_dim=8, kv_dtype="fp8")),
     ]
     for src_kw, dst_kw in pairs:
         src = pr.sentinel_cache(device, num_layers=2, block_size=4, num_blocks=6, **src_kw)
@@ -286,16 +303,19 @@ def _append_args(device, kv_dtype="auto"):  # type: ignore[no-untyped-def]
     """A valid call: (k, v, pool, params) and keyword arguments, pools sentinel-filled."""
     gen = pr.generator(405)
     dp = D // 2 if kv_dtype == "int4" else D
-    sdt = {"auto": torch.float16, "fp8": torch.float8_e4m3fn, "int8": torch.uint8, "int4": torch.uint8}[kv_dtype]
+    sdt = {"auto": torch.float16, "fp8": torch.float8_e4m3fn, "int8": torch.uint8, "int4": torch.uint8,
+           "fp8k": torch.float8_e4m3fn}[kv_dtype]
     pool = pr.fill_sentinel(torch.empty((NB, 2, BS, H, dp), dtype=sdt, device=device))
     params = None
     if kv_dtype in ("int8", "int4"):
         params = pr.fill_sentinel(torch.empty((NB, 2, BS, H, 2), dtype=torch.float32, device=device))
+    elif kv_dtype == "fp8k":  # one float32 scale per (token, head) of the keys
+        params = pr.fill_sentinel(torch.empty((NB, 1, BS, H, 1), dtype=torch.float32, device=device))
     k = pr.randn((5, H, D), torch.float16, gen, device)
     v = pr.randn((5, H, D), torch.float16, gen, device)
     kw = dict(kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32([[0, 1], [2, 3]], device),
               cu_q_lens=pr.i32([0, 3, 5], device), kv_lens=pr.i32([0, 2], device))
-    if kv_dtype == "fp8":
+    if kv_dtype in ("fp8", "fp8k"):
         kw["fp8_scales"] = torch.ones(2, dtype=torch.float32, device=device)
     return [k, v, pool, params], kw
 
@@ -438,6 +458,14 @@ QUANT_APPEND_ERRORS = {
     "fp8-scales-dtype": ("fp8", lambda a, kw, d: kw.update(fp8_scales=torch.ones(2, device=d).half()), ValueError,
                          "fp8_scales"),
     "fp8-pool-uint8": ("fp8", lambda a, kw, d: a.__setitem__(2, a[2].view(torch.uint8)), ValueError, "pool"),
+    "fp8k-no-params": ("fp8k", lambda a, kw, d: a.__setitem__(3, None), TypeError, "params"),
+    "fp8k-params-of-int8": ("fp8k", lambda a, kw, d: a.__setitem__(3, torch.zeros(NB, 2, BS, H, 2, device=d)),
+                            ValueError, "params"),
+    "fp8k-params-width-2": ("fp8k", lambda a, kw, d: a.__setitem__(3, torch.zeros(NB, 1, BS, H, 2, device=d)),
+                            ValueError, "params"),
+    "fp8k-params-dtype": ("fp8k", lambda a, kw, d: a.__setitem__(3, a[3].half()), ValueError, "params"),
+    "fp8k-no-scales": ("fp8k", lambda a, kw, d: kw.pop("fp8_scales"), ValueError, "fp8_scales"),
+    "fp8k-pool-uint8": ("fp8k", lambda a, kw, d: a.__setitem__(2, a[2].view(torch.uint8)), ValueError, "pool"),
 }
 
 
@@ -458,7 +486,7 @@ def test_append_op_rejects_quantized(device, case):
 
 def test_append_op_accepts_the_valid_calls(device):
     """The base calls of the error tests are valid (so each rejection is due to its one change)."""
-    for kv_dtype in ("auto", "fp8", "int8", "int4"):
+    for kv_dtype in ("auto", "fp8", "int8", "int4", "fp8k"):
         args, kw = _append_args(device, kv_dtype)
         append_paged_kv(*args, **kw)
         assert not pr.is_all_sentinel(args[2])
@@ -547,7 +575,7 @@ def _gather_args(device, kv_dtype="auto"):  # type: ignore[no-untyped-def]
     out = pr.fill_sentinel(torch.empty((2, 2, H, 6, D), dtype=torch.float16, device=device))
     kw = dict(kv_dtype=kv_dtype, layout="NHD", block_tables=pr.i32([[0, 1], [2, 3]], device),
               kv_lens=pr.i32([5, 3], device), k_out=out[0], v_out=out[1])
-    if kv_dtype == "fp8":
+    if kv_dtype in ("fp8", "fp8k"):
         kw["fp8_scales"] = torch.ones(2, dtype=torch.float32, device=device)
     return [pool, params], kw, out
 
@@ -623,17 +651,19 @@ def test_gather_op_rejects(device, other_device, case):
     assert pr.is_all_sentinel(out), "outputs written by a rejected gather"
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4", "fp8k"])
 def test_gather_op_rejects_quantized(device, kv_dtype):
     args, kw, out = _gather_args(device, kv_dtype)
     cases = []
     kw_no_out = {k: v for k, v in kw.items() if k not in ("k_out", "v_out")}
     cases.append((args, kw_no_out, ValueError, "dtype"))  # a quantized pool: the model dtype must be given
-    if kv_dtype == "fp8":
+    if kv_dtype in ("fp8", "fp8k"):
         cases.append((args, {k: v for k, v in kw.items() if k != "fp8_scales"}, ValueError, "fp8_scales"))
-    else:
+    if kv_dtype != "fp8":
         cases.append(([args[0], None], kw, TypeError, "params"))
         cases.append(([args[0], args[1][:1]], kw, ValueError, "params"))
+    if kv_dtype == "fp8k":  # the (scale, zero) pool of the integer formats is not fp8k's
+        cases.append(([args[0], torch.zeros(NB, 2, BS, H, 2, device=device)], kw, ValueError, "params"))
     for a, k, exc, name in cases:
         with pytest.raises(exc, match=pr.names(name)):
             gather_paged_kv(*a, **k)

@@ -14,7 +14,7 @@ from kvcache.rope import RopeConfig
 
 from . import paged_reference as pr
 
-KV_DTYPES = ["auto", "fp8", "int8", "int4"]  # k8v4 (no single K view): its own test
+KV_DTYPES = ["auto", "fp8", "int8", "int4", "fp8k"]  # k8v4 (no single K view): its own test
 MODEL_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 MODEL_IDS = ["fp16", "bf16", "fp32"]
 # (L, H, D, block_size, num_blocks): odd shapes included
@@ -28,7 +28,15 @@ SHAPES = [
 
 
 def _stored_dtype(dtype: torch.dtype, kv_dtype: str) -> torch.dtype:
-    return {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.uint8, "int4": torch.uint8}[kv_dtype]
+    return {"auto": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.uint8, "int4": torch.uint8,
+            "fp8k": torch.float8_e4m3fn}[kv_dtype]
+
+
+def _token_head_bytes(D: int, dtype: torch.dtype, kv_dtype: str) -> int:
+    """Bytes of one (token, head) over K and V, parameters included, from the byte-format docstring."""
+    if kv_dtype == "fp8k":
+        return 2 * D + 4  # fp8 K and V, one float32 scale of the key
+    return 2 * _row_bytes(D, dtype, kv_dtype)
 
 
 def _row_bytes(D: int, dtype: torch.dtype, kv_dtype: str) -> int:
@@ -67,10 +75,12 @@ def test_pool_shapes_dtypes_and_bytes(device, shape, kv_dtype, layout):
             assert k.shape == v.shape == kv_shape
             assert k.data_ptr() == pool[:, 0].data_ptr() and v.data_ptr() == pool[:, 1].data_ptr()
             par = cache.params(layer)
-            if kv_dtype in ("int8", "int4"):
-                pshape = (nb, 2, bs, H, 2) if layout == "NHD" else (nb, 2, H, bs, 2)
+            if kv_dtype in ("int8", "int4", "fp8k"):
+                p, w = (1, 1) if kv_dtype == "fp8k" else (2, 2)  # fp8k: one plane, a scale per key row
+                pshape = (nb, p, bs, H, w) if layout == "NHD" else (nb, p, H, bs, w)
                 assert par.shape == pshape and par.dtype == torch.float32 and par.is_contiguous()
                 assert par.data_ptr() == cache.params_buffer[layer].data_ptr()
+                assert cfg.quantized and cfg.params_shape() == pshape
             else:
                 assert par is None and cache.params_buffer is None
         assert cfg.pool_shape() == want
@@ -78,7 +88,7 @@ def test_pool_shapes_dtypes_and_bytes(device, shape, kv_dtype, layout):
         per_block = cache_block_bytes(L, H, D, bs, dtype, kv_dtype)
         assert per_block * nb == cache.nbytes, (per_block, nb, cache.nbytes)
         assert cfg.block_bytes == per_block
-        assert per_block == L * 2 * bs * H * _row_bytes(D, dtype, kv_dtype)
+        assert per_block == L * bs * H * _token_head_bytes(D, dtype, kv_dtype)
         allocated = cache.buffer.numel() * cache.buffer.element_size()
         if cache.params_buffer is not None:
             allocated += cache.params_buffer.numel() * cache.params_buffer.element_size()
@@ -122,13 +132,15 @@ def test_cache_block_bytes_defaults_and_keywords():
 def test_flat_offsets_follow_the_flashinfer_convention(device, kv_dtype, layout):
     """Every element of kv(layer) and params(layer) sits at the flat offset of FlashInfer's paged layout:
     NHD ((page * 2 + kv) * page_size + token) * H + head, HND ((page * 2 + kv) * H + head) * page_size + token
-    (times the row length), layers one after another."""
+    (times the row length), layers one after another; params the same with their planes (2: (scale, zero) of K
+    and V; fp8k: 1, the keys' scales) and row width (2; fp8k: 1)."""
     L, H, D, bs, nb = 2, 3, 8, 4, 5
     cache = PagedKVCache(PagedConfig(num_layers=L, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb,
                                      kv_dtype=kv_dtype, layout=layout, device=device))
     dp = cache.config.row_elems
     elt = cache.buffer.element_size()
     base = cache.buffer.data_ptr()
+    P, W = (1, 1) if kv_dtype == "fp8k" else (2, 2)  # params planes and floats per row
     for layer in range(L):
         k, v = cache.kv(layer)
         par = cache.params(layer)
@@ -136,20 +148,24 @@ def test_flat_offsets_follow_the_flashinfer_convention(device, kv_dtype, layout)
             for tok in (0, bs - 1):
                 for head in (0, H - 1):
                     for kv, view in ((0, k), (1, v)):
+                        has_par = par is not None and kv < P
                         if layout == "NHD":
                             row = ((page * 2 + kv) * bs + tok) * H + head
+                            prow = ((page * P + kv) * bs + tok) * H + head
                             el = view[page, tok, head]
-                            pel = None if par is None else par[page, kv, tok, head]
+                            pel = par[page, kv, tok, head] if has_par else None
                         else:
                             row = ((page * 2 + kv) * H + head) * bs + tok
+                            prow = ((page * P + kv) * H + head) * bs + tok
                             el = view[page, head, tok]
-                            pel = None if par is None else par[page, kv, head, tok]
+                            pel = par[page, kv, head, tok] if has_par else None
                         layer_rows = nb * 2 * bs * H
                         assert el.shape == (dp,) and el.stride() == (1,)
                         assert (el.data_ptr() - base) // elt == (layer * layer_rows + row) * dp
                         if pel is not None:  # (scale, zero) of the same row, same ordering
                             pbase = cache.params_buffer.data_ptr()
-                            assert (pel.data_ptr() - pbase) // 4 == (layer * layer_rows + row) * 2
+                            assert pel.shape == (W,)
+                            assert (pel.data_ptr() - pbase) // 4 == (layer * nb * P * bs * H + prow) * W
     k, _ = cache.kv(1)
     if layout == "NHD":
         assert k.stride() == (2 * bs * H * dp, H * dp, dp, 1)

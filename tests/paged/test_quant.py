@@ -1,4 +1,4 @@
-"""Quantized paged pools (int8, int4, fp8): the byte format of kvcache.paged.config, checked against the
+"""Quantized paged pools (int8, int4, fp8, fp8k): the byte format of kvcache.paged.config, checked against the
 independent reference (bit-exact without RoPE: the documented float32 formula) and against the documented
 properties (error bound scale / 2, scale == (max - min) / (2^b - 1), zero == min, constant rows exact, masked
 lanes never in min / max, int4 nibble order, fp8 = clamp(x / scale, +-448) with per-layer scales).
@@ -305,14 +305,16 @@ def test_fp8_rounding_edge_values(device):
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4", "fp8", "fp8k"])
 def test_quantized_gather(device, kv_dtype, layout):
     """Gather dequantizes: fp8 bit-exact (x * scale, one float32 product), int8 / int4 within one ulp of the
-    model dtype of q * scale + zero, and within scale / 2 (+ one model-dtype rounding) of what was appended."""
+    model dtype of q * scale + zero, and within scale / 2 (+ one model-dtype rounding) of what was appended;
+    fp8k bit-exact (code * the row's scale for keys, code * v_scale for values), keys within
+    max(|x| / 16, scale / 1024) and values within |x| / 16 + 2^-10 v_scale of what was appended."""
     H, D, bs = 3, 80, 4
     gen = pr.generator(130)
     cache = pr.sentinel_cache(device, num_kv_heads=H, head_dim=D, block_size=bs, kv_dtype=kv_dtype, layout=layout)
-    scales = (0.5, 0.125) if kv_dtype == "fp8" else (1.0, 1.0)
+    scales = (0.5, 0.125) if kv_dtype in ("fp8", "fp8k") else (1.0, 1.0)
     cache.kv_scales[0] = torch.tensor(scales)
     q_lens, kv_lens = (5, 7, 2), (0, 0, 0)
     k, v, tables, cu, _ = _batch(device, gen, H, D, bs, q_lens=q_lens, kv_lens=kv_lens)
@@ -327,6 +329,21 @@ def test_quantized_gather(device, kv_dtype, layout):
     if kv_dtype == "fp8":
         return
     par = cache.params(0).cpu()
+    if kv_dtype == "fp8k":
+        for name, out, src, kv in (("k", k_out.cpu(), k.cpu(), 0), ("v", v_out.cpu(), v.cpu(), 1)):
+            for b in range(3):
+                n, rows = q_lens[b], slice(cu[b], cu[b + 1])
+                x = src[rows].float()  # [n, H, D]
+                got = out[b, :, :n].transpose(0, 1)
+                if kv == 0:  # the rows' own scales, [n, H, 1]
+                    scale = torch.stack([par[pr.row_index(layout, tables[b][t // bs], 0, t % bs, h)]
+                                         for t in range(n) for h in range(H)]).reshape(n, H, 1)
+                    bound = pr.fp8k_bound(scale, x)
+                else:
+                    bound = x.double().abs() / 16 + 2.0**-10 * scales[1]
+                bound = bound + pr.ulp(got.double().abs(), torch.float16)
+                pr.assert_close(got, x, bound, f"{name} seq {b}: gather vs appended")
+        return
     for name, out, src, kv in (("k", k_out.cpu(), k.cpu(), 0), ("v", v_out.cpu(), v.cpu(), 1)):
         for b in range(3):
             for t in range(q_lens[b]):
@@ -342,7 +359,7 @@ def test_quantized_gather(device, kv_dtype, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4", "fp8", "fp8k"])
 def test_quantized_sweep_large(device, kv_dtype, layout, use_rope):
     """GPU-sized: 8 heads, head_dims 128 and 576 (padded to 1024 lanes), block 16."""
     for D in (128, 576):
