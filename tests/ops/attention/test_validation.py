@@ -166,13 +166,13 @@ def test_plan_quantized_prefill_and_small_decode_tiles():
 
 
 def test_plan_long_context_one_warp_tiles():
-    """int8 / int4 / k8v4 decode at head_dim 65..128: one-warp tiles in batches with two programs per SM or more
-    (past four per SM, and int4 always: every KV range split LONG_SPLITS ways over block tables of LONG_MIN_KV+
-    tokens; int8 / k8v4 at two to four per SM: five stages, unsplit) and, with fp8, for few sequences over
-    FEW_MIN_KV+ tokens; few sequences over shorter tables, fp8 batches, 16-bit caches, float32 queries, head_dim 64 or
-    256 and prefill keep their tiles."""
+    """int8 / int4 / k8v4 / fp8 / fp8k decode at head_dim 65..128: one-warp tiles in batches with two programs per SM
+    or more (past four per SM, and int4 always: every KV range split LONG_SPLITS ways over block tables of
+    LONG_MIN_KV+ tokens; int8 / k8v4 / fp8 / fp8k at two to four per SM: five stages, unsplit) and for few sequences
+    over FEW_MIN_KV+ tokens; few sequences over shorter tables, 16-bit caches, float32 queries, head_dim 64 or 256 and
+    prefill keep their tiles."""
     kw = dict(num_q_heads=32, num_kv_heads=8, n_tokens=80, num_seqs=80, num_sms=132)  # 640 programs: 4.8 per SM
-    for fmt, keys, stages in (("int8", 32, 3), ("int4", 64, 2), ("k8v4", 32, 3)):
+    for fmt, keys, stages in (("int8", 32, 3), ("int4", 64, 2), ("k8v4", 32, 3), ("fp8", 64, 2), ("fp8k", 64, 2)):
         plan = attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt)
         assert (plan.block_n, plan.num_warps, plan.num_stages, plan.num_splits, plan.warp_split) == (
             keys, 1, stages, 8, False)
@@ -190,13 +190,13 @@ def test_plan_long_context_one_warp_tiles():
         pre = attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=8192, num_seqs=4, head_dim=128,
                              max_kv_len=16384, kv_dtype=fmt)  # prefill tiles
         assert pre.num_warps >= 4 and pre.block_m(32, 8) >= 64
-    for fmt in ("auto", "fp8"):
-        assert attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt).num_warps == 4
-    # 2..4 programs per SM: int8 / k8v4 take five-stage 32-key tiles, unsplit at every length; int4 its long tiles
+    assert attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype="auto").num_warps == 4
+    # 2..4 programs per SM: int8 / k8v4 / fp8 / fp8k take five-stage 32-key tiles, unsplit at every length; int4 its
+    # long tiles
     wave = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, num_sms=132)
     for seqs in (33, 64, 66):
         for kv_len in (512, 4096, 16384):
-            for fmt in ("int8", "k8v4"):
+            for fmt in ("int8", "k8v4", "fp8", "fp8k"):
                 plan = attention_plan(**wave, n_tokens=seqs, num_seqs=seqs, max_kv_len=kv_len, kv_dtype=fmt)
                 assert (plan.block_n, plan.num_warps, plan.num_stages, plan.num_splits, plan.warp_split) == (
                     32, 1, 5, 1, False)
@@ -204,7 +204,7 @@ def test_plan_long_context_one_warp_tiles():
             assert (plan.block_n, plan.num_warps, plan.num_stages) == (64, 1, 2)
     assert attention_plan(**wave, n_tokens=67, num_seqs=67, max_kv_len=1024, kv_dtype="int8").num_stages == 3
     assert attention_plan(**wave, n_tokens=32, num_seqs=32, max_kv_len=1024, kv_dtype="int8").num_warps == 4
-    # fp8 takes the one-warp tiles for few sequences over long tables only; 16-bit caches never
+    # few sequences: fp8 takes the one-warp tiles over long tables only; 16-bit caches never
     fp8 = attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=2, num_seqs=2, head_dim=128, max_kv_len=40960,
                          kv_dtype="fp8", num_sms=132)
     assert (fp8.num_warps, fp8.block_n, fp8.num_stages, fp8.num_splits) == (1, 32, 5, 33)
