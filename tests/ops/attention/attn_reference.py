@@ -99,7 +99,7 @@ def make_paged(device, *, kv_dtype, layout, H, D, bs, lens, dtype=torch.float16,
     cfg = kvcache.PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=nb, dtype=dtype,
                               kv_dtype=kv_dtype, layout=layout, device=device)
     cache = kvcache.PagedKVCache(cfg)
-    if kv_dtype == "fp8":
+    if kv_dtype in ("fp8", "fp8k"):  # fp8k reads v_scale alone (its keys carry their own scales)
         cache.kv_scales[0, 0] = k_scale
         cache.kv_scales[0, 1] = v_scale
     perm = torch.randperm(nb, generator=gen).tolist()
@@ -130,7 +130,7 @@ def dequantized(cache, bt, lens, *, cp_rank=0, cp_size=1):  # type: ignore[no-un
         k, v = gather_paged_kv(cache.pool(0), cache.params(0), kv_dtype=cfg.kv_dtype, layout=cfg.layout,
                                block_tables=bt, kv_lens=kv_lens, dtype=torch.float32,
                                max_len=max([max(0, -(-(n - cp_rank) // cp_size)) for n in lens] + [0]),
-                               fp8_scales=cache.kv_scales[0] if cfg.kv_dtype == "fp8" else None,
+                               fp8_scales=cache.kv_scales[0] if cfg.kv_dtype in ("fp8", "fp8k") else None,
                                cp_rank=cp_rank, cp_size=cp_size)
     out_k, out_v = [], []
     for b, n in enumerate(lens):

@@ -28,7 +28,7 @@ def _both(cache, bt, q, q_lens, kv_lens, **kw):  # type: ignore[no-untyped-def]
     cu = i32([0] + [sum(q_lens[: i + 1]) for i in range(len(q_lens))], DEV)
     kl = i32(list(kv_lens), DEV)
     args = dict(kv_dtype=cfg.kv_dtype, layout=cfg.layout, block_tables=bt, cu_q_lens=cu, kv_lens=kl)
-    scales = cache.kv_scales[0] if cfg.kv_dtype == "fp8" else None
+    scales = cache.kv_scales[0] if cfg.kv_dtype in ("fp8", "fp8k") else None
     lse = torch.empty(q.shape[:2], device=DEV)
     out = paged_attention(q, cache.pool(0), cache.params(0), scales, lse=lse, **args, **kw)
     ref_out = torch.empty_like(q, dtype=torch.float32)
@@ -43,7 +43,7 @@ def _both(cache, bt, q, q_lens, kv_lens, **kw):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("bs", [16, 64])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "fp8k"])
 def test_decode_realistic(kv_dtype, layout, bs):
     kv_lens = [1, 17, 300, 1024, 2047, 4000, 64, 129]
     cache, bt, _ = make_paged(DEV, kv_dtype=kv_dtype, layout=layout, H=H, D=D, bs=bs, lens=kv_lens, seed=1)
@@ -66,11 +66,12 @@ def test_int4_warp_split_realistic(layout, bs):
 
 
 @pytest.mark.parametrize("kv_dtype,D_,per_sm", [("int8", 128, 5), ("int4", 128, 5), ("k8v4", 128, 5), ("int8", 64, 2),
-                                                 ("int8", 128, 2), ("k8v4", 128, 2)])
+                                                 ("int8", 128, 2), ("k8v4", 128, 2), ("fp8k", 128, 5),
+                                                 ("fp8k", 128, 2)])
 def test_one_warp_decode_realistic(kv_dtype, D_, per_sm):
-    """The one-warp decode tiles over a block table past LONG_MIN_KV tokens: int8 / int4 / k8v4 at head_dim 128 with
-    five programs per SM (KV ranges split), int8 / k8v4 with two (five stages, unsplit), and int8 at head_dim 64
-    (asserted on the plan)."""
+    """The one-warp decode tiles over a block table past LONG_MIN_KV tokens: int8 / int4 / k8v4 / fp8k at head_dim 128
+    with five programs per SM (KV ranges split), int8 / k8v4 / fp8k with two (five stages, unsplit), and int8 at
+    head_dim 64 (asserted on the plan)."""
     n_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     n = -(-per_sm * n_sms // H) + 3
     gen = torch.Generator().manual_seed(4)
@@ -86,7 +87,7 @@ def test_one_warp_decode_realistic(kv_dtype, D_, per_sm):
     assert_attn_close(o, l_, ro, rl, qdt, what=f"one-warp {kv_dtype} D {D_}")
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int4", "fp8k"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_extend_realistic(kv_dtype, dtype):
     q_lens, kv_lens = [512, 1, 333, 700], [512, 900, 1333, 1700]
@@ -114,7 +115,7 @@ def test_head_dims_gpu(D_):
     assert_attn_close(o, l_, ro, rl, torch.float16, what=f"D {D_}")
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4", "fp8k"])
 def test_one_warp_few_long_sequences(kv_dtype):
     """Two sequences over a 40k-token table: one-warp tiles, the KV range split for four programs per SM (asserted
     on the plan); the shorter sequence leaves the last splits empty."""
@@ -181,7 +182,7 @@ def test_cuda_graph_replay_with_new_lengths():
     assert torch.equal(got, eager_out) and torch.equal(got_lse, eager_lse)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4", "fp8k"])
 def test_quantized_error_against_fp16(kv_dtype):
     """The same K / V in an fp16 cache and a quantized one: the output error per format (printed; -s shows it),
     bounded loosely by the format's precision."""
@@ -196,7 +197,7 @@ def test_quantized_error_against_fp16(kv_dtype):
     (oq, _), _ = _both(qc, qbt, q, [1] * 4, kv_lens)
     err = (oq.float() - o16.float()).abs()
     print(f"\n{kv_dtype} vs fp16 cache: max abs error {err.max().item():.4f}, mean {err.mean().item():.5f}")
-    assert err.max().item() < {"fp8": 0.05, "int8": 0.02, "int4": 0.3}[kv_dtype]
+    assert err.max().item() < {"fp8": 0.05, "int8": 0.02, "int4": 0.3, "fp8k": 0.05}[kv_dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn], ids=["fp16", "bf16", "fp8"])

@@ -16,7 +16,7 @@ from kvcache.ops.attention import attention_plan
 
 from .attn_reference import assert_attn_close, dequantized, i32, make_paged, paged_expected
 
-FORMATS = ["auto", "fp8", "int8", "int4", "k8v4"]
+FORMATS = ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"]
 
 
 def _run(cache, bt, q, q_lens, kv_lens, device, **kw):  # type: ignore[no-untyped-def]
@@ -27,9 +27,10 @@ def _run(cache, bt, q, q_lens, kv_lens, device, **kw):  # type: ignore[no-untype
     cu = [0]
     for x in q_lens:
         cu.append(cu[-1] + x)
-    res = paged_attention(q, cache.pool(0), cache.params(0), cache.kv_scales[0] if cfg.kv_dtype == "fp8" else None,
-                          kv_dtype=cfg.kv_dtype, layout=cfg.layout, block_tables=bt, cu_q_lens=i32(cu, device),
-                          kv_lens=i32(list(kv_lens), device), out=out, lse=lse, **kw)
+    scales = cache.kv_scales[0] if cfg.kv_dtype in ("fp8", "fp8k") else None
+    res = paged_attention(q, cache.pool(0), cache.params(0), scales, kv_dtype=cfg.kv_dtype, layout=cfg.layout,
+                          block_tables=bt, cu_q_lens=i32(cu, device), kv_lens=i32(list(kv_lens), device), out=out,
+                          lse=lse, **kw)
     assert res is out
     return out, lse
 
@@ -332,7 +333,7 @@ def test_nothing_to_attend(device):
     assert (o1 == 0).all() and torch.allclose(l1[0], sinks)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4", "k8v4", "fp8k"])
 def test_quantized_against_fp16_cache(device, kv_dtype):
     """A quantized cache's attention stays within the bound its quantization error implies of the fp16 cache's:
     every score moves by at most delta = scale * max |q . (k_deq - k)|, so softmax weights move by a factor within
@@ -360,7 +361,7 @@ def test_quantized_against_fp16_cache(device, kv_dtype):
         row += ql
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"])
 @pytest.mark.parametrize("which", ["k", "v"])
 def test_nan_in_cache_stays_visible(device, kv_dtype, which):
     """NaN in a key or value the row attends to reaches its output (never a finite value), in every format: fp8
