@@ -55,7 +55,7 @@ def test_plan_config_json(tmp_path, capsys, as_folder):
     assert "32 layers, 8 KV heads x head_dim 128, model dtype bfloat16" in text
     rows = _rows(str(out))
     mem = 80 * 2**30
-    for kv in ("fp8", "int8", "int4"):
+    for kv in ("fp8", "int8", "int4", "fp8k"):
         block = cache_block_bytes(32, 8, 128, 16, torch.bfloat16, kv)
         r = rows[("paged", kv)]
         assert r["bytes_per_token"] == block / 16
@@ -66,6 +66,7 @@ def test_plan_config_json(tmp_path, capsys, as_folder):
     lin = rows[("linear", "float8_e4m3fn")]
     assert lin["bytes_per_token"] == 65536 and lin["sequences"] == mem // (65536 * 4096)
     assert rows[("paged", "int4")]["sequences"] > rows[("paged", "int8")]["sequences"] > auto["sequences"]
+    assert rows[("paged", "fp8k")]["bytes_per_token"] == 32 * 8 * (2 * 128 + 4)  # fp8 K / V, a float32 key scale
 
 
 def test_plan_gguf_default_model(capsys):

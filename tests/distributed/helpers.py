@@ -16,7 +16,7 @@ def make_cache(device: torch.device, *, kv_dtype: str = "auto", layout: str = "N
     cfg = PagedConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                       num_blocks=num_blocks, dtype=dtype, kv_dtype=kv_dtype, layout=layout, device=device)
     cache = PagedKVCache(cfg, rope=RopeConfig(head_dim=head_dim) if rope else None)
-    if kv_dtype == "fp8":  # scales other than 1 so a lost or wrong scale shows
+    if kv_dtype in ("fp8", "fp8k"):  # scales other than 1 so a lost or wrong scale shows (fp8k: v_scale)
         vals = torch.tensor([[0.5, 2.0], [1.5, 0.25], [0.75, 3.0], [2.5, 0.125]])[:num_layers]
         cache.kv_scales.copy_(vals.to(device))
     return cache

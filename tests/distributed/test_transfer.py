@@ -137,7 +137,8 @@ def _blocks_roundtrip(ctx: RankContext, kw: dict, checksum: bool, rows_per_chunk
     dict(kv_dtype="int8", layout="HND", dtype=torch.float16),
     dict(kv_dtype="int4", layout="NHD", dtype=torch.bfloat16, head_dim=10, num_kv_heads=3),
     dict(kv_dtype="k8v4", layout="HND", dtype=torch.float16, head_dim=10, num_kv_heads=3),
-], ids=["fp16-NHD", "bf16-HND", "fp8", "int8-HND", "int4-D10-H3", "k8v4-HND"])
+    dict(kv_dtype="fp8k", layout="HND", dtype=torch.float16, head_dim=10, num_kv_heads=3),
+], ids=["fp16-NHD", "bf16-HND", "fp8", "int8-HND", "int4-D10-H3", "k8v4-HND", "fp8k-HND-D10-H3"])
 def test_blocks_arrive_bit_exact(world, kw: dict) -> None:
     res = world.run(_blocks_roundtrip, kw, True)
     assert len(res[-1]) == (world.size - 1) * sum(-(-n // 4) for n in PROMPTS)
@@ -292,8 +293,8 @@ def test_allocator_full_is_a_value_on_both_ranks(world) -> None:
     world.run(_no_room)
 
 
-def _fp8_scales(ctx: RankContext) -> None:
-    kw = dict(kv_dtype="fp8")
+def _fp8_scales(ctx: RankContext, kv_dtype: str = "fp8") -> None:
+    kw = dict(kv_dtype=kv_dtype)
     if ctx.rank == 0:
         cache, table = _prefilled(ctx.device, 4, **kw)
         assert send_blocks(cache, _sent_ids(table), dst=1)  # sent; the receiver refuses the scales
@@ -311,9 +312,12 @@ def _fp8_scales(ctx: RankContext) -> None:
     _check_arrived(cache, before, ids, src_cache, _sent_ids(src_table))
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8k"])
 @pytest.mark.parametrize("world", world_params(2), indirect=True)
-def test_fp8_scales_checked_or_adopted(world) -> None:
-    world.run(_fp8_scales)
+def test_fp8_scales_checked_or_adopted(world, kv_dtype: str) -> None:
+    """The layer's (k_scale, v_scale) travel with fp8 blocks (fp8k: v_scale is read, and its key scales come in
+    the params pool): a receiver whose scales differ refuses the blocks, or adopts the sender's."""
+    world.run(_fp8_scales, kv_dtype)
 
 
 class _Sent:

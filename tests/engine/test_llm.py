@@ -113,13 +113,15 @@ def test_linear_mode_prompt_equal_to_prefix_reuses_n_minus_1(smollm, prompt_ids,
 
 def test_int8_and_int4_caches_run_close_to_hf(smollm, conversations, prompt_ids, hf_greedy):
     model, tok = smollm
-    for kv_dtype in ("int8", "k8v4", "int4"):
+    for kv_dtype in ("int8", "k8v4", "int4", "fp8k"):
         llm = LLM(model, tokenizer=tok, kv_dtype=kv_dtype, max_num_seqs=8)
         outs = llm.generate(conversations, GREEDY)
         assert llm.stats.kv_dtype == kv_dtype
         assert llm.cache.config.kv_dtype == kv_dtype
         refs = [hf_greedy(p, NEW_TOKENS) for p in prompt_ids]
-        if kv_dtype == "int8":  # int8 K / V within scale / 2 of the float32 values: the first tokens agree
+        if kv_dtype in ("int8", "fp8k"):  # int8 K / V within scale / 2 of the float32 values, fp8k keys within
+            # max(|x| / 16, scale / 1024) with a scale per (token, head) (fp8 values): the first tokens agree
+            assert llm.cache.params(0) is not None  # int8: (scale, zero); fp8k: the keys' scales
             assert all(o.token_ids[:4] == r[:4] for o, r in zip(outs, refs)), [o.token_ids for o in outs]
         elif kv_dtype == "k8v4":  # 8-bit keys, 4-bit values: the first 4 tokens of half the answers or more (2 / 4
             # here: a near tie, "Le Grand Paris is" / "The capital of France", flips on the first token)

@@ -26,7 +26,7 @@ def report(tiny_llama, char_tokenizer) -> EvalReport:
 
 
 def test_structure(report: EvalReport, tiny_llama) -> None:
-    assert [r.kv_dtype for r in report.formats] == ["auto", "fp8", "int8", "k8v4", "int4"]
+    assert [r.kv_dtype for r in report.formats] == ["auto", "fp8", "fp8k", "int8", "k8v4", "int4"]
     assert report.scored_tokens == SCORED  # 3 windows of 95 scored tokens + one of 15
     assert report.text_tokens == 4000 and report.window == 96 and report.chunk == 32
     assert report.prompts == len(PROMPTS) and report.max_new_tokens == 12
@@ -40,9 +40,9 @@ def test_structure(report: EvalReport, tiny_llama) -> None:
         assert r.bytes_per_token == cache_block_bytes(1, 2, 16, 1, torch.float32, r.kv_dtype)
     assert tiny_llama.config._attn_implementation == "sdpa"  # the model's own attention is given back
     d = json.loads(json.dumps(report.to_dict()))
-    assert d["formats"][4]["kv_dtype"] == "int4"
-    assert d["formats"][4]["perplexity_delta_pct"] == pytest.approx(
-        (report.formats[4].perplexity / report.reference_perplexity - 1) * 100)
+    assert d["formats"][5]["kv_dtype"] == "int4"
+    assert d["formats"][5]["perplexity_delta_pct"] == pytest.approx(
+        (report.formats[5].perplexity / report.reference_perplexity - 1) * 100)
 
 
 def test_auto_equals_full_precision(report: EvalReport) -> None:
@@ -62,12 +62,17 @@ def test_quantized_formats_drift_in_order(report: EvalReport) -> None:
     assert int4.top1 <= int8.top1 < 1.0 or int4.top1 < int8.top1
     assert int4.bytes_per_token < int8.bytes_per_token < report.result("auto").bytes_per_token
     assert int4.greedy_identical < len(PROMPTS)
+    # fp8k: fp8 values and keys with their own scales; 4 bytes of key scale per (token, head) over fp8's
+    fp8k = report.result("fp8k")
+    assert fp8.bytes_per_token < fp8k.bytes_per_token < int8.bytes_per_token
+    assert int4.kl > fp8k.kl > int8.kl  # 3 mantissa bits: further than int8's 256 levels, far closer than int4
+    assert fp8k.kl != fp8.kl  # its keys are stored otherwise than fp8's (a fallback to fp8 would give fp8's KL)
 
 
 def test_table(report: EvalReport) -> None:
     md = format_table(report).splitlines()
     assert md[0].startswith("LlamaForCausalLM (float32, cpu), text 'alice': 300 scored tokens of 4,000")
-    assert md[-5].startswith("| auto | 256 | ") and f"| {len(PROMPTS)}/{len(PROMPTS)} | - |" in md[-5]
+    assert md[-6].startswith("| auto | 256 | ") and f"| {len(PROMPTS)}/{len(PROMPTS)} | - |" in md[-6]
     plain = format_table(report, markdown=False).splitlines()
     assert plain[-1].startswith("int4") and "|" not in plain[-1]
 

@@ -111,13 +111,20 @@ def _fp8_bound(x: torch.Tensor) -> torch.Tensor:
     return x.abs() / 16 + 2.0**-9  # e4m3 (scale 1): half a step of 3 mantissa bits, subnormal spacing 2^-9
 
 
+def _fp8k_key_bound(x: torch.Tensor) -> torch.Tensor:
+    """fp8k keys: scale = amax / 448 per (token, head) row, |x - dequant| <= max(|x| / 16, scale / 1024)."""
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    return torch.maximum(x.abs() / 16, scale / 1024) * 1.001 + 1e-6
+
+
 def _int_bound(x: torch.Tensor, bits: int) -> torch.Tensor:
     rng = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)
     return rng / (2**bits - 1) / 2 * 1.001 + 1e-6  # scale / 2 per (token, head) row
 
 
 @pytest.mark.parametrize(("kind", "kv_dtype"), [("paged", "fp8"), ("paged", "int8"), ("paged", "int4"),
-                                                 ("paged", "k8v4"), ("linear", "fp8"), ("linear", "bf16")])
+                                                 ("paged", "k8v4"), ("paged", "fp8k"), ("linear", "fp8"),
+                                                 ("linear", "bf16")])
 def test_quantized_kv_within_format_bound(tiny, kind, kv_dtype):
     """After prefill, every stored key / value of the first layer (dequantized) is within its format's rounding
     bound of the model's own (DynamicCache's; later layers see different inputs); logits stay close."""
@@ -134,8 +141,10 @@ def test_quantized_kv_within_format_bound(tiny, kind, kv_dtype):
         else:
             k, v = (t[:B, :, :PROMPT].float() for t in cache.store.kv(i))
         for x, y in ((want_k, k), (want_v, v)):
-            if kv_dtype == "fp8":
+            if kv_dtype == "fp8" or (kv_dtype == "fp8k" and x is want_v):
                 bound = _fp8_bound(x)
+            elif kv_dtype == "fp8k":  # keys: a scale per (token, head)
+                bound = _fp8k_key_bound(x)
             elif kv_dtype == "bf16":
                 bound = x.abs() * 2.0**-8  # half a unit in the last place of 8 significant bits
             else:  # k8v4: 8-bit keys, 4-bit values

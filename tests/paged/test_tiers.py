@@ -66,7 +66,7 @@ def _setup(kv_dtype="auto", host_blocks=8, num_blocks=8, **kw):
     return cache, tiers, alloc, log
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "fp8k"])
 def test_evicted_blocks_come_back_bit_exact(kv_dtype):
     cache, tiers, alloc, log = _setup(kv_dtype, host_blocks=8, num_blocks=4)
     ids, hashes = _publish(alloc, list(range(4 * BS)))
@@ -178,15 +178,18 @@ def test_too_many_evictions_at_once_keep_the_most_recent():
     assert tiers.stats()["host"].stored == 2
 
 
-def test_disk_round_trip_and_persistence_across_tier_objects(tmp_path):
-    cache, tiers, alloc, log = _setup("int8", host_blocks=0, num_blocks=4, disk_dir=tmp_path, model_id="m")
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8k"])
+def test_disk_round_trip_and_persistence_across_tier_objects(tmp_path, kv_dtype):
+    cache, tiers, alloc, log = _setup(kv_dtype, host_blocks=0, num_blocks=4, disk_dir=tmp_path, model_id="m")
     ids, hashes = _publish(alloc, list(range(3 * BS)))
     want = _blocks(cache, ids)
     alloc.allocate(4)
     assert tiers.host is None and len(tiers.disk) == 3
     assert sum(isinstance(e, BlockStored) and e.medium == "disk" for e in log.drain()) == 3
     # a new cache and tier object over the same directory: another process, or a restart
-    cache2 = _cache("int8", 4)
+    cache2 = _cache(kv_dtype, 4)
+    cache2.buffer.zero_()  # what comes back is read from disk, not the same seeded bytes
+    cache2.params_buffer.zero_()
     tiers2 = TieredCache(cache2, disk_dir=tmp_path, model_id="m")
     alloc2 = BlockAllocator(4, BS)
     alloc2.set_listener(tiers2)
