@@ -39,7 +39,7 @@ DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8"
                      "int4": (128, 2, 4, False), "k8v4": (64, 3, 1, False), "fp8k": (64, 3, 4, False)}
 # Quantized decode at head_dim 65..128 with 16-bit queries: one-warp tiles (keys, stages). One warp per program needs
 # no exchange between warps per tile; KV splits bring the resident warps back. Batches with LONG_MIN_PROGRAMS+
-# programs per SM (DECODE_TILE_LONG, int8 / int4 / fp8 / fp8k): every KV range split LONG_SPLITS ways once the block
+# programs per SM (DECODE_TILE_LONG, int8 / int4): every KV range split LONG_SPLITS ways once the block
 # table holds LONG_MIN_KV+ tokens, unsplit below; 64 x 16k / 4k / 1k: int8 -11% / -3% / -2%, int4 -21% / -12% / -5% against the
 # 4-warp tiles (int4's two stages leave shared memory for seven programs per SM). Fewer programs over FEW_MIN_KV+
 # token tables (DECODE_TILE_FEW, fp8 too): split for FEW_PROGRAMS_PER_SM programs per SM, 32-key tiles on five
@@ -47,15 +47,15 @@ DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8"
 # the batches above keep fewer stages past DECODE_TILE_WAVE's four per SM): 1 x 128k int8 / int4 / fp8 -10% / -1% /
 # -5%, 2 x 40k -11% / -7% / -28% against 64-key two-stage one-warp tiles (fp8: its 4-warp tile). Shorter tables of
 # few sequences keep the 4-warp tiles (docs/tuning-history.md).
-# fp8 / fp8k take one-warp tiles too, 64 keys on two stages (H200, 2026-11-29, 32 / 8 heads x 128, fp16 queries, against
-# their 4-warp tile): 128 x 1k fp8 -19% / fp8k -23%, 96 x 768 -8% / -13%, 256 x 1k -22% / -27%.
-DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2), "k8v4": (32, 3), "fp8": (64, 2), "fp8k": (64, 2)}
+DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2), "k8v4": (32, 3)}
 # int8 / k8v4 batches of LONG_MIN_PROGRAMS..WAVE_PROGRAMS_PER_SM programs per SM take DECODE_TILE_WAVE instead (keys,
 # stages), unsplit at every length: five stages, and the batch still runs as one wave (H200, 2026-11-29, 32 / 8 heads
 # x 128, fp16 queries): 64 x 512 / 1k / 2k / 4k / 16k, int8 -18 / -19 / -19 / -14 / -4%, k8v4 -19 / -20 / -20 / -14 /
 # -7% against DECODE_TILE_LONG with its splits. With more programs a second wave forms and five stages lose up to 24%
 # (int8 80 x 768); int4's 64-key tiles keep their place (five stages: -5% at 64 x 1k, +9% at 64 x 16k). fp8 / fp8k
-# (same day and shapes, against their 4-warp tile): 64 x 1k / 4k / 16k, fp8 -22 / -18 / -17%, fp8k -19 / -17 / -17%.
+# (same day and shapes, against their 4-warp tile): 64 x 1k / 4k / 16k, fp8 -22 / -18 / -17%, fp8k -19 / -17 / -17%;
+# bf16 queries on HND pools (the engine's), 64 x 512 / 1k fp8 -12 / -6%. Past four per SM they keep the 4-warp tile:
+# 64-key one-warp tiles gain with fp16 queries on NHD pools (128 x 1k -19%) but lose with bf16 on HND (96 x 768 +9%).
 DECODE_TILE_WAVE = {"int8": (32, 5), "k8v4": (32, 5), "fp8": (32, 5), "fp8k": (32, 5)}
 WAVE_PROGRAMS_PER_SM = 4
 DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5), "k8v4": (32, 5), "fp8k": (32, 5)}
@@ -196,9 +196,9 @@ def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, n
                       and block_q * g <= 16)
         one_warp = 64 < head_dim <= 128 and block_q * g <= 16 and q_bytes <= 2
         many = programs >= LONG_MIN_PROGRAMS * num_sms
-        long_tiles = one_warp and many and kv_dtype in DECODE_TILE_LONG
+        wave_tiles = one_warp and many and kv_dtype in DECODE_TILE_WAVE and programs <= WAVE_PROGRAMS_PER_SM * num_sms
+        long_tiles = wave_tiles or (one_warp and many and kv_dtype in DECODE_TILE_LONG)
         few_tiles = one_warp and not many and max_kv_len >= FEW_MIN_KV and kv_dtype in DECODE_TILE_FEW
-        wave_tiles = long_tiles and kv_dtype in DECODE_TILE_WAVE and programs <= WAVE_PROGRAMS_PER_SM * num_sms
         if long_tiles or few_tiles:
             table = DECODE_TILE_WAVE if wave_tiles else DECODE_TILE_LONG if long_tiles else DECODE_TILE_FEW
             (block_n, stages), warps, warp_split = table[kv_dtype], 1, False
