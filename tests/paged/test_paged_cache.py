@@ -169,16 +169,8 @@ def test_copy_blocks_op_unchecked_skips_ids_out_of_range(device):
 # swap
 
 
-# swap_in copies with index_copy_, which torch has no CPU kernel of for float8_e4m3fn: the fp8 formats fail there
-_FP8_SWAP_IN_ON_CPU = pytest.mark.xfail(
-    not torch.cuda.is_available(), raises=NotImplementedError, strict=True,
-    reason="library bug: PagedKVCache.swap_in of a float8_e4m3fn pool on the CPU raises NotImplementedError "
-           "(index_copy_ in src/kvcache/paged/swap.py; tiers/host.py copies through a uint8 view instead)")
-
-
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "int4", pytest.param("fp8", marks=_FP8_SWAP_IN_ON_CPU),
-                                      pytest.param("fp8k", marks=_FP8_SWAP_IN_ON_CPU)])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4", "fp8", "fp8k"])
 def test_swap_out_swap_in_round_trip(device, kv_dtype, layout):
     """swap_out copies blocks of every layer to (pinned, on a GPU) host memory; swap_in writes them into other
     block ids, of this cache or another of the same shape: bytes identical, nothing else touched."""

@@ -80,9 +80,10 @@ def test_pool_shapes_dtypes_and_bytes(device, shape, kv_dtype, layout):
                 pshape = (nb, p, bs, H, w) if layout == "NHD" else (nb, p, H, bs, w)
                 assert par.shape == pshape and par.dtype == torch.float32 and par.is_contiguous()
                 assert par.data_ptr() == cache.params_buffer[layer].data_ptr()
-                assert cfg.quantized and cfg.params_shape() == pshape
+                assert cfg.has_params and cfg.params_shape() == pshape
+                assert cfg.quantized == (kv_dtype != "fp8k")  # (scale, zero) pairs: the integer formats only
             else:
-                assert par is None and cache.params_buffer is None
+                assert par is None and cache.params_buffer is None and not cfg.has_params
         assert cfg.pool_shape() == want
         # bytes: the allocation, cache_block_bytes, the config's block_bytes, and the format computed here
         per_block = cache_block_bytes(L, H, D, bs, dtype, kv_dtype)

@@ -1,6 +1,6 @@
 """KV transfer between ranks by torch.distributed point-to-point (NCCL on GPUs, gloo on CPUs): paged blocks of
-every layer (any kv_dtype; int8 / int4 / k8v4 scale / zero and fp8 scales included), for disaggregated serving (prefill
-on one rank, decode on another); :mod:`.snapshots` sends :class:`~kvcache.KVSnapshot` prefixes the same way, with
+every layer (any kv_dtype; int8 / int4 / k8v4 scale / zero, fp8k key scales and fp8 scales included), for
+disaggregated serving (prefill on one rank, decode on another); :mod:`.snapshots` sends :class:`~kvcache.KVSnapshot` prefixes the same way, with
 the helpers below.
 
 Each transfer is a header, an answer and the payload in checksummed chunks (see
@@ -77,7 +77,7 @@ def _wide(pool: torch.Tensor) -> torch.Tensor:
 
 
 def _pools(cache: PagedKVCache) -> list[torch.Tensor]:
-    """The row views (:func:`_wide`) of the data pool and, for int8 / int4 / k8v4, the params pool."""
+    """The row views (:func:`_wide`) of the data pool and, for int8 / int4 / k8v4 / fp8k, the params pool."""
     return [_wide(cache.buffer)] + ([_wide(cache.params_buffer)] if cache.params_buffer is not None else [])
 
 
@@ -190,9 +190,9 @@ def send_blocks(
 ) -> bool:
     """Send blocks of every layer of ``cache`` to rank ``dst``, which calls :func:`recv_blocks`.
 
-    The blocks' bytes (data pool, int8 / int4 / k8v4 scale / zero, fp8 K / V scales) are packed on the cache's device
-    chunk by chunk (rows of one block of one layer, layer-major) and sent once the receiver has accepted the
-    header; chunk ``i + 1`` is packed and checksummed while chunk ``i`` is on the wire.
+    The blocks' bytes (data pool, int8 / int4 / k8v4 scale / zero or fp8k key scales, fp8 / fp8k K / V scales) are
+    packed on the cache's device chunk by chunk (rows of one block of one layer, layer-major) and sent once the
+    receiver has accepted the header; chunk ``i + 1`` is packed and checksummed while chunk ``i`` is on the wire.
 
     Parameters
     ----------
@@ -289,8 +289,9 @@ def recv_blocks(
     group : ProcessGroup, optional
         Default: the world.
     adopt_scales : bool
-        fp8 only: set this cache's ``kv_scales`` to the sender's instead of requiring them equal (they decode
-        every fp8 block of a layer: only for a cache whose other blocks do not matter, such as a fresh one).
+        fp8 / fp8k only: set this cache's ``kv_scales`` to the sender's instead of requiring them equal (they decode
+        every block of a layer: only for a cache whose other blocks do not matter, such as a fresh one). fp8k
+        compares and takes ``v_scale`` alone (its keys carry their own scales).
 
     Returns
     -------
@@ -344,6 +345,8 @@ def _receive_blocks(cache: PagedKVCache, ch: Channel, layout: W.Layout, ids: lis
     pools = _pools(cache)
     rows = _rows_index(cache, ids)
     scales = torch.empty(L, 2, dtype=torch.float32, device=cache.device) if layout.prefix else None
+    # the scales the blocks decode with: (k_scale, v_scale) for fp8, v_scale alone for fp8k (its keys carry their own)
+    used = slice(1, 2) if cache.config.kv_dtype == "fp8k" else slice(0, 2)
     # fp8 scales that differ from this cache's (compared once chunk 0 is here): nothing is written then
     other_scales: list[list[list[float]]] = []
 
@@ -351,8 +354,8 @@ def _receive_blocks(cache: PagedKVCache, ch: Channel, layout: W.Layout, ids: lis
              check: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         if prefix is not None and scales is not None:
             scales.copy_(prefix.view(torch.float32).view(L, 2))
-            if not adopt_scales and not torch.equal(scales.view(torch.int32),
-                                                    cache.kv_scales.contiguous().view(torch.int32)):
+            if not adopt_scales and not torch.equal(scales[:, used].contiguous().view(torch.int32),
+                                                    cache.kv_scales[:, used].contiguous().view(torch.int32)):
                 other_scales.append(scales.tolist())
         if other_scales:
             return
@@ -369,7 +372,7 @@ def _receive_blocks(cache: PagedKVCache, ch: Channel, layout: W.Layout, ids: lis
                          f"has {cache.kv_scales.tolist()} (pass adopt_scales=True to take the sender's); nothing "
                          f"was written")
     if scales is not None and adopt_scales:
-        cache.kv_scales.copy_(scales)
+        cache.kv_scales[:, used].copy_(scales[:, used])
 
 
 # ------------------------------------------------------------------------------------------------ snapshots

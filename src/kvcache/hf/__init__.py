@@ -3,8 +3,8 @@
 * :class:`LinearCache`: a ``transformers`` Cache over :class:`~kvcache.LinearKVCache` (or
   :class:`~kvcache.KVCacheManager` for layers of different shapes); any attention implementation.
 * :class:`PagedCache`: a ``transformers`` Cache over :class:`~kvcache.PagedKVCache` + :class:`~kvcache.BlockAllocator`,
-  every kv_dtype (auto, fp8, int8, int4). With ``attn_implementation="kvcache_paged"`` (registered on import),
-  attention reads the blocks in place; with any other implementation the cache hands it gathered K / V.
+  every kv_dtype (auto, fp8, fp8k, int8, int4, k8v4). With ``attn_implementation="kvcache_paged"`` (registered on
+  import), attention reads the blocks in place; with any other implementation the cache hands it gathered K / V.
 
 Importing is cheap: the names above load on first use, and ``"kvcache_paged"`` is registered with transformers'
 attention registry as soon as ``transformers.modeling_utils`` (where the registry lives, and which every model

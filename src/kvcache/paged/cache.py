@@ -26,9 +26,9 @@ class PagedKVCache:
     ``pool(layer)`` is ``[num_blocks, 2, block_size, H, D]`` (NHD) or ``[num_blocks, 2, H, block_size, D]``
     (HND) in the storage dtype of ``config.kv_dtype``; for ``"auto"`` and ``"fp8"`` it is FlashInfer's
     single-tensor paged KV cache, and ``kv(layer)`` returns the ``[num_blocks, block_size, H, D]`` K / V views
-    FlashAttention's paged ``flash_attn_with_kvcache`` takes (NHD). int8 / int4 pools keep float32
-    (scale, zero) per token and head in ``params(layer)``. All layers share one allocation,
-    ``[L, *pool_shape]``, zero-initialised. Byte format: :mod:`kvcache.paged.config`.
+    FlashAttention's paged ``flash_attn_with_kvcache`` takes (NHD). int8 / int4 / k8v4 pools keep float32
+    (scale, zero) per token and head in ``params(layer)``, fp8k pools a float32 scale per key row. All layers share
+    one allocation, ``[L, *pool_shape]``, zero-initialised. Byte format: :mod:`kvcache.paged.config`.
 
     Blocks are owned by a :class:`~kvcache.paged.BlockAllocator` (or any scheduler); this class only moves
     bytes: :meth:`append`, :meth:`gather`, :meth:`copy_blocks`, :meth:`swap_out` / :meth:`swap_in`.
@@ -70,7 +70,7 @@ class PagedKVCache:
         check_memory(self.nbytes_for(config), dev, "config")
         self.buffer = torch.zeros((L, *config.pool_shape()), dtype=config.storage_dtype, device=dev)
         self.params_buffer = (
-            torch.zeros((L, *config.params_shape()), dtype=torch.float32, device=dev) if config.quantized else None
+            torch.zeros((L, *config.params_shape()), dtype=torch.float32, device=dev) if config.has_params else None
         )
         # [L, 2] view of [L, 4] storage: every layer's (k_scale, v_scale) starts on a 16-byte boundary, so all
         # layers share one compiled kernel and prepared launch
@@ -141,7 +141,7 @@ class PagedKVCache:
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of ``pool(layer)``: NHD ``[num_blocks, block_size, H, D]`` each (FlashAttention's
         paged ``k_cache`` / ``v_cache``), HND ``[num_blocks, H, block_size, D]``. Not for k8v4, whose key rows span
-        two planes (:meth:`gather` reads them back)."""
+        two planes (:meth:`gather` reads them back). int8 / int4 / fp8k rows decode only with ``params(layer)``."""
         if self._config.kv_dtype == "k8v4":
             raise ValueError("kv: kv_dtype 'k8v4' stores each key row in two planes (no single K view); use "
                              "pool(layer) or gather")
@@ -149,7 +149,8 @@ class PagedKVCache:
         return p[:, 0], p[:, 1]
 
     def params(self, layer: int) -> torch.Tensor | None:
-        """float32 (scale, zero) pool of ``layer`` for int8 / int4 / k8v4, else None."""
+        """float32 params pool of ``layer``: (scale, zero) of K and V for int8 / int4 / k8v4, the keys' scales for
+        fp8k (:meth:`PagedConfig.params_shape`); None for the other formats."""
         return None if self.params_buffer is None else self.params_buffer[self._layer(layer)]
 
     # ------------------------------------------------------------------------------------------ append / gather

@@ -44,14 +44,15 @@ Quantization (TurboMind's, per token and head, asymmetric):
   float32 scale per layer for K and one for V
   (``PagedKVCache.kv_scales[layer] = (k_scale, v_scale)``, default 1.0), as vLLM's ``fp8`` cache.
 * fp8k: values as fp8 (scale ``v_scale``); keys (after RoPE) with one float32 scale per (token, head),
-  ``scale = amax / 448`` over the row's ``D`` elements (``amax`` the largest magnitude; ``k_scale`` is not used),
+  ``scale = max(amax / 448, 2^-126)`` over the row's ``D`` elements (``amax`` the largest magnitude, non-zero; the
+  floor keeps the scale a normal float32 with a finite reciprocal; ``k_scale`` is not used),
   stored as ``float8_e4m3fn(x * (1 / scale))`` (one IEEE reciprocal per row): the row's largest element is
   stored as +-448, exactly, which is what the scores of a key with an outlier channel need (e4m3's error is
   relative, so a fixed scale cannot help). ``scale == 0`` (a zero row) stores zeros; a row with a NaN or an
   infinity stores scale NaN (it reads back NaN). The scales live in a params pool of one plane: NHD
   ``[num_blocks, 1, block_size, H, 1]``, HND ``[num_blocks, 1, H, block_size, 1]``. Bytes per (token, head)
   ``2 D + 4`` (fp8: ``2 D``). Error bound of a key element: ``|x - dequant| <= max(|x| / 16, scale / 1024)``
-  (half a step of e4m3's 3 mantissa bits, or of its subnormals).
+  (half a step of e4m3's 3 mantissa bits, or of its subnormals; products below 2^-126 may flush to 0 on a GPU).
 """
 
 from __future__ import annotations
@@ -150,13 +151,19 @@ class PagedConfig:
 
     @property
     def quantized(self) -> bool:
-        """True where the format keeps a params pool: int8 / int4 / k8v4 (scale and zero per token and head of K
-        and V), fp8k (a scale per token and head of K)."""
+        """True for int8 / int4 / k8v4 (scale and zero per token and head)."""
+        return kv_format(self.kv_dtype).row_params
+
+    @property
+    def has_params(self) -> bool:
+        """True where the cache keeps a params pool (:meth:`params_shape`): int8 / int4 / k8v4 (scale and zero per
+        token and head of K and V) and fp8k (a scale per token and head of K)."""
         return kv_format(self.kv_dtype).has_params
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        """torch dtype of the data pool: the model dtype (auto), float8_e4m3fn (fp8) or uint8 (int8 / int4 / k8v4)."""
+        """torch dtype of the data pool: the model dtype (auto), float8_e4m3fn (fp8, fp8k) or uint8 (int8 / int4 /
+        k8v4)."""
         return kv_format(self.kv_dtype).storage_dtype(self.dtype)
 
     @property
@@ -173,7 +180,7 @@ class PagedConfig:
         return (self.num_blocks, planes, self.num_kv_heads, self.block_size, self.row_elems)
 
     def params_shape(self) -> tuple[int, ...]:
-        """Shape of one layer's params pool (formats where :attr:`quantized`): ``[num_blocks, P, block_size, H, W]``
+        """Shape of one layer's params pool (formats where :attr:`has_params`): ``[num_blocks, P, block_size, H, W]``
         (NHD) / ``[num_blocks, P, H, block_size, W]`` (HND), ``(P, W)`` = (2, 2) for (scale, zero) of K and V, (1, 1)
         for fp8k's key scales."""
         fmt = kv_format(self.kv_dtype)

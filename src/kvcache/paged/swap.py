@@ -19,7 +19,7 @@ __all__ = ["SwappedBlocks", "swap_out", "swap_in"]
 class SwappedBlocks:
     """Blocks copied to page-locked host memory by :meth:`PagedKVCache.swap_out`.
 
-    ``data`` ``[n, L, *block]`` (and ``params`` for int8 / int4 / k8v4) hold the blocks in the order given;
+    ``data`` ``[n, L, *block]`` (and ``params`` for int8 / int4 / k8v4 / fp8k) hold the blocks in the order given;
     ``event`` completes when the copy has (wait on it, or pass the object to ``swap_in``, which orders itself
     after it on the device).
     """
@@ -51,7 +51,7 @@ def swap_out(cache: PagedKVCache, ids: torch.Tensor, *, stream: torch.cuda.Strea
     once ``stream`` has passed that point (the caller orders later writes after it).
 
     Returns :class:`SwappedBlocks`: ``data`` ``[n, L, *block]`` in the storage dtype (a block of
-    ``pool(layer)`` per layer), ``params`` float32 ``[n, L, *param_block]`` for int8 / int4 / k8v4 (else None),
+    ``pool(layer)`` per layer), ``params`` float32 ``[n, L, *param_block]`` for int8 / int4 / k8v4 / fp8k (else None),
     in the order of ``ids`` (int64 ``[n]``, validated block ids).
     """
     ids = ids.to(cache.device)
@@ -82,8 +82,8 @@ def swap_in(cache: PagedKVCache, swapped: SwappedBlocks, ids: torch.Tensor, *,
 
     ``swapped``: from :meth:`swap_out` of a cache of the same format (kv_dtype, layout, heads, head_dim,
     block size, layers): ``data`` ``[n, L, *block]`` in the storage dtype, ``params`` float32 ``[n, L,
-    2, ...]`` for int8 / int4 / k8v4 (else None). ``ids``: int64 ``[n]`` block ids in ``[0, num_blocks)`` (validated
-    by the cache), distinct.
+    *param_block]`` for int8 / int4 / k8v4 / fp8k (else None). ``ids``: int64 ``[n]`` block ids in ``[0,
+    num_blocks)`` (validated by the cache), distinct.
     Anything else raises ValueError before a byte is copied."""
     if ids.shape[0] != swapped.num_blocks:
         raise ValueError(f"block_ids: expected {swapped.num_blocks} ids (the swapped blocks), got {ids.shape[0]}")
@@ -116,7 +116,11 @@ def swap_in(cache: PagedKVCache, swapped: SwappedBlocks, ids: torch.Tensor, *,
         if swapped.event is not None:
             torch.cuda.current_stream(cache.device).wait_event(swapped.event)
         data = swapped.data.to(cache.device, non_blocking=cuda).transpose(0, 1)
-        cache.buffer.index_copy_(1, ids, data)
+        if cache.buffer.element_size() == 1 and cache.buffer.is_floating_point():
+            # fp8 pools as bytes: index_copy_ has no float8 kernel (CPU or CUDA, torch 2.11)
+            cache.buffer.view(torch.uint8).index_copy_(1, ids, data.view(torch.uint8))
+        else:
+            cache.buffer.index_copy_(1, ids, data)
         if cache.params_buffer is not None:
             p = swapped.params.to(cache.device, non_blocking=cuda).transpose(0, 1)
             cache.params_buffer.index_copy_(1, ids, p)

@@ -101,7 +101,7 @@ def check_pool(pool: object, params: object, kv_scales: object, kv_dtype: str, l
                              f"{fmt_shape(params.shape)} strides {tuple(params.stride())}")
     elif params is not None:
         raise ValueError(f"params: expected None for kv_dtype {kv_dtype!r}, got a tensor")
-    if fmt.per_layer_scale:  # other formats ignore kv_scales (as the append does): PagedKVCache.kv_scales[layer] fits all
+    if fmt.per_layer_scale:  # the others ignore kv_scales (as the append does): PagedKVCache.kv_scales[layer] fits all
         check_kv_scales(kv_scales, dev, required=True, kv_dtype=kv_dtype)
     return nb, bs, h
 

@@ -57,8 +57,9 @@ Shape contract (strides in elements, head_dim contiguous):
 * q / out: row of (sequence ``b``, token ``i``, q head ``h``) at ``b * s_qb + (row0_b + i) * s_qt + h * s_qh``
   (paged: ``row0_b = cu_q[b]``, ``s_qb = 0``; linear: ``row0_b = 0``); lse likewise with its own strides.
 * pool: element (block, k/v, token, kv head, r) at ``block * S_BLK + kv * S_KV + tok * S_TOK + head * S_HEAD +
-  r``; params the same with ``P_*`` strides and r in {0: scale, 1: zero}. A linear layer ``[B, 2, H, S, D]``
-  is a pool of ``B`` blocks of ``S`` tokens, block ``b`` holding sequence ``b`` (``LINEAR``).
+  r``; params the same with ``P_*`` strides and r in {0: scale, 1: zero} (fp8k: r = 0, the key's scale, one
+  plane). A linear layer ``[B, 2, H, S, D]`` is a pool of ``B`` blocks of ``S`` tokens, block ``b`` holding
+  sequence ``b`` (``LINEAR``).
 * workspace (``num_splits > 1``): partial outputs ``[num_splits, n_rows, HQ, D]`` and lse ``[num_splits,
   n_rows, HQ]`` float32, row index ``row0_b + i`` (linear: ``b * q_len + i``).
 """
@@ -257,7 +258,7 @@ def _attention_kernel(
         bt_row = block_tables  # unused
     else:
         # decode tiles take their sequence by a checked guess first; fp8 tiles keep the search: Triton 3.6 compiles
-        # its head_dim-64 decode tile 32-43% slower with the guess's branch
+        # its head_dim-64 decode tile 32-43% slower with the guess's branch (fp8k, fp8's tiles, keeps it too)
         b, row0, q_len = _find_tile(pid, cu_q, n_seqs, BLOCK_Q, LOG_B, HEADS_INNER and QUANT != 1 and QUANT != 5)
         lt = pid - (row0 // BLOCK_Q + b)
         ws_row0 = row0

@@ -30,7 +30,7 @@ def _tile_w(
     """KV tile ``t`` split over the warps: ``offs_w`` ``[W, BLOCK_N / W]`` are the tile's key offsets of each
     warp; q ``[W, M, HALF_P]`` (the query tile broadcast), state ``[W, M]`` / ``[W, M, HALF_P]``. Returns the
     updated (m_i, l_i, acc_lo, acc_hi, zacc)."""
-    tl.static_assert(QK >= 2, "warp-split tiles: int8 / int4 / k8v4 caches")
+    tl.static_assert(QK >= 2 and QK <= 4, "warp-split tiles: int8 / int4 / k8v4 caches")
     j = t * BLOCK_N + offs_w
     ok_n, blk, tok, base = _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS, S_BLK, S_TOK, S_HEAD, LINEAR)
     k_off = base[:, None, :] + dd[None, :, None]

@@ -39,8 +39,8 @@ DECODE_TILE_SMALL = {"auto": (64, 2, 4, False), "fp8": (64, 3, 4, False), "int8"
                      "int4": (128, 2, 4, False), "k8v4": (64, 3, 1, False), "fp8k": (64, 3, 4, False)}
 # Quantized decode at head_dim 65..128 with 16-bit queries: one-warp tiles (keys, stages). One warp per program needs
 # no exchange between warps per tile; KV splits bring the resident warps back. Batches with LONG_MIN_PROGRAMS+
-# programs per SM (DECODE_TILE_LONG, int8 / int4): every KV range split LONG_SPLITS ways once the block
-# table holds LONG_MIN_KV+ tokens, unsplit below; 64 x 16k / 4k / 1k: int8 -11% / -3% / -2%, int4 -21% / -12% / -5% against the
+# programs per SM (DECODE_TILE_LONG, int8 / int4): every KV range split LONG_SPLITS ways once the block table holds
+# LONG_MIN_KV+ tokens, unsplit below; 64 x 16k / 4k / 1k: int8 -11% / -3% / -2%, int4 -21% / -12% / -5% against the
 # 4-warp tiles (int4's two stages leave shared memory for seven programs per SM). Fewer programs over FEW_MIN_KV+
 # token tables (DECODE_TILE_FEW, fp8 too): split for FEW_PROGRAMS_PER_SM programs per SM, 32-key tiles on five
 # stages, the first depth at which Triton gives a paged tile two shared-memory buffers (it costs programs per SM, so

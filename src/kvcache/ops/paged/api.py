@@ -54,9 +54,9 @@ def append_paged_kv(
     pool : torch.Tensor
         One layer's data pool (layout and dtype in :mod:`kvcache.paged.config`), written in place.
     params : torch.Tensor, optional
-        float32 scale / zero pool, required for ``kv_dtype`` int8 / int4 / k8v4.
+        float32 scale / zero pool, required for ``kv_dtype`` int8 / int4 / k8v4; fp8k: its key-scale pool.
     kv_dtype, layout : str
-        The pool's format: ``"auto" | "fp8" | "int8" | "int4" | "k8v4"`` and ``"NHD" | "HND"``.
+        The pool's format: ``"auto" | "fp8" | "int8" | "int4" | "k8v4" | "fp8k"`` and ``"NHD" | "HND"``.
     block_tables : torch.Tensor
         int32 ``[B, max_blocks]``: block ids of each sequence, in order (ragged mode).
     cu_q_lens : torch.Tensor
@@ -74,7 +74,7 @@ def append_paged_kv(
     rope : RopeKernelParams, optional
         ``RopeConfig.kernel_params(...)`` with ``inv_freq`` on the pool's device: rotate keys before storing.
     fp8_scales : torch.Tensor
-        float32 ``[2]`` (k_scale, v_scale), required for ``kv_dtype="fp8"``.
+        float32 ``[2]`` (k_scale, v_scale), required for ``kv_dtype="fp8"`` and ``"fp8k"`` (v_scale alone is used).
     cp_rank, cp_size : int
         Context parallelism: token ``p`` is stored only by rank ``p % cp_size``, at local position
         ``p // cp_size`` of the rank's block table; RoPE uses the global position.
@@ -149,7 +149,7 @@ def gather_paged_kv(
         Apply RoPE to the keys while reading (for caches that store keys un-rotated); position of local
         token ``t`` is ``t * cp_size + cp_rank``.
     fp8_scales : torch.Tensor
-        float32 ``[2]`` for ``kv_dtype="fp8"``.
+        float32 ``[2]`` for ``kv_dtype="fp8"`` and ``"fp8k"`` (v_scale alone is used).
 
     Returns
     -------

@@ -200,10 +200,12 @@ def host_check_slots(slots: list[int], nb: int, bs: int) -> None:
         raise ValueError(f"slot_mapping: expected each slot at most once per append, got {dup[:8]} more than once")
 
 
-def host_check_fp8_scales(fp8_scales: torch.Tensor) -> None:
-    """Debug check of fp8 (k_scale, v_scale): finite and > 0 (a scale of 0 would store NaN / +-448)."""
+def host_check_fp8_scales(fp8_scales: torch.Tensor, kv_dtype: str = "fp8") -> None:
+    """Debug check of fp8 (k_scale, v_scale): finite and > 0 (a scale of 0 would store NaN / +-448); fp8k reads
+    v_scale alone."""
     vals = fp8_scales.tolist()
-    if not all(math.isfinite(x) and x > 0 for x in vals):
+    used = vals[1:] if kv_dtype == "fp8k" else vals
+    if not all(math.isfinite(x) and x > 0 for x in used):
         raise ValueError(f"fp8_scales: expected finite scales > 0, got {vals}")
 
 

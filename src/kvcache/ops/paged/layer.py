@@ -14,8 +14,8 @@ __all__ = ["PagedLayer"]
 
 
 class PagedLayer:
-    """One layer's pools: data ``pool``, float32 (scale, zero) ``params`` (int8 / int4 / k8v4), fp8 ``(k_scale,
-    v_scale)``, in the format ``kv_dtype`` / ``layout`` (see :mod:`kvcache.paged.config`).
+    """One layer's pools: data ``pool``, float32 ``params`` ((scale, zero) for int8 / int4 / k8v4, key scales for
+    fp8k), fp8 / fp8k ``(k_scale, v_scale)``, in the format ``kv_dtype`` / ``layout`` (see :mod:`kvcache.paged.config`).
 
     Parameters
     ----------
@@ -23,9 +23,11 @@ class PagedLayer:
         NHD ``[num_blocks, P, block_size, H, R]`` or HND ``[num_blocks, P, H, block_size, R]``, contiguous; ``P``
         planes: 2 (K, V), 3 for k8v4.
     params : torch.Tensor or None
-        float32 ``[num_blocks, 2, *pool.shape[2:4], 2]`` for int8 / int4 / k8v4, else None.
+        float32 ``[num_blocks, 2, *pool.shape[2:4], 2]`` for int8 / int4 / k8v4, ``[num_blocks, 1,
+        *pool.shape[2:4], 1]`` for fp8k, else None.
     scales : torch.Tensor or None
-        float32 ``[2]`` (k_scale, v_scale), required for fp8 (ignored, and not kept, for the other formats).
+        float32 ``[2]`` (k_scale, v_scale), required for fp8 and fp8k (v_scale alone; ignored, and not kept, for the
+        other formats).
     kv_dtype, layout : str
     dtype : torch.dtype, optional
         The model dtype that every K / V / q handed to this layer must have (a cache's); None: any the format

@@ -31,12 +31,13 @@ def quantize_rows_reference(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, t
 
 
 def key_scales_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8k's key scales: (scale f32 [...], its reciprocal f32 [...]) of rows ``x`` [..., D], ``scale = amax / 448``.
-    ``scale == 0`` (a zero row) has reciprocal 0; a row with a NaN or an infinity has scale NaN and reciprocal 0."""
+    """fp8k's key scales: (scale f32 [...], its reciprocal f32 [...]) of rows ``x`` [..., D], ``scale = max(amax / 448,
+    2^-126)``. A zero row has scale and reciprocal 0; a row with a NaN or an infinity has scale NaN and reciprocal 0."""
     x = x.float()
     bad = ~torch.isfinite(x).all(dim=-1)
     amax = torch.where(bad[..., None], torch.zeros_like(x), x).abs().amax(dim=-1)
-    scale = amax / _FP8_MAX
+    # at least float32's smallest normal for a non-zero row (a subnormal scale has no finite reciprocal)
+    scale = torch.where(amax > 0, (amax / _FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny), amax)
     inv = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(scale))
     inv = torch.where(bad, torch.zeros_like(inv), inv)  # the row's finite elements store 0, the others NaN
     return torch.where(bad, torch.full_like(scale, float("nan")), scale), inv

@@ -73,7 +73,7 @@ def append_rows(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepP
     if plan.check:
         plan.host_check(n)
         if layer.scales is not None:
-            host_check_fp8_scales(layer.scales)
+            host_check_fp8_scales(layer.scales, layer.kv_dtype)
     memo = plan.append_memo
     if memo is None or memo.n_rows != n:
         memo = plan.append_memo = _derive(plan, layer, n)

@@ -2,7 +2,7 @@
 :class:`~kvcache.paged.PagedKVCache`'s blocks and host slots.
 
 A slot holds one block of every layer: ``data`` ``[num_slots, L, *block]`` in the cache's storage dtype (``block``:
-``PagedConfig.pool_shape()[1:]``) and, for int8 / int4 / k8v4, ``params`` float32 ``[num_slots, L, *param_block]``: the
+``PagedConfig.pool_shape()[1:]``) and, with a params pool, ``params`` float32 ``[num_slots, L, *param_block]``: the
 bytes of ``cache.buffer[:, b]`` / ``cache.params_buffer[:, b]``, so a block comes back bit-exact.
 
 Copies on CUDA run on two side streams, one per direction (PCIe copies both ways at once): a block leaving the
@@ -40,7 +40,7 @@ SEGMENT_BYTES = 2**30  # the host tier's largest pinned allocation
 
 
 def block_tensors(cache: PagedKVCache) -> list[torch.Tensor]:
-    """The tensors a block of ``cache`` lives in: ``[cache.buffer]`` or, for int8 / int4 / k8v4, ``[cache.buffer,
+    """The tensors a block of ``cache`` lives in: ``[cache.buffer]`` or, with a params pool, ``[cache.buffer,
     cache.params_buffer]`` (block ``b`` of each: ``t[:, b]``, every layer).
 
     Example
@@ -298,7 +298,7 @@ class HostTier:
     Attributes
     ----------
     arena : SlotArena
-        The slots: per block ``data`` ``[L, *block]`` in the cache's storage dtype and, for int8 / int4 / k8v4, float32
+        The slots: per block ``data`` ``[L, *block]`` in the cache's storage dtype and, with a params pool, float32
         ``params`` ``[L, *param_block]``, on the CPU (pinned on CUDA).
 
     Example

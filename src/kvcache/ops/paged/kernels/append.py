@@ -114,8 +114,8 @@ def _row_codes(
 def _append_kernel(
     k, v,  # model dtype [N, H, D], head_dim contiguous; row strides stride_kn * VEC / stride_vn * VEC
     pool,  # storage dtype, one layer (see kvcache.paged.config)
-    qparams,  # float32 (scale, zero) pool when QUANT >= Q_INT8 (fp8k: key scales), else unused (not `params`: triton's binder
-    # uses that name for a local)
+    qparams,  # float32 (scale, zero) pool when QUANT >= Q_INT8 (fp8k: key scales), else unused (not `params`:
+    # triton's binder uses that name for a local)
     block_tables,  # int32 [B, table_width] (MODE 0 / 1)
     cu_q,  # int32 [B + 1] (MODE 0 / 1)
     k_lens,  # int32 kv_lens [B] (MODE 0) or cu_k_lens [B + 1] (MODE 1)

@@ -34,7 +34,10 @@ def _encode(x1, x2, inv_fp8, hh, m1, m2, is_v, QUANT: tl.constexpr, H: tl.conste
                           keep_dims=True)
             bad = tl.sum(tl.where(m1, x1 * 0.0, 0.0) + tl.where(m2, x2 * 0.0, 0.0), axis=1, keep_dims=True)
             amax = tl.where(hh < H, amax, 0.0)
-            scale = _div(amax, tl.zeros_like(amax) + 448.0, LIBDEVICE) + bad
+            # at least float32's smallest normal (2^-126) for a non-zero row: a subnormal scale would be flushed to
+            # 0 on the GPU and its reciprocal overflow on the CPU; x * (1 / scale) stays within +-448 either way
+            scale = tl.where(amax > 0.0, tl.maximum(_div(amax, tl.zeros_like(amax) + 448.0, LIBDEVICE),
+                                                    1.1754943508222875e-38), 0.0) + bad
             k_inv = tl.where(scale > 0.0, _rcp(tl.where(scale > 0.0, scale, 1.0), LIBDEVICE), 0.0)
             inv_row = tl.where(is_v == 0, k_inv, inv_fp8)
         else:
