@@ -295,10 +295,11 @@ def test_allocator_full_is_a_value_on_both_ranks(world) -> None:
 
 def _fp8_scales(ctx: RankContext, kv_dtype: str = "fp8") -> None:
     kw = dict(kv_dtype=kv_dtype)
+    sends = 3 if kv_dtype == "fp8k" else 2
     if ctx.rank == 0:
         cache, table = _prefilled(ctx.device, 4, **kw)
-        assert send_blocks(cache, _sent_ids(table), dst=1)  # sent; the receiver refuses the scales
-        assert send_blocks(cache, _sent_ids(table), dst=1)
+        for _ in range(sends):  # the first is sent, and the receiver refuses the scales
+            assert send_blocks(cache, _sent_ids(table), dst=1)
         return
     cache, alloc = _receiver(ctx, kw)
     cache.kv_scales.mul_(2)
@@ -308,8 +309,15 @@ def _fp8_scales(ctx: RankContext, kv_dtype: str = "fp8") -> None:
     assert alloc.num_free_blocks == free0 and torch.equal(cache.buffer.view(torch.uint8), before[0])
     ids = recv_blocks(cache, alloc, src=0, adopt_scales=True)
     src_cache, src_table = _prefilled(ctx.device, 4, **kw)
-    assert torch.equal(cache.kv_scales, src_cache.kv_scales)
+    used = [1] if kv_dtype == "fp8k" else [0, 1]  # the scales the blocks decode with: fp8k's keys carry their own
+    assert torch.equal(cache.kv_scales[:, used], src_cache.kv_scales[:, used])
     _check_arrived(cache, before, ids, src_cache, _sent_ids(src_table))
+    if kv_dtype == "fp8k":  # a k_scale of its own is no reason to refuse fp8k blocks, nor is it replaced
+        cache.kv_scales[:, 0] = 7.0
+        again = recv_blocks(cache, alloc, src=0)
+        assert again is not None and len(again) == len(ids)
+        assert bool((cache.kv_scales[:, 0] == 7.0).all())
+        assert torch.equal(cache.kv_scales[:, 1], src_cache.kv_scales[:, 1])
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp8k"])

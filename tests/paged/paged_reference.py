@@ -254,8 +254,8 @@ def unpack_int4(row: torch.Tensor) -> list[int]:
 def fp8k_key_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8k's encoding of one key row (float32 ``[D]``): (stored float8_e4m3fn ``[D]``, scale float32 ``[1]``).
 
-    ``scale = amax / 448`` (one IEEE float32 division), ``inv = 1 / scale`` (one IEEE reciprocal; 0 when
-    ``scale == 0``), stored ``float8_e4m3fn(clamp(x * inv, -448, 448))``. A row holding a NaN or an infinity
+    ``scale = max(amax / 448, 2^-126)`` (one IEEE float32 division; 0 for a zero row), ``inv = 1 / scale`` (one
+    IEEE reciprocal; 0 when ``scale == 0``), stored ``float8_e4m3fn(clamp(x * inv, -448, 448))``. A row holding a NaN or an infinity
     stores scale NaN and ``inv = 0``: its finite elements become (signed) zeros, the others NaN.
     """
     x = x.float()
@@ -264,6 +264,8 @@ def fp8k_key_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         stored = torch.where(torch.isfinite(y), y, torch.tensor(float("nan"))).to(torch.float8_e4m3fn)
         return stored, torch.tensor([float("nan")], dtype=torch.float32)
     scale = x.abs().max() / torch.tensor(FP8_MAX, dtype=torch.float32)
+    if float(scale) < 2.0**-126 and float(x.abs().max()) > 0.0:  # the floor: a normal scale, a finite reciprocal
+        scale = torch.tensor(2.0**-126, dtype=torch.float32)
     if float(scale) == 0.0:
         inv = torch.tensor(0.0, dtype=torch.float32)
     else:

@@ -293,7 +293,9 @@ def test_decode_tiles_random_ragged_batches(device, seed):
     assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
 
 
-@pytest.mark.parametrize("kv_dtype", FORMATS)
+# fp8k here runs on a GPU (and with --run-slow): ~20 s under the interpreter; its decode and prefill tiles in one
+# launch are test_formats_mixed_batch's
+@pytest.mark.parametrize("kv_dtype", [*FORMATS[:-1], pytest.param("fp8k", marks=pytest.mark.slow)])
 def test_num_decode_split_launch(device, kv_dtype):
     """A mixed batch (decode rows first, then chunks) launched as decode tiles + prefill tiles (num_decode): the
     reference's answer for a true hint, a hint short of the decode rows, one that covers a 30-row chunk, forced
