@@ -255,8 +255,8 @@ def fp8k_key_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8k's encoding of one key row (float32 ``[D]``): (stored float8_e4m3fn ``[D]``, scale float32 ``[1]``).
 
     ``scale = max(amax / 448, 2^-126)`` (one IEEE float32 division; 0 for a zero row), ``inv = 1 / scale`` (one
-    IEEE reciprocal; 0 when ``scale == 0``), stored ``float8_e4m3fn(clamp(x * inv, -448, 448))``. A row holding a NaN or an infinity
-    stores scale NaN and ``inv = 0``: its finite elements become (signed) zeros, the others NaN.
+    IEEE reciprocal; 0 when ``scale == 0``), stored ``float8_e4m3fn(clamp(x * inv, -448, 448))``. A row holding a
+    NaN or an infinity stores scale NaN and ``inv = 0``: its finite elements become (signed) zeros, the others NaN.
     """
     x = x.float()
     if not bool(torch.isfinite(x).all()):
