@@ -66,11 +66,10 @@ def test_int4_warp_split_realistic(layout, bs):
 
 
 @pytest.mark.parametrize("kv_dtype,D_,per_sm", [("int8", 128, 5), ("int4", 128, 5), ("k8v4", 128, 5), ("int8", 64, 2),
-                                                 ("int8", 128, 2), ("k8v4", 128, 2), ("fp8k", 128, 5),
-                                                 ("fp8k", 128, 2)])
+                                                 ("int8", 128, 2), ("k8v4", 128, 2)])
 def test_one_warp_decode_realistic(kv_dtype, D_, per_sm):
-    """The one-warp decode tiles over a block table past LONG_MIN_KV tokens: int8 / int4 / k8v4 / fp8k at head_dim 128
-    with five programs per SM (KV ranges split), int8 / k8v4 / fp8k with two (five stages, unsplit), and int8 at
+    """The one-warp decode tiles over a block table past LONG_MIN_KV tokens: int8 / int4 / k8v4 at head_dim 128
+    with five programs per SM (KV ranges split), int8 / k8v4 with two (five stages, unsplit), and int8 at
     head_dim 64 (asserted on the plan)."""
     n_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     n = -(-per_sm * n_sms // H) + 3

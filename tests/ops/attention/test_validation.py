@@ -168,9 +168,9 @@ def test_plan_quantized_prefill_and_small_decode_tiles():
 def test_plan_long_context_one_warp_tiles():
     """int8 / int4 / k8v4 decode at head_dim 65..128: one-warp tiles in batches with two programs per SM or more
     (past four per SM, and int4 always: every KV range split LONG_SPLITS ways over block tables of LONG_MIN_KV+
-    tokens; int8 / k8v4 at two to four per SM: five stages, unsplit; fp8 / fp8k only at two to four per SM) and for
-    few sequences over FEW_MIN_KV+ tokens; few sequences over shorter tables, fp8 past four programs per SM, 16-bit
-    caches, float32 queries, head_dim 64 or 256 and prefill keep their tiles."""
+    tokens; int8 / k8v4 at two to four per SM: five stages, unsplit) and, with fp8 / fp8k, for few sequences over
+    FEW_MIN_KV+ tokens; few sequences over shorter tables, fp8 / fp8k batches, 16-bit caches, float32 queries,
+    head_dim 64 or 256 and prefill keep their tiles."""
     kw = dict(num_q_heads=32, num_kv_heads=8, n_tokens=80, num_seqs=80, num_sms=132)  # 640 programs: 4.8 per SM
     for fmt, keys, stages in (("int8", 32, 3), ("int4", 64, 2), ("k8v4", 32, 3)):
         plan = attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt)
@@ -190,19 +190,22 @@ def test_plan_long_context_one_warp_tiles():
         pre = attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=8192, num_seqs=4, head_dim=128,
                              max_kv_len=16384, kv_dtype=fmt)  # prefill tiles
         assert pre.num_warps >= 4 and pre.block_m(32, 8) >= 64
-    for fmt in ("auto", "fp8", "fp8k"):  # 4.8 programs per SM: fp8 / fp8k keep the 4-warp tiles there
+    for fmt in ("auto", "fp8", "fp8k"):
         assert attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt).num_warps == 4
-    # 2..4 programs per SM: int8 / k8v4 / fp8 / fp8k take five-stage 32-key tiles, unsplit at every length; int4 its
-    # long tiles
+    # 2..4 programs per SM: int8 / k8v4 take five-stage 32-key tiles, unsplit at every length; int4 its long tiles;
+    # fp8 / fp8k their 4-warp tiles
     wave = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, num_sms=132)
     for seqs in (33, 64, 66):
         for kv_len in (512, 4096, 16384):
-            for fmt in ("int8", "k8v4", "fp8", "fp8k"):
+            for fmt in ("int8", "k8v4"):
                 plan = attention_plan(**wave, n_tokens=seqs, num_seqs=seqs, max_kv_len=kv_len, kv_dtype=fmt)
                 assert (plan.block_n, plan.num_warps, plan.num_stages, plan.num_splits, plan.warp_split) == (
                     32, 1, 5, 1, False)
             plan = attention_plan(**wave, n_tokens=seqs, num_seqs=seqs, max_kv_len=kv_len, kv_dtype="int4")
             assert (plan.block_n, plan.num_warps, plan.num_stages) == (64, 1, 2)
+            for fmt in ("fp8", "fp8k"):
+                plan = attention_plan(**wave, n_tokens=seqs, num_seqs=seqs, max_kv_len=kv_len, kv_dtype=fmt)
+                assert (plan.block_n, plan.num_warps) == (128, 4)
     assert attention_plan(**wave, n_tokens=67, num_seqs=67, max_kv_len=1024, kv_dtype="int8").num_stages == 3
     assert attention_plan(**wave, n_tokens=32, num_seqs=32, max_kv_len=1024, kv_dtype="int8").num_warps == 4
     # few sequences: fp8 takes the one-warp tiles over long tables only; 16-bit caches never

@@ -53,10 +53,9 @@ DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2), "k8v4": (32, 3)}
 # x 128, fp16 queries): 64 x 512 / 1k / 2k / 4k / 16k, int8 -18 / -19 / -19 / -14 / -4%, k8v4 -19 / -20 / -20 / -14 /
 # -7% against DECODE_TILE_LONG with its splits. With more programs a second wave forms and five stages lose up to 24%
 # (int8 80 x 768); int4's 64-key tiles keep their place (five stages: -5% at 64 x 1k, +9% at 64 x 16k). fp8 / fp8k
-# (same day and shapes, against their 4-warp tile): 64 x 1k / 4k / 16k, fp8 -22 / -18 / -17%, fp8k -19 / -17 / -17%;
-# bf16 queries on HND pools (the engine's), 64 x 512 / 1k fp8 -12 / -6%. Past four per SM they keep the 4-warp tile:
-# 64-key one-warp tiles gain with fp16 queries on NHD pools (128 x 1k -19%) but lose with bf16 on HND (96 x 768 +9%).
-DECODE_TILE_WAVE = {"int8": (32, 5), "k8v4": (32, 5), "fp8": (32, 5), "fp8k": (32, 5)}
+# keep their 4-warp tile: five-stage one-warp tiles measured 17-22% faster in the attention bench (L2 flushed) but made
+# the engine's fixed-budget fp8 run 5.5% slower (docs/tuning-history.md).
+DECODE_TILE_WAVE = {"int8": (32, 5), "k8v4": (32, 5)}
 WAVE_PROGRAMS_PER_SM = 4
 DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5), "k8v4": (32, 5), "fp8k": (32, 5)}
 LONG_MIN_KV = 4096
