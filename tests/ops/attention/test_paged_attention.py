@@ -137,10 +137,12 @@ def test_sliding_window(device, window):
         assert torch.equal(out, full) and torch.equal(lse, full_lse)
 
 
-def test_softcap_and_sinks(device):
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8k"])
+def test_softcap_and_sinks(device, kv_dtype):
+    """Soft-cap and sinks (fp8k: each key's scale multiplies its score before the tanh)."""
     H, hq, D, bs = 2, 4, 64, 16
     kv_lens, q_lens = [33, 2], [4, 2]
-    cache, bt, _ = make_paged(device, kv_dtype="fp8", layout="HND", H=H, D=D, bs=bs, lens=kv_lens)
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="HND", H=H, D=D, bs=bs, lens=kv_lens)
     q = _q(sum(q_lens), hq, D, torch.float16, device) * 4
     sinks = torch.tensor([0.5, -1.0, 3.0, 8.0], device=device)
     out, lse = _run(cache, bt, q, q_lens, kv_lens, device, softcap=5.0, sinks=sinks)
@@ -150,12 +152,12 @@ def test_softcap_and_sinks(device):
     assert (lse > plain_lse).all()  # the sink adds a positive term to every denominator
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_split_kv(device, num_splits):
+@pytest.mark.parametrize("num_splits,kv_dtype", [(1, "int4"), (2, "int4"), (5, "int4"), (5, "fp8k")])
+def test_split_kv(device, num_splits, kv_dtype):
     """Split launches (and their merge pass) give the unsplit result within float32 merge rounding."""
     H, hq, D, bs = 2, 8, 64, 16
     kv_lens, q_lens = [150, 3, 64], [1, 1, 2]
-    cache, bt, _ = make_paged(device, kv_dtype="int4", layout="NHD", H=H, D=D, bs=bs, lens=kv_lens)
+    cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=kv_lens)
     q = _q(sum(q_lens), hq, D, torch.float16, device)
     sinks = torch.linspace(-2, 2, hq, device=device)
     out, lse = _run(cache, bt, q, q_lens, kv_lens, device, num_splits=num_splits, sinks=sinks, window=100)
