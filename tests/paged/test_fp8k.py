@@ -439,21 +439,19 @@ def test_params_of_the_wrong_shape_are_rejected(device):
     common = dict(kv_dtype="fp8k", layout="NHD")
     bt, lens = pr.i32([[1, 4]], device), pr.i32([7], device)
     q = torch.zeros((1, 2 * H, D), dtype=torch.float16, device=device)
-    for p in bad.values():
-        with pytest.raises(ValueError, match=pr.names("params")):
-            append_paged_kv(k, k, pool, p, slot_mapping=slots, fp8_scales=scales, **common)
-        with pytest.raises(ValueError, match=pr.names("params")):
-            gather_paged_kv(pool, p, block_tables=bt, kv_lens=lens, dtype=torch.float16, fp8_scales=scales, **common)
-        with pytest.raises(ValueError, match=pr.names("params")):
-            paged_attention(q, pool, p, scales, block_tables=bt, cu_q_lens=pr.i32([0, 1], device), kv_lens=lens,
-                            **common)
-    with pytest.raises(TypeError, match=pr.names("params")):
-        append_paged_kv(k, k, pool, None, slot_mapping=slots, fp8_scales=scales, **common)
-    with pytest.raises(TypeError, match=pr.names("params")):
-        gather_paged_kv(pool, None, block_tables=bt, kv_lens=lens, dtype=torch.float16, fp8_scales=scales, **common)
-    with pytest.raises(ValueError, match=pr.names("params")):
-        paged_attention(q, pool, None, scales, block_tables=bt, cu_q_lens=pr.i32([0, 1], device), kv_lens=lens,
-                        **common)
+    ops = (  # each op over params p, and the error a missing params pool raises in it
+        (lambda p: append_paged_kv(k, k, pool, p, slot_mapping=slots, fp8_scales=scales, **common), TypeError),
+        (lambda p: gather_paged_kv(pool, p, block_tables=bt, kv_lens=lens, dtype=torch.float16, fp8_scales=scales,
+                                   **common), TypeError),
+        (lambda p: paged_attention(q, pool, p, scales, block_tables=bt, cu_q_lens=pr.i32([0, 1], device),
+                                   kv_lens=lens, **common), ValueError),
+    )
+    for op, missing in ops:
+        for p in bad.values():
+            with pytest.raises(ValueError, match=pr.names("params")):
+                op(p)
+        with pytest.raises(missing, match=pr.names("params")):
+            op(None)
     with pytest.raises(ValueError, match=pr.names("fp8_scales")):
         append_paged_kv(k, k, pool, par, slot_mapping=slots, **common)
     with pytest.raises(ValueError, match=pr.names("kv_scales")):
