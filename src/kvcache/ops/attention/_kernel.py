@@ -57,9 +57,8 @@ Shape contract (strides in elements, head_dim contiguous):
 * q / out: row of (sequence ``b``, token ``i``, q head ``h``) at ``b * s_qb + (row0_b + i) * s_qt + h * s_qh``
   (paged: ``row0_b = cu_q[b]``, ``s_qb = 0``; linear: ``row0_b = 0``); lse likewise with its own strides.
 * pool: element (block, k/v, token, kv head, r) at ``block * S_BLK + kv * S_KV + tok * S_TOK + head * S_HEAD +
-  r``; params the same with ``P_*`` strides and r in {0: scale, 1: zero} (fp8k: r = 0, the key's scale, one
-  plane). A linear layer ``[B, 2, H, S, D]`` is a pool of ``B`` blocks of ``S`` tokens, block ``b`` holding
-  sequence ``b`` (``LINEAR``).
+  r``; params the same with ``P_*`` strides, r in {0: scale, 1: zero} (fp8k: one plane, r = 0). A linear layer
+  ``[B, 2, H, S, D]`` is a pool of ``B`` blocks of ``S`` tokens, block ``b`` holding sequence ``b`` (``LINEAR``).
 * workspace (``num_splits > 1``): partial outputs ``[num_splits, n_rows, HQ, D]`` and lse ``[num_splits,
   n_rows, HQ]`` float32, row index ``row0_b + i`` (linear: ``b * q_len + i``).
 """
@@ -120,9 +119,7 @@ def _tile(
         k_lo, k_hi = dequant(k_lo, k_hi, ks, kz, qdt, Q_DT, 4 if QK == 3 else 8, True, INTERP)
     s = tl.dot(q_lo, k_lo.to(q_lo.dtype), input_precision=PRECISION)
     s = tl.dot(q_hi, k_hi.to(q_lo.dtype), acc=s, input_precision=PRECISION)
-    if QK == 5:
-        # fp8k: each key's scale, one multiply per score (keys past the length or the table load 0: their scores
-        # are masked, or are the zero keys' 0 of the other formats)
+    if QK == 5:  # fp8k: each key's scale, one multiply per score (0 past the length: scores masked or 0)
         s = s * tl.load(qparams + pbase, mask=ok_n, other=0.0)[None, :]
     # without softcap (every format but fp8, whose scale is data): the rows' maxima of unscaled scores times the
     # score scale (> 0) are the maxima of the scaled ones, and the scale enters exp2's argument, one multiply-add per
@@ -167,7 +164,7 @@ def _tile(
     v_off = vbase[:, None] + dd[None, :]
     v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, None] & ok_lo[None, :], ok_n[:, None] & ok_hi[None, :], H1, QV, vdt,
                           not V_FOLD, INTERP, V_MAGIC)
-    if QV >= 2:
+    if QV >= 2 and QV <= 4:  # (scale, zero) of V; fp8k's values are fp8's
         vp = blk * P_BLK + P_KV + tok * P_TOK + kvh * P_HEAD
         vs, vz = _load_params(qparams, vp, ok_n)
         if V_FOLD:
@@ -224,8 +221,7 @@ def _attention_kernel(
     HEADS_INNER: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
     Q_ROPE: tl.constexpr,
 ):
-    # QUANT: 0 stored model dtype, 1 fp8, 2 int8, 3 int4, 4 k8v4 (keys int8, values int4), 5 fp8k (fp8 keys with
-    # a scale per token and head, fp8 values).
+    # QUANT: 0 model dtype, 1 fp8, 2 int8, 3 int4, 4 k8v4 (int8 keys, int4 values), 5 fp8k (fp8, a scale per key)
     if PDL:
         # launched as a programmatic dependent: the grid may be resident before the previous kernel (the append,
         # which releases its dependents early) ends; nothing is read before that kernel has finished
@@ -343,11 +339,6 @@ def _attention_kernel(
         QV: tl.constexpr = 3
         K_HI: tl.constexpr = S_KV
         V_AT: tl.constexpr = 2 * S_KV
-    elif QUANT == 5:
-        QK: tl.constexpr = 5
-        QV: tl.constexpr = 1
-        K_HI: tl.constexpr = H1
-        V_AT: tl.constexpr = S_KV
     else:
         QK: tl.constexpr = QUANT
         QV: tl.constexpr = QUANT
