@@ -124,16 +124,16 @@ def append_paged_kv_reference(k: torch.Tensor, v: torch.Tensor, layer: PagedLaye
             x = _rope_rows(x.float(), pos, rope)
         if kv_dtype == "auto":
             data = x.to(pool.dtype)
-        elif kv_dtype == "fp8k" and kv == 0:
-            scale, inv = key_scales_reference(x)
-            if hnd:
-                params[blks, 0, :, offs] = scale[..., None]
-            else:
-                params[blks, 0, offs] = scale[..., None]
-            y = x.float() * inv[..., None]
-            data = torch.where(torch.isfinite(y), y.clamp(-_FP8_MAX, _FP8_MAX), float("nan")).to(pool.dtype)
         elif kv_dtype in ("fp8", "fp8k"):
-            inv = 1.0 / fp8_scales[kv].float()
+            if kv_dtype == "fp8k" and kv == 0:  # a scale per key row, into the params pool
+                scale, inv = key_scales_reference(x)
+                if hnd:
+                    params[blks, 0, :, offs] = scale[..., None]
+                else:
+                    params[blks, 0, offs] = scale[..., None]
+                inv = inv[..., None]
+            else:
+                inv = 1.0 / fp8_scales[kv].float()
             y = x.float() * inv  # finite values saturate; NaN and +-inf are stored as NaN (e4m3fn has no infinity)
             data = torch.where(torch.isfinite(y), y.clamp(-_FP8_MAX, _FP8_MAX), float("nan")).to(pool.dtype)
         else:
