@@ -1,7 +1,8 @@
 """The disk tier: one file per block, carrying a checksum and the fingerprint of what made it, under a size budget.
 
 File ``<directory>/<fingerprint[:16]>/<hash:016x>.kvblock``: a safetensors file with tensors ``data``
-``[L, *block]`` (the cache's storage dtype) and, for int8 / int4, ``params`` (float32), and string metadata:
+``[L, *block]`` (the cache's storage dtype) and, with a params pool (int8 / int4 / k8v4 / fp8k), ``params``
+(float32), and string metadata:
 
 ===========  ==================================================================================================
 key          value
@@ -139,7 +140,7 @@ class DiskTier:
     capacity_bytes : int
         Budget of this fingerprint's files (>= 1); the least recently used are deleted beyond it.
     shapes : list of (torch.dtype, tuple)
-        ``(dtype, [L, *block])`` of ``data`` and, for int8 / int4, of ``params``: what a file must hold
+        ``(dtype, [L, *block])`` of ``data`` and, with a params pool, of ``params``: what a file must hold
         (:func:`~kvcache.paged.tiers.host.slot_shapes` of the cache).
 
     Raises
