@@ -1,7 +1,7 @@
 """KV transfer between ranks by torch.distributed point-to-point (NCCL on GPUs, gloo on CPUs): paged blocks of
 every layer (any kv_dtype; int8 / int4 / k8v4 scale / zero, fp8k key scales and fp8 scales included), for
-disaggregated serving (prefill on one rank, decode on another); :mod:`.snapshots` sends :class:`~kvcache.KVSnapshot` prefixes the same way, with
-the helpers below.
+disaggregated serving (prefill on one rank, decode on another); :mod:`.snapshots` sends :class:`~kvcache.KVSnapshot`
+prefixes the same way, with the helpers below.
 
 Each transfer is a header, an answer and the payload in checksummed chunks (see
 :mod:`kvcache.distributed.wire`): the receiver checks format and shape against its own before anything moves
@@ -345,8 +345,7 @@ def _receive_blocks(cache: PagedKVCache, ch: Channel, layout: W.Layout, ids: lis
     pools = _pools(cache)
     rows = _rows_index(cache, ids)
     scales = torch.empty(L, 2, dtype=torch.float32, device=cache.device) if layout.prefix else None
-    # the scales the blocks decode with: (k_scale, v_scale) for fp8, v_scale alone for fp8k (its keys carry their own)
-    used = slice(1, 2) if cache.config.kv_dtype == "fp8k" else slice(0, 2)
+    used = list(kv_format(cache.config.kv_dtype).layer_scales)  # the scales the blocks decode with
     # fp8 scales that differ from this cache's (compared once chunk 0 is here): nothing is written then
     other_scales: list[list[list[float]]] = []
 
@@ -372,7 +371,7 @@ def _receive_blocks(cache: PagedKVCache, ch: Channel, layout: W.Layout, ids: lis
                          f"has {cache.kv_scales.tolist()} (pass adopt_scales=True to take the sender's); nothing "
                          f"was written")
     if scales is not None and adopt_scales:
-        cache.kv_scales[:, used].copy_(scales[:, used])
+        cache.kv_scales[:, used] = scales[:, used]  # a list index: assigned in place (index_put_), not a view
 
 
 # ------------------------------------------------------------------------------------------------ snapshots

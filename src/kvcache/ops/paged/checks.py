@@ -204,7 +204,7 @@ def host_check_fp8_scales(fp8_scales: torch.Tensor, kv_dtype: str = "fp8") -> No
     """Debug check of fp8 (k_scale, v_scale): finite and > 0 (a scale of 0 would store NaN / +-448); fp8k reads
     v_scale alone."""
     vals = fp8_scales.tolist()
-    used = vals[1:] if kv_dtype == "fp8k" else vals
+    used = [vals[i] for i in kv_format(kv_dtype).layer_scales]
     if not all(math.isfinite(x) and x > 0 for x in used):
         raise ValueError(f"fp8_scales: expected finite scales > 0, got {vals}")
 

@@ -81,6 +81,14 @@ class KVFormat:
         return 0 if self.bits is None else 2**self.bits - 1
 
     @property
+    def layer_scales(self) -> tuple[int, ...]:
+        """Which of a layer's ``(k_scale, v_scale)`` the format reads: both for fp8, v_scale alone for fp8k (its keys
+        carry their own scales), none for the others."""
+        if not self.per_layer_scale:
+            return ()
+        return (1,) if self.key_scale else (0, 1)
+
+    @property
     def has_params(self) -> bool:
         """A params pool beside the data: (scale, zero) pairs of K and V (int8 / int4 / k8v4), or the keys' scales
         (fp8k)."""
