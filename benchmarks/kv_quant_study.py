@@ -130,6 +130,38 @@ def fp8_row_scale(x: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     return fp8_e4m3(x, scale)
 
 
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of a float4 e2m1 element (OCP MX / NVFP4)
+SCALE_BYTES = {"f16": 2, "e4m3": 1, "ue8m0": 1}
+
+
+def _stored_scale(s: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A symmetric group's scale as stored: fp16, e4m3 (round to nearest, saturating) or ue8m0 (a power of two,
+    rounded up so that no element clips)."""
+    if fmt == "f16":
+        return s.half().float()
+    if fmt == "e4m3":
+        return s.clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
+    return torch.exp2(torch.ceil(torch.log2(s.clamp_min(2.0**-127))))
+
+
+def sym_groups(x: torch.Tensor, bits: int, group: int, scale_fmt: str, elem: str) -> torch.Tensor:
+    """Symmetric codes per (token, head, ``group`` channels), no zero: ``scale = amax / qmax`` stored as
+    ``scale_fmt``; elements signed integers in [-qmax, qmax] (``qmax = 2^(bits-1) - 1``, round half to even) or
+    e2m1 floats (``elem="e2m1"``, qmax 6, nearest magnitude)."""
+    *lead, d = x.shape
+    xg = x.reshape(*lead, d // group, group)
+    qmax = 6.0 if elem == "e2m1" else float(2 ** (bits - 1) - 1)
+    scale = _stored_scale(xg.abs().amax(dim=-1, keepdim=True) / qmax, scale_fmt)
+    inv = torch.where(scale > 0, 1.0 / scale.clamp_min(1e-30), torch.zeros_like(scale))
+    y = (xg * inv).clamp(-qmax, qmax)
+    if elem == "e2m1":
+        grid = torch.tensor(E2M1, dtype=y.dtype, device=y.device)
+        q = grid[(y.abs()[..., None] - grid).abs().argmin(-1)] * y.sign()
+    else:
+        q = torch.round(y)
+    return (q * scale).reshape(x.shape)
+
+
 def kivi_keys(x: torch.Tensor, bits: int, scale_dtype: torch.dtype, group: int = KIVI_GROUP) -> torch.Tensor:
     """Per-channel asymmetric codes over groups of ``group`` tokens: x [B, H, T, D], T a multiple of it."""
     b, h, t, d = x.shape
@@ -150,7 +182,8 @@ def hadamard(d: int) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class Side:
     """How one of K / V is stored. ``kind``: "int" (bits, group, scale dtype), "fp8" (scale mode
-    "one" / "layer" / "row"), "kivi" (keys per channel over ``group`` tokens, 32 when 0, full-precision tail);
+    "one" / "layer" / "row"), "kivi" (keys per channel over ``group`` tokens, 32 when 0, a full-precision or an
+    int8 tail), "sym" (symmetric codes per ``group`` channels, one scale stored as fp16 / e4m3 / a power of two);
     ``rotate``: a Hadamard rotation over head_dim first."""
 
     kind: str
@@ -164,11 +197,16 @@ class Side:
     clip: bool = False  # integer formats: per-group clip search (CLIP_RATIOS)
     center: bool = False  # subtract the per-(head, channel) mean of the layer's first append, fixed after it
     fixed_scale: float = 1.0  # fp8 "one": the per-tensor scale (x / scale stored)
+    sym_scale: str = "f16"  # "sym": the group scale's storage (f16, e4m3, ue8m0)
+    elem: str = "int"  # "sym": integer elements or e2m1 floats
+    tail8: bool = False  # "kivi": the partial group's keys stored as int8 per (token, head) until it fills
 
     def nbytes(self, d: int) -> float:
         sb = torch.finfo(self.scale_dtype).bits // 8
         if self.kind == "int":
             return d * self.bits / 8 + (d // (self.group or d)) * 2 * sb
+        if self.kind == "sym":
+            return d * self.bits / 8 + (d // self.group) * SCALE_BYTES[self.sym_scale]
         if self.kind == "kivi":
             return d * self.bits / 8 + d * 2 * sb / (self.group or KIVI_GROUP)
         return d + (sb if self.fp8_scale == "row" else 0)  # fp8; a per-layer scale costs nothing per token
@@ -176,7 +214,7 @@ class Side:
     def apply(self, x: torch.Tensor, state: dict, key: tuple) -> torch.Tensor:
         """Stored-then-read values of newly appended x [B, H, T, D] (float32). ``state`` keeps per-layer scales."""
         if self.kind == "kivi":  # quantized by the cache when a 32-token group fills
-            return x
+            return int_asym(x, 8, x.shape[-1], F32) if self.tail8 else x
         rot = smooth = mean = None
         if self.center:  # keys: q.(k - m) = q.k - q.m, one shift per query (softmax keeps it); values: out + m
             ckey = key + ("center",)
@@ -199,7 +237,9 @@ class Side:
         if self.rotate:
             rot = state.setdefault(("R", x.shape[-1]), hadamard(x.shape[-1]).to(x.device))
             x = x @ rot
-        if self.kind == "int":
+        if self.kind == "sym":
+            y = sym_groups(x, self.bits, self.group, self.sym_scale, self.elem)
+        elif self.kind == "int":
             y = int_asym(x, self.bits, self.group or x.shape[-1], self.scale_dtype, self.clip)
         elif self.fp8_scale == "one":
             y = fp8_e4m3(x, self.fixed_scale)
@@ -233,6 +273,10 @@ def _int(bits: int = 4, group: int = 0, sd: torch.dtype = F32, rotate: bool = Fa
          clip: bool = False, pair_smooth: bool = False, center: bool = False) -> Side:
     return Side("int", bits, group, sd, rotate=rotate, smooth=smooth, clip=clip, pair_smooth=pair_smooth,
                 center=center)
+
+
+def _sym(group: int, scale: str, elem: str = "int") -> Side:
+    return Side("sym", 4, group, sym_scale=scale, elem=elem)
 
 
 def _fp8(mode: str, sd: torch.dtype = F16, rotate: bool = False, center: bool = False) -> Side:
@@ -282,9 +326,16 @@ VARIANTS: list[Variant] = [
     Variant("k-int5-had-f16/v-int4-had-f16", _int(5, sd=F16, rotate=True), _int(4, sd=F16, rotate=True)),
     Variant("k-int6-f16/v-int4-had-f16", _int(6, sd=F16), _int(4, sd=F16, rotate=True)),
     Variant("k-int8-f16/v-int4-had-f16", _int(8, sd=F16), _int(4, sd=F16, rotate=True)),
+    Variant("k-int4-g8-f16/v-int4", _int(4, 8, F16), _int(4)),
+    *(Variant(f"k-sym4-g{g}-{f}/v-int4", _sym(g, f), _int(4)) for g in (8, 16, 32) for f in ("f16", "e4m3", "ue8m0")),
+    *(Variant(f"k-e2m1-g{g}-{f}/v-int4", _sym(g, f, "e2m1"), _int(4)) for g in (8, 16) for f in ("e4m3", "ue8m0")),
+    *(_both(f"sym4-g{g}-{f}", _sym(g, f)) for g in (8, 16) for f in ("e4m3", "ue8m0")),
+    Variant("k-sym4-g8-e4m3/v-sym4-g32-e4m3", _sym(8, "e4m3"), _sym(32, "e4m3")),
     Variant("kivi-k32-f16/v-int4-f16", Side("kivi", 4, scale_dtype=F16), _int(4, sd=F16)),
     Variant("kivi-k32-f16/v-had-f16", Side("kivi", 4, scale_dtype=F16), _int(4, sd=F16, rotate=True)),
     Variant("kivi-k16-f16/v-int4-f16", Side("kivi", 4, 16, F16), _int(4, sd=F16)),
+    *(Variant(f"kivi-k{g}-{n}{t}/v-int4", Side("kivi", 4, g, sd, tail8=bool(t)), _int(4))
+      for g in (16, 32) for n, sd in (("f16", F16), ("f32", F32)) for t in ("", "-t8")),
     Variant("kivi-k64-f16/v-int4-f16", Side("kivi", 4, 64, F16), _int(4, sd=F16)),
     _both("fp8", _fp8("one")),
     _both("fp8-layer-amax", _fp8("layer")),
@@ -320,8 +371,8 @@ VARIANTS: list[Variant] = [
 class QuantCache(DynamicCache):
     """A DynamicCache whose appended K / V are stored in a variant's format (quantized once, when appended).
 
-    KIVI-style keys stay in full precision until their 32-token group is complete, then are quantized in place
-    (per channel over the group), as a kernel with a full-precision tail would.
+    KIVI-style keys stay in full precision (or int8 rows, ``tail8``) until their group is complete, then are
+    quantized in place (per channel over the group), as a kernel with such a tail would.
     """
 
     def __init__(self, variant: Variant) -> None:

@@ -227,6 +227,17 @@ def test_a_damaged_disk_entry_is_refused_deleted_and_reported(tmp_path, where):
     assert tiers.stats()["disk"].refused == 1 and tiers.events.drain() == [BlockRemoved((h,), "disk")]
 
 
+@pytest.mark.parametrize("kv_dtype, reads", [("fp8", (0, 1)), ("fp8k", (1,)), ("int8", ()), ("auto", ())])
+def test_the_fingerprint_covers_the_layer_scales_the_format_reads(kv_dtype, reads):
+    cache = _cache(kv_dtype)
+    base = cache_fingerprint(cache, "m")
+    for layer, which in ((0, 0), (1, 1)):
+        cache.kv_scales[layer, which] = 0.5
+        assert (cache_fingerprint(cache, "m") != base) == (which in reads), (layer, which)
+        cache.kv_scales[layer, which] = 1.0
+    assert cache_fingerprint(cache, "m") == base
+
+
 @pytest.mark.parametrize("other", [dict(model_id="another-model"), dict(kv_dtype="int8")])
 def test_a_disk_entry_of_another_model_or_format_is_refused(tmp_path, other):
     tiers, h = _one_block_on_disk(tmp_path)

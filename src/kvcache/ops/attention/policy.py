@@ -52,7 +52,8 @@ DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2), "k8v4": (32, 3)}
 # stages), unsplit at every length: five stages, and the batch still runs as one wave (H200, 2026-11-29, 32 / 8 heads
 # x 128, fp16 queries): 64 x 512 / 1k / 2k / 4k / 16k, int8 -18 / -19 / -19 / -14 / -4%, k8v4 -19 / -20 / -20 / -14 /
 # -7% against DECODE_TILE_LONG with its splits. With more programs a second wave forms and five stages lose up to 24%
-# (int8 80 x 768); int4's 64-key tiles keep their place (five stages: -5% at 64 x 1k, +9% at 64 x 16k). fp8 / fp8k
+# (int8 80 x 768); int4's 64-key tiles keep their place (five stages: -5% at 64 x 1k, +9% at 64 x 16k). In the
+# engine's fixed-budget runs they gain int8 +1.4% and k8v4 +1.6% (two alternating pairs each). fp8 / fp8k
 # keep their 4-warp tile: five-stage one-warp tiles measured 17-22% faster in the attention bench (L2 flushed) but made
 # the engine's fixed-budget fp8 run 5.5% slower (docs/tuning-history.md).
 DECODE_TILE_WAVE = {"int8": (32, 5), "k8v4": (32, 5)}

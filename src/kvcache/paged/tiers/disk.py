@@ -36,6 +36,7 @@ import torch
 
 from ..._validate import check_int
 from ...linear._snapfile import _digest, _header, read_file, write_atomic
+from ...ops.paged.format import kv_format
 
 if TYPE_CHECKING:
     from ..cache import PagedKVCache
@@ -96,7 +97,8 @@ def weights_identity(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 def cache_fingerprint(cache: PagedKVCache, model_id: str) -> str:
     """What a block's bytes depend on besides its tokens: ``model_id`` (given by the user, or
     :func:`weights_identity`), the cache's layer count, KV heads, head dim, block size, model dtype, kv format and
-    storage dtype, layout, the fp8 scales (``kv_scales``), and the cache's RoPE (every field of its ``RopeConfig``).
+    storage dtype, layout, the per-layer scales the format reads (``kv_scales``: both for fp8, ``v_scale`` alone for
+    fp8k, none for the others), and the cache's RoPE (every field of its ``RopeConfig``).
 
     Returns
     -------
@@ -122,7 +124,7 @@ def cache_fingerprint(cache: PagedKVCache, model_id: str) -> str:
         "format": FORMAT, "model": model_id, "num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads,
         "head_dim": c.head_dim, "block_size": c.block_size, "dtype": str(c.dtype), "kv_dtype": c.kv_dtype,
         "storage_dtype": str(c.storage_dtype), "layout": c.layout,
-        "kv_scales": cache.kv_scales.detach().float().cpu().tolist(),
+        "kv_scales": cache.kv_scales[:, list(kv_format(c.kv_dtype).layer_scales)].detach().float().cpu().tolist(),
         "rope": None if rope is None else repr(rope),
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
