@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .._validate import cdiv
+from ..ops.paged.block_keys import blocks_for_tokens
 from ..paged import BlockAllocator, PagedConfig, PagedKVCache, StepPlan
 from ..ops.paged.format import kv_format
 from ..paged.config import KV_FORMATS, LAYOUTS
@@ -124,7 +125,8 @@ class PagedCache(CacheCapacity, Cache):
         self._max_len = max_cache_len
         self.kv_dtype = kv_dtype
         self.block_size = block_size
-        self.num_blocks = num_blocks if num_blocks is not None else max_batch_size * cdiv(max_cache_len, block_size)
+        self.num_blocks = num_blocks if num_blocks is not None else max_batch_size * (
+            cdiv(max_cache_len, block_size) + (1 if kv_dtype == "int4b" else 0))
         self.layout = layout
         self._device = torch.device(device) if device is not None else None
         self.paged: PagedKVCache | None = None
@@ -237,18 +239,19 @@ class PagedCache(CacheCapacity, Cache):
             if all(c == T for c in counts):
                 valid = None
         before = list(self._stored)
-        need = [max(cdiv(n + c, self.block_size) - len(t), 0)
-                for n, c, t in zip(before, counts, self.block_tables)]
-        # a row writing into a block it shares (after a beam-search fork) copies it first
-        shared = [b for b in range(B) if counts[b] and before[b] % self.block_size
-                  and self.allocator.ref_count(self.block_tables[b][before[b] // self.block_size]) > 1]
+        need = [max(self._blocks_for(n + c) - len(t), 0) for n, c, t in zip(before, counts, self.block_tables)]
+        # a row writing into a block it shares (after a beam-search fork) copies it first; an int4b partial block
+        # with the next block, which holds the second halves of its key rows
+        span = 2 if self.kv_dtype == "int4b" else 1
+        shared = [(b, j) for b in range(B) if counts[b] and before[b] % self.block_size
+                  for j in range(before[b] // self.block_size, before[b] // self.block_size + span)
+                  if self.allocator.ref_count(self.block_tables[b][j]) > 1]
         if sum(need) + len(shared) > self.allocator.num_free_blocks:
             raise ValueError(
                 f"num_blocks: the chunk needs {sum(need) + len(shared)} more blocks, {self.allocator.num_free_blocks} "
                 f"of {self.num_blocks} are free; give PagedCache a larger num_blocks or max_cache_len")
         paged: PagedKVCache = self.paged  # type: ignore[assignment]
-        for b in shared:
-            j = before[b] // self.block_size
+        for b, j in shared:
             old = self.block_tables[b][j]
             new = self.allocator.copy_on_write(old)
             if new is not None and new != old:
@@ -346,14 +349,23 @@ class PagedCache(CacheCapacity, Cache):
         removed = self._hf_len - keep
         if removed == 0:
             return
+        if self.kv_dtype == "int4b" and any(
+                keep_b % self.block_size and keep_b // self.block_size < n // self.block_size
+                for n in self._stored for keep_b in [max(n - removed, 0)]):
+            raise NotImplementedError("PagedCache: crop inside a full block of an int4b cache (its keys would need "
+                                      "re-encoding as int8 rows)")
         for b, t in enumerate(self.block_tables):
             self._stored[b] = max(self._stored[b] - removed, 0)
-            n = cdiv(self._stored[b], self.block_size)
+            n = self._blocks_for(self._stored[b])
             if len(t) > n:
                 self.allocator.free(t[n:])
                 del t[n:]
         self._layer_len = [keep] * len(self._layer_len)
         self._hf_len = keep
+
+    def _blocks_for(self, tokens: int) -> int:
+        """Blocks a row of ``tokens`` tokens holds (int4b: a partial block keeps the block after it)."""
+        return blocks_for_tokens(tokens, self.block_size) if self.kv_dtype == "int4b" else cdiv(tokens, self.block_size)
 
     def _crop_layer(self, i: int, tokens_to_remove: int) -> None:
         raise NotImplementedError(

@@ -63,7 +63,7 @@ import torch
 
 from .._device import resolve_device
 from .._validate import MODEL_DTYPES, check_choice, check_dtype_in, check_int
-from ..ops.paged.format import KV_FORMATS, LAYOUTS, kv_format
+from ..ops.paged.format import KV_FORMATS, LAYOUTS, KVFormat, kv_format
 
 __all__ = ["PagedConfig", "cache_block_bytes", "KV_FORMATS", "LAYOUTS"]
 
@@ -99,9 +99,16 @@ def cache_block_bytes(
     check_dtype_in("dtype", dtype, MODEL_DTYPES)
     check_choice("kv_dtype", kv_dtype, KV_FORMATS)
     fmt = kv_format(kv_dtype)
+    _check_geometry(fmt, head_dim, block_size)
+    return num_layers * block_size * num_kv_heads * fmt.token_head_bytes(head_dim, dtype, block_size)
+
+
+def _check_geometry(fmt: KVFormat, head_dim: int, block_size: int) -> None:
     if fmt.needs_even_head_dim and head_dim % 2:
-        raise ValueError(f"head_dim: expected an even head_dim for kv_dtype={kv_dtype!r}, got {head_dim}")
-    return num_layers * block_size * num_kv_heads * fmt.token_head_bytes(head_dim, dtype)
+        raise ValueError(f"head_dim: expected an even head_dim for kv_dtype={fmt.name!r}, got {head_dim}")
+    if fmt.block_keys and 2 * block_size > head_dim:
+        raise ValueError(f"block_size: expected at most head_dim / 2 = {head_dim // 2} for kv_dtype={fmt.name!r} (a "
+                         f"block's key area holds its partial rows' (scale, zero) pairs), got {block_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,8 +152,7 @@ class PagedConfig:
         check_dtype_in("dtype", self.dtype, MODEL_DTYPES)
         check_choice("kv_dtype", self.kv_dtype, KV_FORMATS)
         check_choice("layout", self.layout, LAYOUTS)
-        if kv_format(self.kv_dtype).needs_even_head_dim and self.head_dim % 2:
-            raise ValueError(f"head_dim: expected an even head_dim for kv_dtype={self.kv_dtype!r}, got {self.head_dim}")
+        _check_geometry(kv_format(self.kv_dtype), self.head_dim, self.block_size)
         object.__setattr__(self, "device", resolve_device(self.device))
 
     @property
@@ -184,7 +190,7 @@ class PagedConfig:
         (NHD) / ``[num_blocks, P, H, block_size, W]`` (HND), ``(P, W)`` = (2, 2) for (scale, zero) of K and V, (1, 1)
         for fp8k's key scales."""
         fmt = kv_format(self.kv_dtype)
-        p, w = (fmt.param_planes, fmt.param_width) if fmt.has_params else (2, 2)
+        p, w = (fmt.param_planes, fmt.params_width(self.head_dim, self.block_size)) if fmt.has_params else (2, 2)
         if self.layout == "NHD":
             return (self.num_blocks, p, self.block_size, self.num_kv_heads, w)
         return (self.num_blocks, p, self.num_kv_heads, self.block_size, w)

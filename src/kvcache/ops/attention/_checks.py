@@ -91,10 +91,10 @@ def check_pool(pool: object, params: object, kv_scales: object, kv_dtype: str, l
                          f"shape {fmt_shape(pool.shape)}")
     if fmt.has_params:
         if params is None:
-            what = "(scale, zero)" if fmt.row_params else "key scale"
+            what = "(scale, zero)" if fmt.row_params or fmt.block_keys else "key scale"
             raise ValueError(f"params: expected the float32 {what} pool for kv_dtype {kv_dtype!r}, got None")
         check_tensor_arg("params", params, dtypes=(torch.float32,), ndim=5, device=dev, ref="q")
-        pp, pw = fmt.param_planes, fmt.param_width
+        pp, pw = fmt.param_planes, fmt.params_width(d, bs)
         pshape = (nb, pp, bs, h, pw) if layout == "NHD" else (nb, pp, h, bs, pw)
         if tuple(params.shape) != pshape or not params.is_contiguous():
             raise ValueError(f"params: expected a contiguous float32 {fmt_shape(pshape)}, got "

@@ -180,6 +180,8 @@ def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, n
     check_int("max_kv_len", max_kv_len, 0)
     check_int("num_sms", num_sms, 1)
     check_int("q_bytes", q_bytes, 1, 8)
+    if kv_dtype == "int4b":
+        kv_dtype = "int4"  # the CPU backend's plan; int4b's kernels are to be tuned
     if kv_dtype not in DECODE_TILE:
         raise ValueError(f"kv_dtype: expected one of {tuple(DECODE_TILE)}, got {kv_dtype!r}")
     g = next_pow2(max(1, num_q_heads // num_kv_heads))

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from ..paged.block_keys import read_sequence
 from ..paged.format import stored_planes, unpack_codes
 
 __all__ = ["dequantize_rows", "attend_rows", "paged_attention_reference", "linear_attention_reference",
@@ -137,11 +138,15 @@ def paged_attention_reference(
         n_local = max(0, -(-(kv_len - cp_rank) // cp_size))
         n_local = min(n_local, table.shape[1] * bs)
         j = torch.arange(n_local, device=pool.device)
-        blocks = table[b, j // bs] if n_local else j
-        keep = (blocks >= 0) & (blocks < nb)  # out-of-range block ids are not read (the kernels skip them)
-        j, blocks = j[keep], blocks[keep]
-        k = dequantize_rows(pool, params, kv_scales, kv_dtype, layout, blocks, j % bs, 0)
-        v = dequantize_rows(pool, params, kv_scales, kv_dtype, layout, blocks, j % bs, 1)
+        if kv_dtype == "int4b":  # a block's key form follows from the sequence's length
+            k, v, keep = read_sequence(pool, params, layout, table[b].tolist(), n_local)
+            j, k, v = j[keep], k[keep], v[keep]
+        else:
+            blocks = table[b, j // bs] if n_local else j
+            keep = (blocks >= 0) & (blocks < nb)  # out-of-range block ids are not read (the kernels skip them)
+            j, blocks = j[keep], blocks[keep]
+            k = dequantize_rows(pool, params, kv_scales, kv_dtype, layout, blocks, j % bs, 0)
+            v = dequantize_rows(pool, params, kv_scales, kv_dtype, layout, blocks, j % bs, 1)
         q_pos = kv_len - q_len + torch.arange(q0 - cu[b], q1 - cu[b], device=pool.device)
         o, l_ = attend_rows(q[q0:q1], k, v, q_pos, j * cp_size + cp_rank, scale=scale, window=window,
                             softcap=softcap, sinks=sinks if cp_rank == 0 else None)

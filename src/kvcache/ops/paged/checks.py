@@ -38,12 +38,13 @@ def pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> t
     nb = pool.shape[0]
     bs, h = (pool.shape[2], pool.shape[3]) if layout == "NHD" else (pool.shape[3], pool.shape[2])
     if fmt.has_params:
-        what = "scales and zeros" if fmt.row_params else "key scales"
+        what = "scales and zeros" if fmt.row_params or fmt.block_keys else "key scales"
         if not isinstance(params, torch.Tensor):
             raise TypeError(f"params: expected a float32 tensor of {what} for kv_dtype {kv_dtype!r}, "
                             f"got {type(params).__name__}")
         # (scale, zero) of K and of V; fp8k: the scale of K
-        want = (pool.shape[0], fmt.param_planes, *pool.shape[2:4], fmt.param_width)
+        d = 2 * pool.shape[4] if fmt.value_bits == 4 else pool.shape[4]
+        want = (pool.shape[0], fmt.param_planes, *pool.shape[2:4], fmt.params_width(d, bs))
         if tuple(params.shape) != want or params.dtype != torch.float32 or not params.is_contiguous():
             raise ValueError(f"params: expected a contiguous float32 tensor of shape {fmt_shape(want)}, got "
                              f"{params.dtype} {fmt_shape(params.shape)}")

@@ -10,8 +10,8 @@ import dataclasses
 
 import torch
 
-__all__ = ["KVFormat", "KV_FORMAT_TABLE", "KV_FORMATS", "LAYOUTS", "kv_format", "pack_codes", "stored_planes",
-           "unpack_codes"]
+__all__ = ["KVFormat", "KV_FORMAT_TABLE", "KV_FORMATS", "LAYOUTS", "block_key_words", "kv_format", "pack_codes",
+           "stored_planes", "unpack_codes"]
 
 LAYOUTS = ("NHD", "HND")
 
@@ -23,9 +23,9 @@ class KVFormat:
     Attributes
     ----------
     name : str
-        ``"auto"``, ``"fp8"``, ``"int8"``, ``"int4"``, ``"k8v4"`` or ``"fp8k"``.
+        ``"auto"``, ``"fp8"``, ``"int8"``, ``"int4"``, ``"k8v4"``, ``"fp8k"`` or ``"int4b"``.
     code : int
-        The kernels' ``QUANT`` constexpr: 0 auto, 1 fp8, 2 int8, 3 int4, 4 k8v4, 5 fp8k.
+        The kernels' ``QUANT`` constexpr: 0 auto, 1 fp8, 2 int8, 3 int4, 4 k8v4, 5 fp8k, 6 int4b.
     storage : torch.dtype or None
         dtype of the data pool; None: the model dtype (``"auto"``).
     key_bits, value_bits : int or None
@@ -39,6 +39,11 @@ class KVFormat:
         rows, then the int4 value rows), each of ``row_elems`` bytes per (token, head).
     key_scale : bool
         A float32 scale per (token, head) of the keys alone in a params pool (fp8k: ``amax / 448``).
+    block_keys : bool
+        int4b: a full block's keys as int4 codes with an fp16 (scale, zero) per (block, head, channel); the partial
+        last block of a sequence keeps its keys as int8 rows, each half in its own and in the next block's key plane
+        (the next block is empty until then). Values as int4 rows. One params plane of :meth:`params_width` float32
+        words per (token slot, head): the value row's (scale, zero), then the block's key area.
     """
 
     name: str
@@ -50,6 +55,7 @@ class KVFormat:
     row_params: bool
     planes: int = 2
     key_scale: bool = False
+    block_keys: bool = False
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """dtype of the data pool for a model dtype."""
@@ -92,27 +98,36 @@ class KVFormat:
     def has_params(self) -> bool:
         """A params pool beside the data: (scale, zero) pairs of K and V (int8 / int4 / k8v4), or the keys' scales
         (fp8k)."""
-        return self.row_params or self.key_scale
+        return self.row_params or self.key_scale or self.block_keys
 
     @property
     def param_planes(self) -> int:
-        """Planes of a block in the params pool (dim 1): 2 (K, V) for (scale, zero) pairs, 1 (K) for fp8k, else 0."""
-        return 2 if self.row_params else (1 if self.key_scale else 0)
+        """Planes of a block in the params pool (dim 1): 2 (K, V) for (scale, zero) pairs, 1 (K) for fp8k, 1 for
+        int4b, else 0."""
+        return 2 if self.row_params else (1 if self.key_scale or self.block_keys else 0)
 
     @property
     def param_width(self) -> int:
-        """float32 values per (token, head) of a params plane (last dim): 2 (scale, zero), 1 (fp8k's scale), else 0."""
+        """float32 values per (token, head) of a params plane (last dim): 2 (scale, zero), 1 (fp8k's scale), else 0.
+        int4b's width depends on the geometry: :meth:`params_width`."""
         return 2 if self.row_params else (1 if self.key_scale else 0)
+
+    def params_width(self, head_dim: int, block_size: int) -> int:
+        """float32 words per (token slot, head) of a params plane: :attr:`param_width`, or for int4b 2 (the value
+        row's scale, zero) + :func:`block_key_words` (the key area)."""
+        return 2 + block_key_words(head_dim, block_size) if self.block_keys else self.param_width
 
     @property
     def needs_even_head_dim(self) -> bool:
         """int4 values pack elements ``i`` and ``D/2 + i`` in one byte: head_dim must be even."""
         return self.value_bits == 4
 
-    def token_head_bytes(self, head_dim: int, model_dtype: torch.dtype) -> int:
-        """Bytes of one (token, head) over K and V, their scales (and zeros) included."""
+    def token_head_bytes(self, head_dim: int, model_dtype: torch.dtype, block_size: int = 16) -> int:
+        """Bytes of one (token, head) over K and V, their scales (and zeros) included (int4b's key scales per block
+        spread over its ``block_size`` slots)."""
         elt = torch.empty((), dtype=self.storage_dtype(model_dtype)).element_size()
-        return self.planes * self.row_elems(head_dim) * elt + self.param_planes * self.param_width * 4
+        width = self.params_width(head_dim, block_size)
+        return self.planes * self.row_elems(head_dim) * elt + self.param_planes * width * 4
 
 
 KV_FORMAT_TABLE: dict[str, KVFormat] = {
@@ -124,6 +139,7 @@ KV_FORMAT_TABLE: dict[str, KVFormat] = {
         KVFormat("int4", 3, torch.uint8, 4, 4, False, True),
         KVFormat("k8v4", 4, torch.uint8, 8, 4, False, True, planes=3),
         KVFormat("fp8k", 5, torch.float8_e4m3fn, None, None, True, False, key_scale=True),
+        KVFormat("int4b", 6, torch.uint8, 4, 4, False, False, block_keys=True),
     )
 }
 KV_FORMATS = tuple(KV_FORMAT_TABLE)  # the values of kv_dtype
@@ -137,6 +153,13 @@ def kv_format(kv_dtype: object, name: str = "kv_dtype") -> KVFormat:
     if fmt is None:
         raise ValueError(f"{name}: expected one of {KV_FORMATS}, got {kv_dtype!r}")
     return fmt
+
+
+def block_key_words(head_dim: int, block_size: int) -> int:
+    """int4b: float32 words of the key area per (token slot, head), ``ceil(head_dim / block_size)``: a block's
+    ``block_size`` slots hold ``head_dim`` words per head, one fp16 (scale, zero) pair per channel (a full block) or
+    a float32 (scale, zero) per int8 row (the partial block: ``2 * block_size <= head_dim`` words)."""
+    return -(-head_dim // block_size)
 
 
 def _kind(kind: object) -> int:

@@ -56,6 +56,19 @@ def default_append_launch(n_rows: int, layer: PagedLayer, plan: StepPlan) -> App
                        metadata_ready=plan.metadata_ready, rope_ready=plan.rope_ready)
 
 
+def _check_int4b(layer: PagedLayer, plan: StepPlan, op: str) -> None:
+    """int4b runs on the CPU backend, for ragged plans without context parallelism (a partial block's keys need the
+    next block of its own table)."""
+    if use_triton(layer.device):
+        raise NotImplementedError(f"kv_dtype='int4b': no Triton kernels yet ({op} on {layer.device}); it runs on the "
+                                  "CPU backend")
+    if plan.slot_mapping is not None:
+        raise ValueError("kv_dtype='int4b': expected a plan with block tables (a partial block's keys are written "
+                         "into the next block of its table), got a slot_mapping plan")
+    if plan.cp_size > 1:
+        raise ValueError(f"kv_dtype='int4b': context parallelism is not supported (cp_size={plan.cp_size})")
+
+
 def _block_strides(hnd: bool, H: int, DP: int, bs: int, kv_dtype: str) -> dict[str, int]:
     """Element strides inside one K (or V) region of a block, [bs, H, DP] (NHD) or [H, bs, DP] (HND): of a
     token and of a head, in the data pool (S_*) and in the params pool (P_*, ``w`` floats per row: 2 for (scale,
@@ -107,6 +120,8 @@ def append_paged_kv_launch(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, 
     n_tokens = k.shape[0]
     if n_tokens == 0:
         return None
+    if layer.kv_dtype == "int4b":
+        _check_int4b(layer, plan, "append")
     if not use_triton(layer.device):
         append_paged_kv_reference(k, v, layer, plan)
         return None
@@ -209,6 +224,8 @@ def gather_paged_kv_launch(k_out: torch.Tensor, v_out: torch.Tensor, layer: Page
     B, H, s_out, D = k_out.shape
     if B == 0 or s_out == 0:
         return
+    if layer.kv_dtype == "int4b":
+        _check_int4b(layer, plan, "gather")
     if not use_triton(layer.device):
         gather_paged_kv_reference(k_out, v_out, layer, plan, rope)
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...rope import RopeKernelParams
+from .block_keys import read_sequence, write_sequence
 from .format import KV_FORMAT_TABLE, pack_codes, stored_planes, unpack_codes
 from .layer import PagedLayer
 from .step import StepPlan
@@ -111,6 +112,9 @@ def append_paged_kv_reference(k: torch.Tensor, v: torch.Tensor, layer: PagedLaye
     pool, params, fp8_scales, kv_dtype = layer.pool, layer.params, layer.scales, layer.kv_dtype
     hnd = layer.layout == "HND"
     rope = plan.rope
+    if kv_dtype == "int4b":
+        _append_int4b(k, v, layer, plan)
+        return
     targets = _token_targets(k.shape[0], plan, layer.geometry[1], layer.geometry[0])
     if not targets:
         return
@@ -156,6 +160,31 @@ def append_paged_kv_reference(k: torch.Tensor, v: torch.Tensor, layer: PagedLaye
             pool[blks, kv, offs] = data
 
 
+def _sequences(plan: StepPlan) -> list[tuple[int, int, int]]:
+    """(first row, rows, start position) of each sequence of a ragged plan."""
+    cu = plan.cu_q_lens.tolist()  # type: ignore[union-attr]
+    if plan.kv_lens is not None:
+        starts = plan.kv_lens.tolist()
+    else:
+        ck = plan.cu_k_lens.tolist()  # type: ignore[union-attr]
+        starts = [(ck[b + 1] - ck[b]) - (cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
+    return [(cu[b], cu[b + 1] - cu[b], starts[b]) for b in range(len(cu) - 1)]
+
+
+def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepPlan) -> None:
+    """int4b rows sequence by sequence (:mod:`.block_keys`): a block's key form follows from its sequence's length."""
+    tables = plan.block_tables.tolist()  # type: ignore[union-attr]
+    n_rows = k.shape[0]
+    for b, (r0, n, start) in enumerate(_sequences(plan)):
+        r1 = min(r0 + n, n_rows)
+        if r1 <= r0:
+            continue
+        x = k[r0:r1].float()
+        if plan.rope is not None:
+            x = _rope_rows(x, torch.arange(start, start + (r1 - r0), device=k.device), plan.rope)
+        write_sequence(layer.pool, layer.params, layer.layout, tables[b], start, x, v[r0:r1].float())
+
+
 def gather_paged_kv_reference(k_out: torch.Tensor, v_out: torch.Tensor, layer: PagedLayer, plan: StepPlan,
                               rope: RopeKernelParams | None) -> None:
     """Pure-torch reference of the gather kernel (arguments as :func:`gather_paged_kv_launch`, validated):
@@ -171,6 +200,15 @@ def gather_paged_kv_reference(k_out: torch.Tensor, v_out: torch.Tensor, layer: P
     width = block_tables.shape[1]
     k_out.zero_()
     v_out.zero_()
+    if kv_dtype == "int4b":
+        for b in range(B):
+            n = min(totals[b], s_out)
+            k, v, ok = read_sequence(pool, params, layer.layout, tables[b], n)
+            if rope is not None:
+                k = _rope_rows(k, torch.arange(n, device=pool.device), rope)
+            k_out[b, :, :n] = torch.where(ok[:, None, None], k, 0).to(k_out.dtype).transpose(0, 1)
+            v_out[b, :, :n] = torch.where(ok[:, None, None], v, 0).to(v_out.dtype).transpose(0, 1)
+        return
     for b in range(B):
         local = max(totals[b] - cp_rank + cp_size - 1, 0) // cp_size
         ts = [t for t in range(min(local, s_out)) if t // bs < width and 0 <= tables[b][t // bs] < pool.shape[0]]
