@@ -16,9 +16,9 @@ The byte format (one layer; ``bs`` = block_size, ``D`` = head_dim, ``W = ceil(D 
   ``[D/2, D)`` in slot ``r`` of the **next** block's key plane (the next entry of the block table, empty until the
   partial block fills); its (scale, zero) in key-area words ``2 r``, ``2 r + 1``. The append that fills the block
   reads these rows back, adds its own, and writes the block as a full one.
-* A key row with a NaN or an infinity: its int8 row stores scale / zero NaN (``int8``'s rule); once the block
-  fills, every channel of the head in which a row is not finite gets scale and zero NaN (the block's keys read
-  back NaN in those channels).
+* A key row with a NaN or an infinity: its int8 row stores scale / zero NaN (``int8``'s rule: the whole row reads
+  back NaN); once the block fills, every channel of the head in which a row is not finite gets scale and zero NaN,
+  so the block's keys of that head read back NaN in those channels (all of them where the row was an int8 row).
 
 A sequence of ``L`` tokens holds ``L // bs`` full blocks, then, when ``L % bs``, the partial block and the one after
 it: :func:`blocks_for_tokens`.

@@ -1,0 +1,173 @@
+"""kv_dtype="int4b" through the public API (CPU backend): a full block's keys as int4 codes with an fp16 (scale, zero)
+per (block, head, channel), the partial last block's keys as int8 rows split over its own and the next block's key
+plane, values as int4 rows (the byte format of :mod:`kvcache.ops.paged.block_keys`).
+
+Checked: the stored bytes of a full and of a partial block against encodings computed here, the documented bound
+(half a step of the channel's scale; of the row's scale for int8 rows), a block that fills over several appends
+(int8 rows, then int4 per channel from them), prefill chunks and decodes against the float keys, attention over the
+pool against attention over the gathered K / V, NaN rows, both layouts, bytes per (token, head), and the refusals:
+a block size over head_dim / 2, slot mappings, context parallelism, the Triton path, a crop inside a full block.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import PagedConfig, PagedKVCache, cache_block_bytes
+from kvcache.ops.paged.block_keys import blocks_for_tokens
+
+H, D, BS, NB = 2, 32, 8, 12
+LAYOUTS = ["NHD", "HND"]
+
+
+def _cache(layout: str, dtype: torch.dtype = torch.float32) -> PagedKVCache:
+    return PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=NB,
+                                    dtype=dtype, kv_dtype="int4b", layout=layout, device="cpu"))
+
+
+def _heads(t: torch.Tensor, blk: int, plane: int, layout: str) -> torch.Tensor:
+    """``[H, BS, ...]`` of one block's plane, either layout."""
+    x = t[blk, plane]
+    return x.transpose(0, 1) if layout == "NHD" else x
+
+
+def _append(cache: PagedKVCache, table: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    plan = cache.plan(torch.tensor([table], dtype=torch.int32), torch.tensor([0, k.shape[0]], dtype=torch.int32),
+                      torch.tensor([start], dtype=torch.int32))
+    cache.append(0, k, v, plan)
+
+
+def _gather(cache: PagedKVCache, table: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = cache.plan(torch.tensor([table], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32))
+    k, v = cache.gather(0, plan)
+    return k[0, :, :n].transpose(0, 1), v[0, :, :n].transpose(0, 1)  # [n, H, D]
+
+
+def _keys(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, H, D, generator=g) * torch.linspace(0.2, 8.0, D) + torch.linspace(-3, 3, D)
+    return k, torch.randn(n, H, D, generator=g)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_full_block_stores_int4_codes_per_channel_with_fp16_scale_and_zero(layout):
+    cache = _cache(layout)
+    k, v = _keys(BS)
+    _append(cache, [4, 7], 0, k, v)  # one whole block: quantized per channel at once
+    codes = _heads(cache.pool(0), 4, 0, layout)  # [H, BS, D / 2]
+    words = _heads(cache.params(0), 4, 0, layout)[..., 2:].reshape(H, -1)[:, :D]  # [H, D] words
+    pairs = words.contiguous().view(torch.float16).reshape(H, D, 2).float()
+    x = k.transpose(0, 1)  # [H, BS, D]
+    scale = ((x.amax(1) - x.amin(1)) / 15).half().float()
+    zero = x.amin(1).half().float()
+    assert torch.equal(pairs[..., 0], scale) and torch.equal(pairs[..., 1], zero)
+    q = torch.round((x - zero[:, None]) * (1 / scale)[:, None]).clamp(0, 15).to(torch.int32)
+    assert torch.equal(codes, (q[..., : D // 2] | (q[..., D // 2:] << 4)).to(torch.uint8))
+    kg, _ = _gather(cache, [4, 7], BS)
+    # half a step, and fp16's rounding of the stored (scale, zero) (2^-11 of |zero| and of the 15 steps' span)
+    assert ((kg - k).abs() <= scale / 2 + 2**-10 * (zero.abs() + 15 * scale) + 1e-6).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_partial_block_stores_int8_rows_split_over_its_own_and_the_next_blocks_key_plane(layout):
+    cache = _cache(layout)
+    k, v = _keys(3)
+    _append(cache, [5, 9], 0, k, v)
+    x = k.float()
+    mn, mx = x.amin(-1), x.amax(-1)  # [3, H]
+    scale = (mx - mn) / 255
+    q = torch.round((x - mn[..., None]) * (1 / scale)[..., None]).clamp(0, 255).to(torch.uint8)  # [3, H, D]
+    assert torch.equal(_heads(cache.pool(0), 5, 0, layout)[:, :3], q[..., : D // 2].transpose(0, 1))
+    assert torch.equal(_heads(cache.pool(0), 9, 0, layout)[:, :3], q[..., D // 2:].transpose(0, 1))
+    sz = _heads(cache.params(0), 5, 0, layout)[..., 2:].reshape(H, -1)[:, :6].reshape(H, 3, 2)
+    assert torch.equal(sz[..., 0], scale.T) and torch.equal(sz[..., 1], mn.T)
+    kg, _ = _gather(cache, [5, 9], 3)
+    assert ((kg - k).abs() <= scale[..., None] / 2 + 1e-5).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("chunks", [[BS], [1] * BS, [3, 1, 4], [5, 2 * BS + 1, 1, 6]])
+def test_appends_in_any_chunks_read_back_within_the_bound_of_the_form_each_block_has(layout, chunks):
+    cache = _cache(layout)
+    n = sum(chunks)
+    k, v = _keys(n, seed=len(chunks))
+    table = [3, 8, 1, 10, 6, 2][: max(blocks_for_tokens(m, BS) for m in range(n + 1))]  # what each append needs
+    pos = 0
+    for c in chunks:
+        _append(cache, table, pos, k[pos: pos + c], v[pos: pos + c])
+        pos += c
+        kg, vg = _gather(cache, table, pos)
+        full = pos // BS * BS
+        # the full blocks: int4 per channel, from the block's int8 rows where it filled over several appends: half a
+        # channel step, plus the int8 rows' error (half a row step, which also widens the channel's range), plus
+        # fp16's rounding of (scale, zero)
+        x = k[:full].reshape(-1, BS, H, D)
+        step = ((x.amax(1) - x.amin(1)) / 15)[:, None]  # [blocks, 1, H, D]
+        row8 = ((x.amax(-1) - x.amin(-1)) / 255).amax(1)[:, None, :, None]  # the block's widest int8 row step
+        bound = step / 2 + row8 + 2**-10 * (x.abs().amax(1, keepdim=True) + 15 * step) + 1e-5
+        assert ((kg[:full] - k[:full]).reshape(x.shape).abs() <= bound).all()
+        rows = k[full:pos]  # the partial block: int8 rows
+        rstep = ((rows.amax(-1) - rows.amin(-1)) / 255)[..., None]
+        assert ((kg[full:pos] - rows).abs() <= rstep / 2 + 1e-5).all()
+        vstep = ((v[:pos].amax(-1) - v[:pos].amin(-1)) / 15)[..., None]
+        assert ((vg - v[:pos]).abs() <= vstep / 2 + 1e-5).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attention_over_the_pool_equals_attention_over_the_gathered_keys_and_values(layout):
+    cache = _cache(layout)
+    k, v = _keys(2 * BS + 3, seed=3)
+    table = [0, 4, 2, 9]
+    _append(cache, table, 0, k[:BS + 2], v[:BS + 2])
+    _append(cache, table, BS + 2, k[BS + 2:], v[BS + 2:])
+    n = k.shape[0]
+    q = torch.randn(1, 2 * H, D, generator=torch.Generator().manual_seed(5))
+    plan = cache.plan(torch.tensor([table], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                      torch.tensor([n - 1], dtype=torch.int32))
+    out = cache.attention(0, q, plan)
+    kg, vg = _gather(cache, table, n)
+    kk, vv = kg.repeat_interleave(2, dim=1), vg.repeat_interleave(2, dim=1)  # [n, 2H, D]
+    p = torch.softmax(torch.einsum("hd,nhd->hn", q[0], kk) / D**0.5, dim=-1)
+    torch.testing.assert_close(out[0], torch.einsum("hn,nhd->hd", p, vv), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [0, BS - 1])
+def test_a_nan_key_row_reads_back_nan_in_its_block_and_head_and_nowhere_else(split):
+    cache = _cache("NHD")
+    k, v = _keys(2 * BS)
+    k[2, 1, 5] = float("nan")
+    table = [1, 2, 3]
+    if split:  # the row waits as an int8 row (all NaN, int8's rule) until the block fills
+        _append(cache, table, 0, k[:split], v[:split])
+        kg, _ = _gather(cache, table, split)
+        nan = kg.isnan()
+        assert nan[2, 1].all() and nan.sum() == D
+    _append(cache, table, split, k[split:], v[split:])
+    kg, _ = _gather(cache, table, 2 * BS)
+    nan = kg.isnan()
+    # its channel over the block's keys of head 1 (every channel, from an all-NaN int8 row); nothing else
+    assert nan[:BS, 1, 5].all() and nan.sum() == BS * (D if split else 1)
+
+
+def test_bytes_per_token_and_head_count_the_block_key_area():
+    # codes D / 2 + D / 2, value (scale, zero) 8 bytes, key area ceil(D / BS) words
+    assert cache_block_bytes(1, 1, 128, 16, torch.bfloat16, "int4b") == 16 * (64 + 64 + 4 * (2 + 8))
+    assert cache_block_bytes(1, 1, D, BS, torch.float16, "int4b") == BS * (D + 4 * (2 + D // BS))
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="^block_size: expected at most head_dim / 2"):
+        PagedConfig(num_layers=1, num_kv_heads=1, head_dim=32, block_size=32, num_blocks=2, kv_dtype="int4b")
+    cache = _cache("NHD")
+    k, v = _keys(2)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cache.append(0, k, v, cache.plan(slot_mapping=torch.tensor([0, 1]), positions=torch.tensor([0, 1])))
+    with pytest.raises(ValueError, match="context parallelism"):
+        cache.append(0, k, v, cache.plan(torch.tensor([[0, 1]], dtype=torch.int32),
+                                         torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                                         cp_rank=0, cp_size=2))
+
+
+def test_blocks_for_tokens_keeps_the_block_after_a_partial_one():
+    assert [blocks_for_tokens(n, 4) for n in (0, 1, 3, 4, 5, 8, 9)] == [0, 2, 2, 1, 3, 2, 4]
