@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache import PagedConfig, PagedKVCache, cache_block_bytes
+from kvcache import PagedConfig, PagedKVCache, RopeConfig, cache_block_bytes
+from kvcache._backend import force_interpreter
 from kvcache.ops.paged.block_keys import blocks_for_tokens
 
 H, D, BS, NB = 2, 32, 8, 12
@@ -171,3 +172,60 @@ def test_refusals():
 
 def test_blocks_for_tokens_keeps_the_block_after_a_partial_one():
     assert [blocks_for_tokens(n, 4) for n in (0, 1, 3, 4, 5, 8, 9)] == [0, 2, 2, 1, 3, 2, 4]
+
+
+def _stored(layout: str, chunks: list[int], interpret: bool, rope: RopeConfig | None = None,
+            dtype: torch.dtype = torch.float32, nan: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=NB,
+                                     dtype=dtype, kv_dtype="int4b", layout=layout, device="cpu"), rope=rope)
+    n = sum(chunks)
+    k, v = _keys(n, seed=7)
+    if nan:
+        k[1, 0, 3], v[2, 1, 0] = float("nan"), float("inf")
+    k, v = k.to(dtype), v.to(dtype)
+    table = torch.tensor([[3, 8, 1, 10, 6, 2]], dtype=torch.int32)
+    pos = 0
+    for c in chunks:
+        plan = cache.plan(table, torch.tensor([0, c], dtype=torch.int32), torch.tensor([pos], dtype=torch.int32),
+                          rope=rope is not None)
+        if interpret:
+            with force_interpreter():
+                cache.append(0, k[pos: pos + c], v[pos: pos + c], plan)
+        else:
+            cache.append(0, k[pos: pos + c], v[pos: pos + c], plan)
+        pos += c
+    return cache.pool(0).clone(), cache.params(0).view(torch.int32).clone()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("chunks", [[BS], [1] * (BS + 1), [3, 1, 4], [5, 2 * BS + 1, 1, 6]])
+def test_the_triton_append_writes_the_bytes_of_the_torch_path(layout, chunks):
+    for dtype, nan in ((torch.float32, False), (torch.bfloat16, True)):
+        ref = _stored(layout, chunks, False, dtype=dtype, nan=nan)
+        got = _stored(layout, chunks, True, dtype=dtype, nan=nan)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (dtype, nan)
+
+
+def test_the_triton_append_with_rope_reads_back_as_the_torch_path_within_rope_rounding():
+    rope = RopeConfig(head_dim=D, max_position_embeddings=64)
+    table = [3, 8, 1, 10, 6, 2]
+    out = []
+    for interpret in (False, True):
+        cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=NB,
+                                         dtype=torch.float32, kv_dtype="int4b", device="cpu"), rope=rope)
+        k, v = _keys(2 * BS + 3, seed=9)
+        pos = 0
+        for c in (BS + 2, 1, BS):
+            plan = cache.plan(torch.tensor([table], dtype=torch.int32), torch.tensor([0, c], dtype=torch.int32),
+                              torch.tensor([pos], dtype=torch.int32), rope=True)
+            if interpret:
+                with force_interpreter():
+                    cache.append(0, k[pos: pos + c], v[pos: pos + c], plan)
+            else:
+                cache.append(0, k[pos: pos + c], v[pos: pos + c], plan)
+            pos += c
+        out.append(_gather(cache, table, pos))
+    # a key rounded differently by the two RoPEs may take the neighbouring code: one step of its channel or row
+    step = (out[0][0].amax(0) - out[0][0].amin(0)) / 15
+    assert ((out[1][0] - out[0][0]).abs() <= step + 1e-4).all()
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=0, atol=0)

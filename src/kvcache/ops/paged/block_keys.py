@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .format import block_key_words, pack_codes, unpack_codes
+from .format import pack_codes, unpack_codes
 
 __all__ = ["blocks_for_tokens", "encode_full_block", "decode_full_block", "read_sequence", "write_sequence"]
 
@@ -68,11 +68,11 @@ def _set_key_area(params: torch.Tensor, blk: int, layout: str, area: torch.Tenso
     w.copy_(area.reshape(w.shape))
 
 
-def encode_full_block(x: torch.Tensor, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_full_block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A full block's keys ``x`` ``[bs, H, D]`` (float32, after RoPE) as stored: (codes uint8 ``[H, bs, D / 2]``,
-    key area float32 ``[H, words]``, ``words >= D``: word ``c`` the fp16 (scale, zero) of channel ``c``)."""
+    the key area's first ``D`` words, float32 ``[H, D]``: word ``c`` the fp16 (scale, zero) of channel ``c``)."""
     x = x.float().transpose(0, 1)  # [H, bs, D]
-    h, _, d = x.shape
+    h, _, _ = x.shape
     bad = ~torch.isfinite(x).all(dim=1)  # [H, D]
     xf = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
     mn, mx = xf.amin(dim=1), xf.amax(dim=1)
@@ -85,9 +85,7 @@ def encode_full_block(x: torch.Tensor, words: int) -> tuple[torch.Tensor, torch.
     q = torch.round((xf - torch.where(ok, zero, torch.zeros_like(zero))[:, None]) * inv[:, None]).clamp(0, 15)
     codes = pack_codes("int4", 0, q.to(torch.int32))[0]
     pairs = torch.stack([scale.half(), zero.half()], dim=-1).contiguous()  # [H, D, 2] fp16
-    area = torch.zeros((h, words), dtype=torch.float32, device=x.device)
-    area[:, :d] = pairs.view(torch.float32)[..., 0]
-    return codes, area
+    return codes, pairs.view(torch.float32)[..., 0]
 
 
 def decode_full_block(codes: torch.Tensor, area: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -142,7 +140,6 @@ def write_sequence(pool: torch.Tensor, params: torch.Tensor, layout: str, table:
     nb = pool.shape[0]
     h, bs, half = _plane(pool, 0, 0, layout).shape
     d = 2 * half
-    words = bs * block_key_words(d, bs)
     n_new = k.shape[0]
     pos = start
     while pos < start + n_new:
@@ -168,8 +165,9 @@ def write_sequence(pool: torch.Tensor, params: torch.Tensor, layout: str, table:
                 full = torch.cat([before, k[rows].float()], dim=0)
             else:
                 full = k[rows].float()
-            codes, area = encode_full_block(full, words)
+            codes, pairs = encode_full_block(full)
             _plane(pool, blk, 0, layout).copy_(codes)
+            area[:, :d] = pairs  # (the words past D, if any, are not read)
         else:  # int8 rows, halves in this block's and the next block's key plane
             q, s, z = _rows8(k[rows])  # [n, H, D], [n, H]
             _plane(pool, blk, 0, layout)[:, o0:o1] = q[..., :half].transpose(0, 1)

@@ -12,8 +12,9 @@ import triton.language as tl
 from ..._backend import PreparedLaunch, pdl_enabled, use_triton
 from ..._validate import cdiv, next_pow2, vec_elems
 from ...rope import RopeKernelParams
-from .format import KV_FORMAT_TABLE
+from .format import KV_FORMAT_TABLE, block_key_words
 from .kernels.append import _append_kernel, gdc_wait
+from .kernels.block_keys import _int4b_append_kernel
 from .kernels.codes import BY_CU_K_LENS, BY_KV_LENS, BY_SLOTS
 from .kernels.copy_blocks import _copy_blocks_kernel
 from .kernels.gather import _gather_kernel
@@ -56,17 +57,42 @@ def default_append_launch(n_rows: int, layer: PagedLayer, plan: StepPlan) -> App
                        metadata_ready=plan.metadata_ready, rope_ready=plan.rope_ready)
 
 
-def _check_int4b(layer: PagedLayer, plan: StepPlan, op: str) -> None:
-    """int4b runs on the CPU backend, for ragged plans without context parallelism (a partial block's keys need the
-    next block of its own table)."""
-    if use_triton(layer.device):
-        raise NotImplementedError(f"kv_dtype='int4b': no Triton kernels yet ({op} on {layer.device}); it runs on the "
-                                  "CPU backend")
+def _check_int4b(layer: PagedLayer, plan: StepPlan) -> None:
+    """int4b takes ragged plans without context parallelism (a partial block's keys need the next block of its own
+    table)."""
     if plan.slot_mapping is not None:
         raise ValueError("kv_dtype='int4b': expected a plan with block tables (a partial block's keys are written "
                          "into the next block of its table), got a slot_mapping plan")
     if plan.cp_size > 1:
         raise ValueError(f"kv_dtype='int4b': context parallelism is not supported (cp_size={plan.cp_size})")
+
+
+def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepPlan) -> None:
+    """int4b's append kernel (:mod:`.kernels.block_keys`): one program per (sequence, block the call writes)."""
+    nb, bs, H, D = layer.geometry[:4]
+    if bs & (bs - 1):
+        raise NotImplementedError(f"kv_dtype='int4b': the kernels take a power-of-two block_size, got {bs}")
+    if plan.num_seqs == 0:
+        return
+    has_rope, rot, inter, attn_scale, inv_freq = _rope_args(plan.rope)
+    bt, cu_q = plan.block_tables, plan.cu_q_lens
+    lens, mode = (plan.kv_lens, BY_KV_LENS) if plan.kv_lens is not None else (plan.cu_k_lens, BY_CU_K_LENS)
+    span = cdiv(k.shape[0], bs) + 1  # blocks one sequence's rows can touch
+    wk = block_key_words(D, bs)
+    w, dp = 2 + wk, D // 2
+    if layer.layout == "HND":
+        strides = dict(S_TOK=dp, S_HEAD=bs * dp, P_TOK=w, P_HEAD=bs * w)
+    else:
+        strides = dict(S_TOK=H * dp, S_HEAD=dp, P_TOK=H * w, P_HEAD=w)
+    _int4b_append_kernel.launch(
+        layer.device, (plan.num_seqs, span),
+        k, v, layer.pool, layer.params, layer.params.view(torch.int32), bt, cu_q, lens,
+        layer.pool if inv_freq is None else inv_freq,
+        k.stride(0), v.stride(0), bt.stride(0), bt.shape[1],  # type: ignore[union-attr]
+        MODE=mode.value, ROPE=has_rope, ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, H=H, D=D, BS=bs,
+        NUM_BLOCKS=nb, WK=wk, **strides, STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=next_pow2(H),
+        BLOCK_D2=max(2, next_pow2(D // 2)), LIBDEVICE=layer.device.type == "cuda", num_warps=4,
+    )
 
 
 def _block_strides(hnd: bool, H: int, DP: int, bs: int, kv_dtype: str) -> dict[str, int]:
@@ -121,7 +147,10 @@ def append_paged_kv_launch(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, 
     if n_tokens == 0:
         return None
     if layer.kv_dtype == "int4b":
-        _check_int4b(layer, plan, "append")
+        _check_int4b(layer, plan)
+        if use_triton(layer.device):
+            _append_int4b(k, v, layer, plan)
+            return None
     if not use_triton(layer.device):
         append_paged_kv_reference(k, v, layer, plan)
         return None
@@ -225,7 +254,10 @@ def gather_paged_kv_launch(k_out: torch.Tensor, v_out: torch.Tensor, layer: Page
     if B == 0 or s_out == 0:
         return
     if layer.kv_dtype == "int4b":
-        _check_int4b(layer, plan, "gather")
+        _check_int4b(layer, plan)
+        if use_triton(layer.device):
+            raise NotImplementedError(f"kv_dtype='int4b': no Triton gather yet (device {layer.device}); the CPU "
+                                      "backend runs it")
     if not use_triton(layer.device):
         gather_paged_kv_reference(k_out, v_out, layer, plan, rope)
         return

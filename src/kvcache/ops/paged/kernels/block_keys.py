@@ -1,0 +1,175 @@
+"""int4b's append kernel: one program per (sequence, block the call writes), every head (the byte format of
+:mod:`kvcache.ops.paged.block_keys`).
+
+A block that stays partial gets its new key rows as int8 rows (halves in its own and in the next block's key plane,
+(scale, zero) in its key area); a block that fills reads its earlier int8 rows back, adds the new rows and is
+written as int4 codes per channel with fp16 (scale, zero). Values are int4 rows with float32 (scale, zero), as
+``int4``'s. Rounding as the torch reference: IEEE division and reciprocal, round half to even, the int8 rows read
+back with a separate multiply and add.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ...._backend import kernel
+from .codes import BY_KV_LENS
+from .numerics import _codes, _div, _rcp
+from .rope import _rope_pairs, _rotate
+
+
+@triton.jit
+def _mul_add(q, s, z, LIBDEVICE: tl.constexpr):
+    # q * s + z rounded twice (the reference's), never contracted into one fma
+    if LIBDEVICE:
+        return libdevice.add_rn(libdevice.mul_rn(q, s), z)
+    else:
+        return q * s + z
+
+
+@triton.jit
+def _rows(src, row0, stride_n, tt, hh, e, ok, pos_f, inv_freq, ATTN_SCALE: tl.constexpr, ROPE: tl.constexpr,
+          ROT: tl.constexpr, INTERLEAVED: tl.constexpr, STRIDE_H: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # float32 elements e of rows row0 + tt (heads hh) of k / v [N, H, D], rotated when ROPE; 0 where not ok
+    ptr = src + (row0 + tt) * stride_n + hh * STRIDE_H
+    x = tl.load(ptr + e, mask=ok, other=0.0).to(tl.float32)
+    if ROPE:
+        partner, j, first, in_rot = _rope_pairs(e, ROT, INTERLEAVED)
+        xp = tl.load(ptr + partner, mask=ok & in_rot, other=0.0).to(tl.float32)
+        f = tl.load(inv_freq + j, mask=in_rot, other=0.0)
+        x = _rotate(x, xp, f, first, in_rot, pos_f, ATTN_SCALE, LIBDEVICE)
+    return x
+
+
+@triton.jit
+def _row_codes(lo, hi, ok, QMAX: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # asymmetric codes per row (dim 2 of [T, H, D/2] halves): (c_lo, c_hi int32, scale, zero [T, H, 1]); a row with a
+    # NaN or an infinity: codes 0, scale and zero NaN (int8's rule)
+    fin = (lo == lo) & (tl.abs(lo) < float("inf")) & (hi == hi) & (tl.abs(hi) < float("inf"))
+    bad = (tl.sum((ok & ~fin).to(tl.int32), 2) > 0)[:, :, None]
+    lo = tl.where(bad, 0.0, lo)
+    hi = tl.where(bad, 0.0, hi)
+    mn = tl.minimum(tl.min(tl.where(ok, lo, float("inf")), 2), tl.min(tl.where(ok, hi, float("inf")), 2))[:, :, None]
+    mx = tl.maximum(tl.max(tl.where(ok, lo, -float("inf")), 2), tl.max(tl.where(ok, hi, -float("inf")), 2))[:, :, None]
+    scale = _div(mx - mn, QMAX, LIBDEVICE)
+    inv = tl.where(scale > 0, _rcp(tl.where(scale > 0, scale, 1.0), LIBDEVICE), 0.0)
+    c_lo = _codes((lo - mn) * inv, LIBDEVICE) & 255
+    c_hi = _codes((hi - mn) * inv, LIBDEVICE) & 255
+    return c_lo, c_hi, tl.where(bad, float("nan"), scale), tl.where(bad, float("nan"), mn)
+
+
+@triton.jit
+def _channel_codes(lo, ok, LIBDEVICE: tl.constexpr):
+    # int4 codes per channel over the block's rows (dim 0 of [BS, H, D/2]): (codes int32, scale16, zero16 [1, H, D/2])
+    fin = (lo == lo) & (tl.abs(lo) < float("inf"))
+    bad = (tl.sum((ok & ~fin).to(tl.int32), 0) > 0)[None, :, :]
+    xf = tl.where(fin, lo, 0.0)
+    mn = tl.min(tl.where(ok, xf, float("inf")), 0)[None, :, :]
+    mx = tl.max(tl.where(ok, xf, -float("inf")), 0)[None, :, :]
+    scale16 = _div(mx - mn, 15.0, LIBDEVICE).to(tl.float16)
+    zero16 = mn.to(tl.float16)
+    scale = scale16.to(tl.float32)
+    zero = zero16.to(tl.float32)
+    good = (scale > 0) & (tl.abs(scale) < float("inf")) & (tl.abs(zero) < float("inf")) & ~bad
+    inv = tl.where(good, _rcp(tl.where(good, scale, 1.0), LIBDEVICE), 0.0)
+    y = tl.minimum(tl.maximum((xf - tl.where(good, zero, 0.0)) * inv, 0.0), 15.0)
+    codes = _codes(y, LIBDEVICE) & 15
+    nan16 = tl.full(scale16.shape, float("nan"), tl.float16)
+    return codes, tl.where(bad, nan16, scale16), tl.where(bad, nan16, zero16)
+
+
+@kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width"))
+def _int4b_append_kernel(
+    k, v,  # model dtype [N, H, D], head_dim contiguous, heads STRIDE_H apart
+    pool, qparams, qwords,  # uint8 pool; float32 params and the same memory as int32 (the fp16 pairs)
+    block_tables, cu_q_lens, k_lens, inv_freq,
+    stride_kn, stride_vn, bt_stride, table_width,
+    MODE: tl.constexpr,  # 0: kv_lens [B] (tokens before the step), 1: cu_k_lens [B + 1] (after it)
+    ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_BLOCKS: tl.constexpr, WK: tl.constexpr,
+    S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
+    STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    # grid (B, span): program (b, s) writes block start // BS + s of sequence b, if the call reaches it
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)
+    q0 = tl.load(cu_q_lens + b).to(tl.int64)
+    n = tl.load(cu_q_lens + b + 1).to(tl.int64) - q0
+    if MODE == BY_KV_LENS:
+        start = tl.load(k_lens + b).to(tl.int64)
+    else:
+        start = (tl.load(k_lens + b + 1) - tl.load(k_lens + b)).to(tl.int64) - n
+    bi = start // BS + s
+    o0 = tl.maximum(start - bi * BS, 0)
+    o1 = tl.minimum(start + n - bi * BS, BS)
+    if (n <= 0) | (o1 <= o0):
+        return
+    blk = tl.load(block_tables + b * bt_stride + bi, mask=bi < table_width, other=-1).to(tl.int64)
+    nxt = tl.load(block_tables + b * bt_stride + bi + 1, mask=bi + 1 < table_width, other=-1).to(tl.int64)
+    has_nxt = (nxt >= 0) & (nxt < NUM_BLOCKS)
+    fills = o1 == BS
+    if (blk < 0) | (blk >= NUM_BLOCKS) | (((o0 > 0) | ~fills) & ~has_nxt):
+        return  # an out-of-range block, or a partial block without the next one: not written
+    nxt = tl.where(has_nxt, nxt, 0)
+    HALF: tl.constexpr = D // 2
+    S_KV: tl.constexpr = BS * H * HALF  # one plane of a block
+    W: tl.constexpr = 2 + WK
+    P_BLK: tl.constexpr = BS * H * W
+    tt = tl.arange(0, BS)[:, None, None]
+    hh = tl.arange(0, BLOCK_H)[None, :, None]
+    dd = tl.arange(0, BLOCK_D2)[None, None, :]
+    hm = hh < H
+    ok = hm & (dd < HALF)  # [1, H, D/2] lanes
+    new = (tt >= o0) & (tt < o1)  # rows of this call
+    row0 = q0 + bi * BS - start  # input row of slot 0
+    pos_f = (bi * BS + tt).to(tl.float32)
+    # values: int4 rows, (scale, zero) in words 0, 1
+    v_lo = _rows(v, row0, stride_vn, tt, hh, dd, ok & new, pos_f, inv_freq, ATTN_SCALE, False, ROT, INTERLEAVED,
+                 STRIDE_VH, LIBDEVICE)
+    v_hi = _rows(v, row0, stride_vn, tt, hh, HALF + dd, ok & new, pos_f, inv_freq, ATTN_SCALE, False, ROT,
+                 INTERLEAVED, STRIDE_VH, LIBDEVICE)
+    c_lo, c_hi, vs, vz = _row_codes(v_lo, v_hi, ok & new, 15.0, LIBDEVICE)
+    vplane = pool + blk * (2 * S_KV) + S_KV
+    tl.store(vplane + tt * S_TOK + hh * S_HEAD + dd, (c_lo | (c_hi << 4)).to(tl.uint8), mask=ok & new)
+    vw = qparams + blk * P_BLK + tt * P_TOK + hh * P_HEAD
+    tl.store(vw, vs, mask=hm & new)
+    tl.store(vw + 1, vz, mask=hm & new)
+    # keys, rotated
+    k_lo = _rows(k, row0, stride_kn, tt, hh, dd, ok & new, pos_f, inv_freq, ATTN_SCALE, ROPE, ROT, INTERLEAVED,
+                 STRIDE_KH, LIBDEVICE)
+    k_hi = _rows(k, row0, stride_kn, tt, hh, HALF + dd, ok & new, pos_f, inv_freq, ATTN_SCALE, ROPE, ROT,
+                 INTERLEAVED, STRIDE_KH, LIBDEVICE)
+    kplane = pool + blk * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd
+    nplane = pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd
+    # key-area word 2 t / 2 t + 1: the (scale, zero) of int8 row t (slot (2 t) // WK, word 2 + (2 t) % WK)
+    kw = qparams + blk * P_BLK + ((2 * tt) // WK) * P_TOK + hh * P_HEAD + 2 + (2 * tt) % WK
+    if fills:
+        old = (tt < o0) & ok
+        q_lo = tl.load(kplane, mask=old, other=0).to(tl.float32)
+        q_hi = tl.load(nplane, mask=old, other=0).to(tl.float32)
+        os = tl.load(kw, mask=hm & (tt < o0), other=0.0)
+        oz = tl.load(kw + 1, mask=hm & (tt < o0), other=0.0)
+        k_lo = tl.where(tt < o0, _mul_add(q_lo, os, oz, LIBDEVICE), k_lo)
+        k_hi = tl.where(tt < o0, _mul_add(q_hi, os, oz, LIBDEVICE), k_hi)
+        rows = ok & (tt < BS)
+        c_lo, s_lo, z_lo = _channel_codes(k_lo, rows, LIBDEVICE)
+        c_hi, s_hi, z_hi = _channel_codes(k_hi, rows, LIBDEVICE)
+        tl.store(kplane, (c_lo | (c_hi << 4)).to(tl.uint8), mask=rows)
+        # word c (channel c): slot c // WK, word 2 + c % WK; fp16 scale in the low half, zero in the high half
+        w_lo = (s_lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (z_lo.to(tl.int16, bitcast=True).to(tl.int32)
+                                                                            << 16)
+        w_hi = (s_hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (z_hi.to(tl.int16, bitcast=True).to(tl.int32)
+                                                                            << 16)
+        c = dd
+        tl.store(qwords + blk * P_BLK + (c // WK) * P_TOK + hh * P_HEAD + 2 + c % WK, w_lo, mask=ok)
+        c = HALF + dd
+        tl.store(qwords + blk * P_BLK + (c // WK) * P_TOK + hh * P_HEAD + 2 + c % WK, w_hi, mask=ok)
+    else:
+        c_lo, c_hi, ks, kz = _row_codes(k_lo, k_hi, ok & new, 255.0, LIBDEVICE)
+        tl.store(kplane, c_lo.to(tl.uint8), mask=ok & new)
+        tl.store(nplane, c_hi.to(tl.uint8), mask=ok & new)
+        tl.store(kw, ks, mask=hm & new)
+        tl.store(kw + 1, kz, mask=hm & new)
