@@ -69,6 +69,7 @@ import triton
 import triton.language as tl
 
 from ..._backend import kernel
+from ._block_keys import block_key_tile
 from ._convert import MAGIC, dequant
 from ._loads import LN2, LOG2E, PV_RANGE, _find_tile, _key_rows, _load_kv, _load_params
 from ._warp_tile import _merge_warps, _tile_w
@@ -87,10 +88,10 @@ def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
 @triton.jit
 def _tile(
     t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
-    bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr,
+    bt_row, b, kvh, j_hi, n_blocks, full_end, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr,
     SOFTCAP: tl.constexpr, H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr,
     K_HI: tl.constexpr, V_AT: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr,
-    P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QK: tl.constexpr, QV: tl.constexpr,
+    P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QK: tl.constexpr, QV: tl.constexpr, WK: tl.constexpr,
     LINEAR: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, MASK: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr,
     INTERP: tl.constexpr, Q_DT: tl.constexpr, V_MAGIC: tl.constexpr,
@@ -110,8 +111,11 @@ def _tile(
     j = t * BLOCK_N + offs_n
     ok_n, blk, tok, base = _key_rows(j, j_hi, b, bt_row, n_blocks, kvh, BS, S_BLK, S_TOK, S_HEAD, LINEAR)
     k_off = base[None, :] + dd[:, None]
-    k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], K_HI, QK,
-                          q_lo.dtype, not V_FOLD, INTERP, False)
+    k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], K_HI,
+                          3 if QK == 6 else QK, q_lo.dtype, not V_FOLD or QK == 6, INTERP, False)
+    if QK == 6:  # int4b: int4 codes per channel over full blocks, int8 rows in the partial one
+        k_lo, k_hi = block_key_tile(k_lo, j, ok_n, blk, tok, kvh, bt_row, n_blocks, full_end, pool, qparams, dd, ok_lo,
+                                    ok_hi, H1, BS, S_BLK, S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK)
     pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
     if QK >= 2 and QK <= 4 and not V_FOLD:
         # prefill tiles: dequantize K per element (many rows share it), no per-score affine
@@ -215,13 +219,14 @@ def _attention_kernel(
     HQ: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
     P_BLK: tl.constexpr, P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QUANT: tl.constexpr,
-    FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr,
+    WK: tl.constexpr, FP8_SCALED: tl.constexpr, LINEAR: tl.constexpr, LOG_B: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_LSE: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, V_FOLD: tl.constexpr, Q_RESCALE: tl.constexpr, WARPS_K: tl.constexpr,
     HEADS_INNER: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
     Q_ROPE: tl.constexpr,
 ):
-    # QUANT: 0 model dtype, 1 fp8, 2 int8, 3 int4, 4 k8v4 (int8 keys, int4 values), 5 fp8k (fp8, a scale per key)
+    # QUANT: 0 model dtype, 1 fp8, 2 int8, 3 int4, 4 k8v4 (int8 keys, int4 values), 5 fp8k (fp8, a scale per key),
+    # 6 int4b (keys per channel over each full block, ``WK`` key-area words per slot; int4 values)
     if PDL:
         # launched as a programmatic dependent: the grid may be resident before the previous kernel (the append,
         # which releases its dependents early) ends; nothing is read before that kernel has finished
@@ -339,6 +344,11 @@ def _attention_kernel(
         QV: tl.constexpr = 3
         K_HI: tl.constexpr = S_KV
         V_AT: tl.constexpr = 2 * S_KV
+    elif QUANT == 6:
+        QK: tl.constexpr = 6
+        QV: tl.constexpr = 3
+        K_HI: tl.constexpr = H1
+        V_AT: tl.constexpr = S_KV
     else:
         QK: tl.constexpr = QUANT
         QV: tl.constexpr = QUANT
@@ -356,6 +366,7 @@ def _attention_kernel(
     else:
         qk_scale = k_scale * (SM_SCALE * LOG2E)
 
+    full_end = kv_len // BS * BS  # int4b: keys below it are in full blocks
     # ---- local KV range of this tile and split ------------------------------------------------------------
     x = kv_len - cp_rank
     n_local = tl.where(x > 0, (x + cp_size - 1) // cp_size, 0)
@@ -434,20 +445,21 @@ def _attention_kernel(
             for t in range(t_begin, tl.minimum(t_end, tf_lo)):
                 m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
                     t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale,
-                    pool, qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi,
-                    qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV,
-                    LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
+                    pool, qparams, bt_row, b, kvh, j_hi, n_blocks, full_end, cp_rank, cp_size, window, offs_n, dd,
+                    ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK,
+                    P_HEAD, QK, QV, WK, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP,
+                    q.dtype.element_ty, V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
             m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
-                qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
-                SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV,
+                qparams, bt_row, b, kvh, j_hi, n_blocks, full_end, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi,
+                qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV, WK,
                 LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_hi), t_end):
             m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
-                qparams, bt_row, b, kvh, j_hi, n_blocks, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt,
-                SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV,
+                qparams, bt_row, b, kvh, j_hi, n_blocks, full_end, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi,
+                qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV, WK,
                 LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
 
     if HAS_SINKS:

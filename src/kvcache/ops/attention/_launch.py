@@ -132,14 +132,19 @@ def _launch(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, sinks:
     sq, so, sl = _strides3(q, linear), _strides3(out, linear), _strides3(lse, linear)
     quant = KV_FORMAT_TABLE[kv_dtype].code
     fp8 = quant in (1, 5)  # fp8 / fp8k: e4m3 rows with the layer's scales
-    integer = quant in (2, 3, 4)  # int8 / int4 / k8v4: codes with (scale, zero) per token and head
+    integer = quant in (2, 3, 4, 6)  # int8 / int4 / k8v4 / int4b: values as codes with (scale, zero) per token
     kv_scales = kv.kv_scales if fp8 else None
     # triton's interpreter computes bf16 dots wrongly (it multiplies the raw bits): float32 operands there
     dot_f32 = dev.type != "cuda" and q.dtype == torch.bfloat16
     if fp8:
         pool = pool.view(torch.uint8)  # bytes: see _load_kv
-    if plan.warp_split and not integer:
+    if plan.warp_split and not (integer and quant != 6):
         raise ValueError(f"warp-split attention tiles need an int8 / int4 / k8v4 cache, got kv_dtype {kv_dtype!r}")
+    p_strides = kv.p_strides
+    wk = 0
+    if quant == 6:  # int4b: one params plane, the values' (scale, zero) in words 0, 1 of each slot
+        p_strides = (p_strides[0], 0, p_strides[2], p_strides[3])
+        wk = kv.params.shape[-1] - 2  # type: ignore[union-attr]
     # int8 / int4 / k8v4 decode tiles (16 rows) and warp-split tiles fold V's (scale, zero) per token (_kernel
     # docstring)
     v_fold = integer and (plan.block_q * next_pow2(g) <= 16 or plan.warp_split)
@@ -157,8 +162,8 @@ def _launch(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, sinks:
         q_rope[0].shape[0] if q_rope is not None else 0,
         SM_SCALE=float(scale), SOFTCAP=float(softcap) if softcap is not None else 0.0, D=d, H1=h1,
         HALF_P=max(16, next_pow2(h1)), HQ=hq, G=g, G_P=next_pow2(g), BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n,
-        BS=kv.bs, S_BLK=s_blk, S_KV=s_kv, S_TOK=s_tok, S_HEAD=s_head, P_BLK=kv.p_strides[0], P_KV=kv.p_strides[1],
-        P_TOK=kv.p_strides[2], P_HEAD=kv.p_strides[3], QUANT=quant, FP8_SCALED=kv_scales is not None,
+        BS=kv.bs, S_BLK=s_blk, S_KV=s_kv, S_TOK=s_tok, S_HEAD=s_head, P_BLK=p_strides[0], P_KV=p_strides[1],
+        P_TOK=p_strides[2], P_HEAD=p_strides[3], QUANT=quant, WK=wk, FP8_SCALED=kv_scales is not None,
         LINEAR=linear, LOG_B=_search_steps(n_seqs), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,

@@ -175,9 +175,8 @@ def attend(q: torch.Tensor, layer: PagedLayer, plan: StepPlan, sinks: torch.Tens
     memo = plan.attention_memo
     if memo is None or memo.key != (n, hq, q.dtype):
         memo = plan.attention_memo = _plan_attention(q, layer, plan)
-    if layer.kv_dtype == "int4b" and (use_triton(dev) or plan.cp_size > 1):
-        raise NotImplementedError("kv_dtype='int4b': attention runs on the CPU backend without context parallelism "
-                                  f"(device {dev}, cp_size={plan.cp_size})")
+    if layer.kv_dtype == "int4b" and plan.cp_size > 1:
+        raise ValueError(f"kv_dtype='int4b': context parallelism is not supported (cp_size={plan.cp_size})")
     if not use_triton(dev):
         seq_lens = plan.seq_lens
         if plan.q_rope is not None:

@@ -180,8 +180,9 @@ def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, n
     check_int("max_kv_len", max_kv_len, 0)
     check_int("num_sms", num_sms, 1)
     check_int("q_bytes", q_bytes, 1, 8)
-    if kv_dtype == "int4b":
-        kv_dtype = "int4"  # the CPU backend's plan; int4b's kernels are to be tuned
+    block_keys = kv_dtype == "int4b"
+    if block_keys:
+        kv_dtype = "int4"  # int4's tiles, without warp splits (int4b's are to be tuned)
     if kv_dtype not in DECODE_TILE:
         raise ValueError(f"kv_dtype: expected one of {tuple(DECODE_TILE)}, got {kv_dtype!r}")
     g = next_pow2(max(1, num_q_heads // num_kv_heads))
@@ -195,7 +196,7 @@ def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, n
             block_n = max(16, block_n // 2)  # the 128-dim tile's registers and shared memory
         # warp splits as measured: 16-row tiles (GQA groups up to 16), head_dim 65..128, long contexts
         warp_split = (warp_split and block_n // warps >= 16 and max_kv_len >= WARP_SPLIT_MIN_KV and head_dim <= 128
-                      and block_q * g <= 16)
+                      and block_q * g <= 16 and not block_keys)
         one_warp = 64 < head_dim <= 128 and block_q * g <= 16 and q_bytes <= 2
         many = programs >= LONG_MIN_PROGRAMS * num_sms
         wave_tiles = one_warp and many and kv_dtype in DECODE_TILE_WAVE and programs <= WAVE_PROGRAMS_PER_SM * num_sms

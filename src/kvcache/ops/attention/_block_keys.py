@@ -1,0 +1,57 @@
+"""int4b key tiles of the attention kernel: a full block's int4 codes with its channels' fp16 (scale, zero), the
+partial last block's int8 rows (halves in its own and in the next block's key plane, a float32 (scale, zero) per
+row); the byte format of :mod:`kvcache.ops.paged.block_keys`."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pairs(qparams, word_off, mask):
+    # (scale, zero) float32 from fp16 pairs packed in float32 words (scale in the low half)
+    w = tl.load(qparams + word_off, mask=mask, other=0.0).to(tl.int32, bitcast=True)
+    s = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    z = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return s, z
+
+
+@triton.jit
+def _word(qparams, pbase, w, WK: tl.constexpr, P_TOK: tl.constexpr, mask):
+    # key-area word w of the block at pbase (slot w // WK, word 2 + w % WK)
+    return tl.load(qparams + pbase + (w // WK) * P_TOK + 2 + w % WK, mask=mask, other=0.0)
+
+
+@triton.jit
+def block_key_tile(raw, j, ok_n, blk, tok, kvh, bt_row, n_blocks, full_end, pool, qparams, dd, ok_lo, ok_hi,
+                   H1: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_TOK: tl.constexpr,
+                   S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
+                   WK: tl.constexpr):
+    """float32 key halves ``[HALF_P, BLOCK_N]`` (channels down, keys across) of an int4b tile: ``raw`` the int4 byte
+    rows (uint8, as loaded for int4), keys ``j`` below ``full_end`` in full blocks, the rest in the partial one."""
+    pbase = blk[None, :] * P_BLK + kvh * P_HEAD  # [1, N]
+    m_lo = ok_n[None, :] & ok_lo[:, None]
+    m_hi = ok_n[None, :] & ok_hi[:, None]
+    c = dd[:, None]
+    s_lo, z_lo = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, m_lo)
+    c = H1 + dd[:, None]
+    s_hi, z_hi = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, m_hi)
+    k_lo = (raw & 15).to(tl.float32) * s_lo + z_lo
+    k_hi = (raw >> 4).to(tl.float32) * s_hi + z_hi
+    part = ok_n & (j >= full_end)
+    if tl.max(part.to(tl.int32), 0) > 0:  # the tile reaches the partial block: its int8 rows
+        nxt = tl.load(bt_row + j // BS + 1, mask=part, other=-1)
+        ok8 = part & (nxt >= 0) & (nxt < n_blocks)
+        nxt = tl.where(ok8, nxt, 0).to(tl.int64)
+        row = tok * S_TOK + kvh * S_HEAD
+        q_lo = tl.load(pool + (blk * S_BLK + row)[None, :] + dd[:, None], mask=ok8[None, :] & ok_lo[:, None],
+                       other=0).to(tl.float32)
+        q_hi = tl.load(pool + (nxt * S_BLK + row)[None, :] + dd[:, None], mask=ok8[None, :] & ok_hi[:, None],
+                       other=0).to(tl.float32)
+        pb = blk * P_BLK + kvh * P_HEAD
+        rs = _word(qparams, pb, 2 * tok, WK, P_TOK, ok8)
+        rz = _word(qparams, pb, 2 * tok + 1, WK, P_TOK, ok8)
+        k_lo = tl.where(part[None, :], q_lo * rs[None, :] + rz[None, :], k_lo)
+        k_hi = tl.where(part[None, :], q_hi * rs[None, :] + rz[None, :], k_hi)
+    return k_lo, k_hi
