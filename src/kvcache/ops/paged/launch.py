@@ -14,13 +14,14 @@ from ..._validate import cdiv, next_pow2, vec_elems
 from ...rope import RopeKernelParams
 from .format import KV_FORMAT_TABLE, block_key_words
 from .kernels.append import _append_kernel, gdc_wait
-from .kernels.block_keys import _int4b_append_kernel
+from .kernels.block_keys import _int4b_append_kernel, _int4b_gather_kernel
 from .kernels.codes import BY_CU_K_LENS, BY_KV_LENS, BY_SLOTS
 from .kernels.copy_blocks import _copy_blocks_kernel
 from .kernels.gather import _gather_kernel
 from .kernels.lookup import _GUESS_ONE, _guess_mul
 from .layer import PagedLayer
 from .policy import AppendLaunch, GatherLaunch, RopeKind, check_launch, plan_append, plan_gather
+from .reference import _rope_rows as rope_rows
 from .reference import append_paged_kv_reference, gather_paged_kv_reference
 from .step import StepPlan
 
@@ -93,6 +94,34 @@ def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: Ste
         NUM_BLOCKS=nb, WK=wk, **strides, STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=next_pow2(H),
         BLOCK_D2=max(2, next_pow2(D // 2)), LIBDEVICE=layer.device.type == "cuda", num_warps=4,
     )
+
+
+def _gather_int4b(k_out: torch.Tensor, v_out: torch.Tensor, layer: PagedLayer, plan: StepPlan,
+                  rope: RopeKernelParams | None) -> None:
+    """int4b's gather kernel: one program per (block, sequence); ``rope`` rotates the gathered keys after it (torch)."""
+    B, H, s_out, D = k_out.shape
+    nb, bs = layer.geometry[:2]
+    if bs & (bs - 1):
+        raise NotImplementedError(f"kv_dtype='int4b': the kernels take a power-of-two block_size, got {bs}")
+    wk = block_key_words(D, bs)
+    w, dp = 2 + wk, D // 2
+    if layer.layout == "HND":
+        strides = dict(S_TOK=dp, S_HEAD=bs * dp, P_TOK=w, P_HEAD=bs * w)
+    else:
+        strides = dict(S_TOK=H * dp, S_HEAD=dp, P_TOK=H * w, P_HEAD=w)
+    lens, mode = gather_lens(plan)
+    bt = plan.block_tables
+    _int4b_gather_kernel.launch(
+        layer.device, (cdiv(s_out, bs), B),
+        k_out, v_out, layer.pool, layer.params, bt, lens, k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        v_out.stride(0), v_out.stride(1), v_out.stride(2), bt.stride(0), bt.shape[1], s_out,  # type: ignore[union-attr]
+        MODE=mode.value, H=H, D=D, BS=bs, NUM_BLOCKS=nb, WK=wk, **strides, BLOCK_H=next_pow2(H),
+        BLOCK_D2=max(2, next_pow2(dp)), num_warps=4,
+    )
+    if rope is not None:  # token t of every sequence sits at position t (no context parallelism)
+        x = k_out.transpose(1, 2).reshape(B * s_out, H, D).float()
+        pos = torch.arange(s_out, device=k_out.device).repeat(B)
+        k_out.copy_(rope_rows(x, pos, rope).reshape(B, s_out, H, D).transpose(1, 2))
 
 
 def _block_strides(hnd: bool, H: int, DP: int, bs: int, kv_dtype: str) -> dict[str, int]:
@@ -256,8 +285,8 @@ def gather_paged_kv_launch(k_out: torch.Tensor, v_out: torch.Tensor, layer: Page
     if layer.kv_dtype == "int4b":
         _check_int4b(layer, plan)
         if use_triton(layer.device):
-            raise NotImplementedError(f"kv_dtype='int4b': no Triton gather yet (device {layer.device}); the CPU "
-                                      "backend runs it")
+            _gather_int4b(k_out, v_out, layer, plan, rope)
+            return
     if not use_triton(layer.device):
         gather_paged_kv_reference(k_out, v_out, layer, plan, rope)
         return

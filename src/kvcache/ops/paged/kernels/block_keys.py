@@ -173,3 +173,78 @@ def _int4b_append_kernel(
         tl.store(nplane, c_hi.to(tl.uint8), mask=ok & new)
         tl.store(kw, ks, mask=hm & new)
         tl.store(kw + 1, kz, mask=hm & new)
+
+
+@kernel(ints=("sk_b", "sk_h", "sk_s", "sv_b", "sv_h", "sv_s", "bt_stride", "table_width", "s_out"))
+def _int4b_gather_kernel(
+    k_out, v_out,  # model dtype [B, H, S_out, D] (head_dim contiguous)
+    pool, qparams, block_tables, k_lens,
+    sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, bt_stride, table_width, s_out,
+    MODE: tl.constexpr,  # 0: kv_lens [B], 1: cu_k_lens [B + 1]
+    H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_BLOCKS: tl.constexpr, WK: tl.constexpr,
+    S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
+):
+    # grid (cdiv(S_out, BS), B): block bi of sequence b, every head; tokens past the sequence (or in blocks outside
+    # the pool, or in a partial block without its next block) are written as zeros
+    bi = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    if MODE == BY_KV_LENS:
+        total = tl.load(k_lens + b).to(tl.int64)
+    else:
+        total = (tl.load(k_lens + b + 1) - tl.load(k_lens + b)).to(tl.int64)
+    HALF: tl.constexpr = D // 2
+    S_KV: tl.constexpr = BS * H * HALF
+    P_BLK: tl.constexpr = BS * H * (2 + WK)
+    blk = tl.load(block_tables + b * bt_stride + bi, mask=bi < table_width, other=-1).to(tl.int64)
+    nxt = tl.load(block_tables + b * bt_stride + bi + 1, mask=bi + 1 < table_width, other=-1).to(tl.int64)
+    n = tl.minimum(total - bi * BS, BS)  # tokens of the sequence in this block
+    full = n == BS
+    ok_blk = (blk >= 0) & (blk < NUM_BLOCKS) & (full | ((nxt >= 0) & (nxt < NUM_BLOCKS)))
+    blk = tl.where(ok_blk, blk, 0)
+    nxt = tl.where((nxt >= 0) & (nxt < NUM_BLOCKS), nxt, 0)
+    tt = tl.arange(0, BS)[:, None, None]
+    hh = tl.arange(0, BLOCK_H)[None, :, None]
+    dd = tl.arange(0, BLOCK_D2)[None, None, :]
+    lane = (hh < H) & (dd < HALF)
+    t = bi * BS + tt
+    # (x * 0 + ...) makes the scalar a vector: triton's interpreter rejects vector & scalar masks
+    okv = (hh * 0 + ok_blk.to(tl.int32)) != 0
+    live = (tt < n) & okv  # [BS, H, 1]
+    out_ok = lane & (t < s_out)
+    kplane = pool + blk * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd
+    pb = qparams + blk * P_BLK + hh * P_HEAD
+    if full:
+        raw = tl.load(kplane, mask=lane & live, other=0).to(tl.int32)
+        c = dd
+        w = tl.load(pb + (c // WK) * P_TOK + 2 + c % WK, mask=lane & okv, other=0.0).to(tl.int32, bitcast=True)
+        s_lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        z_lo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        c = HALF + dd
+        w = tl.load(pb + (c // WK) * P_TOK + 2 + c % WK, mask=lane & okv, other=0.0).to(tl.int32, bitcast=True)
+        s_hi = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        z_hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        k_lo = (raw & 15).to(tl.float32) * s_lo + z_lo
+        k_hi = ((raw >> 4) & 15).to(tl.float32) * s_hi + z_hi
+    else:
+        q_lo = tl.load(kplane, mask=lane & live, other=0).to(tl.float32)
+        q_hi = tl.load(pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd, mask=lane & live, other=0)
+        w = 2 * tt
+        rs = tl.load(pb + (w // WK) * P_TOK + 2 + w % WK, mask=(hh < H) & live, other=0.0)
+        w = 2 * tt + 1
+        rz = tl.load(pb + (w // WK) * P_TOK + 2 + w % WK, mask=(hh < H) & live, other=0.0)
+        k_lo = q_lo * rs + rz
+        k_hi = q_hi.to(tl.float32) * rs + rz
+    k_lo = tl.where(live, k_lo, 0.0)
+    k_hi = tl.where(live, k_hi, 0.0)
+    kdst = k_out + b * sk_b + t * sk_s + hh * sk_h + dd
+    tl.store(kdst, k_lo.to(k_out.dtype.element_ty), mask=out_ok)
+    tl.store(kdst + HALF, k_hi.to(k_out.dtype.element_ty), mask=out_ok)
+    raw = tl.load(kplane + S_KV, mask=lane & live, other=0).to(tl.int32)
+    vs = tl.load(qparams + blk * P_BLK + tt * P_TOK + hh * P_HEAD, mask=(hh < H) & live, other=0.0)
+    vz = tl.load(qparams + blk * P_BLK + tt * P_TOK + hh * P_HEAD + 1, mask=(hh < H) & live, other=0.0)
+    v_lo = tl.where(live, (raw & 15).to(tl.float32) * vs + vz, 0.0)
+    v_hi = tl.where(live, ((raw >> 4) & 15).to(tl.float32) * vs + vz, 0.0)
+    vdst = v_out + b * sv_b + t * sv_s + hh * sv_h + dd
+    tl.store(vdst, v_lo.to(v_out.dtype.element_ty), mask=out_ok)
+    tl.store(vdst + HALF, v_hi.to(v_out.dtype.element_ty), mask=out_ok)
