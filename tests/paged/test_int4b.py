@@ -229,3 +229,45 @@ def test_the_triton_append_with_rope_reads_back_as_the_torch_path_within_rope_ro
     step = (out[0][0].amax(0) - out[0][0].amin(0)) / 15
     assert ((out[1][0] - out[0][0]).abs() <= step + 1e-4).all()
     torch.testing.assert_close(out[1][1], out[0][1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("opts", [{}, {"window": 7}, {"softcap": 5.0}, {"num_splits": 3}, {"sinks": True}])
+def test_the_triton_attention_equals_the_torch_path(layout, opts):
+    opts = dict(opts)
+    hq = 2 * H
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(1)) if opts.pop("sinks", False) else None
+    cache = _cache(layout)
+    tables = torch.tensor([[3, 9, 4, 11], [5, 6, 7, 8]], dtype=torch.int32)
+    lens = [0, 0]
+    g = torch.Generator().manual_seed(2)
+    for step in ([2 * BS + 3, BS - 2], [1, 1], [1, 1]):  # prefill chunks, then decode rows (V folded per token)
+        cu = torch.tensor([0, step[0], sum(step)], dtype=torch.int32)
+        n = sum(step)
+        k = torch.randn(n, H, D, generator=g) * torch.linspace(0.3, 6, D)
+        plan = cache.plan(tables, cu, torch.tensor(lens, dtype=torch.int32), **opts)
+        cache.append(0, k, torch.randn(n, H, D, generator=g), plan)
+        q = torch.randn(n, hq, D, generator=g)
+        ref = cache.attention(0, q, plan, sinks=sinks)
+        with force_interpreter():
+            got = cache.attention(0, q, plan, sinks=sinks)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        lens = [a + b for a, b in zip(lens, step)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_triton_gather_is_bit_exact_with_the_torch_path(layout):
+    rope = RopeConfig(head_dim=D, max_position_embeddings=64)
+    for r in (None, rope):
+        cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=NB,
+                                         dtype=torch.float32, kv_dtype="int4b", layout=layout, device="cpu"), rope=r)
+        tables = torch.tensor([[3, 9, 4, 11], [5, 6, 7, 8]], dtype=torch.int32)
+        k, v = _keys(2 * BS + 5)
+        plan = cache.plan(tables, torch.tensor([0, 2 * BS + 1, 2 * BS + 5], dtype=torch.int32),
+                          torch.tensor([0, 0], dtype=torch.int32), rope=r is not None)
+        cache.append(0, k, v, plan)
+        g = cache.plan(tables, seq_lens=torch.tensor([2 * BS + 1, 4], dtype=torch.int32), rope=r is not None)
+        ref = cache.gather(0, g)
+        with force_interpreter():
+            got = cache.gather(0, g)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
