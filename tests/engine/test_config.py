@@ -90,11 +90,7 @@ def test_fields_that_exclude_each_other(kw, field):
 
 
 def test_good_values_are_kept():
-    for kv in KV_FORMATS:  # every format of the one table the engine serves
-        if kv == "int4b":
-            with pytest.raises(ValueError, match="^kv_dtype: 'int4b' is not served by the engine yet"):
-                EngineConfig(kv_dtype=kv)
-            continue
+    for kv in KV_FORMATS:  # every format of the one table
         assert EngineConfig(kv_dtype=kv).kv_dtype == kv
     with pytest.raises(ValueError, match=str(KV_FORMATS).replace("(", r"\(").replace(")", r"\)")):
         EngineConfig(kv_dtype="fp4")
@@ -187,7 +183,7 @@ def test_one_config_runs_both_cores(model):
 
 def test_pool_and_slots_sized_from_kv_cache_memory(model):
     mem = 2**16
-    for kv in (kv for kv in KV_FORMATS if kv != "int4b"):  # int4b: refused by EngineConfig
+    for kv in KV_FORMATS:
         llm = LLM(model, tokenizer=IdsTokenizer(), kv_dtype=kv, block_size=4, kv_cache_memory=mem)
         m = llm.model
         block = cache_block_bytes(m.num_layers, m.num_kv_heads, m.head_dim, 4, m.dtype, kv)

@@ -77,7 +77,8 @@ class DecodeReserve:
     MIN_RATIO = 0.05
     WEIGHT = 0.125
 
-    def __init__(self, block_size: int, windows: Seq[int | None], chunk: int, ratio: float | None = None) -> None:
+    def __init__(self, block_size: int, windows: Seq[int | None], chunk: int, ratio: float | None = None,
+                 spare_block: bool = False) -> None:
         for name, v in (("block_size", block_size), ("chunk", chunk)):
             if type(v) is not int or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
@@ -88,6 +89,7 @@ class DecodeReserve:
         if ratio is not None and not 0 <= ratio <= 1:
             raise ValueError(f"ratio: expected a float in [0, 1] or None, got {ratio!r}")
         self.block_size = block_size
+        self.spare_block = bool(spare_block)  # a request may hold one block more than its tokens fill (int4b)
         self.windows = list(windows)
         self.chunk = chunk
         self.learned = ratio is None
@@ -150,9 +152,10 @@ class DecodeReserve:
         tokens = sum(t for _, t in items)
         for i, (steps, t) in enumerate(items):
             alive = len(items) - i
-            if (tokens + alive * (steps + bs - 1)) // bs > room and (
-                    cdiv(tokens + alive * steps, bs) > room or
-                    sum(cdiv(u + steps, bs) for _, u in items[i:]) > room):
+            left = room - alive * self.spare_block  # each request's spare block, counted whole: an upper bound
+            if (tokens + alive * (steps + bs - 1)) // bs > left and (
+                    cdiv(tokens + alive * steps, bs) > left or
+                    sum(cdiv(u + steps, bs) for _, u in items[i:]) > left):
                 return False
             tokens -= t
         return True

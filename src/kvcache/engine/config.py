@@ -187,9 +187,7 @@ class EngineConfig:
             raise TypeError(f"tokenizer: expected a tokenizer (with a decode method) or None, got "
                             f"{type(self.tokenizer).__name__}")
         check_choice("cache", self.cache, CACHE_MODES)
-        if kv_format(self.kv_dtype).block_keys:
-            raise ValueError(f"kv_dtype: {self.kv_dtype!r} is not served by the engine yet (its scheduler does not keep "
-                             "the block after a partial one); it runs through kvcache.hf and PagedKVCache")
+        kv_format(self.kv_dtype)
         if self.cache == "linear" and self.kv_dtype != "auto":
             raise ValueError(f"kv_dtype: the linear cache stores the model dtype, expected 'auto', got "
                              f"{self.kv_dtype!r}")

@@ -22,6 +22,7 @@ import torch
 
 from .._validate import cdiv
 from ..paged import BlockAllocator, PagedConfig, PagedKVCache, cache_block_bytes
+from ..ops.paged.format import kv_format
 from ..paged.events import KVEventLog
 from ..paged.tiers import TieredCache, TierStats, tiers_block_bytes, weights_identity
 from .config import EngineConfig, check_config
@@ -174,7 +175,11 @@ class PagedEngineCore:
         _check_groups(self.groups, config)
         counts = pool_blocks(model, config, self.groups, self.max_model_len)
         bs = config.block_size
-        width = cdiv(self.max_model_len, bs)
+        spare = kv_format(config.kv_dtype).block_keys  # int4b: a partial last block keeps the block after it
+        if spare and len(self.groups) > 1:
+            raise ValueError(f"kv_dtype: {config.kv_dtype!r} takes models whose layers all attend in full (its "
+                             "scheduler keeps the block after a partial one in one pool), got sliding-window layers")
+        width = cdiv(self.max_model_len, bs) + spare
         self.caches = [PagedKVCache(
             PagedConfig(num_layers=len(g.layers), num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                         block_size=bs, num_blocks=n + 1, dtype=model.dtype, kv_dtype=config.kv_dtype,
@@ -188,7 +193,7 @@ class PagedEngineCore:
         self.scheduler = Scheduler(self.allocator if one else self.allocators, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.batched_tokens(model.device), max_blocks_per_seq=width,
                                    tiers=self.tiers, windows=[g.window for g in self.groups],
-                                   decode_reserve=config.decode_reserve)
+                                   decode_reserve=config.decode_reserve, spare_block=spare)
         graphs = _graphs(model, config)
         self.runner = PagedRunner(model, self.cache, max_blocks_per_seq=width, max_model_len=self.max_model_len,
                                   scratch_block=counts[0], cuda_graphs=graphs,

@@ -124,7 +124,8 @@ class Scheduler:
 
     def __init__(self, allocator: BlockAllocator | Seq[BlockAllocator], *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_blocks_per_seq: int, tiers: TieredCache | None = None,
-                 windows: Seq[int | None] | None = None, decode_reserve: float | None = None) -> None:
+                 windows: Seq[int | None] | None = None, decode_reserve: float | None = None,
+                 spare_block: bool = False) -> None:
         allocators = [allocator] if isinstance(allocator, BlockAllocator) else allocator
         if not isinstance(allocators, (list, tuple)) or not allocators or \
                 not all(isinstance(a, BlockAllocator) for a in allocators):
@@ -164,7 +165,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at admission
         self._pending: dict[int, int] = {}  # hash of a block being prefilled -> request id
-        self.reserve = DecodeReserve(self.block_size, windows, max_num_batched_tokens, ratio=decode_reserve)
+        if spare_block and not self._plain:
+            raise ValueError("spare_block: expected one full-attention layer group, got windows "
+                             f"{windows!r}")
+        self.spare_block = bool(spare_block)
+        self.reserve = DecodeReserve(self.block_size, windows, max_num_batched_tokens, ratio=decode_reserve,
+                                     spare_block=self.spare_block)
 
     # ----------------------------------------------------------------------------------- requests
 
@@ -182,7 +188,7 @@ class Scheduler:
         total = seq.num_prompt_tokens + seq.params.max_tokens
         for a, w in zip(self.allocators, self.windows):
             # a window group's table keeps a slot for every block of the context: the table's width bounds it too
-            need = peak_blocks(w, total, self.max_num_batched_tokens, self.block_size)
+            need = peak_blocks(w, total, self.max_num_batched_tokens, self.block_size) + self.spare_block
             limit = min(self.max_blocks_per_seq, a.num_blocks)
             if w is not None and cdiv(total, self.block_size) > self.max_blocks_per_seq:
                 need, limit = cdiv(total, self.block_size), self.max_blocks_per_seq
@@ -237,7 +243,7 @@ class Scheduler:
         """Allocate the blocks ``num_new`` more tokens need, in every group or none; False (nothing allocated) when
         a pool is out. A window group first gives back the blocks its window no longer reads."""
         if self._plain:
-            need = -(-(seq.num_computed + num_new) // self.block_size) - len(seq.block_table)
+            need = self.blocks_for(seq.num_computed + num_new) - len(seq.block_table)
             if need <= 0:
                 return True
             blocks = self.allocator.allocate(need)
@@ -255,6 +261,20 @@ class Scheduler:
             if end > len(t):
                 t.extend(a.allocate(end - len(t)))
         return True
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks a request of ``tokens`` tokens holds in a full-attention group: ``ceil(tokens / block_size)``, one
+        more with ``spare_block`` while its last block is partial (int4b keeps that block's keys in the next one).
+
+        Example
+        -------
+        >>> Scheduler(BlockAllocator(8, 4), max_num_seqs=1, max_num_batched_tokens=8, max_blocks_per_seq=8,
+        ...           spare_block=True).blocks_for(5)
+        3
+        """
+        if self.spare_block:
+            return tokens // self.block_size + (2 if tokens % self.block_size else 0)
+        return cdiv(tokens, self.block_size)
 
     def _free_outside_window(self, seq: Sequence, g: int, window: int) -> None:
         """Give back group ``g``'s blocks of ``seq`` wholly before ``num_computed - window + 1`` (no query at a
