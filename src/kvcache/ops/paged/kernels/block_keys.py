@@ -229,10 +229,10 @@ def _int4b_gather_kernel(
     else:
         q_lo = tl.load(kplane, mask=lane & live, other=0).to(tl.float32)
         q_hi = tl.load(pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd, mask=lane & live, other=0)
-        w = 2 * tt
-        rs = tl.load(pb + (w // WK) * P_TOK + 2 + w % WK, mask=(hh < H) & live, other=0.0)
-        w = 2 * tt + 1
-        rz = tl.load(pb + (w // WK) * P_TOK + 2 + w % WK, mask=(hh < H) & live, other=0.0)
+        ws = 2 * tt
+        rs = tl.load(pb + (ws // WK) * P_TOK + 2 + ws % WK, mask=(hh < H) & live, other=0.0)
+        wz = 2 * tt + 1
+        rz = tl.load(pb + (wz // WK) * P_TOK + 2 + wz % WK, mask=(hh < H) & live, other=0.0)
         k_lo = q_lo * rs + rz
         k_hi = q_hi.to(tl.float32) * rs + rz
     k_lo = tl.where(live, k_lo, 0.0)
