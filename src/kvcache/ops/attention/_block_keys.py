@@ -24,19 +24,41 @@ def _word(qparams, pbase, w, WK: tl.constexpr, P_TOK: tl.constexpr, mask):
 
 
 @triton.jit
-def block_key_tile(raw, j, ok_n, blk, tok, kvh, bt_row, n_blocks, full_end, pool, qparams, dd, ok_lo, ok_hi,
-                   H1: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_TOK: tl.constexpr,
-                   S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
-                   WK: tl.constexpr):
-    """float32 key halves ``[HALF_P, BLOCK_N]`` (channels down, keys across) of an int4b tile: ``raw`` the int4 byte
-    rows (uint8, as loaded for int4), keys ``j`` below ``full_end`` in full blocks, the rest in the partial one."""
-    pbase = blk[None, :] * P_BLK + kvh * P_HEAD  # [1, N]
-    m_lo = ok_n[None, :] & ok_lo[:, None]
-    m_hi = ok_n[None, :] & ok_hi[:, None]
-    c = dd[:, None]
-    s_lo, z_lo = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, m_lo)
-    c = H1 + dd[:, None]
-    s_hi, z_hi = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, m_hi)
+def _spread(x, HALF_P: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr):
+    # [HALF_P, NB] per block -> [HALF_P, NB * BS] per key (the block's BS keys side by side)
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (HALF_P, NB, BS)), (HALF_P, NB * BS))
+
+
+@triton.jit
+def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_end, pool, qparams, dd, ok_lo, ok_hi,
+                   H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr,
+                   S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_TOK: tl.constexpr,
+                   P_HEAD: tl.constexpr, WK: tl.constexpr):
+    """float32 key halves ``[HALF_P, BLOCK_N]`` (channels down, keys across) of tile ``t`` of an int4b pool: ``raw``
+    the int4 byte rows (uint8, as loaded for int4), keys ``j`` below ``full_end`` in full blocks, the rest in the
+    partial one. A tile of whole blocks loads each block's (scale, zero) row once and spreads it over its keys."""
+    HALF_P: tl.constexpr = dd.shape[0]
+    if BLOCK_N % BS == 0:
+        NB: tl.constexpr = BLOCK_N // BS
+        jb = t * BLOCK_N + tl.arange(0, NB) * BS
+        ok_b = jb < j_hi
+        bb = tl.load(bt_row + jb // BS, mask=ok_b, other=0)
+        ok_b = ok_b & (bb >= 0) & (bb < n_blocks)
+        pbase = bb.to(tl.int64)[None, :] * P_BLK + kvh * P_HEAD  # [1, NB]
+        c = dd[:, None]
+        s_lo, z_lo = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_b[None, :] & ok_lo[:, None])
+        c = H1 + dd[:, None]
+        s_hi, z_hi = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_b[None, :] & ok_hi[:, None])
+        s_lo = _spread(s_lo, HALF_P, NB, BS)
+        z_lo = _spread(z_lo, HALF_P, NB, BS)
+        s_hi = _spread(s_hi, HALF_P, NB, BS)
+        z_hi = _spread(z_hi, HALF_P, NB, BS)
+    else:
+        pbase = blk[None, :] * P_BLK + kvh * P_HEAD  # [1, N]
+        c = dd[:, None]
+        s_lo, z_lo = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_n[None, :] & ok_lo[:, None])
+        c = H1 + dd[:, None]
+        s_hi, z_hi = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_n[None, :] & ok_hi[:, None])
     k_lo = (raw & 15).to(tl.float32) * s_lo + z_lo
     k_hi = (raw >> 4).to(tl.float32) * s_hi + z_hi
     part = ok_n & (j >= full_end)

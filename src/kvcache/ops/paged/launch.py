@@ -116,7 +116,7 @@ def _gather_int4b(k_out: torch.Tensor, v_out: torch.Tensor, layer: PagedLayer, p
         k_out, v_out, layer.pool, layer.params, bt, lens, k_out.stride(0), k_out.stride(1), k_out.stride(2),
         v_out.stride(0), v_out.stride(1), v_out.stride(2), bt.stride(0), bt.shape[1], s_out,  # type: ignore[union-attr]
         MODE=mode.value, H=H, D=D, BS=bs, NUM_BLOCKS=nb, WK=wk, **strides, BLOCK_H=next_pow2(H),
-        BLOCK_D2=max(2, next_pow2(dp)), num_warps=4,
+        BLOCK_D2=max(2, next_pow2(dp)), LIBDEVICE=layer.device.type == "cuda", num_warps=4,
     )
     if rope is not None:  # token t of every sequence sits at position t (no context parallelism)
         x = k_out.transpose(1, 2).reshape(B * s_out, H, D).float()

@@ -183,7 +183,7 @@ def _int4b_gather_kernel(
     MODE: tl.constexpr,  # 0: kv_lens [B], 1: cu_k_lens [B + 1]
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_BLOCKS: tl.constexpr, WK: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     # grid (cdiv(S_out, BS), B): block bi of sequence b, every head; tokens past the sequence (or in blocks outside
     # the pool, or in a partial block without its next block) are written as zeros
@@ -224,8 +224,8 @@ def _int4b_gather_kernel(
         w = tl.load(pb + (c // WK) * P_TOK + 2 + c % WK, mask=lane & okv, other=0.0).to(tl.int32, bitcast=True)
         s_hi = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         z_hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        k_lo = (raw & 15).to(tl.float32) * s_lo + z_lo
-        k_hi = ((raw >> 4) & 15).to(tl.float32) * s_hi + z_hi
+        k_lo = _mul_add((raw & 15).to(tl.float32), s_lo, z_lo, LIBDEVICE)
+        k_hi = _mul_add(((raw >> 4) & 15).to(tl.float32), s_hi, z_hi, LIBDEVICE)
     else:
         q_lo = tl.load(kplane, mask=lane & live, other=0).to(tl.float32)
         q_hi = tl.load(pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd, mask=lane & live, other=0)
@@ -233,8 +233,8 @@ def _int4b_gather_kernel(
         rs = tl.load(pb + (ws // WK) * P_TOK + 2 + ws % WK, mask=(hh < H) & live, other=0.0)
         wz = 2 * tt + 1
         rz = tl.load(pb + (wz // WK) * P_TOK + 2 + wz % WK, mask=(hh < H) & live, other=0.0)
-        k_lo = q_lo * rs + rz
-        k_hi = q_hi.to(tl.float32) * rs + rz
+        k_lo = _mul_add(q_lo, rs, rz, LIBDEVICE)
+        k_hi = _mul_add(q_hi.to(tl.float32), rs, rz, LIBDEVICE)
     k_lo = tl.where(live, k_lo, 0.0)
     k_hi = tl.where(live, k_hi, 0.0)
     kdst = k_out + b * sk_b + t * sk_s + hh * sk_h + dd
@@ -243,8 +243,8 @@ def _int4b_gather_kernel(
     raw = tl.load(kplane + S_KV, mask=lane & live, other=0).to(tl.int32)
     vs = tl.load(qparams + blk * P_BLK + tt * P_TOK + hh * P_HEAD, mask=(hh < H) & live, other=0.0)
     vz = tl.load(qparams + blk * P_BLK + tt * P_TOK + hh * P_HEAD + 1, mask=(hh < H) & live, other=0.0)
-    v_lo = tl.where(live, (raw & 15).to(tl.float32) * vs + vz, 0.0)
-    v_hi = tl.where(live, ((raw >> 4) & 15).to(tl.float32) * vs + vz, 0.0)
+    v_lo = tl.where(live, _mul_add((raw & 15).to(tl.float32), vs, vz, LIBDEVICE), 0.0)
+    v_hi = tl.where(live, _mul_add(((raw >> 4) & 15).to(tl.float32), vs, vz, LIBDEVICE), 0.0)
     vdst = v_out + b * sv_b + t * sv_s + hh * sv_h + dd
     tl.store(vdst, v_lo.to(v_out.dtype.element_ty), mask=out_ok)
     tl.store(vdst + HALF, v_hi.to(v_out.dtype.element_ty), mask=out_ok)
