@@ -33,10 +33,11 @@ def _spread(x, HALF_P: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr):
 def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_end, pool, qparams, dd, ok_lo, ok_hi,
                    H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr,
                    S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_TOK: tl.constexpr,
-                   P_HEAD: tl.constexpr, WK: tl.constexpr):
-    """float32 key halves ``[HALF_P, BLOCK_N]`` (channels down, keys across) of tile ``t`` of an int4b pool: ``raw``
-    the int4 byte rows (uint8, as loaded for int4), keys ``j`` below ``full_end`` in full blocks, the rest in the
-    partial one. A tile of whole blocks loads each block's (scale, zero) row once and spreads it over its keys."""
+                   P_HEAD: tl.constexpr, WK: tl.constexpr, DT: tl.constexpr):
+    """Key halves ``[HALF_P, BLOCK_N]`` (channels down, keys across) of tile ``t`` of an int4b pool in ``DT`` (the
+    dots' operand dtype; full blocks dequantized in it, the partial block's int8 rows in float32): ``raw`` the int4
+    byte rows (uint8, as loaded for int4), keys ``j`` below ``full_end`` in full blocks, the rest in the partial
+    one. A tile of whole blocks loads each block's (scale, zero) row once and spreads it over its keys."""
     HALF_P: tl.constexpr = dd.shape[0]
     if BLOCK_N % BS == 0:
         NB: tl.constexpr = BLOCK_N // BS
@@ -49,18 +50,18 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
         s_lo, z_lo = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_b[None, :] & ok_lo[:, None])
         c = H1 + dd[:, None]
         s_hi, z_hi = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_b[None, :] & ok_hi[:, None])
-        s_lo = _spread(s_lo, HALF_P, NB, BS)
-        z_lo = _spread(z_lo, HALF_P, NB, BS)
-        s_hi = _spread(s_hi, HALF_P, NB, BS)
-        z_hi = _spread(z_hi, HALF_P, NB, BS)
+        s_lo = _spread(s_lo.to(DT), HALF_P, NB, BS)
+        z_lo = _spread(z_lo.to(DT), HALF_P, NB, BS)
+        s_hi = _spread(s_hi.to(DT), HALF_P, NB, BS)
+        z_hi = _spread(z_hi.to(DT), HALF_P, NB, BS)
     else:
         pbase = blk[None, :] * P_BLK + kvh * P_HEAD  # [1, N]
         c = dd[:, None]
         s_lo, z_lo = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_n[None, :] & ok_lo[:, None])
         c = H1 + dd[:, None]
         s_hi, z_hi = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_n[None, :] & ok_hi[:, None])
-    k_lo = (raw & 15).to(tl.float32) * s_lo + z_lo
-    k_hi = (raw >> 4).to(tl.float32) * s_hi + z_hi
+    k_lo = (raw & 15).to(DT) * s_lo.to(DT) + z_lo.to(DT)
+    k_hi = (raw >> 4).to(DT) * s_hi.to(DT) + z_hi.to(DT)
     part = ok_n & (j >= full_end)
     if tl.max(part.to(tl.int32), 0) > 0:  # the tile reaches the partial block: its int8 rows
         nxt = tl.load(bt_row + j // BS + 1, mask=part, other=-1)
@@ -74,6 +75,6 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
         pb = blk * P_BLK + kvh * P_HEAD
         rs = _word(qparams, pb, 2 * tok, WK, P_TOK, ok8)
         rz = _word(qparams, pb, 2 * tok + 1, WK, P_TOK, ok8)
-        k_lo = tl.where(part[None, :], q_lo * rs[None, :] + rz[None, :], k_lo)
-        k_hi = tl.where(part[None, :], q_hi * rs[None, :] + rz[None, :], k_hi)
+        k_lo = tl.where(part[None, :], (q_lo * rs[None, :] + rz[None, :]).to(DT), k_lo)
+        k_hi = tl.where(part[None, :], (q_hi * rs[None, :] + rz[None, :]).to(DT), k_hi)
     return k_lo, k_hi

@@ -115,7 +115,8 @@ def _tile(
                           3 if QK == 6 else QK, q_lo.dtype, not V_FOLD or QK == 6, INTERP, False)
     if QK == 6:  # int4b: int4 codes per channel over full blocks, int8 rows in the partial one
         k_lo, k_hi = block_key_tile(k_lo, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_end, pool, qparams,
-                                    dd, ok_lo, ok_hi, H1, BLOCK_N, BS, S_BLK, S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK)
+                                    dd, ok_lo, ok_hi, H1, BLOCK_N, BS, S_BLK, S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK,
+                                    qdt)
     pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
     if QK >= 2 and QK <= 4 and not V_FOLD:
         # prefill tiles: dequantize K per element (many rows share it), no per-score affine

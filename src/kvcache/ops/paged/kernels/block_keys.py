@@ -93,7 +93,8 @@ def _int4b_append_kernel(
     STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    # grid (B, span): program (b, s) writes block start // BS + s of sequence b, if the call reaches it
+    # grid (B, span, cdiv(H, BLOCK_H)): program (b, s, g) writes heads g * BLOCK_H .. of block start // BS + s of
+    # sequence b, if the call reaches it (a few heads a program: a block's rows of every head would spill)
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)
     q0 = tl.load(cu_q_lens + b).to(tl.int64)
@@ -119,10 +120,10 @@ def _int4b_append_kernel(
     W: tl.constexpr = 2 + WK
     P_BLK: tl.constexpr = BS * H * W
     tt = tl.arange(0, BS)[:, None, None]
-    hh = tl.arange(0, BLOCK_H)[None, :, None]
+    hh = (tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H))[None, :, None]
     dd = tl.arange(0, BLOCK_D2)[None, None, :]
     hm = hh < H
-    ok = hm & (dd < HALF)  # [1, H, D/2] lanes
+    ok = hm & (dd < HALF)  # [1, BLOCK_H, D/2] lanes
     new = (tt >= o0) & (tt < o1)  # rows of this call
     row0 = q0 + bi * BS - start  # input row of slot 0
     pos_f = (bi * BS + tt).to(tl.float32)
