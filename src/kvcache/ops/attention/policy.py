@@ -205,6 +205,8 @@ def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, n
         if long_tiles or few_tiles:
             table = DECODE_TILE_WAVE if wave_tiles else DECODE_TILE_LONG if long_tiles else DECODE_TILE_FEW
             (block_n, stages), warps, warp_split = table[kv_dtype], 1, False
+            if block_keys:  # int4b dequantizes its keys per element: one warp holds 32 keys of them
+                block_n, stages = 32, 3
         elif warps == 1 and (q_bytes > 2 or block_q * g > 16):
             warps, stages = 4, 2  # one warp cannot hold float32 queries' or GQA groups over 16's tiles (spills)
     else:
