@@ -50,18 +50,24 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
         s_lo, z_lo = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_b[None, :] & ok_lo[:, None])
         c = H1 + dd[:, None]
         s_hi, z_hi = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_b[None, :] & ok_hi[:, None])
-        s_lo = _spread(s_lo.to(DT), HALF_P, NB, BS)
-        z_lo = _spread(z_lo.to(DT), HALF_P, NB, BS)
-        s_hi = _spread(s_hi.to(DT), HALF_P, NB, BS)
-        z_hi = _spread(z_hi.to(DT), HALF_P, NB, BS)
+        s_lo = _spread(s_lo, HALF_P, NB, BS)
+        z_lo = _spread(z_lo, HALF_P, NB, BS)
+        s_hi = _spread(s_hi, HALF_P, NB, BS)
+        z_hi = _spread(z_hi, HALF_P, NB, BS)
     else:
         pbase = blk[None, :] * P_BLK + kvh * P_HEAD  # [1, N]
         c = dd[:, None]
         s_lo, z_lo = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_n[None, :] & ok_lo[:, None])
         c = H1 + dd[:, None]
         s_hi, z_hi = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_n[None, :] & ok_hi[:, None])
-    k_lo = (raw & 15).to(DT) * s_lo.to(DT) + z_lo.to(DT)
-    k_hi = (raw >> 4).to(DT) * s_hi.to(DT) + z_hi.to(DT)
+    # float16 operands: the products in float16 (codes and the stored fp16 scales exact); bfloat16: in float32, one
+    # rounding to the operand (bfloat16 would round the scale and then the product)
+    if DT == tl.float16:
+        MATH: tl.constexpr = tl.float16
+    else:
+        MATH: tl.constexpr = tl.float32
+    k_lo = ((raw & 15).to(MATH) * s_lo.to(MATH) + z_lo.to(MATH)).to(DT)
+    k_hi = ((raw >> 4).to(MATH) * s_hi.to(MATH) + z_hi.to(MATH)).to(DT)
     part = ok_n & (j >= full_end)
     if tl.max(part.to(tl.int32), 0) > 0:  # the tile reaches the partial block: its int8 rows
         nxt = tl.load(bt_row + j // BS + 1, mask=part, other=-1)
