@@ -1,0 +1,150 @@
+"""int4b's kernels on a GPU: compiled against the torch path, and timed beside int4 / k8v4 (an experiment's check).
+
+``--check``: for both layouts and fp16 / bf16 models, a two-sequence cache through prefill chunks and decode rows:
+the compiled append's pool and params bit-exact with the torch path's (no RoPE), gather bit-exact, attention within
+one rounding of the operand dtype. ``--speed``: decode attention (64 x 1k / 16k tokens, 32 / 8 heads x 128, fp16
+queries, random blocks, L2 flushed, the median of 30 calls), decode append (256 x 1 token, one layer) and prefill
+append (8 x 2,048 tokens), in us.
+
+    python benchmarks/block_keys_gpu.py --check --speed
+"""
+
+import argparse
+import time
+
+import torch
+
+from kvcache import PagedConfig, PagedKVCache
+
+dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+H, HQ, D, BS = 8, 32, 128, 16
+
+
+def cfg(kv, layout, dtype, nb, device):
+    return PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=nb, dtype=dtype,
+                       kv_dtype=kv, layout=layout, device=device)
+
+
+def correctness():
+    bad = 0
+    for layout in ("NHD", "HND"):
+        for dtype in (torch.float16, torch.bfloat16):
+            g = torch.Generator().manual_seed(0)
+            nb = 64
+            gpu = PagedKVCache(cfg("int4b", layout, dtype, nb, dev))
+            cpu = PagedKVCache(cfg("int4b", layout, dtype, nb, "cpu"))
+            perm = torch.randperm(nb, generator=g)
+            tables = perm[:2 * 12].reshape(2, 12).to(torch.int32)
+            lens = [0, 0]
+            for step in ([37, 50], [1, 1], [1, 1], [1, 1], [20, 1], [12, 14], [1, 1]):
+                n = sum(step)
+                cu = torch.tensor([0, step[0], n], dtype=torch.int32)
+                kvl = torch.tensor(lens, dtype=torch.int32)
+                k = (torch.randn(n, H, D, generator=g) * torch.linspace(0.2, 8, D) + 1).to(dtype)
+                v = torch.randn(n, H, D, generator=g).to(dtype)
+                q = torch.randn(n, HQ, D, generator=g).to(dtype)
+                pg = gpu.plan(tables.to(dev), cu.to(dev), kvl.to(dev))
+                pc = cpu.plan(tables, cu, kvl)
+                gpu.append(0, k.to(dev), v.to(dev), pg)
+                cpu.append(0, k, v, pc)
+                same_pool = torch.equal(gpu.pool(0).cpu(), cpu.pool(0))
+                same_par = torch.equal(gpu.params(0).cpu().view(torch.int32), cpu.params(0).view(torch.int32))
+                og = gpu.attention(0, q.to(dev), pg).float().cpu()
+                oc = cpu.attention(0, q, pc).float()
+                err = (og - oc).abs().max().item()
+                lens = [a + b for a, b in zip(lens, step)]
+                sl = torch.tensor(lens, dtype=torch.int32)
+                kg, vg = gpu.gather(0, gpu.plan(tables.to(dev), seq_lens=sl.to(dev)))
+                kc, vc = cpu.gather(0, cpu.plan(tables, seq_lens=sl))
+                same_g = torch.equal(kg.cpu(), kc) and torch.equal(vg.cpu(), vc)
+                tol = 3e-2 if dtype == torch.bfloat16 else 1.5e-2
+                ok = same_pool and same_par and err < tol and same_g
+                bad += not ok
+                if not ok:
+                    print("MISMATCH", layout, dtype, step, same_pool, same_par, err, same_g, flush=True)
+            print("checked", layout, dtype, flush=True)
+    print("correctness failures:", bad, flush=True)
+
+
+def timed(fn, flush, n=30):
+    ts = []
+    for _ in range(n):
+        flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) * 1000)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def speed():
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+    for layout in ("NHD", "HND"):
+        for n_seqs, seq in ((64, 1024), (64, 16384)):
+            row = []
+            for kv in ("int4", "int4b", "k8v4"):
+                per = seq // BS + 1
+                nb = max(n_seqs * per + 64, 8192)
+                cache = PagedKVCache(cfg(kv, layout, torch.float16, nb, dev))
+                cache.buffer.random_(0, 256)
+                if cache.params_buffer is not None:
+                    if kv == "int4b":
+                        w = torch.tensor([0.01, 0.5], dtype=torch.float16).view(torch.float32)
+                        cache.params_buffer.fill_(w.item())
+                    else:
+                        cache.params_buffer.uniform_(0.001, 0.02)
+                tables = torch.randperm(nb, device=dev)[: n_seqs * per].reshape(n_seqs, per).to(torch.int32)
+                kvl = torch.full((n_seqs,), seq - 1 - 5, dtype=torch.int32, device=dev)  # a partial last block
+                cu = torch.arange(n_seqs + 1, dtype=torch.int32, device=dev)
+                plan = cache.plan(tables, cu, kvl, num_decode=n_seqs)
+                q = torch.randn(n_seqs, HQ, D, dtype=torch.float16, device=dev)
+                cache.attention(0, q, plan)
+                us = timed(lambda c=cache, q=q, p=plan: c.attention(0, q, p), flush)
+                row.append(f"{kv} {us:.1f}")
+            print("decode attention", layout, f"{n_seqs} x {seq}:", " | ".join(row), flush=True)
+    # decode append: 256 sequences x 1 token, random lengths, one layer
+    for layout in ("NHD", "HND"):
+        row = []
+        for kv in ("int4", "int4b", "k8v4"):
+            nb = 256 * 130
+            cache = PagedKVCache(cfg(kv, layout, torch.float16, nb, dev))
+            tables = torch.randperm(nb, device=dev)[: 256 * 128].reshape(256, 128).to(torch.int32)
+            kvl = torch.randint(1, 2000, (256,), dtype=torch.int32, device=dev)
+            cu = torch.arange(257, dtype=torch.int32, device=dev)
+            plan = cache.plan(tables, cu, kvl)
+            k = torch.randn(256, H, D, dtype=torch.float16, device=dev)
+            cache.append(0, k, k, plan)
+            us = timed(lambda c=cache, k=k, p=plan: c.append(0, k, k, p), flush)
+            row.append(f"{kv} {us:.2f}")
+        print("decode append 256 x 1", layout, " | ".join(row), flush=True)
+    # prefill append: 8 x 2048 tokens
+    for layout in ("NHD", "HND"):
+        row = []
+        for kv in ("int4", "int4b", "k8v4"):
+            nb = 8 * 129 + 64
+            cache = PagedKVCache(cfg(kv, layout, torch.float16, nb, dev))
+            tables = torch.randperm(nb, device=dev)[: 8 * 129].reshape(8, 129).to(torch.int32)
+            kvl = torch.zeros(8, dtype=torch.int32, device=dev)
+            cu = torch.arange(9, dtype=torch.int32, device=dev) * 2048
+            plan = cache.plan(tables, cu, kvl)
+            k = torch.randn(8 * 2048, H, D, dtype=torch.float16, device=dev)
+            cache.append(0, k, k, plan)
+            us = timed(lambda c=cache, k=k, p=plan: c.append(0, k, k, p), flush)
+            row.append(f"{kv} {us:.1f}")
+        print("prefill append 8 x 2048", layout, " | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--speed", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    if args.check:
+        correctness()
+    if args.speed:
+        speed()
+    print(f"{time.time() - t0:.0f} s", flush=True)
