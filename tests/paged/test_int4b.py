@@ -170,8 +170,13 @@ def test_refusals():
                                          cp_rank=0, cp_size=2))
 
 
-def test_blocks_for_tokens_keeps_the_block_after_a_partial_one():
+def test_blocks_for_keeps_the_block_after_a_partial_one():
+    cfg = PagedConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=8, kv_dtype="int4b")
+    assert [cfg.blocks_for(n) for n in (0, 1, 3, 4, 5, 8, 9)] == [0, 2, 2, 1, 3, 2, 4]
     assert [blocks_for_tokens(n, 4) for n in (0, 1, 3, 4, 5, 8, 9)] == [0, 2, 2, 1, 3, 2, 4]
+    assert PagedConfig(1, 1, 8, 4, 8, kv_dtype="int4").blocks_for(5) == 2
+    with pytest.raises(ValueError, match="^num_tokens: expected"):
+        cfg.blocks_for(-1)
 
 
 def _stored(layout: str, chunks: list[int], interpret: bool, rope: RopeConfig | None = None,

@@ -98,6 +98,9 @@ class Scheduler:
         A fixed :attr:`~kvcache.engine.admission.DecodeReserve.ratio`; None: learned (see
         :mod:`kvcache.engine.admission`). A waiting request is admitted only when the pool holds what it and the
         running requests are expected to hold until they finish.
+    spare_block : bool, optional
+        A request whose last block is partial holds the block after it too (``kv_dtype="int4b"``: the partial
+        block's int8 key rows spill into it): :meth:`blocks_for`. One full-attention group only.
 
     Attributes
     ----------

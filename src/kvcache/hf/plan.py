@@ -137,14 +137,20 @@ def plan(config: Any, memory: int, seq_len: int, *, block_size: int = 16, dtype:
     groups = layer_groups(windows)
     rows = []
     per_seq_blocks = cdiv(seq_len, block_size)
+    full = len(groups) == 1 and groups[0].window is None
     for kv in KV_FORMATS:
-        if kv_format(kv).needs_even_head_dim and D % 2:
+        fmt = kv_format(kv)
+        if fmt.needs_even_head_dim and D % 2:
             continue
+        if fmt.block_keys and (2 * block_size > D or not full):
+            continue  # int4b: blocks of at most head_dim / 2 tokens, full-attention models
         name = f"auto ({str(dtype).removeprefix('torch.')})" if kv == "auto" else kv
         block = cache_block_bytes(L, H, D, block_size, dtype, kv)
-        if len(groups) == 1 and groups[0].window is None:
+        if full:
             blocks = memory // block
-            rows.append(PlanRow("paged", name, block / block_size, blocks * block_size, blocks // per_seq_blocks))
+            # int4b: while its last block is partial a sequence holds the block after it too
+            seq_blocks = per_seq_blocks + fmt.block_keys
+            rows.append(PlanRow("paged", name, block / block_size, blocks * block_size, blocks // seq_blocks))
             continue
         # a sequence's blocks in each layer group (a window group: what its window reads), each of the group's layers
         per_seq = sum(blocks_per_seq(g.window, seq_len, block_size) * len(g.layers) for g in groups) * block // L

@@ -13,6 +13,8 @@ kv_dtype    data, per layer                                                store
 "k8v4"      ``[num_blocks, 3, block_size, H, D // 2]`` (NHD) /             keys: uint8 codes; values: two
             ``[num_blocks, 3, H, block_size, D // 2]`` (HND)               uint4 codes per byte
 "fp8k"      as "fp8"                                                       float8_e4m3fn of ``x * (1/scale)``
+"int4b"     as "int4"                                                      two uint4 codes per byte (keys:
+                                                                           int8 rows in a partial block)
 ==========  ============================================================  ==============================
 
 ``[:, 0]`` holds keys, ``[:, 1]`` values (k8v4: ``[:, 0]`` / ``[:, 1]`` the int8 codes of key elements ``[0, D/2)``
@@ -53,6 +55,13 @@ Quantization (TurboMind's, per token and head, asymmetric):
   ``[num_blocks, 1, block_size, H, 1]``, HND ``[num_blocks, 1, H, block_size, 1]``. Bytes per (token, head)
   ``2 D + 4`` (fp8: ``2 D``). Error bound of a key element: ``|x - dequant| <= max(|x| / 16, scale / 1024)``
   (half a step of e4m3's 3 mantissa bits, or of its subnormals; products below 2^-126 may flush to 0 on a GPU).
+* int4b: values as int4's rows; keys as int4 codes per channel over each full block (an fp16 (scale, zero) per
+  (block, head, channel), from the block's min / max), the partial last block of a sequence keeping its keys as
+  int8 rows (int8's encoding) split over its own and the next block's key plane until it fills. One params plane of
+  ``2 + ceil(D / block_size)`` float32 words per (token slot, head): the value row's (scale, zero), then the block's
+  key area. ``block_size <= head_dim / 2``; a sequence of ``L`` tokens holds ``L // block_size`` blocks, two more
+  when ``L % block_size``. Bytes per (token, head) ``D + 4 (2 + ceil(D / block_size))``: 168 at D = 128, block 16.
+  The full statement: :mod:`kvcache.ops.paged.block_keys`.
 """
 
 from __future__ import annotations
@@ -126,8 +135,8 @@ class PagedConfig:
     dtype : torch.dtype
         The model dtype: of K / V given to ``append`` and returned by ``gather``.
     kv_dtype : str
-        ``"auto"`` (store ``dtype``), ``"fp8"``, ``"int8"``, ``"int4"``, ``"k8v4"``, ``"fp8k"`` (see the module
-        docstring).
+        ``"auto"`` (store ``dtype``), ``"fp8"``, ``"int8"``, ``"int4"``, ``"k8v4"``, ``"fp8k"``, ``"int4b"`` (see the
+        module docstring).
     layout : str
         ``"NHD"`` (token-major inside a block) or ``"HND"`` (head-major).
     device : torch.device | str | int | None
@@ -194,6 +203,22 @@ class PagedConfig:
         if self.layout == "NHD":
             return (self.num_blocks, p, self.block_size, self.num_kv_heads, w)
         return (self.num_blocks, p, self.num_kv_heads, self.block_size, w)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` tokens holds: ``ceil(num_tokens / block_size)``; for int4b, a partial
+        last block keeps the block after it too (its int8 key rows spill into that block's key plane), so
+        ``num_tokens // block_size`` plus 2 when ``num_tokens % block_size``.
+
+        Example
+        -------
+        >>> cfg = PagedConfig(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, num_blocks=8, kv_dtype="int4b")
+        >>> cfg.blocks_for(32), cfg.blocks_for(33), PagedConfig(1, 1, 64, 16, 8).blocks_for(33)
+        (2, 4, 3)
+        """
+        check_int("num_tokens", num_tokens, 0)
+        if kv_format(self.kv_dtype).block_keys:
+            return num_tokens // self.block_size + (2 if num_tokens % self.block_size else 0)
+        return -(-num_tokens // self.block_size)
 
     @property
     def block_bytes(self) -> int:

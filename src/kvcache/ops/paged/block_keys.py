@@ -30,7 +30,7 @@ import torch
 
 from .format import pack_codes, unpack_codes
 
-__all__ = ["blocks_for_tokens", "encode_full_block", "decode_full_block", "read_sequence", "write_sequence"]
+__all__ = ["blocks_for_tokens"]  # the rest: the torch path's helpers (reference.py, the attention reference)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
