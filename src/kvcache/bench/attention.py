@@ -48,7 +48,9 @@ from ..ops.paged.format import KV_FORMATS, kv_format
 from .timing import graph_replay_us
 
 HQ, H, D = 32, 8, 128
-FORMATS = KV_FORMATS  # every kv_dtype of the KVFormat table
+# every kv_dtype of the KVFormat table but int4b, whose bytes per token depend on the block size and whose kernels are
+# timed by benchmarks/block_keys_gpu.py
+FORMATS = tuple(k for k in KV_FORMATS if not kv_format(k).block_keys)
 COMMAND = "kvcache bench attention"
 SUITE = "attention"
 SDPA = "sdpa contiguous"  # the dense reference of the prefill rows

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.paged.format import KV_FORMATS
+from ..ops.paged.format import KV_FORMATS, kv_format
 from ..paged import PagedConfig, PagedKVCache, cache_block_bytes
 from ..rope import RopeConfig
 from .ceiling import measure_ceiling
@@ -34,7 +34,9 @@ from .timing import graph_replay_us
 
 H, D = 8, 128
 LAYERS = 32
-FORMATS = KV_FORMATS
+# int4b appends by block table only (no slot mapping) and keeps per-block key scales: its kernels are timed by
+# benchmarks/block_keys_gpu.py
+FORMATS = tuple(k for k in KV_FORMATS if not kv_format(k).block_keys)
 COMMAND = "kvcache bench paged"
 
 
