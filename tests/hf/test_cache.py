@@ -341,3 +341,33 @@ def test_linear_cache_with_per_layer_shapes_uses_the_manager(tiny):
         assert torch.equal(kk, k.to(torch.bfloat16).float()) and torch.equal(vv, (-k).to(torch.bfloat16).float())
     with pytest.raises(ValueError, match="layers"):
         LinearCache(tiny.config, max_batch_size=2, max_cache_len=8, layers=[(2, 16)])
+
+
+def test_int4b_beam_fork_at_a_block_boundary_copies_the_kept_next_block(tiny):
+    # int4b keeps the block after a full one (the next partial block's keys spill into it): after a fork at a block
+    # boundary both rows hold it, and the next step's writes must go to copies, not to the shared block
+    cache = PagedCache(tiny.config, max_batch_size=2, max_cache_len=16, kv_dtype="int4b", block_size=4)
+    ids = torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        tiny(input_ids=ids, past_key_values=cache, use_cache=True)
+        tiny(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # 4 tokens: block 0 full, block 1 kept
+        assert [len(t) for t in cache.block_tables] == [2, 2]
+        cache.reorder_cache(torch.tensor([0, 0]))
+        assert cache.block_tables[0] == cache.block_tables[1]
+        tiny(input_ids=ids[:, 1:2], past_key_values=cache, use_cache=True)
+    t0, t1 = cache.block_tables
+    assert t0[0] == t1[0] and t0[1] != t1[1] and t0[2] != t1[2]  # the full block shared, the written ones not
+    assert all(cache.allocator.ref_count(b) == 1 for b in (t0[1], t1[1], t0[2], t1[2]))
+
+
+def test_int4b_crop_inside_a_full_block_is_refused_and_changes_nothing(tiny):
+    cache = PagedCache(tiny.config, max_batch_size=1, max_cache_len=16, kv_dtype="int4b", block_size=4)
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        tiny(input_ids=ids, past_key_values=cache, use_cache=True)  # block 0 full, block 1 partial (2 rows)
+    tables = [list(t) for t in cache.block_tables]
+    cache.crop(-1)  # inside the partial block: its int8 rows stay as they are
+    assert cache.get_seq_length() == 5
+    with pytest.raises(NotImplementedError, match="crop inside a full block of an int4b cache"):
+        cache.crop(-3)  # 2 tokens: inside block 0, whose keys are int4 per channel
+    assert cache.get_seq_length() == 5 and [list(t) for t in cache.block_tables] == tables

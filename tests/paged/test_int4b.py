@@ -5,8 +5,9 @@ plane, values as int4 rows (the byte format of :mod:`kvcache.ops.paged.block_key
 Checked: the stored bytes of a full and of a partial block against encodings computed here, the documented bound
 (half a step of the channel's scale; of the row's scale for int8 rows), a block that fills over several appends
 (int8 rows, then int4 per channel from them), prefill chunks and decodes against the float keys, attention over the
-pool against attention over the gathered K / V, NaN rows, both layouts, bytes per (token, head), and the refusals:
-a block size over head_dim / 2, slot mappings, context parallelism, the Triton path, a crop inside a full block.
+pool against attention over the gathered K / V, NaN rows, both layouts, bytes per (token, head), the Triton kernels
+(interpreter) against the torch path, rows whose next block is missing (counted, refused by the debug check, dropped
+by attention), and the refusals: a block size over head_dim / 2, slot mappings, context parallelism.
 """
 
 from __future__ import annotations
@@ -276,3 +277,63 @@ def test_the_triton_gather_is_bit_exact_with_the_torch_path(layout):
         with force_interpreter():
             got = cache.gather(0, g)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_a_short_gather_reads_full_blocks_as_full():
+    cache = _cache("NHD")
+    k, v = _keys(2 * BS)
+    _append(cache, [1, 2, 3], 0, k, v)
+    whole, _ = _gather(cache, [1, 2, 3], 2 * BS)
+    plan = cache.plan(torch.tensor([[1, 2, 3]], dtype=torch.int32), seq_lens=torch.tensor([2 * BS], dtype=torch.int32))
+    part, _ = cache.gather(0, plan, max_len=BS + 3)  # rows of a full block, not int8 rows
+    assert torch.equal(part[0, :, : BS + 3].transpose(0, 1), whole[: BS + 3])
+
+
+def test_rows_without_the_next_block_are_counted_unwritable_and_refused_by_the_check():
+    cache = _cache("NHD")
+    k, v = _keys(BS + 1)
+    one = torch.tensor([[3]], dtype=torch.int32)
+    plan = cache.plan(one, torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
+    assert int(plan.unwritable_rows(3)) == 3  # a partial block without the block after it
+    with pytest.raises(ValueError, match="^block_tables: sequence 0 needs 2 blocks"):
+        cache.append(0, k[:3], v[:3], cache.plan(one, torch.tensor([0, 3], dtype=torch.int32),
+                                                 torch.tensor([0], dtype=torch.int32), check=True))
+    assert not cache.pool(0).any()  # nothing written
+    two = torch.tensor([[3, 4]], dtype=torch.int32)
+    _append(cache, [3, 4], 0, k[:3], v[:3])
+    # filling block 0 from its int8 rows reads their second halves in block 4: it must be in the table
+    fill = cache.plan(one, torch.tensor([0, BS - 3], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
+    assert int(fill.unwritable_rows(BS - 3)) == BS - 3
+    fill = cache.plan(two, torch.tensor([0, BS - 3], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                      check=True)
+    assert int(fill.unwritable_rows(BS - 3)) == 0
+    cache.append(0, k[3:BS], v[3:BS], fill)
+
+
+def test_the_loose_ops_refuse_an_int4b_block_over_half_the_head_dim():
+    from kvcache.ops import append_paged_kv
+
+    pool = torch.zeros((2, 2, D, H, D // 2), dtype=torch.uint8)  # block_size D > D / 2
+    params = torch.zeros((2, 1, D, H, 3), dtype=torch.float32)
+    k = torch.zeros(1, H, D)
+    with pytest.raises(ValueError, match="^block_size: expected at most head_dim / 2"):
+        append_paged_kv(k, k, pool, params, kv_dtype="int4b", block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+                        cu_q_lens=torch.tensor([0, 1], dtype=torch.int32), kv_lens=torch.tensor([0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attention_drops_partial_keys_whose_next_block_is_past_the_table_as_the_torch_path(layout):
+    cache = _cache(layout)
+    k, v = _keys(BS + 3)
+    _append(cache, [2, 5, 7], 0, k, v)  # block 5 partial, its rows' halves in 7
+    q = torch.randn(1, 2 * H, D, generator=torch.Generator().manual_seed(4))
+    plan = cache.plan(torch.tensor([[2, 5]], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                      torch.tensor([BS + 2], dtype=torch.int32))  # a table without block 7
+    ref = cache.attention(0, q, plan)
+    with force_interpreter():
+        got = cache.attention(0, q, plan)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    full = cache.attention(0, q, cache.plan(torch.tensor([[2, 5, 7]], dtype=torch.int32),
+                                            torch.tensor([0, 1], dtype=torch.int32),
+                                            torch.tensor([BS + 2], dtype=torch.int32)))
+    assert not torch.allclose(full, ref)  # the partial block's keys do count when they can be read

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..distributed import recv_blocks, send_blocks
 from ..distributed._comm import check_peer, comm_device
+from ..ops.paged.format import kv_format
 from ..paged import BlockAllocator, PagedKVCache
 from .model import LlamaForward
 from .paged_runner import PagedRunner
@@ -40,6 +41,9 @@ def _check(model: object, cache: object, allocator: object) -> None:
     if not isinstance(allocator, BlockAllocator):
         raise TypeError(f"allocator: expected a kvcache.BlockAllocator, got {type(allocator).__name__}")
     c = cache.config
+    if kv_format(c.kv_dtype).block_keys:
+        raise ValueError(f"cache: kv_dtype {c.kv_dtype!r} is not served by disaggregated prefill yet (a partial "
+                         "block's keys live in the next block too, which the transfer does not send)")
     want = (model.num_layers, model.num_kv_heads, model.head_dim)
     got = (c.num_layers, c.num_kv_heads, c.head_dim)
     if got != want:

@@ -402,12 +402,13 @@ class PagedRunner:
             else:
                 for g, t in enumerate(seq.block_tables):
                     bt[g, b, :len(t)] = t
-        # padded rows: a one-token sequence at position 0 of the scratch block (columns past a row's length are
-        # never read, so rows only need their first entry reset)
+        # padded rows: a one-token sequence at position 0 of the scratch block. Columns past a row's length are
+        # never read, but int4b's partial first block writes its key rows' second halves into the next entry:
+        # both entries are reset (a stale id there would be a live request's block)
         tok[:, n:bs] = 0
         lens[0, n:bs] = 0
         lens[1, n:bs] = 1
-        bt[:, n:bs, 0] = self._scratch_col
+        bt[:, n:bs, :2] = self._scratch_col[:, :, None]
         if ahead:
             st["ids"][:bs].copy_(st["next"][:bs])
         else:

@@ -240,11 +240,14 @@ class PagedCache(CacheCapacity, Cache):
                 valid = None
         before = list(self._stored)
         need = [max(self._blocks_for(n + c) - len(t), 0) for n, c, t in zip(before, counts, self.block_tables)]
-        # a row writing into a block it shares (after a beam-search fork) copies it first; an int4b partial block
-        # with the next block, which holds the second halves of its key rows
-        span = 2 if self.kv_dtype == "int4b" else 1
-        shared = [(b, j) for b in range(B) if counts[b] and before[b] % self.block_size
-                  for j in range(before[b] // self.block_size, before[b] // self.block_size + span)
+        # a row writing into a block it shares (after a beam-search fork) copies it first. int4b: the block the row
+        # writes next is held even when empty (the spare after a full block), and the one after it takes the second
+        # halves of a partial block's key rows: both are copied when shared
+        int4b = self.kv_dtype == "int4b"
+        span = 2 if int4b else 1
+        shared = [(b, j) for b in range(B) if counts[b] and (before[b] % self.block_size or int4b)
+                  for j in range(before[b] // self.block_size,
+                                 min(before[b] // self.block_size + span, len(self.block_tables[b])))
                   if self.allocator.ref_count(self.block_tables[b][j]) > 1]
         if sum(need) + len(shared) > self.allocator.num_free_blocks:
             raise ValueError(
@@ -373,7 +376,8 @@ class PagedCache(CacheCapacity, Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``b`` continues row ``beam_idx[b]``. Block tables are forked (ref counts), no bytes
-        move; a row copies only the partly filled block it writes next, and only if it is shared."""
+        move; a row copies only the partly filled block it writes next (int4b: and the block after it), and only if
+        it is shared."""
         self._between_steps("reorder_cache")
         B = len(self.block_tables)
         if not isinstance(beam_idx, torch.Tensor) or beam_idx.dim() != 1 or beam_idx.shape[0] != B:

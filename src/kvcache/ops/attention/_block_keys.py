@@ -30,14 +30,17 @@ def _spread(x, HALF_P: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr):
 
 
 @triton.jit
-def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_end, pool, qparams, dd, ok_lo, ok_hi,
+def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_end, table_width, pool, qparams, dd,
+                   ok_lo, ok_hi,
                    H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr,
                    S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_TOK: tl.constexpr,
                    P_HEAD: tl.constexpr, WK: tl.constexpr, DT: tl.constexpr):
     """Key halves ``[HALF_P, BLOCK_N]`` (channels down, keys across) of tile ``t`` of an int4b pool in ``DT`` (the
     dots' operand dtype; full blocks dequantized in it, the partial block's int8 rows in float32): ``raw`` the int4
     byte rows (uint8, as loaded for int4), keys ``j`` below ``full_end`` in full blocks, the rest in the partial
-    one. A tile of whole blocks loads each block's (scale, zero) row once and spreads it over its keys."""
+    one. A tile of whole blocks loads each block's (scale, zero) row once and spreads it over its keys. Returns
+    (k_lo, k_hi, ok_n): a partial block's key whose next block is past the table or the pool is dropped from
+    ``ok_n`` (not read), as the torch path drops it."""
     HALF_P: tl.constexpr = dd.shape[0]
     if BLOCK_N % BS == 0:
         NB: tl.constexpr = BLOCK_N // BS
@@ -70,8 +73,10 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
     k_hi = ((raw >> 4).to(MATH) * s_hi.to(MATH) + z_hi.to(MATH)).to(DT)
     part = ok_n & (j >= full_end)
     if tl.max(part.to(tl.int32), 0) > 0:  # the tile reaches the partial block: its int8 rows
-        nxt = tl.load(bt_row + j // BS + 1, mask=part, other=-1)
-        ok8 = part & (nxt >= 0) & (nxt < n_blocks)
+        has = part & (j // BS + 1 < table_width)
+        nxt = tl.load(bt_row + j // BS + 1, mask=has, other=-1)
+        ok8 = has & (nxt >= 0) & (nxt < n_blocks)
+        ok_n = ok_n & (~part | ok8)
         nxt = tl.where(ok8, nxt, 0).to(tl.int64)
         row = tok * S_TOK + kvh * S_HEAD
         q_lo = tl.load(pool + (blk * S_BLK + row)[None, :] + dd[:, None], mask=ok8[None, :] & ok_lo[:, None],
@@ -83,4 +88,4 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
         rz = _word(qparams, pb, 2 * tok + 1, WK, P_TOK, ok8)
         k_lo = tl.where(part[None, :], (q_lo * rs[None, :] + rz[None, :]).to(DT), k_lo)
         k_hi = tl.where(part[None, :], (q_hi * rs[None, :] + rz[None, :]).to(DT), k_hi)
-    return k_lo, k_hi
+    return k_lo, k_hi, ok_n

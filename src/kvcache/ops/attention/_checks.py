@@ -89,6 +89,8 @@ def check_pool(pool: object, params: object, kv_scales: object, kv_dtype: str, l
     if pool.shape[4] != r or (fmt.needs_even_head_dim and d % 2):
         raise ValueError(f"pool: expected rows of {r} elements for head_dim {d} and kv_dtype {kv_dtype!r}, got "
                          f"shape {fmt_shape(pool.shape)}")
+    if fmt.block_keys and 2 * bs > d:
+        raise ValueError(f"block_size: expected at most head_dim / 2 = {d // 2} for kv_dtype {kv_dtype!r}, got {bs}")
     if fmt.has_params:
         if params is None:
             what = "(scale, zero)" if fmt.row_params or fmt.block_keys else "key scale"

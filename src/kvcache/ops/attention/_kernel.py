@@ -88,7 +88,8 @@ def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
 @triton.jit
 def _tile(
     t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool, qparams,
-    bt_row, b, kvh, j_hi, n_blocks, full_end, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi, qdt: tl.constexpr,
+    bt_row, b, kvh, j_hi, n_blocks, full_end, table_width, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi,
+    qdt: tl.constexpr,
     SOFTCAP: tl.constexpr, H1: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr,
     K_HI: tl.constexpr, V_AT: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr,
     P_KV: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr, QK: tl.constexpr, QV: tl.constexpr, WK: tl.constexpr,
@@ -114,9 +115,9 @@ def _tile(
     k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], K_HI,
                           3 if QK == 6 else QK, q_lo.dtype, not V_FOLD or QK == 6, INTERP, False)
     if QK == 6:  # int4b: int4 codes per channel over full blocks, int8 rows in the partial one
-        k_lo, k_hi = block_key_tile(k_lo, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_end, pool, qparams,
-                                    dd, ok_lo, ok_hi, H1, BLOCK_N, BS, S_BLK, S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK,
-                                    qdt)
+        k_lo, k_hi, ok_n = block_key_tile(k_lo, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_end,
+                                          table_width, pool, qparams, dd, ok_lo, ok_hi, H1, BLOCK_N, BS, S_BLK, S_TOK,
+                                          S_HEAD, P_BLK, P_TOK, P_HEAD, WK, qdt)
     pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
     if QK >= 2 and QK <= 4 and not V_FOLD:
         # prefill tiles: dequantize K per element (many rows share it), no per-score affine
@@ -446,22 +447,24 @@ def _attention_kernel(
             for t in range(t_begin, tl.minimum(t_end, tf_lo)):
                 m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
                     t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale,
-                    pool, qparams, bt_row, b, kvh, j_hi, n_blocks, full_end, cp_rank, cp_size, window, offs_n, dd,
-                    ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK,
-                    P_HEAD, QK, QV, WK, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP,
+                    pool, qparams, bt_row, b, kvh, j_hi, n_blocks, full_end, table_width, cp_rank, cp_size, window,
+                    offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK,
+                    P_KV, P_TOK, P_HEAD, QK, QV, WK, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP,
                     q.dtype.element_ty, V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
             m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
-                qparams, bt_row, b, kvh, j_hi, n_blocks, full_end, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi,
-                qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV, WK,
-                LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
+                qparams, bt_row, b, kvh, j_hi, n_blocks, full_end, table_width, cp_rank, cp_size, window, offs_n,
+                dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK,
+                P_HEAD, QK, QV, WK, LINEAR, HAS_WINDOW, PRECISION, False, V_FOLD, Q_RESCALE, INTERP,
+                q.dtype.element_ty, V_MAGIC)
         for t in range(tl.maximum(t_begin, tf_hi), t_end):
             m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
-                qparams, bt_row, b, kvh, j_hi, n_blocks, full_end, cp_rank, cp_size, window, offs_n, dd, ok_lo, ok_hi,
-                qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV, WK,
-                LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP, q.dtype.element_ty, V_MAGIC)
+                qparams, bt_row, b, kvh, j_hi, n_blocks, full_end, table_width, cp_rank, cp_size, window, offs_n,
+                dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK,
+                P_HEAD, QK, QV, WK, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP,
+                q.dtype.element_ty, V_MAGIC)
 
     if HAS_SINKS:
         # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only

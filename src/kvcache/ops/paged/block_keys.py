@@ -172,10 +172,8 @@ def write_sequence(pool: torch.Tensor, params: torch.Tensor, layout: str, table:
             q, s, z = _rows8(k[rows])  # [n, H, D], [n, H]
             _plane(pool, blk, 0, layout)[:, o0:o1] = q[..., :half].transpose(0, 1)
             _plane(pool, nxt, 0, layout)[:, o0:o1] = q[..., half:].transpose(0, 1)
-            sz = area[:, : 2 * bs].reshape(h, bs, 2)
-            sz[:, o0:o1, 0] = s.transpose(0, 1)
-            sz[:, o0:o1, 1] = z.transpose(0, 1)
-            area[:, : 2 * bs] = sz.reshape(h, 2 * bs)
+            area[:, 2 * o0: 2 * o1: 2] = s.transpose(0, 1)  # words 2 r, 2 r + 1: row r's (scale, zero)
+            area[:, 2 * o0 + 1: 2 * o1: 2] = z.transpose(0, 1)
         _set_key_area(params, blk, layout, area)
 
 

@@ -37,6 +37,9 @@ def pool_geometry(pool: object, params: object, kv_dtype: str, layout: str) -> t
                          f"{kv_dtype!r}, got {pool.dtype}")
     nb = pool.shape[0]
     bs, h = (pool.shape[2], pool.shape[3]) if layout == "NHD" else (pool.shape[3], pool.shape[2])
+    if fmt.block_keys and bs > pool.shape[4]:  # int4b: rows of head_dim / 2 bytes
+        raise ValueError(f"block_size: expected at most head_dim / 2 = {pool.shape[4]} for kv_dtype {kv_dtype!r}, got "
+                         f"{bs} (pool shape {fmt_shape(pool.shape)})")
     if fmt.has_params:
         what = "scales and zeros" if fmt.row_params or fmt.block_keys else "key scales"
         if not isinstance(params, torch.Tensor):
@@ -148,7 +151,10 @@ def check_fp8_scales(fp8_scales: object, kv_dtype: str, device: torch.device) ->
 
 
 
-def host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp_rank, cp_size) -> None:  # type: ignore[no-untyped-def]
+def host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp_rank, cp_size,  # type: ignore[no-untyped-def]
+                      spare: bool = False) -> None:
+    # spare (int4b): a partial last block needs the block after it, and so does a block this call fills from a
+    # partial one (its earlier key rows' second halves are there)
     cu = cu_q_lens.tolist()
     if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > n:
         raise ValueError(f"cu_q_lens: expected non-decreasing from 0 to at most {n} (rows of k), got {cu}")
@@ -168,6 +174,9 @@ def host_check_ragged(n, nb, bs, block_tables, cu_q_lens, kv_lens, cu_k_lens, cp
     for i in range(b):
         local = max(totals[i] - cp_rank + cp_size - 1, 0) // cp_size  # positions p with p % cp_size == cp_rank
         need = -(-local // bs)
+        if spare:
+            start = totals[i] - (cu[i + 1] - cu[i])
+            need = max(need + (local % bs > 0), start // bs + 2 if start % bs and local > start else 0)
         if need > width:
             raise ValueError(f"block_tables: sequence {i} needs {need} blocks for {totals[i]} tokens, the table holds "
                              f"{width}")

@@ -86,15 +86,18 @@ def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: Ste
     else:
         strides = dict(S_TOK=H * dp, S_HEAD=dp, P_TOK=H * w, P_HEAD=w)
     heads = 1  # heads per program: [block_size, heads, D / 2] tiles in registers
-    _int4b_append_kernel.launch(
-        layer.device, (plan.num_seqs, span, cdiv(H, heads)),
-        k, v, layer.pool, layer.params, layer.params.view(torch.int32), bt, cu_q, lens,
-        layer.pool if inv_freq is None else inv_freq,
-        k.stride(0), v.stride(0), bt.stride(0), bt.shape[1],  # type: ignore[union-attr]
-        MODE=mode.value, ROPE=has_rope, ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, H=H, D=D, BS=bs,
-        NUM_BLOCKS=nb, WK=wk, **strides, STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=heads,
-        BLOCK_D2=max(2, next_pow2(D // 2)), LIBDEVICE=layer.device.type == "cuda", num_warps=2,
-    )
+    # the first block each sequence writes, then the others: a first block that fills reads the next block's key
+    # plane, which the others write (programs of one launch run in no set order)
+    for s0, n_blocks in ((0, 1), (1, span - 1)):
+        _int4b_append_kernel.launch(
+            layer.device, (plan.num_seqs, n_blocks, cdiv(H, heads)),
+            k, v, layer.pool, layer.params, layer.params.view(torch.int32), bt, cu_q, lens,
+            layer.pool if inv_freq is None else inv_freq,
+            k.stride(0), v.stride(0), bt.stride(0), bt.shape[1], s0,  # type: ignore[union-attr]
+            MODE=mode.value, ROPE=has_rope, ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, H=H, D=D, BS=bs,
+            NUM_BLOCKS=nb, WK=wk, **strides, STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=heads,
+            BLOCK_D2=max(2, next_pow2(D // 2)), LIBDEVICE=layer.device.type == "cuda", num_warps=2,
+        )
 
 
 def _gather_int4b(k_out: torch.Tensor, v_out: torch.Tensor, layer: PagedLayer, plan: StepPlan,

@@ -203,7 +203,9 @@ def gather_paged_kv_reference(k_out: torch.Tensor, v_out: torch.Tensor, layer: P
     if kv_dtype == "int4b":
         for b in range(B):
             n = min(totals[b], s_out)
-            k, v, ok = read_sequence(pool, params, layer.layout, tables[b], n)
+            # a block's form follows from the sequence's whole length, not from the rows gathered
+            k, v, ok = read_sequence(pool, params, layer.layout, tables[b], totals[b])
+            k, v, ok = k[:n], v[:n], ok[:n]
             if rope is not None:
                 k = _rope_rows(k, torch.arange(n, device=pool.device), rope)
             k_out[b, :, :n] = torch.where(ok[:, None, None], k, 0).to(k_out.dtype).transpose(0, 1)

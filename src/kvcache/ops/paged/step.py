@@ -15,6 +15,7 @@ import torch
 from ..._validate import check_cp, check_index_vector, check_int, check_tensor_arg, fmt_shape
 from ...rope import RopeKernelParams
 from .checks import check_attention_options, check_rope, host_check_ragged, host_check_rope_bound, host_check_slots
+from .format import kv_format
 
 __all__ = ["StepPlan", "Geometry"]
 
@@ -214,7 +215,7 @@ class StepPlan:
             host_check_slots(self.slot_mapping.tolist(), nb, bs)
         elif self.cu_q_lens is not None:
             host_check_ragged(num_rows, nb, bs, self.block_tables, self.cu_q_lens, self.kv_lens, self.cu_k_lens,
-                              self.cp_rank, self.cp_size)
+                              self.cp_rank, self.cp_size, spare=kv_format(self.geometry[4]).block_keys)
 
     def require(self, what: str, *, ragged: bool, rows: bool, writes: bool = False) -> None:
         """TypeError naming ``plan`` unless it is ragged (``ragged``: attention, gather), describes the step's
@@ -267,8 +268,14 @@ class StepPlan:
         if width == 0:
             return want.sum()
         bi = local // block_size
-        blk = self.block_tables.long()[b, bi.clamp(max=width - 1)]  # type: ignore[union-attr]
+        table = self.block_tables.long()  # type: ignore[union-attr]
+        blk = table[b, bi.clamp(max=width - 1)]
         ok = (bi < width) & (blk >= 0) & (blk < num_blocks)
+        if kv_format(self.geometry[4]).block_keys:
+            # int4b: a block left partial, or filled from a partial one, needs the block after it (key rows' halves)
+            need_next = (start > bi * block_size) | (start + (q1 - q0) < (bi + 1) * block_size)
+            nxt = table[b, (bi + 1).clamp(max=width - 1)]
+            ok = ok & (~need_next | ((bi + 1 < width) & (nxt >= 0) & (nxt < num_blocks)))
         return (want & ~ok).sum()
 
 

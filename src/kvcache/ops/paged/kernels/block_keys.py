@@ -80,12 +80,12 @@ def _channel_codes(lo, ok, LIBDEVICE: tl.constexpr):
     return codes, tl.where(bad, nan16, scale16), tl.where(bad, nan16, zero16)
 
 
-@kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width"))
+@kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "s0"))
 def _int4b_append_kernel(
     k, v,  # model dtype [N, H, D], head_dim contiguous, heads STRIDE_H apart
     pool, qparams, qwords,  # uint8 pool; float32 params and the same memory as int32 (the fp16 pairs)
     block_tables, cu_q_lens, k_lens, inv_freq,
-    stride_kn, stride_vn, bt_stride, table_width,
+    stride_kn, stride_vn, bt_stride, table_width, s0,
     MODE: tl.constexpr,  # 0: kv_lens [B] (tokens before the step), 1: cu_k_lens [B + 1] (after it)
     ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_BLOCKS: tl.constexpr, WK: tl.constexpr,
@@ -93,10 +93,12 @@ def _int4b_append_kernel(
     STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    # grid (B, span, cdiv(H, BLOCK_H)): program (b, s, g) writes heads g * BLOCK_H .. of block start // BS + s of
-    # sequence b, if the call reaches it (a few heads a program: a block's rows of every head would spill)
+    # grid (B, span, cdiv(H, BLOCK_H)): program (b, s, g) writes heads g * BLOCK_H .. of block start // BS + s0 + s
+    # of sequence b, if the call reaches it (a few heads a program: a block's rows of every head would spill). The
+    # first block a call writes (s0 = 0, one launch) may read the next block's key plane (its earlier int8 rows'
+    # second halves) that the call's later blocks (s0 = 1, a second launch) write: two launches order them
     b = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64) + s0
     q0 = tl.load(cu_q_lens + b).to(tl.int64)
     n = tl.load(cu_q_lens + b + 1).to(tl.int64) - q0
     if MODE == BY_KV_LENS:
