@@ -159,6 +159,8 @@ def test_bytes_per_token_and_head_count_the_block_key_area():
 
 
 def test_refusals():
+    with pytest.raises(ValueError, match="^kv: kv_dtype 'int4b' stores key rows in two planes"):
+        _cache("NHD").kv(0)
     with pytest.raises(ValueError, match="^block_size: expected at most head_dim / 2"):
         PagedConfig(num_layers=1, num_kv_heads=1, head_dim=32, block_size=32, num_blocks=2, kv_dtype="int4b")
     cache = _cache("NHD")

@@ -72,7 +72,8 @@ class EngineConfig:
     kv_dtype : str
         A format of the :data:`~kvcache.ops.paged.format.KV_FORMAT_TABLE`: ``"auto"`` (the model dtype),
         ``"fp8"``, ``"fp8k"`` (fp8 keys with a scale per token and head), ``"int8"``, ``"k8v4"`` (int8 keys, int4
-        values), ``"int4"`` (paged cache; the linear cache stores the model dtype: ``"auto"`` only).
+        values), ``"int4"``, ``"int4b"`` (int4, keys per channel over each block; full-attention models) (paged cache;
+        the linear cache stores the model dtype: ``"auto"`` only).
     block_size : int
         Tokens per block (paged).
     max_num_seqs : int

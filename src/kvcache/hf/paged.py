@@ -57,8 +57,9 @@ class PagedCache(CacheCapacity, Cache):
         Tokens per row the pool is sized for by default (``num_blocks = max_batch_size * ceil(max_cache_len /
         block_size)``).
     kv_dtype : str
-        ``"auto"`` (the model's dtype), ``"fp8"``, ``"fp8k"``, ``"int8"``, ``"int4"`` or ``"k8v4"`` (see
-        :mod:`kvcache.paged.config`).
+        ``"auto"`` (the model's dtype), ``"fp8"``, ``"fp8k"``, ``"int8"``, ``"int4"``, ``"k8v4"`` or ``"int4b"`` (see
+        :mod:`kvcache.paged.config`; int4b: ``block_size <= head_dim / 2``, and :meth:`crop` inside a full block is
+        refused).
     block_size : int
         Tokens per block.
     num_blocks : int, optional

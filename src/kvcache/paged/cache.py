@@ -141,16 +141,18 @@ class PagedKVCache:
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of ``pool(layer)``: NHD ``[num_blocks, block_size, H, D]`` each (FlashAttention's
         paged ``k_cache`` / ``v_cache``), HND ``[num_blocks, H, block_size, D]``. Not for k8v4, whose key rows span
-        two planes (:meth:`gather` reads them back). int8 / int4 / fp8k rows decode only with ``params(layer)``."""
-        if self._config.kv_dtype == "k8v4":
-            raise ValueError("kv: kv_dtype 'k8v4' stores each key row in two planes (no single K view); use "
-                             "pool(layer) or gather")
+        two planes, and int4b, whose partial blocks' key rows do (:meth:`gather` reads them back). int8 / int4 / fp8k
+        rows decode only with ``params(layer)``."""
+        if self._config.kv_dtype in ("k8v4", "int4b"):
+            raise ValueError(f"kv: kv_dtype {self._config.kv_dtype!r} stores key rows in two planes (no single K "
+                             "view); use pool(layer) or gather")
         p = self.pool(layer)
         return p[:, 0], p[:, 1]
 
     def params(self, layer: int) -> torch.Tensor | None:
         """float32 params pool of ``layer``: (scale, zero) of K and V for int8 / int4 / k8v4, the keys' scales for
-        fp8k (:meth:`PagedConfig.params_shape`); None for the other formats."""
+        fp8k, int4b's plane of value (scale, zero) and block key areas (:meth:`PagedConfig.params_shape`); None for
+        the other formats."""
         return None if self.params_buffer is None else self.params_buffer[self._layer(layer)]
 
     # ------------------------------------------------------------------------------------------ append / gather

@@ -94,7 +94,7 @@ def cache_block_bytes(
     dtype : torch.dtype
         Model dtype (float16, bfloat16, float32): the stored element for ``kv_dtype="auto"``.
     kv_dtype : str
-        ``"auto"``, ``"fp8"``, ``"int8"``, ``"int4"``, ``"k8v4"`` or ``"fp8k"``.
+        ``"auto"``, ``"fp8"``, ``"int8"``, ``"int4"``, ``"k8v4"``, ``"fp8k"`` or ``"int4b"``.
 
     Example
     -------

@@ -46,12 +46,12 @@ def paged_attention(
     params : torch.Tensor, optional
         ``PagedKVCache.params(layer)``: float32 (scale, zero) per token and head, ``[num_blocks, 2, ...]``,
         required for int8 / int4 / k8v4; fp8k: the keys' float32 scale per token and head, ``[num_blocks, 1, ...,
-        1]``.
+        1]``; int4b: one plane of ``2 + ceil(D / block_size)`` words per (token slot, head).
     kv_scales : torch.Tensor, optional
         ``PagedKVCache.kv_scales[layer]``: float32 ``[2]`` = (k_scale, v_scale), required for fp8 and fp8k (which
         uses v_scale alone), ignored for the other formats.
     kv_dtype, layout : str
-        ``"auto" | "fp8" | "int8" | "int4" | "k8v4" | "fp8k"`` and ``"NHD" | "HND"`` (the byte format of
+        ``"auto" | "fp8" | "int8" | "int4" | "k8v4" | "fp8k" | "int4b"`` and ``"NHD" | "HND"`` (the byte format of
         :mod:`kvcache.paged.config`).
     block_tables : torch.Tensor
         int32 ``[B, max_blocks]``: each sequence's blocks in order (this rank's local blocks under context

@@ -54,9 +54,10 @@ def append_paged_kv(
     pool : torch.Tensor
         One layer's data pool (layout and dtype in :mod:`kvcache.paged.config`), written in place.
     params : torch.Tensor, optional
-        float32 scale / zero pool, required for ``kv_dtype`` int8 / int4 / k8v4; fp8k: its key-scale pool.
+        float32 scale / zero pool, required for ``kv_dtype`` int8 / int4 / k8v4; fp8k: its key-scale pool; int4b: its
+        params plane (values' scale / zero, the blocks' key areas).
     kv_dtype, layout : str
-        The pool's format: ``"auto" | "fp8" | "int8" | "int4" | "k8v4" | "fp8k"`` and ``"NHD" | "HND"``.
+        The pool's format: ``"auto" | "fp8" | "int8" | "int4" | "k8v4" | "fp8k" | "int4b"`` and ``"NHD" | "HND"``.
     block_tables : torch.Tensor
         int32 ``[B, max_blocks]``: block ids of each sequence, in order (ragged mode).
     cu_q_lens : torch.Tensor
