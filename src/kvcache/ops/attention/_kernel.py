@@ -71,6 +71,7 @@ import triton.language as tl
 from ..._backend import kernel
 from ._block_keys import block_key_tile
 from ._convert import MAGIC, dequant
+from ._epilogue import _add_sink, _store_rows
 from ._loads import LN2, LOG2E, PV_RANGE, _find_tile, _key_rows, _load_kv, _load_params
 from ._warp_tile import _merge_warps, _tile_w
 
@@ -78,11 +79,6 @@ try:  # programmatic dependent launch (Hopper and later); triton >= 3.4
     from triton.language.extra.cuda import gdc_wait
 except ImportError:  # pragma: no cover
     gdc_wait = None
-
-
-@triton.jit
-def _store_rows(ptr, rows, dd, ok_m, ok_d, val):
-    tl.store(ptr + rows[:, None] + dd[None, :], val, mask=ok_m[:, None] & ok_d[None, :])
 
 
 @triton.jit
@@ -467,20 +463,8 @@ def _attention_kernel(
                 q.dtype.element_ty, V_MAGIC)
 
     if HAS_SINKS:
-        # the sink: a virtual key of score sinks[h] and value 0, held by split 0 of CP rank 0 only
-        sk = tl.load(sinks + hq, mask=ok_m, other=float("-inf")).to(tl.float32) * LOG2E
-        sk = tl.where((split == 0) & (cp_rank == 0), sk, float("-inf"))
-        m_new = tl.maximum(m_i, sk)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.exp2(sk - m_safe)
-        acc_lo = acc_lo * alpha[:, None]
-        acc_hi = acc_hi * alpha[:, None]
-        if V_FOLD:
-            zacc = zacc * alpha
-        if V_MAGIC:
-            pvs = pvs * alpha[:, None]
-        m_i = m_new
+        m_i, l_i, acc_lo, acc_hi, zacc, pvs = _add_sink(sinks, hq, ok_m, split, cp_rank, m_i, l_i, acc_lo, acc_hi,
+                                                        zacc, pvs, V_FOLD, V_MAGIC)
 
     has = l_i > 0
     inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
