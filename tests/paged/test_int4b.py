@@ -192,17 +192,24 @@ def _stored(layout: str, chunks: list[int], interpret: bool, rope: RopeConfig | 
         k[1, 0, 3], v[2, 1, 0] = float("nan"), float("inf")
     k, v = k.to(dtype), v.to(dtype)
     table = torch.tensor([[3, 8, 1, 10, 6, 2]], dtype=torch.int32)
+    _append_chunks(cache, table, chunks, k, v, interpret, rope is not None)
+    return cache.pool(0).clone(), cache.params(0).view(torch.int32).clone()
+
+
+def _append_chunks(cache: PagedKVCache, table: torch.Tensor, chunks: list[int], k: torch.Tensor, v: torch.Tensor,
+                   interpret: bool, rope: bool) -> int:
+    """Append ``k`` / ``v`` chunk by chunk into one sequence (torch path, or the Triton kernel interpreted)."""
     pos = 0
     for c in chunks:
         plan = cache.plan(table, torch.tensor([0, c], dtype=torch.int32), torch.tensor([pos], dtype=torch.int32),
-                          rope=rope is not None)
+                          rope=rope)
         if interpret:
             with force_interpreter():
                 cache.append(0, k[pos: pos + c], v[pos: pos + c], plan)
         else:
             cache.append(0, k[pos: pos + c], v[pos: pos + c], plan)
         pos += c
-    return cache.pool(0).clone(), cache.params(0).view(torch.int32).clone()
+    return pos
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -222,16 +229,7 @@ def test_the_triton_append_with_rope_reads_back_as_the_torch_path_within_rope_ro
         cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=NB,
                                          dtype=torch.float32, kv_dtype="int4b", device="cpu"), rope=rope)
         k, v = _keys(2 * BS + 3, seed=9)
-        pos = 0
-        for c in (BS + 2, 1, BS):
-            plan = cache.plan(torch.tensor([table], dtype=torch.int32), torch.tensor([0, c], dtype=torch.int32),
-                              torch.tensor([pos], dtype=torch.int32), rope=True)
-            if interpret:
-                with force_interpreter():
-                    cache.append(0, k[pos: pos + c], v[pos: pos + c], plan)
-            else:
-                cache.append(0, k[pos: pos + c], v[pos: pos + c], plan)
-            pos += c
+        pos = _append_chunks(cache, torch.tensor([table], dtype=torch.int32), [BS + 2, 1, BS], k, v, interpret, True)
         out.append(_gather(cache, table, pos))
     # a key rounded differently by the two RoPEs may take the neighbouring code: one step of its channel or row
     step = (out[0][0].amax(0) - out[0][0].amin(0)) / 15

@@ -68,23 +68,28 @@ def _check_int4b(layer: PagedLayer, plan: StepPlan) -> None:
         raise ValueError(f"kv_dtype='int4b': context parallelism is not supported (cp_size={plan.cp_size})")
 
 
+def _int4b_strides(layer: PagedLayer) -> tuple[int, dict[str, int]]:
+    """int4b's key-area words per slot and the element strides (token, head) of its data and params pools."""
+    bs, H, D = layer.geometry[1:4]
+    if bs & (bs - 1):
+        raise NotImplementedError(f"kv_dtype='int4b': the kernels take a power-of-two block_size, got {bs}")
+    wk = block_key_words(D, bs)
+    w, dp = 2 + wk, D // 2
+    if layer.layout == "HND":
+        return wk, dict(S_TOK=dp, S_HEAD=bs * dp, P_TOK=w, P_HEAD=bs * w)
+    return wk, dict(S_TOK=H * dp, S_HEAD=dp, P_TOK=H * w, P_HEAD=w)
+
+
 def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepPlan) -> None:
     """int4b's append kernel (:mod:`.kernels.block_keys`): one program per (sequence, block the call writes)."""
     nb, bs, H, D = layer.geometry[:4]
-    if bs & (bs - 1):
-        raise NotImplementedError(f"kv_dtype='int4b': the kernels take a power-of-two block_size, got {bs}")
+    wk, strides = _int4b_strides(layer)
     if plan.num_seqs == 0:
         return
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(plan.rope)
     bt, cu_q = plan.block_tables, plan.cu_q_lens
     lens, mode = (plan.kv_lens, BY_KV_LENS) if plan.kv_lens is not None else (plan.cu_k_lens, BY_CU_K_LENS)
     span = cdiv(k.shape[0], bs) + 1  # blocks one sequence's rows can touch
-    wk = block_key_words(D, bs)
-    w, dp = 2 + wk, D // 2
-    if layer.layout == "HND":
-        strides = dict(S_TOK=dp, S_HEAD=bs * dp, P_TOK=w, P_HEAD=bs * w)
-    else:
-        strides = dict(S_TOK=H * dp, S_HEAD=dp, P_TOK=H * w, P_HEAD=w)
     heads = 1  # heads per program: [block_size, heads, D / 2] tiles in registers
     # the first block each sequence writes, then the others: a first block that fills reads the next block's key
     # plane, which the others write (programs of one launch run in no set order)
@@ -105,14 +110,7 @@ def _gather_int4b(k_out: torch.Tensor, v_out: torch.Tensor, layer: PagedLayer, p
     """int4b's gather kernel: one program per (block, sequence); ``rope`` rotates the gathered keys after it (torch)."""
     B, H, s_out, D = k_out.shape
     nb, bs = layer.geometry[:2]
-    if bs & (bs - 1):
-        raise NotImplementedError(f"kv_dtype='int4b': the kernels take a power-of-two block_size, got {bs}")
-    wk = block_key_words(D, bs)
-    w, dp = 2 + wk, D // 2
-    if layer.layout == "HND":
-        strides = dict(S_TOK=dp, S_HEAD=bs * dp, P_TOK=w, P_HEAD=bs * w)
-    else:
-        strides = dict(S_TOK=H * dp, S_HEAD=dp, P_TOK=H * w, P_HEAD=w)
+    wk, strides = _int4b_strides(layer)
     lens, mode = gather_lens(plan)
     bt = plan.block_tables
     _int4b_gather_kernel.launch(
@@ -120,7 +118,7 @@ def _gather_int4b(k_out: torch.Tensor, v_out: torch.Tensor, layer: PagedLayer, p
         k_out, v_out, layer.pool, layer.params, bt, lens, k_out.stride(0), k_out.stride(1), k_out.stride(2),
         v_out.stride(0), v_out.stride(1), v_out.stride(2), bt.stride(0), bt.shape[1], s_out,  # type: ignore[union-attr]
         MODE=mode.value, H=H, D=D, BS=bs, NUM_BLOCKS=nb, WK=wk, **strides, BLOCK_H=next_pow2(H),
-        BLOCK_D2=max(2, next_pow2(dp)), LIBDEVICE=layer.device.type == "cuda", num_warps=4,
+        BLOCK_D2=max(2, next_pow2(D // 2)), LIBDEVICE=layer.device.type == "cuda", num_warps=4,
     )
     if rope is not None:  # token t of every sequence sits at position t (no context parallelism)
         x = k_out.transpose(1, 2).reshape(B * s_out, H, D).float()
