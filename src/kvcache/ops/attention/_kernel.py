@@ -426,6 +426,7 @@ def _attention_kernel(
                 SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK, P_KV, P_TOK, P_HEAD, QK, QV,
                 LINEAR, HAS_WINDOW, PRECISION, True, Q_RESCALE, INTERP)
         m_i, l_i, acc_lo, acc_hi, zacc = _merge_warps(m_w, l_w, acc_lo_w, acc_hi_w, zacc_w)
+        pvs = tl.zeros([M], tl.float32)  # unused: V_MAGIC takes one-warp tiles
     else:
         m_i = tl.full([BLOCK_Q * G_P], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * G_P], tl.float32)
