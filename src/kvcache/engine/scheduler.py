@@ -32,43 +32,18 @@ single-allocator code as before.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Sequence as Seq
 
 from .._validate import cdiv
+from ..ops.paged.block_keys import blocks_for_tokens
 from ..paged import BlockAllocator
 from ..paged.tiers import TieredCache
 from ..paged.groups import first_live_block, match_groups, peak_blocks
 from .admission import DecodeReserve
-from .sequence import Sequence, SequenceStatus
+from .sequence import ScheduledBatch, Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler"]
-
-
-@dataclasses.dataclass
-class ScheduledBatch:
-    """What one step runs: ``seqs[i]`` feeds ``num_tokens[i]`` tokens from ``seqs[i].num_computed`` on.
-
-    ``sample[i]``: the chunk reaches the end of the request's tokens, so its last row's logits give a token.
-    ``preempted``: requests preempted while scheduling this step.
-    """
-
-    seqs: list[Sequence]
-    num_tokens: list[int]
-    sample: list[bool]
-    preempted: list[Sequence]
-
-    @property
-    def total_tokens(self) -> int:
-        """Rows of the step."""
-        return sum(self.num_tokens)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every request feeds exactly one token and samples (a pure decode step: CUDA-graph eligible; a one-token
-        chunk of a longer prompt samples nothing and makes the step a prefill one)."""
-        return bool(self.seqs) and all(n == 1 for n in self.num_tokens) and all(self.sample)
 
 
 class Scheduler:
@@ -275,9 +250,7 @@ class Scheduler:
         ...           spare_block=True).blocks_for(5)
         3
         """
-        if self.spare_block:
-            return tokens // self.block_size + (2 if tokens % self.block_size else 0)
-        return cdiv(tokens, self.block_size)
+        return blocks_for_tokens(tokens, self.block_size) if self.spare_block else cdiv(tokens, self.block_size)
 
     def _free_outside_window(self, seq: Sequence, g: int, window: int) -> None:
         """Give back group ``g``'s blocks of ``seq`` wholly before ``num_computed - window + 1`` (no query at a

@@ -9,7 +9,7 @@ import torch
 
 from .sampling import SamplingParams
 
-__all__ = ["RequestOutput", "Sequence", "SequenceStatus"]
+__all__ = ["RequestOutput", "ScheduledBatch", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(enum.Enum):
@@ -112,3 +112,28 @@ class Sequence:
         blocks = self.block_tables if len(self.block_tables) > 1 else self.block_table
         return (f"Sequence(id={self.request_id}, status={self.status.value}, len={len(self.token_ids)}, "
                 f"computed={self.num_computed}, blocks={blocks})")
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    """What one step runs: ``seqs[i]`` feeds ``num_tokens[i]`` tokens from ``seqs[i].num_computed`` on.
+
+    ``sample[i]``: the chunk reaches the end of the request's tokens, so its last row's logits give a token.
+    ``preempted``: requests preempted while scheduling this step.
+    """
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    sample: list[bool]
+    preempted: list[Sequence]
+
+    @property
+    def total_tokens(self) -> int:
+        """Rows of the step."""
+        return sum(self.num_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request feeds exactly one token and samples (a pure decode step: CUDA-graph eligible; a one-token
+        chunk of a longer prompt samples nothing and makes the step a prefill one)."""
+        return bool(self.seqs) and all(n == 1 for n in self.num_tokens) and all(self.sample)

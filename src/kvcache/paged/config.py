@@ -72,6 +72,7 @@ import torch
 
 from .._device import resolve_device
 from .._validate import MODEL_DTYPES, check_choice, check_dtype_in, check_int
+from ..ops.paged.block_keys import blocks_for_tokens
 from ..ops.paged.format import KV_FORMATS, LAYOUTS, KVFormat, kv_format
 
 __all__ = ["PagedConfig", "cache_block_bytes", "KV_FORMATS", "LAYOUTS"]
@@ -217,7 +218,7 @@ class PagedConfig:
         """
         check_int("num_tokens", num_tokens, 0)
         if kv_format(self.kv_dtype).block_keys:
-            return num_tokens // self.block_size + (2 if num_tokens % self.block_size else 0)
+            return blocks_for_tokens(num_tokens, self.block_size)
         return -(-num_tokens // self.block_size)
 
     @property
