@@ -126,8 +126,9 @@ class PagedCache(CacheCapacity, Cache):
         self._max_len = max_cache_len
         self.kv_dtype = kv_dtype
         self.block_size = block_size
+        self._spare = kv_format(kv_dtype).block_keys  # int4b: a partial block keeps the block after it
         self.num_blocks = num_blocks if num_blocks is not None else max_batch_size * (
-            cdiv(max_cache_len, block_size) + (1 if kv_dtype == "int4b" else 0))
+            cdiv(max_cache_len, block_size) + self._spare)
         self.layout = layout
         self._device = torch.device(device) if device is not None else None
         self.paged: PagedKVCache | None = None
@@ -244,9 +245,8 @@ class PagedCache(CacheCapacity, Cache):
         # a row writing into a block it shares (after a beam-search fork) copies it first. int4b: the block the row
         # writes next is held even when empty (the spare after a full block), and the one after it takes the second
         # halves of a partial block's key rows: both are copied when shared
-        int4b = self.kv_dtype == "int4b"
-        span = 2 if int4b else 1
-        shared = [(b, j) for b in range(B) if counts[b] and (before[b] % self.block_size or int4b)
+        span = 2 if self._spare else 1
+        shared = [(b, j) for b in range(B) if counts[b] and (before[b] % self.block_size or self._spare)
                   for j in range(before[b] // self.block_size,
                                  min(before[b] // self.block_size + span, len(self.block_tables[b])))
                   if self.allocator.ref_count(self.block_tables[b][j]) > 1]
@@ -353,7 +353,7 @@ class PagedCache(CacheCapacity, Cache):
         removed = self._hf_len - keep
         if removed == 0:
             return
-        if self.kv_dtype == "int4b" and any(
+        if self._spare and any(
                 keep_b % self.block_size and keep_b // self.block_size < n // self.block_size
                 for n in self._stored for keep_b in [max(n - removed, 0)]):
             raise NotImplementedError("PagedCache: crop inside a full block of an int4b cache (its keys would need "
@@ -369,7 +369,7 @@ class PagedCache(CacheCapacity, Cache):
 
     def _blocks_for(self, tokens: int) -> int:
         """Blocks a row of ``tokens`` tokens holds (int4b: a partial block keeps the block after it)."""
-        return blocks_for_tokens(tokens, self.block_size) if self.kv_dtype == "int4b" else cdiv(tokens, self.block_size)
+        return blocks_for_tokens(tokens, self.block_size) if self._spare else cdiv(tokens, self.block_size)
 
     def _crop_layer(self, i: int, tokens_to_remove: int) -> None:
         raise NotImplementedError(

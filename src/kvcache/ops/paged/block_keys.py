@@ -95,6 +95,14 @@ def decode_full_block(codes: torch.Tensor, area: torch.Tensor, head_dim: int) ->
     return (q * pairs[:, None, :, 0] + pairs[:, None, :, 1]).transpose(0, 1)
 
 
+def _int8_rows(pool: torch.Tensor, blk: int, nxt: int, n: int, area: torch.Tensor, layout: str) -> torch.Tensor:
+    """float32 keys ``[n, H, D]`` of a partial block's first ``n`` int8 rows: halves in the key planes of ``blk``
+    and ``nxt``, (scale, zero) in key-area words ``2 r``, ``2 r + 1`` (a multiply, then an add)."""
+    q = torch.cat([_plane(pool, blk, 0, layout)[:, :n], _plane(pool, nxt, 0, layout)[:, :n]], dim=-1)
+    sz = area[:, : 2 * n].reshape(area.shape[0], n, 2)
+    return (q.float() * sz[..., 0:1] + sz[..., 1:2]).transpose(0, 1)
+
+
 def _rows8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .reference import quantize_rows_reference
 
@@ -122,9 +130,7 @@ def read_sequence(pool: torch.Tensor, params: torch.Tensor, layout: str, table: 
         if n == bs:
             k[sl] = decode_full_block(_plane(pool, blk, 0, layout), area, d)
         else:
-            q = torch.cat([_plane(pool, blk, 0, layout)[:, :n], _plane(pool, nxt, 0, layout)[:, :n]], dim=-1)
-            sz = area[:, : 2 * n].reshape(h, n, 2)
-            k[sl] = (q.float() * sz[..., 0:1] + sz[..., 1:2]).transpose(0, 1)
+            k[sl] = _int8_rows(pool, blk, nxt, n, area, layout)
         vw = _words(params, blk, layout)[:, :n]  # [H, n, 2 + W]
         vq = unpack_codes("int4", 1, [_plane(pool, blk, 1, layout)[:, :n]]).float()
         v[sl] = (vq * vw[..., 0:1] + vw[..., 1:2]).transpose(0, 1)
@@ -138,7 +144,7 @@ def write_sequence(pool: torch.Tensor, params: torch.Tensor, layout: str, table:
     A block outside the pool, or a partial block whose next block is, is not written (as the kernels skip
     out-of-range block ids)."""
     nb = pool.shape[0]
-    h, bs, half = _plane(pool, 0, 0, layout).shape
+    _, bs, half = _plane(pool, 0, 0, layout).shape
     d = 2 * half
     n_new = k.shape[0]
     pos = start
@@ -158,13 +164,9 @@ def write_sequence(pool: torch.Tensor, params: torch.Tensor, layout: str, table:
         vw[:, o0:o1, 1] = vz.transpose(0, 1)
         area = _key_area(params, blk, layout)
         if o1 == bs:  # the block fills: its earlier int8 rows and these rows, per channel
+            full = k[rows].float()
             if o0:
-                q = torch.cat([_plane(pool, blk, 0, layout)[:, :o0], _plane(pool, nxt, 0, layout)[:, :o0]], dim=-1)
-                sz = area[:, : 2 * o0].reshape(h, o0, 2)
-                before = (q.float() * sz[..., 0:1] + sz[..., 1:2]).transpose(0, 1)
-                full = torch.cat([before, k[rows].float()], dim=0)
-            else:
-                full = k[rows].float()
+                full = torch.cat([_int8_rows(pool, blk, nxt, o0, area, layout), full], dim=0)
             codes, pairs = encode_full_block(full)
             _plane(pool, blk, 0, layout).copy_(codes)
             area[:, :d] = pairs  # (the words past D, if any, are not read)

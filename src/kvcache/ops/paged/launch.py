@@ -58,7 +58,7 @@ def default_append_launch(n_rows: int, layer: PagedLayer, plan: StepPlan) -> App
                        metadata_ready=plan.metadata_ready, rope_ready=plan.rope_ready)
 
 
-def _check_int4b(layer: PagedLayer, plan: StepPlan) -> None:
+def _check_int4b(plan: StepPlan) -> None:
     """int4b takes ragged plans without context parallelism (a partial block's keys need the next block of its own
     table)."""
     if plan.slot_mapping is not None:
@@ -178,7 +178,7 @@ def append_paged_kv_launch(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, 
     if n_tokens == 0:
         return None
     if layer.kv_dtype == "int4b":
-        _check_int4b(layer, plan)
+        _check_int4b(plan)
         if use_triton(layer.device):
             _append_int4b(k, v, layer, plan)
             return None
@@ -285,7 +285,7 @@ def gather_paged_kv_launch(k_out: torch.Tensor, v_out: torch.Tensor, layer: Page
     if B == 0 or s_out == 0:
         return
     if layer.kv_dtype == "int4b":
-        _check_int4b(layer, plan)
+        _check_int4b(plan)
         if use_triton(layer.device):
             _gather_int4b(k_out, v_out, layer, plan, rope)
             return
