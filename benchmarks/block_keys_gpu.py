@@ -2,11 +2,12 @@
 
 ``--check``: for both layouts and fp16 / bf16 models, a two-sequence cache through prefill chunks and decode rows:
 the compiled append's pool and params bit-exact with the torch path's (no RoPE), gather bit-exact, attention within
-one rounding of the operand dtype. ``--speed``: decode attention (64 x 1k / 16k tokens, 32 / 8 heads x 128, fp16
-queries, random blocks, L2 flushed, the median of 30 calls), decode append (256 x 1 token, one layer) and prefill
-append (8 x 2,048 tokens), in us.
+one rounding of the operand dtype. ``--speed``: decode attention (64 x 1k / 16k tokens, 32 / 8 heads x 128, fp16 and
+bf16 queries, random blocks, L2 flushed, the median of 30 calls; HND fp16 rows with the same-condition ceiling of
+reading the same blocks: the faster of a contiguous and a same-blocks copy), decode append (256 x 1 token, one layer)
+and prefill append (8 x 2,048 tokens), in us. ``--tiles``: int4b's one-warp decode tiles (keys, stages) swept.
 
-    python benchmarks/block_keys_gpu.py --check --speed
+    python benchmarks/block_keys_gpu.py --check --speed --tiles
 """
 
 import argparse
@@ -80,31 +81,67 @@ def timed(fn, flush, n=30):
     return ts[len(ts) // 2]
 
 
-def speed():
+def _decode_cache(kv, layout, n_seqs, seq, dtype=torch.float16):
+    """A random pool for ``n_seqs`` sequences of ``seq`` tokens (a partial last block) on random blocks."""
+    per = seq // BS + 1
+    nb = max(n_seqs * per + 64, 8192)
+    cache = PagedKVCache(cfg(kv, layout, dtype, nb, dev))
+    cache.buffer.random_(0, 256)
+    if cache.params_buffer is not None:
+        if kv == "int4b":
+            w = torch.tensor([0.01, 0.5], dtype=torch.float16).view(torch.float32)
+            cache.params_buffer.fill_(w.item())
+        else:
+            cache.params_buffer.uniform_(0.001, 0.02)
+    tables = torch.randperm(nb, device=dev)[: n_seqs * per].reshape(n_seqs, per).to(torch.int32)
+    kvl = torch.full((n_seqs,), seq - 1 - 5, dtype=torch.int32, device=dev)
+    cu = torch.arange(n_seqs + 1, dtype=torch.int32, device=dev)
+    return cache, tables, cache.plan(tables, cu, kvl, num_decode=n_seqs)
+
+
+def _ceiling_us(cache, tables):
+    """The same-condition ceiling of reading ``tables``' blocks (data and params): the faster of a contiguous and a
+    same-blocks copy (:func:`kvcache.bench.ceiling.measure_ceiling`), as microseconds for the bytes read."""
+    from kvcache.bench.ceiling import measure_ceiling
+
+    pool, par = cache.pool(0), cache.params(0)
+    srcs = [pool.reshape(pool.shape[0], -1), par.reshape(par.shape[0], -1)]
+    c = measure_ceiling(srcs, tables.reshape(-1).long())
+    read = tables.numel() * sum(x.shape[1] * x.element_size() for x in srcs)
+    return read / (c.gbs * 1e3)
+
+
+def speed(tiles):
+    from kvcache.ops.attention import policy
+
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
     for layout in ("NHD", "HND"):
         for n_seqs, seq in ((64, 1024), (64, 16384)):
+            for qdt in (torch.float16, torch.bfloat16):
+                row = []
+                for kv in ("int4", "int4b", "k8v4"):
+                    cache, tables, plan = _decode_cache(kv, layout, n_seqs, seq, qdt)
+                    q = torch.randn(n_seqs, HQ, D, dtype=qdt, device=dev)
+                    cache.attention(0, q, plan)
+                    us = timed(lambda c=cache, q=q, p=plan: c.attention(0, q, p), flush)
+                    extra = ""
+                    if layout == "HND" and qdt == torch.float16 and kv != "k8v4":
+                        extra = f" (ceiling {_ceiling_us(cache, tables):.1f})"
+                    row.append(f"{kv} {us:.1f}{extra}")
+                print("decode attention", layout, str(qdt)[6:], f"{n_seqs} x {seq}:", " | ".join(row), flush=True)
+    if tiles:
+        for n_seqs, seq in ((64, 1024), (64, 16384)):
+            cache, tables, plan = _decode_cache("int4b", "HND", n_seqs, seq)
+            q = torch.randn(n_seqs, HQ, D, dtype=torch.float16, device=dev)
             row = []
-            for kv in ("int4", "int4b", "k8v4"):
-                per = seq // BS + 1
-                nb = max(n_seqs * per + 64, 8192)
-                cache = PagedKVCache(cfg(kv, layout, torch.float16, nb, dev))
-                cache.buffer.random_(0, 256)
-                if cache.params_buffer is not None:
-                    if kv == "int4b":
-                        w = torch.tensor([0.01, 0.5], dtype=torch.float16).view(torch.float32)
-                        cache.params_buffer.fill_(w.item())
-                    else:
-                        cache.params_buffer.uniform_(0.001, 0.02)
-                tables = torch.randperm(nb, device=dev)[: n_seqs * per].reshape(n_seqs, per).to(torch.int32)
-                kvl = torch.full((n_seqs,), seq - 1 - 5, dtype=torch.int32, device=dev)  # a partial last block
-                cu = torch.arange(n_seqs + 1, dtype=torch.int32, device=dev)
-                plan = cache.plan(tables, cu, kvl, num_decode=n_seqs)
-                q = torch.randn(n_seqs, HQ, D, dtype=torch.float16, device=dev)
-                cache.attention(0, q, plan)
-                us = timed(lambda c=cache, q=q, p=plan: c.attention(0, q, p), flush)
-                row.append(f"{kv} {us:.1f}")
-            print("decode attention", layout, f"{n_seqs} x {seq}:", " | ".join(row), flush=True)
+            for tile in ((16, 3), (16, 4), (32, 2), (32, 3), (32, 4), (64, 2), (64, 3)):
+                policy.BLOCK_KEYS_TILE = tile
+                policy._choose_cached.cache_clear()
+                p = plan.with_options()  # launches derived anew: the patched tile
+                cache.attention(0, q, p)
+                us = timed(lambda c=cache, q=q, p=p: c.attention(0, q, p), flush)
+                row.append(f"{tile} {us:.1f}")
+            print("int4b decode tiles HND", f"{n_seqs} x {seq}:", " | ".join(row), flush=True)
     # decode append: 256 sequences x 1 token, random lengths, one layer
     for layout in ("NHD", "HND"):
         row = []
@@ -141,10 +178,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--speed", action="store_true")
+    ap.add_argument("--tiles", action="store_true", help="with --speed: int4b's one-warp decode tiles swept")
     args = ap.parse_args()
     t0 = time.time()
     if args.check:
         correctness()
     if args.speed:
-        speed()
+        speed(args.tiles)
     print(f"{time.time() - t0:.0f} s", flush=True)

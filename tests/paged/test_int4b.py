@@ -221,6 +221,38 @@ def test_the_triton_append_writes_the_bytes_of_the_torch_path(layout, chunks):
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (dtype, nan)
 
 
+def test_the_triton_append_of_a_skewed_batch_with_a_wrong_decode_hint_writes_the_bytes_of_the_torch_path():
+    # 30 sequences: two "decode" rows by the hint, of which one holds 3 rows and fills a block; 27 without rows; one
+    # of 43 rows from position 5 over six blocks (more than the launch's programs per sequence: they loop)
+    rows = [1, 3] + [0] * 27 + [5 * BS + 3]
+    starts = [3, BS - 2] + [0] * 27 + [5]
+    tables = torch.zeros(30, 8, dtype=torch.int32)
+    tables[0, :2] = torch.tensor([1, 2])
+    tables[1, :3] = torch.tensor([3, 4, 13])
+    tables[29] = torch.arange(5, 13)
+    out = []
+    for interpret in (False, True):
+        cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=16,
+                                         dtype=torch.float32, kv_dtype="int4b", device="cpu"))
+        g = torch.Generator().manual_seed(3)
+        first = torch.randn(BS, H, D, generator=g)  # what the sequences held before: rows 0 .. start - 1
+        for b in (0, 1, 29):
+            pre = cache.plan(tables[b: b + 1], torch.tensor([0, starts[b]], dtype=torch.int32),
+                             torch.zeros(1, dtype=torch.int32))
+            cache.append(0, first[: starts[b]], first[: starts[b]], pre)
+        k, v = _keys(sum(rows), seed=11)
+        cu = torch.tensor([0] + rows, dtype=torch.int32).cumsum(0).to(torch.int32)
+        plan = cache.plan(tables, cu, torch.tensor(starts, dtype=torch.int32), num_decode=2)
+        if interpret:
+            with force_interpreter():
+                cache.append(0, k, v, plan)
+        else:
+            cache.append(0, k, v, plan)
+        out.append((cache.pool(0).clone(), cache.params(0).view(torch.int32).clone()))
+    assert out[0][0].any()
+    assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])
+
+
 def test_the_triton_append_with_rope_reads_back_as_the_torch_path_within_rope_rounding():
     rope = RopeConfig(head_dim=D, max_position_embeddings=64)
     table = [3, 8, 1, 10, 6, 2]

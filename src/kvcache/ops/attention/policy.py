@@ -59,6 +59,9 @@ DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2), "k8v4": (32, 3)}
 DECODE_TILE_WAVE = {"int8": (32, 5), "k8v4": (32, 5)}
 WAVE_PROGRAMS_PER_SM = 4
 DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5), "k8v4": (32, 5), "fp8k": (32, 5)}
+# int4b (keys dequantized per element with each block's per-channel pairs) takes int4's decode tiles without warp
+# splits, its one-warp tiles with BLOCK_KEYS_TILE (keys, stages) instead of int4's
+BLOCK_KEYS_TILE = (32, 3)
 LONG_MIN_KV = 4096
 LONG_MIN_PROGRAMS = 2
 LONG_SPLITS = 8
@@ -205,8 +208,8 @@ def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, n
         if long_tiles or few_tiles:
             table = DECODE_TILE_WAVE if wave_tiles else DECODE_TILE_LONG if long_tiles else DECODE_TILE_FEW
             (block_n, stages), warps, warp_split = table[kv_dtype], 1, False
-            if block_keys:  # int4b dequantizes its keys per element: one warp holds 32 keys of them
-                block_n, stages = 32, 3
+            if block_keys:
+                block_n, stages = BLOCK_KEYS_TILE
         elif warps == 1 and (q_bytes > 2 or block_q * g > 16):
             warps, stages = 4, 2  # one warp cannot hold float32 queries' or GQA groups over 16's tiles (spills)
     else:

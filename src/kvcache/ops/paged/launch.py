@@ -80,25 +80,36 @@ def _int4b_strides(layer: PagedLayer) -> tuple[int, dict[str, int]]:
     return wk, dict(S_TOK=H * dp, S_HEAD=dp, P_TOK=H * w, P_HEAD=w)
 
 
+# int4b append: programs the launch aims at (several blocks a program past it; a block's rows in registers each)
+_INT4B_APPEND_PROGRAMS = 8192
+
+
 def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepPlan) -> None:
-    """int4b's append kernel (:mod:`.kernels.block_keys`): one program per (sequence, block the call writes)."""
+    """int4b's append kernel (:mod:`.kernels.block_keys`): programs per (sequence, head) over the blocks each
+    sequence's rows reach. ``plan.num_decode`` (a host hint, as for the attention) splits a mixed batch into a launch
+    of its decode rows and one of the rest, so the decode rows take one program each; every split is correct."""
     nb, bs, H, D = layer.geometry[:4]
     wk, strides = _int4b_strides(layer)
-    if plan.num_seqs == 0:
+    b = plan.num_seqs
+    if b == 0:
         return
     has_rope, rot, inter, attn_scale, inv_freq = _rope_args(plan.rope)
     bt, cu_q = plan.block_tables, plan.cu_q_lens
     lens, mode = (plan.kv_lens, BY_KV_LENS) if plan.kv_lens is not None else (plan.cu_k_lens, BY_CU_K_LENS)
-    span = cdiv(k.shape[0], bs) + 1  # blocks one sequence's rows can touch
     heads = 1  # heads per program: [block_size, heads, D / 2] tiles in registers
-    # the first block each sequence writes, then the others: a first block that fills reads the next block's key
-    # plane, which the others write (programs of one launch run in no set order)
-    for s0, n_blocks in ((0, 1), (1, span - 1)):
+    n, nd = k.shape[0], plan.num_decode
+    parts = [(0, nd, nd), (nd, b, n - nd)] if 0 < nd < b else [(0, b, n)]
+    for s0, s1, rows in parts:
+        # blocks past the first per sequence: those of the most rows one sequence can hold if each of the others
+        # holds one (the loop covers any split), at most the programs aimed at
+        most = max(rows - (s1 - s0 - 1), 1)
+        later = (most + bs - 2) // bs
+        n_progs = max(1, min(later, cdiv(_INT4B_APPEND_PROGRAMS, (s1 - s0) * H)))
         _int4b_append_kernel.launch(
-            layer.device, (plan.num_seqs, n_blocks, cdiv(H, heads)),
+            layer.device, (s1 - s0, n_progs, cdiv(H, heads)),
             k, v, layer.pool, layer.params, layer.params.view(torch.int32), bt, cu_q, lens,
             layer.pool if inv_freq is None else inv_freq,
-            k.stride(0), v.stride(0), bt.stride(0), bt.shape[1], s0,  # type: ignore[union-attr]
+            k.stride(0), v.stride(0), bt.stride(0), bt.shape[1], s0, n_progs,  # type: ignore[union-attr]
             MODE=mode.value, ROPE=has_rope, ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, H=H, D=D, BS=bs,
             NUM_BLOCKS=nb, WK=wk, **strides, STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=heads,
             BLOCK_D2=max(2, next_pow2(D // 2)), LIBDEVICE=layer.device.type == "cuda", num_warps=2,

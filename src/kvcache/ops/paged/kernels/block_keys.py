@@ -1,5 +1,5 @@
-"""int4b's append kernel: one program per (sequence, block the call writes), every head (the byte format of
-:mod:`kvcache.ops.paged.block_keys`).
+"""int4b's append and gather kernels (the byte format of :mod:`kvcache.ops.paged.block_keys`). The append: programs
+per (sequence, head), each writing one or more of the blocks the call reaches, one block at a time.
 
 A block that stays partial gets its new key rows as int8 rows (halves in its own and in the next block's key plane,
 (scale, zero) in its key area); a block that fills reads its earlier int8 rows back, adds the new rows and is
@@ -80,12 +80,93 @@ def _channel_codes(lo, ok, LIBDEVICE: tl.constexpr):
     return codes, tl.where(bad, nan16, scale16), tl.where(bad, nan16, zero16)
 
 
-@kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "s0"))
+@triton.jit
+def _fp16_pair(lo, hi):
+    # int32 words holding two float16 values, lo in the low half
+    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0, start, n, g, stride_kn, stride_vn,
+                 bt_stride, table_width, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                 NUM_BLOCKS: tl.constexpr, WK: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
+                 P_TOK: tl.constexpr, P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # the rows of sequence b (n rows from position start, input rows q0 ..) that fall in its table's block bi,
+    # heads g * BLOCK_H ..: nothing for an out-of-range block, or a partial block without the next one
+    o0 = tl.maximum(start - bi * BS, 0)
+    o1 = tl.minimum(start + n - bi * BS, BS)
+    blk = tl.load(block_tables + b * bt_stride + bi, mask=bi < table_width, other=-1).to(tl.int64)
+    nxt = tl.load(block_tables + b * bt_stride + bi + 1, mask=bi + 1 < table_width, other=-1).to(tl.int64)
+    has_nxt = (nxt >= 0) & (nxt < NUM_BLOCKS)
+    fills = o1 == BS
+    HALF: tl.constexpr = D // 2
+    S_KV: tl.constexpr = BS * H * HALF  # one plane of a block
+    P_BLK: tl.constexpr = BS * H * (2 + WK)
+    if (o0 < o1) & (blk >= 0) & (blk < NUM_BLOCKS) & (((o0 == 0) & fills) | has_nxt):
+        nxt = tl.where(has_nxt, nxt, 0)
+        tt = tl.arange(0, BS)[:, None, None]
+        hh = (g * BLOCK_H + tl.arange(0, BLOCK_H))[None, :, None]
+        dd = tl.arange(0, BLOCK_D2)[None, None, :]
+        hm = hh < H
+        ok = hm & (dd < HALF)  # [1, BLOCK_H, D/2] lanes
+        new = (tt >= o0) & (tt < o1)  # rows of this call
+        row0 = q0 + bi * BS - start  # input row of slot 0
+        pos_f = (bi * BS + tt).to(tl.float32)
+        # values: int4 rows, (scale, zero) in words 0, 1
+        v_lo = _rows(v, row0, stride_vn, tt, hh, dd, ok & new, pos_f, inv_freq, ATTN_SCALE, False, ROT, INTERLEAVED,
+                     STRIDE_VH, LIBDEVICE)
+        v_hi = _rows(v, row0, stride_vn, tt, hh, HALF + dd, ok & new, pos_f, inv_freq, ATTN_SCALE, False, ROT,
+                     INTERLEAVED, STRIDE_VH, LIBDEVICE)
+        c_lo, c_hi, vs, vz = _row_codes(v_lo, v_hi, ok & new, 15.0, LIBDEVICE)
+        vplane = pool + blk * (2 * S_KV) + S_KV
+        tl.store(vplane + tt * S_TOK + hh * S_HEAD + dd, (c_lo | (c_hi << 4)).to(tl.uint8), mask=ok & new)
+        vw = qparams + blk * P_BLK + tt * P_TOK + hh * P_HEAD
+        tl.store(vw, vs, mask=hm & new)
+        tl.store(vw + 1, vz, mask=hm & new)
+        # keys, rotated
+        k_lo = _rows(k, row0, stride_kn, tt, hh, dd, ok & new, pos_f, inv_freq, ATTN_SCALE, ROPE, ROT, INTERLEAVED,
+                     STRIDE_KH, LIBDEVICE)
+        k_hi = _rows(k, row0, stride_kn, tt, hh, HALF + dd, ok & new, pos_f, inv_freq, ATTN_SCALE, ROPE, ROT,
+                     INTERLEAVED, STRIDE_KH, LIBDEVICE)
+        kplane = pool + blk * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd
+        nplane = pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd
+        # key-area word 2 t / 2 t + 1: the (scale, zero) of int8 row t (slot (2 t) // WK, word 2 + (2 t) % WK)
+        kw = qparams + blk * P_BLK + ((2 * tt) // WK) * P_TOK + hh * P_HEAD + 2 + (2 * tt) % WK
+        if fills:
+            old = (tt < o0) & ok
+            q_lo = tl.load(kplane, mask=old, other=0).to(tl.float32)
+            q_hi = tl.load(nplane, mask=old, other=0).to(tl.float32)
+            os = tl.load(kw, mask=hm & (tt < o0), other=0.0)
+            oz = tl.load(kw + 1, mask=hm & (tt < o0), other=0.0)
+            k_lo = tl.where(tt < o0, _mul_add(q_lo, os, oz, LIBDEVICE), k_lo)
+            k_hi = tl.where(tt < o0, _mul_add(q_hi, os, oz, LIBDEVICE), k_hi)
+            rows = ok & (tt < BS)
+            c_lo, s_lo, z_lo = _channel_codes(k_lo, rows, LIBDEVICE)
+            c_hi, s_hi, z_hi = _channel_codes(k_hi, rows, LIBDEVICE)
+            tl.store(kplane, (c_lo | (c_hi << 4)).to(tl.uint8), mask=rows)
+            # word c (channel c): slot c // WK, word 2 + c % WK; fp16 scale in the low half, zero in the high half
+            w_lo = _fp16_pair(s_lo, z_lo)
+            w_hi = _fp16_pair(s_hi, z_hi)
+            c = dd
+            tl.store(qwords + blk * P_BLK + (c // WK) * P_TOK + hh * P_HEAD + 2 + c % WK, w_lo, mask=ok)
+            c = HALF + dd
+            tl.store(qwords + blk * P_BLK + (c // WK) * P_TOK + hh * P_HEAD + 2 + c % WK, w_hi, mask=ok)
+        else:
+            c_lo, c_hi, ks, kz = _row_codes(k_lo, k_hi, ok & new, 255.0, LIBDEVICE)
+            tl.store(kplane, c_lo.to(tl.uint8), mask=ok & new)
+            tl.store(nplane, c_hi.to(tl.uint8), mask=ok & new)
+            tl.store(kw, ks, mask=hm & new)
+            tl.store(kw + 1, kz, mask=hm & new)
+
+
+@kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "seq0", "n_progs"))
 def _int4b_append_kernel(
     k, v,  # model dtype [N, H, D], head_dim contiguous, heads STRIDE_H apart
     pool, qparams, qwords,  # uint8 pool; float32 params and the same memory as int32 (the fp16 pairs)
     block_tables, cu_q_lens, k_lens, inv_freq,
-    stride_kn, stride_vn, bt_stride, table_width, s0,
+    stride_kn, stride_vn, bt_stride, table_width, seq0, n_progs,
     MODE: tl.constexpr,  # 0: kv_lens [B] (tokens before the step), 1: cu_k_lens [B + 1] (after it)
     ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, ATTN_SCALE: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_BLOCKS: tl.constexpr, WK: tl.constexpr,
@@ -93,89 +174,29 @@ def _int4b_append_kernel(
     STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    # grid (B, span, cdiv(H, BLOCK_H)): program (b, s, g) writes heads g * BLOCK_H .. of block start // BS + s0 + s
-    # of sequence b, if the call reaches it (a few heads a program: a block's rows of every head would spill). The
-    # first block a call writes (s0 = 0, one launch) may read the next block's key plane (its earlier int8 rows'
-    # second halves) that the call's later blocks (s0 = 1, a second launch) write: two launches order them
-    b = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1).to(tl.int64) + s0
+    # grid (B, n_progs, cdiv(H, BLOCK_H)): program (b, c, g) writes heads g * BLOCK_H .. of sequence seq0 + b's
+    # blocks 1 + c, 1 + c + n_progs, .. of those the call reaches, and program c = 0 its first block before them. The
+    # first block may read the second's key plane (its earlier int8 rows' second halves), which the second block's
+    # write replaces: one program writes both, in that order. No other block reads a block the call writes.
+    b = tl.program_id(0).to(tl.int64) + seq0
+    c = tl.program_id(1)
+    g = tl.program_id(2)
     q0 = tl.load(cu_q_lens + b).to(tl.int64)
     n = tl.load(cu_q_lens + b + 1).to(tl.int64) - q0
     if MODE == BY_KV_LENS:
         start = tl.load(k_lens + b).to(tl.int64)
     else:
         start = (tl.load(k_lens + b + 1) - tl.load(k_lens + b)).to(tl.int64) - n
-    bi = start // BS + s
-    o0 = tl.maximum(start - bi * BS, 0)
-    o1 = tl.minimum(start + n - bi * BS, BS)
-    if (n <= 0) | (o1 <= o0):
-        return
-    blk = tl.load(block_tables + b * bt_stride + bi, mask=bi < table_width, other=-1).to(tl.int64)
-    nxt = tl.load(block_tables + b * bt_stride + bi + 1, mask=bi + 1 < table_width, other=-1).to(tl.int64)
-    has_nxt = (nxt >= 0) & (nxt < NUM_BLOCKS)
-    fills = o1 == BS
-    if (blk < 0) | (blk >= NUM_BLOCKS) | (((o0 > 0) | ~fills) & ~has_nxt):
-        return  # an out-of-range block, or a partial block without the next one: not written
-    nxt = tl.where(has_nxt, nxt, 0)
-    HALF: tl.constexpr = D // 2
-    S_KV: tl.constexpr = BS * H * HALF  # one plane of a block
-    W: tl.constexpr = 2 + WK
-    P_BLK: tl.constexpr = BS * H * W
-    tt = tl.arange(0, BS)[:, None, None]
-    hh = (tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H))[None, :, None]
-    dd = tl.arange(0, BLOCK_D2)[None, None, :]
-    hm = hh < H
-    ok = hm & (dd < HALF)  # [1, BLOCK_H, D/2] lanes
-    new = (tt >= o0) & (tt < o1)  # rows of this call
-    row0 = q0 + bi * BS - start  # input row of slot 0
-    pos_f = (bi * BS + tt).to(tl.float32)
-    # values: int4 rows, (scale, zero) in words 0, 1
-    v_lo = _rows(v, row0, stride_vn, tt, hh, dd, ok & new, pos_f, inv_freq, ATTN_SCALE, False, ROT, INTERLEAVED,
-                 STRIDE_VH, LIBDEVICE)
-    v_hi = _rows(v, row0, stride_vn, tt, hh, HALF + dd, ok & new, pos_f, inv_freq, ATTN_SCALE, False, ROT,
-                 INTERLEAVED, STRIDE_VH, LIBDEVICE)
-    c_lo, c_hi, vs, vz = _row_codes(v_lo, v_hi, ok & new, 15.0, LIBDEVICE)
-    vplane = pool + blk * (2 * S_KV) + S_KV
-    tl.store(vplane + tt * S_TOK + hh * S_HEAD + dd, (c_lo | (c_hi << 4)).to(tl.uint8), mask=ok & new)
-    vw = qparams + blk * P_BLK + tt * P_TOK + hh * P_HEAD
-    tl.store(vw, vs, mask=hm & new)
-    tl.store(vw + 1, vz, mask=hm & new)
-    # keys, rotated
-    k_lo = _rows(k, row0, stride_kn, tt, hh, dd, ok & new, pos_f, inv_freq, ATTN_SCALE, ROPE, ROT, INTERLEAVED,
-                 STRIDE_KH, LIBDEVICE)
-    k_hi = _rows(k, row0, stride_kn, tt, hh, HALF + dd, ok & new, pos_f, inv_freq, ATTN_SCALE, ROPE, ROT,
-                 INTERLEAVED, STRIDE_KH, LIBDEVICE)
-    kplane = pool + blk * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd
-    nplane = pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd
-    # key-area word 2 t / 2 t + 1: the (scale, zero) of int8 row t (slot (2 t) // WK, word 2 + (2 t) % WK)
-    kw = qparams + blk * P_BLK + ((2 * tt) // WK) * P_TOK + hh * P_HEAD + 2 + (2 * tt) % WK
-    if fills:
-        old = (tt < o0) & ok
-        q_lo = tl.load(kplane, mask=old, other=0).to(tl.float32)
-        q_hi = tl.load(nplane, mask=old, other=0).to(tl.float32)
-        os = tl.load(kw, mask=hm & (tt < o0), other=0.0)
-        oz = tl.load(kw + 1, mask=hm & (tt < o0), other=0.0)
-        k_lo = tl.where(tt < o0, _mul_add(q_lo, os, oz, LIBDEVICE), k_lo)
-        k_hi = tl.where(tt < o0, _mul_add(q_hi, os, oz, LIBDEVICE), k_hi)
-        rows = ok & (tt < BS)
-        c_lo, s_lo, z_lo = _channel_codes(k_lo, rows, LIBDEVICE)
-        c_hi, s_hi, z_hi = _channel_codes(k_hi, rows, LIBDEVICE)
-        tl.store(kplane, (c_lo | (c_hi << 4)).to(tl.uint8), mask=rows)
-        # word c (channel c): slot c // WK, word 2 + c % WK; fp16 scale in the low half, zero in the high half
-        w_lo = (s_lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (z_lo.to(tl.int16, bitcast=True).to(tl.int32)
-                                                                            << 16)
-        w_hi = (s_hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (z_hi.to(tl.int16, bitcast=True).to(tl.int32)
-                                                                            << 16)
-        c = dd
-        tl.store(qwords + blk * P_BLK + (c // WK) * P_TOK + hh * P_HEAD + 2 + c % WK, w_lo, mask=ok)
-        c = HALF + dd
-        tl.store(qwords + blk * P_BLK + (c // WK) * P_TOK + hh * P_HEAD + 2 + c % WK, w_hi, mask=ok)
-    else:
-        c_lo, c_hi, ks, kz = _row_codes(k_lo, k_hi, ok & new, 255.0, LIBDEVICE)
-        tl.store(kplane, c_lo.to(tl.uint8), mask=ok & new)
-        tl.store(nplane, c_hi.to(tl.uint8), mask=ok & new)
-        tl.store(kw, ks, mask=hm & new)
-        tl.store(kw + 1, kz, mask=hm & new)
+    first = start // BS
+    n_blk = tl.where(n > 0, (start + n - 1) // BS - first + 1, 0)  # blocks the call's rows touch
+    if c == 0:
+        _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
+                     stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS, WK,
+                     S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE)
+    for s in range(1 + c, n_blk, n_progs):
+        _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, first + s, q0, start, n, g, stride_kn,
+                     stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS, WK,
+                     S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE)
 
 
 @kernel(ints=("sk_b", "sk_h", "sk_s", "sv_b", "sv_h", "sv_s", "bt_stride", "table_width", "s_out"))
