@@ -111,9 +111,9 @@ def _tile(
     k_lo, k_hi = _load_kv(pool, k_off, ok_n[None, :] & ok_lo[:, None], ok_n[None, :] & ok_hi[:, None], K_HI,
                           3 if QK == 6 else QK, q_lo.dtype, not V_FOLD or QK == 6, INTERP, False)
     if QK == 6:  # int4b: int4 codes per channel over full blocks, int8 rows in the partial one
-        k_lo, k_hi, ok_n, ks, kz, kb = block_key_tile(
-            k_lo, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_end, table_width, pool, qparams, dd, ok_lo,
-            ok_hi, H1, BLOCK_N, BS, S_BLK, S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, q_lo.dtype, V_FOLD, INTERP)
+        k_lo, k_hi, ok_n = block_key_tile(k_lo, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_end,
+                                          table_width, pool, qparams, dd, ok_lo, ok_hi, H1, BLOCK_N, BS, S_BLK, S_TOK,
+                                          S_HEAD, P_BLK, P_TOK, P_HEAD, WK, qdt)
     pbase = blk * P_BLK + tok * P_TOK + kvh * P_HEAD
     if QK >= 2 and QK <= 4 and not V_FOLD:
         # prefill tiles: dequantize K per element (many rows share it), no per-score affine
@@ -128,14 +128,11 @@ def _tile(
     # score; rescaled bfloat16 queries (Q_RESCALE) fold their rows' 1 / r into that scale
     LATE: tl.constexpr = QK != 1 and SOFTCAP == 0
     qk_row = q_inv * qk_scale  # q_inv is 1 without Q_RESCALE
-    if (QK >= 2 and QK <= 4 or QK == 6) and V_FOLD:
-        if QK != 6:
-            ks, kz = _load_params(qparams, pbase, ok_n)
+    if QK >= 2 and QK <= 4 and V_FOLD:
+        ks, kz = _load_params(qparams, pbase, ok_n)
         s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
         if Q_RESCALE and not LATE:
             s = s * q_inv[:, None]  # the rows' 1 / r (rescaled bfloat16 queries)
-    if QK == 6:
-        s = s + kb[None, :]  # int4b: -inf drops a partial block's key without its next block
     if SOFTCAP > 0:
         # softcap * tanh(x) in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
         s = (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
@@ -309,7 +306,7 @@ def _attention_kernel(
         qb = q_hi.to(tl.float32)
         q_lo = (qa * cos_q - qb * sin_q).to(q.dtype.element_ty)
         q_hi = (qb * cos_q + qa * sin_q).to(q.dtype.element_ty)
-    if QUANT >= 2:  # the zero terms of int8 / int4 / k8v4 keys and int4b's int8 rows (fp8k: unused)
+    if QUANT >= 2 and QUANT <= 4:
         q_sum = tl.sum(q_lo.to(tl.float32), 1) + tl.sum(q_hi.to(tl.float32), 1)
     else:
         q_sum = tl.zeros([BLOCK_Q * G_P], tl.float32)  # unused
