@@ -185,7 +185,8 @@ def test_help_is_plain_text_and_lists_every_command(capsys):
 def test_info_smoke_runs_paged_half(capsys):
     assert main(["info"]) == 0
     text = capsys.readouterr().out
-    for name in ("PagedKVCache append -> gather (int4, HND)", "PagedKVCache.copy_blocks", "BlockAllocator",
+    for name in ("PagedKVCache append -> gather (int4, HND)", "PagedKVCache append -> gather (int4b, NHD)",
+                 "PagedKVCache.copy_blocks", "BlockAllocator",
                  "LinearKVCache.append"):
         assert f"ok    {name}" in text
     assert "FAIL" not in text and "all ops ok" in text

@@ -159,7 +159,7 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
         cache = PagedKVCache(PagedConfig(num_layers=2, num_kv_heads=H, head_dim=D, block_size=bs, num_blocks=8,
                                          dtype=torch.float32, kv_dtype=kv_dtype, layout=layout, device=device))
         alloc = BlockAllocator(num_blocks=8, block_size=bs)
-        tables = [alloc.allocate(-(-n // bs)) for n in lens]
+        tables = [alloc.allocate(cache.config.blocks_for(n)) for n in lens]  # int4b: the block after a partial one
         width = max(len(t) for t in tables)  # type: ignore[arg-type]
         bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)  # type: ignore[operator]
         k = torch.randn(sum(lens), H, D, generator=g).to(device)
@@ -182,6 +182,10 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
                 bound = x.abs() / 16 + 2.0**-9
             elif kv_dtype == "fp8k":  # keys scaled per row by amax / 448: subnormals step by scale / 512
                 bound = torch.maximum(x.abs() / 16, x.abs().amax(-1, keepdim=True) / 448 / 1024) * 1.001 + 1e-6
+            elif kv_dtype == "int4b" and x is k:  # per channel over a block (within the channel's range over the
+                # sequence), fp16 (scale, zero); the partial block's int8 rows are finer
+                rng = torch.cat([(s.amax(0) - s.amin(0)).expand_as(s) for s in x.split(lens)])
+                bound = rng / 15 / 2 * 1.001 + (x.abs() + rng) * 2.0**-9 + 1e-6
             else:  # scale / 2 per (token, head) row, scale = (max - min) / (2^bits - 1)
                 levels = kv_format(kv_dtype).qmax_of(0 if x is k else 1)
                 rng = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)
@@ -221,7 +225,7 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
 
     checks: list[tuple[str, Callable[[], bool]]] = [("BlockAllocator (allocate, fork, free)", t_allocator)]
     for kv_dtype, layout in (("auto", "NHD"), ("fp8", "HND"), ("int8", "NHD"), ("int4", "HND"), ("k8v4", "NHD"),
-                             ("fp8k", "HND")):
+                             ("fp8k", "HND"), ("int4b", "NHD")):
         checks.append((f"PagedKVCache append -> gather ({kv_dtype}, {layout})",
                        lambda kv_dtype=kv_dtype, layout=layout: round_trip(kv_dtype, layout)))
     checks.append(("PagedKVCache.copy_blocks (int8: data and params)", t_copy_blocks))
