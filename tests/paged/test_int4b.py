@@ -173,6 +173,14 @@ def test_refusals():
                                          cp_rank=0, cp_size=2))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the refusal is of the CUDA kernels: needs a GPU")
+def test_a_cuda_config_refuses_a_block_size_that_is_not_a_power_of_two():
+    with pytest.raises(NotImplementedError, match="power-of-two block_size, got 12"):
+        PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=12, num_blocks=4, kv_dtype="int4b",
+                    device="cuda")
+    PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=12, num_blocks=4, kv_dtype="int4b", device="cpu")
+
+
 def test_blocks_for_keeps_the_block_after_a_partial_one():
     cfg = PagedConfig(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=8, kv_dtype="int4b")
     assert [cfg.blocks_for(n) for n in (0, 1, 3, 4, 5, 8, 9)] == [0, 2, 2, 1, 3, 2, 4]

@@ -59,8 +59,9 @@ Quantization (TurboMind's, per token and head, asymmetric):
   (block, head, channel), from the block's min / max), the partial last block of a sequence keeping its keys as
   int8 rows (int8's encoding) split over its own and the next block's key plane until it fills. One params plane of
   ``2 + ceil(D / block_size)`` float32 words per (token slot, head): the value row's (scale, zero), then the block's
-  key area. ``block_size <= head_dim / 2``; a sequence of ``L`` tokens holds ``L // block_size`` blocks, two more
-  when ``L % block_size``. Bytes per (token, head) ``D + 4 (2 + ceil(D / block_size))``: 168 at D = 128, block 16.
+  key area. ``block_size <= head_dim / 2`` (on CUDA a power of two); a sequence of ``L`` tokens holds
+  ``L // block_size`` blocks, two more when ``L % block_size``. Bytes per (token, head)
+  ``D + 4 (2 + ceil(D / block_size))``: 168 at D = 128, block 16.
   The full statement: :mod:`kvcache.ops.paged.block_keys`.
 """
 
@@ -164,6 +165,10 @@ class PagedConfig:
         check_choice("layout", self.layout, LAYOUTS)
         _check_geometry(kv_format(self.kv_dtype), self.head_dim, self.block_size)
         object.__setattr__(self, "device", resolve_device(self.device))
+        pow2 = self.block_size & (self.block_size - 1) == 0
+        if kv_format(self.kv_dtype).block_keys and self.device.type == "cuda" and not pow2:
+            raise NotImplementedError(f"kv_dtype={self.kv_dtype!r}: the CUDA kernels take a power-of-two block_size, "
+                                      f"got {self.block_size}")
 
     @property
     def quantized(self) -> bool:
