@@ -137,6 +137,7 @@ def speed(tiles, layouts=("NHD", "HND")):
                     row.append(f"{kv} {us:.1f}{extra}")
                 print("decode attention", layout, str(qdt)[6:], f"{n_seqs} x {seq}:", " | ".join(row), flush=True)
     if tiles:
+        shipped = policy.BLOCK_KEYS_TILE
         for n_seqs, seq in ((64, 1024), (64, 16384)):
             cache, tables, plan = _decode_cache("int4b", "HND", n_seqs, seq)
             q = torch.randn(n_seqs, HQ, D, dtype=torch.float16, device=dev)
@@ -149,6 +150,8 @@ def speed(tiles, layouts=("NHD", "HND")):
                 us = timed(lambda c=cache, q=q, p=p: c.attention(0, q, p), flush)
                 row.append(f"{tile} {us:.1f}")
             print("int4b decode tiles HND", f"{n_seqs} x {seq}:", " | ".join(row), flush=True)
+        policy.BLOCK_KEYS_TILE = shipped
+        policy._choose_cached.cache_clear()
     # decode append: 256 sequences x 1 token, random lengths, one layer
     for layout in layouts:
         row = []

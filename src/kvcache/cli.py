@@ -182,10 +182,11 @@ def _paged_smoke(device: torch.device, g: torch.Generator) -> list[tuple[str, Ca
                 bound = x.abs() / 16 + 2.0**-9
             elif kv_dtype == "fp8k":  # keys scaled per row by amax / 448: subnormals step by scale / 512
                 bound = torch.maximum(x.abs() / 16, x.abs().amax(-1, keepdim=True) / 448 / 1024) * 1.001 + 1e-6
-            elif kv_dtype == "int4b" and x is k:  # per channel over a block (within the channel's range over the
-                # sequence), fp16 (scale, zero); the partial block's int8 rows are finer
+            elif kv_dtype == "int4b" and x is k:  # half a step: a full block's per channel (within the channel's
+                # range over the sequence / 15) with fp16 (scale, zero), a partial block's int8 row's (its range / 255)
                 rng = torch.cat([(s.amax(0) - s.amin(0)).expand_as(s) for s in x.split(lens)])
-                bound = rng / 15 / 2 * 1.001 + (x.abs() + rng) * 2.0**-9 + 1e-6
+                row = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)
+                bound = torch.maximum(rng / 15, row / 255) / 2 * 1.001 + (x.abs() + rng) * 2.0**-9 + 1e-6
             else:  # scale / 2 per (token, head) row, scale = (max - min) / (2^bits - 1)
                 levels = kv_format(kv_dtype).qmax_of(0 if x is k else 1)
                 rng = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)

@@ -60,11 +60,11 @@ DECODE_TILE_WAVE = {"int8": (32, 5), "k8v4": (32, 5)}
 WAVE_PROGRAMS_PER_SM = 4
 DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5), "k8v4": (32, 5), "fp8k": (32, 5)}
 # int4b (keys dequantized per element with each block's per-channel pairs) takes int4's decode tiles without warp
-# splits, its one-warp tiles with BLOCK_KEYS_TILE (keys, stages) instead of int4's: one block per tile, whose pairs
-# broadcast over its keys (wider tiles spread each block's pairs by a reshape). H200, 32 / 8 heads x 128, fp16, HND,
-# 64 x 1k / 16k: (16, 3) 124-161 / 1,235-1,242 us; (32, 3) 173 / 1,625; (32, 4) 195 / 1,674; (64, 2) 359 / 3,694;
-# (16, 2) / (16, 4) / (16, 5) within the noise of (16, 3) at 1k, 2-16% slower at 16k. In the engine's fixed-budget
-# run (16, 3) gives 6,202 tok/s against (32, 3)'s 5,449.
+# splits, its one-warp tiles with BLOCK_KEYS_TILE (keys, stages) instead of int4's: at block_size 16 one block per
+# tile, whose pairs broadcast over its keys (wider tiles spread each block's pairs by a reshape; measured at block
+# size 16 only). H200, 32 / 8 heads x 128, fp16, HND, 64 x 1k / 16k: (16, 3) 124-161 / 1,235-1,242 us; (32, 3)
+# 173 / 1,625; (32, 4) 195 / 1,674; (64, 2) 359 / 3,694; (16, 2) / (16, 4) / (16, 5) within the noise of (16, 3) at
+# 1k, 2-16% slower at 16k. In the engine's fixed-budget run (16, 3) gives 6,202 tok/s against (32, 3)'s 5,449.
 BLOCK_KEYS_TILE = (16, 3)
 LONG_MIN_KV = 4096
 LONG_MIN_PROGRAMS = 2

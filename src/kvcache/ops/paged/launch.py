@@ -85,9 +85,10 @@ _INT4B_APPEND_PROGRAMS = 8192
 
 
 def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepPlan) -> None:
-    """int4b's append kernel (:mod:`.kernels.block_keys`): programs per (sequence, head) over the blocks each
-    sequence's rows reach. ``plan.num_decode`` (a host hint, as for the attention) splits a mixed batch into a launch
-    of its decode rows and one of the rest, so the decode rows take one program each; every split is correct."""
+    """int4b's append kernel (:mod:`.kernels.block_keys`): programs per (sequence, chunk, head) sharing the blocks
+    each sequence's rows reach. ``plan.num_decode`` (a host hint, as for the attention) splits a mixed batch into a
+    launch of its decode rows and one of the rest, so the decode rows take one program each; every split is
+    correct."""
     nb, bs, H, D = layer.geometry[:4]
     wk, strides = _int4b_strides(layer)
     b = plan.num_seqs

@@ -1,5 +1,6 @@
 """int4b's append and gather kernels (the byte format of :mod:`kvcache.ops.paged.block_keys`). The append: programs
-per (sequence, head), each writing one or more of the blocks the call reaches, one block at a time.
+per (sequence, chunk, head), each writing its share of the blocks the call reaches (none, one or more), one block at
+a time.
 
 A block that stays partial gets its new key rows as int8 rows (halves in its own and in the next block's key plane,
 (scale, zero) in its key area); a block that fills reads its earlier int8 rows back, adds the new rows and is
@@ -193,6 +194,7 @@ def _int4b_append_kernel(
         _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
                      stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS, WK,
                      S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE)
+        tl.debug_barrier()  # the first block's reads of the second's key plane end before any thread writes it
     for s in range(1 + c, n_blk, n_progs):
         _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, first + s, q0, start, n, g, stride_kn,
                      stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS, WK,
