@@ -98,6 +98,7 @@ def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: Ste
     bt, cu_q = plan.block_tables, plan.cu_q_lens
     lens, mode = (plan.kv_lens, BY_KV_LENS) if plan.kv_lens is not None else (plan.cu_k_lens, BY_CU_K_LENS)
     heads = 1  # heads per program: [block_size, heads, D / 2] tiles in registers
+    groups = cdiv(H, heads)
     n, nd = k.shape[0], plan.num_decode
     parts = [(0, nd, nd), (nd, b, n - nd)] if 0 < nd < b else [(0, b, n)]
     for s0, s1, rows in parts:
@@ -105,9 +106,9 @@ def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: Ste
         # holds one (the loop covers any split), at most the programs aimed at
         most = max(rows - (s1 - s0 - 1), 1)
         later = (most + bs - 2) // bs
-        n_progs = max(1, min(later, cdiv(_INT4B_APPEND_PROGRAMS, (s1 - s0) * H)))
+        n_progs = max(1, min(later, cdiv(_INT4B_APPEND_PROGRAMS, (s1 - s0) * groups)))
         _int4b_append_kernel.launch(
-            layer.device, (s1 - s0, n_progs, cdiv(H, heads)),
+            layer.device, (s1 - s0, n_progs, groups),
             k, v, layer.pool, layer.params, layer.params.view(torch.int32), bt, cu_q, lens,
             layer.pool if inv_freq is None else inv_freq,
             k.stride(0), v.stride(0), bt.stride(0), bt.shape[1], s0, n_progs,  # type: ignore[union-attr]
