@@ -261,6 +261,24 @@ def test_the_triton_append_of_a_skewed_batch_with_a_wrong_decode_hint_writes_the
     assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])
 
 
+def test_an_odd_number_of_key_area_words_per_slot_puts_a_rows_zero_in_the_next_slot_in_every_path():
+    # head_dim 80, block 16: 5 words per slot, so row 2's (scale, zero) are words 4 (slot 0) and 5 (slot 1)
+    out = []
+    for interpret in (False, True):
+        cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=80, block_size=16, num_blocks=8,
+                                         dtype=torch.float32, kv_dtype="int4b", device="cpu"))
+        g = torch.Generator().manual_seed(0)
+        k, v = torch.randn(21, H, 80, generator=g) * 3, torch.randn(21, H, 80, generator=g)
+        _append_chunks(cache, torch.tensor([[3, 5, 1]], dtype=torch.int32), [5, 9, 7], k, v, interpret, False)
+        out.append((cache.pool(0).clone(), cache.params(0).view(torch.int32).clone()))
+        gp = cache.plan(torch.tensor([[3, 5, 1]], dtype=torch.int32), seq_lens=torch.tensor([21], dtype=torch.int32))
+        with force_interpreter():
+            got = cache.gather(0, gp)
+        ref = cache.gather(0, gp)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])
+
+
 def test_the_triton_append_with_rope_reads_back_as_the_torch_path_within_rope_rounding():
     rope = RopeConfig(head_dim=D, max_position_embeddings=64)
     table = [3, 8, 1, 10, 6, 2]

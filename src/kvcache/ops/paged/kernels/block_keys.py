@@ -82,6 +82,20 @@ def _channel_codes(lo, ok, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _area(w, WK: tl.constexpr, P_TOK: tl.constexpr):
+    # offset of key-area word w from its block's (and head's) first params word: slot w // WK, word 2 + w % WK
+    return (w // WK) * P_TOK + 2 + w % WK
+
+
+@triton.jit
+def _fp16_halves(w):
+    # the two float16 values of int32 words (low half first) as float32
+    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def _fp16_pair(lo, hi):
     # int32 words holding two float16 values, lo in the low half
     return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
@@ -134,13 +148,15 @@ def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0,
         kplane = pool + blk * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd
         nplane = pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd
         # key-area word 2 t / 2 t + 1: the (scale, zero) of int8 row t (slot (2 t) // WK, word 2 + (2 t) % WK)
-        kw = qparams + blk * P_BLK + ((2 * tt) // WK) * P_TOK + hh * P_HEAD + 2 + (2 * tt) % WK
+        pk = qparams + blk * P_BLK + hh * P_HEAD
+        kw = pk + _area(2 * tt, WK, P_TOK)
+        kz_w = pk + _area(2 * tt + 1, WK, P_TOK)  # the next slot's when WK is odd
         if fills:
             old = (tt < o0) & ok
             q_lo = tl.load(kplane, mask=old, other=0).to(tl.float32)
             q_hi = tl.load(nplane, mask=old, other=0).to(tl.float32)
             os = tl.load(kw, mask=hm & (tt < o0), other=0.0)
-            oz = tl.load(kw + 1, mask=hm & (tt < o0), other=0.0)
+            oz = tl.load(kz_w, mask=hm & (tt < o0), other=0.0)
             k_lo = tl.where(tt < o0, _mul_add(q_lo, os, oz, LIBDEVICE), k_lo)
             k_hi = tl.where(tt < o0, _mul_add(q_hi, os, oz, LIBDEVICE), k_hi)
             rows = ok & (tt < BS)
@@ -150,16 +166,15 @@ def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0,
             # word c (channel c): slot c // WK, word 2 + c % WK; fp16 scale in the low half, zero in the high half
             w_lo = _fp16_pair(s_lo, z_lo)
             w_hi = _fp16_pair(s_hi, z_hi)
-            c = dd
-            tl.store(qwords + blk * P_BLK + (c // WK) * P_TOK + hh * P_HEAD + 2 + c % WK, w_lo, mask=ok)
-            c = HALF + dd
-            tl.store(qwords + blk * P_BLK + (c // WK) * P_TOK + hh * P_HEAD + 2 + c % WK, w_hi, mask=ok)
+            pw = qwords + blk * P_BLK + hh * P_HEAD
+            tl.store(pw + _area(dd, WK, P_TOK), w_lo, mask=ok)
+            tl.store(pw + _area(HALF + dd, WK, P_TOK), w_hi, mask=ok)
         else:
             c_lo, c_hi, ks, kz = _row_codes(k_lo, k_hi, ok & new, 255.0, LIBDEVICE)
             tl.store(kplane, c_lo.to(tl.uint8), mask=ok & new)
             tl.store(nplane, c_hi.to(tl.uint8), mask=ok & new)
             tl.store(kw, ks, mask=hm & new)
-            tl.store(kw + 1, kz, mask=hm & new)
+            tl.store(kz_w, kz, mask=hm & new)
 
 
 @kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "seq0", "n_progs"))
@@ -242,23 +257,17 @@ def _int4b_gather_kernel(
     pb = qparams + blk * P_BLK + hh * P_HEAD
     if full:
         raw = tl.load(kplane, mask=lane & live, other=0).to(tl.int32)
-        c = dd
-        w = tl.load(pb + (c // WK) * P_TOK + 2 + c % WK, mask=lane & okv, other=0.0).to(tl.int32, bitcast=True)
-        s_lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        z_lo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        c = HALF + dd
-        w = tl.load(pb + (c // WK) * P_TOK + 2 + c % WK, mask=lane & okv, other=0.0).to(tl.int32, bitcast=True)
-        s_hi = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        z_hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        s_lo, z_lo = _fp16_halves(tl.load(pb + _area(dd, WK, P_TOK), mask=lane & okv, other=0.0).to(tl.int32,
+                                                                                                      bitcast=True))
+        s_hi, z_hi = _fp16_halves(tl.load(pb + _area(HALF + dd, WK, P_TOK), mask=lane & okv,
+                                          other=0.0).to(tl.int32, bitcast=True))
         k_lo = _mul_add((raw & 15).to(tl.float32), s_lo, z_lo, LIBDEVICE)
         k_hi = _mul_add(((raw >> 4) & 15).to(tl.float32), s_hi, z_hi, LIBDEVICE)
     else:
         q_lo = tl.load(kplane, mask=lane & live, other=0).to(tl.float32)
         q_hi = tl.load(pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd, mask=lane & live, other=0)
-        ws = 2 * tt
-        rs = tl.load(pb + (ws // WK) * P_TOK + 2 + ws % WK, mask=(hh < H) & live, other=0.0)
-        wz = 2 * tt + 1
-        rz = tl.load(pb + (wz // WK) * P_TOK + 2 + wz % WK, mask=(hh < H) & live, other=0.0)
+        rs = tl.load(pb + _area(2 * tt, WK, P_TOK), mask=(hh < H) & live, other=0.0)
+        rz = tl.load(pb + _area(2 * tt + 1, WK, P_TOK), mask=(hh < H) & live, other=0.0)
         k_lo = _mul_add(q_lo, rs, rz, LIBDEVICE)
         k_hi = _mul_add(q_hi.to(tl.float32), rs, rz, LIBDEVICE)
     k_lo = tl.where(live, k_lo, 0.0)
