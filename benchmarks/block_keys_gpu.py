@@ -2,11 +2,12 @@
 
 ``--check``: for fp16 / bf16 models, a two-sequence cache through prefill chunks and decode rows: the compiled
 append's pool and params bit-exact with the torch path's (no RoPE), gather bit-exact, attention within four ulps of
-the model dtype at the largest output. ``--speed``: decode attention (64 x 1k / 16k tokens, 32 / 8 heads x 128, fp16
-and bf16 queries, random blocks, L2 flushed, the median of 30 calls; HND fp16 rows with the same-condition ceiling
-of reading the same blocks: the faster of a contiguous and a same-blocks copy), decode append (256 x 1 token, one
-layer) and prefill append (8 x 2,048 tokens), in us. ``--tiles``: int4b's one-warp decode tiles (keys, stages)
-swept. ``--layouts``: NHD, HND or both (default).
+the model dtype at the largest output. ``--speed``: decode attention (64 x 1k / 16k, 4 x 16k and 256 x 2k tokens,
+32 / 8 heads x 128, fp16 and bf16 queries, random blocks, L2 flushed, the median of 30 calls; HND fp16 rows with the
+same-condition ceiling of reading the same blocks: the faster of a contiguous and a same-blocks copy), decode append
+(256 x 1 token, one layer: random lengths, rows that leave their block partial, rows that fill it) and prefill
+append (8 x 2,048 tokens), in us. ``--tiles``: int4b's one-warp decode tiles (keys, stages) swept. ``--layouts``:
+NHD, HND or both (default).
 
     python benchmarks/block_keys_gpu.py --check --speed --tiles
 """
@@ -123,7 +124,7 @@ def speed(tiles, layouts=("NHD", "HND")):
 
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
     for layout in layouts:
-        for n_seqs, seq in ((64, 1024), (64, 16384)):
+        for n_seqs, seq in ((64, 1024), (64, 16384), (4, 16384), (256, 2048)):
             for qdt in (torch.float16, torch.bfloat16):
                 row = []
                 for kv in ("int4", "int4b", "k8v4"):
@@ -142,7 +143,7 @@ def speed(tiles, layouts=("NHD", "HND")):
             cache, tables, plan = _decode_cache("int4b", "HND", n_seqs, seq)
             q = torch.randn(n_seqs, HQ, D, dtype=torch.float16, device=dev)
             row = []
-            for tile in ((16, 3), (32, 3), (32, 4), (64, 2)):
+            for tile in ((16, 2), (16, 3), (16, 4), (32, 2)):
                 policy.BLOCK_KEYS_TILE = tile
                 policy._choose_cached.cache_clear()
                 p = plan.with_options()  # launches derived anew: the patched tile
@@ -152,21 +153,29 @@ def speed(tiles, layouts=("NHD", "HND")):
             print("int4b decode tiles HND", f"{n_seqs} x {seq}:", " | ".join(row), flush=True)
         policy.BLOCK_KEYS_TILE = shipped
         policy._choose_cached.cache_clear()
-    # decode append: 256 sequences x 1 token, random lengths, one layer
+    # decode append: 256 sequences x 1 token, one layer; random lengths (about one row in 16 fills its block), rows
+    # that leave their block partial, rows that fill it
+    torch.manual_seed(0)
     for layout in layouts:
-        row = []
-        for kv in ("int4", "int4b", "k8v4"):
-            nb = 256 * 130
-            cache = PagedKVCache(cfg(kv, layout, torch.float16, nb, dev))
-            tables = torch.randperm(nb, device=dev)[: 256 * 128].reshape(256, 128).to(torch.int32)
-            kvl = torch.randint(1, 2000, (256,), dtype=torch.int32, device=dev)
-            cu = torch.arange(257, dtype=torch.int32, device=dev)
-            plan = cache.plan(tables, cu, kvl)
-            k = torch.randn(256, H, D, dtype=torch.float16, device=dev)
-            cache.append(0, k, k, plan)
-            us = timed(lambda c=cache, k=k, p=plan: c.append(0, k, k, p), flush)
-            row.append(f"{kv} {us:.2f}")
-        print("decode append 256 x 1", layout, " | ".join(row), flush=True)
+        nb = 256 * 130
+        for name in ("random", "no fill", "all fill"):
+            row = []
+            for kv in ("int4", "int4b", "k8v4"):
+                cache = PagedKVCache(cfg(kv, layout, torch.float16, nb, dev))
+                tables = torch.randperm(nb, device=dev)[: 256 * 128].reshape(256, 128).to(torch.int32)
+                if name == "random":
+                    kvl = torch.randint(1, 2000, (256,), dtype=torch.int32, device=dev)
+                else:
+                    kvl = torch.full((256,), 50 * BS + (3 if name == "no fill" else BS - 1), dtype=torch.int32,
+                                     device=dev)
+                cu = torch.arange(257, dtype=torch.int32, device=dev)
+                plan = cache.plan(tables, cu, kvl)
+                k = torch.randn(256, H, D, dtype=torch.float16, device=dev)
+                cache.append(0, k, k, plan)
+                us = timed(lambda c=cache, k=k, p=plan: c.append(0, k, k, p), flush)
+                row.append(f"{kv} {us:.2f}")
+                del cache
+            print(f"decode append 256 x 1 ({name})", layout, " | ".join(row), flush=True)
     # prefill append: 8 x 2048 tokens
     for layout in layouts:
         row = []

@@ -12,6 +12,8 @@ by attention), and the refusals: a block size over head_dim / 2, slot mappings, 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -395,3 +397,32 @@ def test_attention_drops_partial_keys_whose_next_block_is_past_the_table_as_the_
                                             torch.tensor([0, 1], dtype=torch.int32),
                                             torch.tensor([BS + 2], dtype=torch.int32)))
     assert not torch.allclose(full, ref)  # the partial block's keys do count when they can be read
+
+
+@pytest.mark.parametrize("dtype,opts", [(torch.float16, {}), (torch.bfloat16, {"softcap": 5.0}),
+                                        (torch.float16, {"num_splits": 3}), (torch.bfloat16, {"window": 40})])
+def test_decode_over_many_full_blocks_equals_the_torch_path_within_four_ulps(dtype, opts):
+    # head_dim 128, GQA 4, 16-bit queries, block 16: one-warp decode tiles of one block per tile index, whose full
+    # blocks the kernel takes two at a time (one online-softmax step a pair), the rest one by one: sequences with an
+    # odd and an even number of full blocks, none, and partial last blocks of 1, 5 and 15 keys
+    h, hq, d, bs, nb = 2, 8, 128, 16, 40
+    cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=h, head_dim=d, block_size=bs, num_blocks=nb,
+                                     dtype=dtype, kv_dtype="int4b", layout="HND", device="cpu"))
+    g = torch.Generator().manual_seed(11)
+    tables = torch.randperm(nb, generator=g)[:36].view(4, 9).to(torch.int32)
+    lens = [7 * bs + 4, 4 * bs, 3 * bs - 2, 9]
+    n = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    plan = cache.plan(tables, cu, torch.zeros(4, dtype=torch.int32))
+    cache.append(0, (torch.randn(n, h, d, generator=g) * torch.linspace(0.3, 6, d)).to(dtype),
+                 torch.randn(n, h, d, generator=g).to(dtype), plan)
+    plan = cache.plan(tables, torch.arange(5, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), **opts)
+    cache.append(0, (torch.randn(4, h, d, generator=g) * 3).to(dtype), torch.randn(4, h, d, generator=g).to(dtype),
+                 plan)
+    q = torch.randn(4, hq, d, generator=g).to(dtype)
+    ref = cache.attention(0, q, plan).float()
+    with force_interpreter():
+        got = cache.attention(0, q, plan).float()
+    bits = 7 if dtype == torch.bfloat16 else 10
+    ulp = 2.0 ** (math.floor(math.log2(ref.abs().max().item())) - bits)
+    assert (got - ref).abs().max().item() <= 4 * ulp

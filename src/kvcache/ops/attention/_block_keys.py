@@ -1,19 +1,41 @@
 """int4b key tiles of the attention kernel: a full block's int4 codes with its channels' fp16 (scale, zero), the
 partial last block's int8 rows (halves in its own and in the next block's key plane, a float32 (scale, zero) per
-row); the byte format of :mod:`kvcache.ops.paged.block_keys`."""
+row); the byte format of :mod:`kvcache.ops.paged.block_keys`.
+
+Two forms: :func:`block_key_tile` dequantizes any tile's keys (full blocks, the partial one, prefill tiles);
+:func:`block_group_tile` runs decode tiles over full blocks only, ``BLOCK_GROUP`` blocks per online-softmax step
+(each block's own QK^T dot, one running maximum, one accumulator rescale and one V unit for the group), with the
+block's id, addresses and (scale, zero) rows per block rather than per key and, for float16 queries, codes times
+scale plus zero in one packed asm per four bytes in the load's register layout (:func:`._convert.u4_fma`). The
+attention kernel takes the group form for the full blocks of a decode tile's unmasked range at one block per tile
+index and the one-block form for the rest (the last full blocks and the partial one).
+
+Compiled, that asm is declared impure (so that it stays in the load's layout) and its scale and zero operands are
+loaded in the loop: Triton 3.6's pipeliner cannot predicate it inside a tile that also holds the partial block's
+branch, so :func:`block_key_tile` keeps Triton's own math.
+"""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from ._convert import u4_fma
+from ._loads import LOG2E, PV_RANGE, _load_kv, _load_params
+
+# Full blocks per online-softmax step of int4b's one-block decode tiles (block_group_tile). H200, 32 / 8 heads x 128,
+# HND, 16-key tiles of two stages, fp16 / bf16 queries: 64 x 16k 1,003 / 859 us with 2, 990 / 1,035 with 4; 256 x 2k
+# 500 / 480 with 2, 560 / 652 with 4 (a group of 4 holds 31 KB of shared memory a program against 18 KB); one block a
+# step (three stages) ran 1,239 / 1,261 and 615 / 726.
+BLOCK_GROUP = tl.constexpr(2)
+
 
 @triton.jit
 def _pairs(qparams, word_off, mask):
-    # (scale, zero) float32 from fp16 pairs packed in float32 words (scale in the low half)
+    # float16 (scale, zero) from the pairs packed in float32 words (scale in the low half)
     w = tl.load(qparams + word_off, mask=mask, other=0.0).to(tl.int32, bitcast=True)
-    s = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    z = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    s = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    z = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     return s, z
 
 
@@ -26,7 +48,11 @@ def _word(qparams, pbase, w, WK: tl.constexpr, P_TOK: tl.constexpr, mask):
 @triton.jit
 def _spread(x, HALF_P: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr):
     # [HALF_P, NB] per block -> [HALF_P, NB * BS] per key (the block's BS keys side by side)
-    return tl.reshape(tl.broadcast_to(x[:, :, None], (HALF_P, NB, BS)), (HALF_P, NB * BS))
+    if NB == 1:
+        out = tl.broadcast_to(x, (HALF_P, BS))
+    else:
+        out = tl.reshape(tl.broadcast_to(x[:, :, None], (HALF_P, NB, BS)), (HALF_P, NB * BS))
+    return out
 
 
 @triton.jit
@@ -89,3 +115,131 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
         k_lo = tl.where(part[None, :], (q_lo * rs[None, :] + rz[None, :]).to(DT), k_lo)
         k_hi = tl.where(part[None, :], (q_hi * rs[None, :] + rz[None, :]).to(DT), k_hi)
     return k_lo, k_hi, ok_n
+
+
+@triton.jit
+def _full_block(i, t, q_lo, q_hi, offs_n, j_hi, b, bt_row, n_blocks, kvh, pool, qparams, dd, ok_lo, ok_hi,
+                H1: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr, S_TOK: tl.constexpr,
+                S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
+                WK: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr, INTERP: tl.constexpr,
+                VDT: tl.constexpr):
+    # block t + i of a group (a full block): its raw scores [M, BS], V halves as exact codes in VDT and its
+    # tokens' V (scale, zero); an id outside the pool reads zeros, as the one-block tiles do
+    HALF_P: tl.constexpr = dd.shape[0]
+    bb = tl.load(bt_row + t + i)
+    ok_b = ((t + i) * BS < j_hi) & (bb >= 0) & (bb < n_blocks)
+    bb = tl.where(ok_b, bb, 0).to(tl.int64)
+    base = bb * S_BLK + offs_n * S_TOK + kvh * S_HEAD  # [BS]
+    ok_n = tl.where(ok_b, offs_n, BS) < BS  # [BS]: every key of a valid block
+    raw = tl.load(pool + base[None, :] + dd[:, None], mask=ok_n[None, :] & ok_lo[:, None], other=0)
+    pb = bb * P_BLK + kvh * P_HEAD
+    ok_d = tl.where(ok_b, dd, -1) >= 0  # [HALF_P]
+    s_lo, z_lo = _pairs(qparams, pb + (dd // WK) * P_TOK + 2 + dd % WK, ok_d & ok_lo)
+    s_hi, z_hi = _pairs(qparams, pb + ((H1 + dd) // WK) * P_TOK + 2 + (H1 + dd) % WK, ok_d & ok_hi)
+    s_lo = tl.broadcast_to(s_lo[:, None], (HALF_P, BS))
+    z_lo = tl.broadcast_to(z_lo[:, None], (HALF_P, BS))
+    s_hi = tl.broadcast_to(s_hi[:, None], (HALF_P, BS))
+    z_hi = tl.broadcast_to(z_hi[:, None], (HALF_P, BS))
+    if PACKED:
+        k_lo, k_hi = u4_fma(raw, s_lo, s_hi, z_lo, z_hi)
+    else:
+        if q_lo.dtype == tl.float16:
+            MATH: tl.constexpr = tl.float16
+        else:
+            MATH: tl.constexpr = tl.float32
+        k_lo = ((raw & 15).to(MATH) * s_lo.to(MATH) + z_lo.to(MATH)).to(q_lo.dtype)
+        k_hi = ((raw >> 4).to(MATH) * s_hi.to(MATH) + z_hi.to(MATH)).to(q_lo.dtype)
+    s = tl.dot(q_lo, k_lo, input_precision=PRECISION)
+    s = tl.dot(q_hi, k_hi, acc=s, input_precision=PRECISION)
+    v_off = (base + S_KV)[:, None] + dd[None, :]
+    v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, None] & ok_lo[None, :], ok_n[:, None] & ok_hi[None, :], H1, 3, VDT,
+                          False, INTERP, False)
+    vs, vz = _load_params(qparams, pb + offs_n * P_TOK, ok_n)
+    return s, v_lo, v_hi, vs, vz
+
+
+@triton.jit
+def _softcapped(s, qk_scale, SOFTCAP: tl.constexpr):
+    # softcap * tanh(x) in base 2, as the attention kernel's tiles
+    return (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
+
+
+@triton.jit
+def block_group_tile(
+    t, m_i, l_i, acc_lo, acc_hi, zacc, a_sc, q_lo, q_hi, qk_scale, pool, qparams, bt_row, b, kvh, j_hi, n_blocks,
+    offs_n, dd, ok_lo, ok_hi,
+    SOFTCAP: tl.constexpr, H1: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
+    S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
+    WK: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr, INTERP: tl.constexpr,
+):
+    """``GROUP`` (2 or 4) full blocks ``t .. t + GROUP - 1`` of an int4b decode tile (one block per tile index, every
+    key visible to every row: the unmasked range below the sequence's last full block) in one online-softmax step:
+    each block's keys dequantized with its channels' (scale, zero), its own QK^T dot, then one running maximum,
+    one rescale of the accumulators and one V unit (the group's largest V scale) for the group, as ``_tile`` does
+    for one tile of V folded per token. Returns (m_i, l_i, acc_lo, acc_hi, zacc, a_sc)."""
+    tl.static_assert(GROUP == 2 or GROUP == 4, "block_group_tile: groups of 2 or 4 blocks")
+    if q_lo.dtype == tl.float32:
+        VDT: tl.constexpr = tl.float32
+    else:
+        VDT: tl.constexpr = tl.float16
+    s0, v0_lo, v0_hi, vs0, vz0 = _full_block(0, t, q_lo, q_hi, offs_n, j_hi, b, bt_row, n_blocks, kvh, pool, qparams,
+                                             dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_TOK,
+                                             P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
+    s1, v1_lo, v1_hi, vs1, vz1 = _full_block(1, t, q_lo, q_hi, offs_n, j_hi, b, bt_row, n_blocks, kvh, pool, qparams,
+                                             dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_TOK,
+                                             P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
+    if SOFTCAP > 0:
+        s0 = _softcapped(s0, qk_scale, SOFTCAP)
+        s1 = _softcapped(s1, qk_scale, SOFTCAP)
+        row = tl.full([], 1.0, tl.float32)
+    else:
+        row = qk_scale
+    mx = tl.maximum(tl.max(s0, 1), tl.max(s1, 1))
+    vs_max = tl.maximum(tl.max(vs0, 0), tl.max(vs1, 0))
+    if GROUP == 4:
+        s2, v2_lo, v2_hi, vs2, vz2 = _full_block(2, t, q_lo, q_hi, offs_n, j_hi, b, bt_row, n_blocks, kvh, pool,
+                                                 qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK,
+                                                 P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
+        s3, v3_lo, v3_hi, vs3, vz3 = _full_block(3, t, q_lo, q_hi, offs_n, j_hi, b, bt_row, n_blocks, kvh, pool,
+                                                 qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK,
+                                                 P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
+        if SOFTCAP > 0:
+            s2 = _softcapped(s2, qk_scale, SOFTCAP)
+            s3 = _softcapped(s3, qk_scale, SOFTCAP)
+        mx = tl.maximum(mx, tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
+        vs_max = tl.maximum(vs_max, tl.maximum(tl.max(vs2, 0), tl.max(vs3, 0)))
+    # the scores' maxima times the score scale (> 0) are the scaled scores' maxima (as _tile's LATE form)
+    m_new = tl.maximum(m_i, mx * row)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p0 = tl.exp2(s0 * row - m_safe[:, None])
+    p1 = tl.exp2(s1 * row - m_safe[:, None])
+    l_sum = tl.sum(p0, 1) + tl.sum(p1, 1)
+    z_sum = tl.sum(p0 * vz0[None, :], 1) + tl.sum(p1 * vz1[None, :], 1)
+    if GROUP == 4:
+        p2 = tl.exp2(s2 * row - m_safe[:, None])
+        p3 = tl.exp2(s3 * row - m_safe[:, None])
+        l_sum += tl.sum(p2, 1) + tl.sum(p3, 1)
+        z_sum += tl.sum(p2 * vz2[None, :], 1) + tl.sum(p3 * vz3[None, :], 1)
+    l_i = l_i * alpha + l_sum
+    # V folded per token with the group's largest scale as the unit (_tile's V_FOLD form)
+    vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, a_sc)
+    up = tl.where(vs_max < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+    rcp = 1.0 / (vs_max * up)
+    unit = up * (PV_RANGE * rcp)
+    f = alpha * tl.minimum((a_sc * rcp) * up, 3.0e38)
+    pv = (p0 * (vs0 * unit)[None, :]).to(VDT)
+    acc_lo = tl.dot(pv, v0_lo, acc=acc_lo * f[:, None], input_precision=PRECISION)
+    acc_hi = tl.dot(pv, v0_hi, acc=acc_hi * f[:, None], input_precision=PRECISION)
+    pv = (p1 * (vs1 * unit)[None, :]).to(VDT)
+    acc_lo = tl.dot(pv, v1_lo, acc=acc_lo, input_precision=PRECISION)
+    acc_hi = tl.dot(pv, v1_hi, acc=acc_hi, input_precision=PRECISION)
+    if GROUP == 4:
+        pv = (p2 * (vs2 * unit)[None, :]).to(VDT)
+        acc_lo = tl.dot(pv, v2_lo, acc=acc_lo, input_precision=PRECISION)
+        acc_hi = tl.dot(pv, v2_hi, acc=acc_hi, input_precision=PRECISION)
+        pv = (p3 * (vs3 * unit)[None, :]).to(VDT)
+        acc_lo = tl.dot(pv, v3_lo, acc=acc_lo, input_precision=PRECISION)
+        acc_hi = tl.dot(pv, v3_hi, acc=acc_hi, input_precision=PRECISION)
+    zacc = zacc * alpha + z_sum
+    return m_new, l_i, acc_lo, acc_hi, zacc, vs_max

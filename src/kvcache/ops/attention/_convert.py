@@ -112,6 +112,40 @@ def u4_to(raw, DT: tl.constexpr):
     return lo, hi
 
 
+# int4b decode tiles: exact codes (as u4_to), then ``c * s + z`` per pair with each channel's float16 (scale, zero),
+# one packed fma (one rounding); operands after the byte rows: low-half scale pairs, high-half scale pairs, then zeros
+_U4_FMA_F16 = tl.constexpr("""{
+.reg .b32 t, u, m, k, a0, a1, a2, a3;
+mov.b32 m, 0x64646464;
+mov.b32 k, 0x64006400;
+and.b32 t, $4, 0x0F0F0F0F;
+shr.b32 u, $4, 4;
+and.b32 u, u, 0x0F0F0F0F;
+prmt.b32 a0, t, m, 0x5140;
+prmt.b32 a1, t, m, 0x5342;
+prmt.b32 a2, u, m, 0x5140;
+prmt.b32 a3, u, m, 0x5342;
+sub.f16x2 a0, a0, k;
+sub.f16x2 a1, a1, k;
+sub.f16x2 a2, a2, k;
+sub.f16x2 a3, a3, k;
+fma.rn.f16x2 $0, a0, $5, $9;
+fma.rn.f16x2 $1, a1, $6, $10;
+fma.rn.f16x2 $2, a2, $7, $11;
+fma.rn.f16x2 $3, a3, $8, $12;
+}""")
+
+
+@triton.jit
+def u4_fma(raw, s_lo, s_hi, z_lo, z_hi):
+    """int4 byte rows (uint8 tensor) and float16 (scale, zero) of the same shape for the low and the high nibbles ->
+    float16 (``lo * s_lo + z_lo``, ``hi * s_hi + z_hi``), one rounding each, compiled form (declared impure, as
+    :func:`u4_to`, so that it runs in the load's register layout)."""
+    lo, hi = tl.inline_asm_elementwise(_U4_FMA_F16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [raw, s_lo, s_hi, z_lo, z_hi],
+                                       dtype=(tl.float16, tl.float16), is_pure=False, pack=4)
+    return lo, hi
+
+
 # ---- decode tiles: int8 codes as float16 magic numbers, the offset left in (the kernel removes it after the dots) ----
 MAGIC = tl.constexpr(1024.0)
 _U8_F16_MAGIC = tl.constexpr("{\n.reg .b32 m;\nmov.b32 m, 0x64646464;\nprmt.b32 $0, $2, m, 0x5140;\n"

@@ -45,6 +45,10 @@ Dequantization happens in registers right after the load:
 * int8 / int4 prefill tiles (many rows share each element): K and V are dequantized per element into the dot's
   dtype, ``codes * scale + zero`` in packed 16-bit fma (:func:`._convert.dequant`: its docstring gives the
   precision), so the scores need no per-score affine.
+* int4b (keys per channel over each full block): keys are dequantized per element with their block's channel
+  pairs (:mod:`._block_keys`), values fold as int4's. Decode tiles of one block per tile index take the full blocks
+  of their unmasked range ``BLOCK_GROUP`` at a time, one online-softmax step per group (``block_group_tile``), and
+  the rest (the last full blocks, the partial block's int8 rows) one by one.
 * A NaN scale or zero (a non-finite (token, head) of the cache) makes every output row that loads it NaN.
 
 Decode tiles may split their keys over the warps (``WARPS_K > 1``, :mod:`._warp_tile`): each warp keeps its own
@@ -69,7 +73,7 @@ import triton
 import triton.language as tl
 
 from ..._backend import kernel
-from ._block_keys import block_key_tile
+from ._block_keys import BLOCK_GROUP, block_group_tile, block_key_tile
 from ._convert import MAGIC, dequant
 from ._epilogue import _add_sink, _store_rows
 from ._loads import LN2, LOG2E, PV_RANGE, _find_tile, _key_rows, _load_kv, _load_params
@@ -448,7 +452,20 @@ def _attention_kernel(
                     offs_n, dd, ok_lo, ok_hi, qdt, SOFTCAP, H1, BLOCK_N, BS, S_BLK, K_HI, V_AT, S_TOK, S_HEAD, P_BLK,
                     P_KV, P_TOK, P_HEAD, QK, QV, WK, LINEAR, HAS_WINDOW, PRECISION, True, V_FOLD, Q_RESCALE, INTERP,
                     q.dtype.element_ty, V_MAGIC)
-        for t in range(tl.maximum(t_begin, tf_lo), tl.minimum(t_end, tf_hi)):
+        u_lo = tl.maximum(t_begin, tf_lo)
+        u_hi = tl.minimum(t_end, tf_hi)
+        if QUANT == 6 and V_FOLD and not LINEAR and BLOCK_N == BS and BLOCK_GROUP > 1:
+            # int4b decode tiles: the full blocks of the unmasked range in groups of BLOCK_GROUP blocks, one softmax
+            # step each; the rest (the last full blocks and the partial one) one block per tile below
+            n_grp = tl.maximum(tl.minimum(u_hi, full_end // BS) - u_lo, 0) // BLOCK_GROUP
+            for i in range(0, n_grp):
+                m_i, l_i, acc_lo, acc_hi, zacc, a_sc = block_group_tile(
+                    u_lo + i * BLOCK_GROUP, m_i, l_i, acc_lo, acc_hi, zacc, a_sc, q_lo, q_hi, qk_scale, pool,
+                    qparams, bt_row, b, kvh, j_hi, n_blocks, offs_n, dd, ok_lo, ok_hi, SOFTCAP, H1, BS, S_BLK, S_KV,
+                    S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, BLOCK_GROUP, PRECISION,
+                    not INTERP and q_lo.dtype == tl.float16, INTERP)
+            u_lo = u_lo + n_grp * BLOCK_GROUP
+        for t in range(u_lo, u_hi):
             m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(
                 t, m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc, q_lo, q_hi, q_sum, q_inv, q_pos, ok_m, qk_scale, pool,
                 qparams, bt_row, b, kvh, j_hi, n_blocks, full_end, table_width, cp_rank, cp_size, window, offs_n,

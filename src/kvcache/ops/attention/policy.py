@@ -59,13 +59,14 @@ DECODE_TILE_LONG = {"int8": (32, 3), "int4": (64, 2), "k8v4": (32, 3)}
 DECODE_TILE_WAVE = {"int8": (32, 5), "k8v4": (32, 5)}
 WAVE_PROGRAMS_PER_SM = 4
 DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5), "k8v4": (32, 5), "fp8k": (32, 5)}
-# int4b (keys dequantized per element with each block's per-channel pairs) takes int4's decode tiles without warp
-# splits, its one-warp tiles with BLOCK_KEYS_TILE (keys, stages) instead of int4's: at block_size 16 one block per
-# tile, whose pairs broadcast over its keys (wider tiles spread each block's pairs by a reshape; measured at block
-# size 16 only). H200, 32 / 8 heads x 128, fp16, HND, 64 x 1k / 16k: (16, 3) 124-161 / 1,235-1,242 us; (32, 3)
-# 173 / 1,625; (32, 4) 195 / 1,674; (64, 2) 359 / 3,694; (16, 2) / (16, 4) / (16, 5) within the noise of (16, 3) at
-# 1k, 2-16% slower at 16k. In the engine's fixed-budget run (16, 3) gives 6,202 tok/s against (32, 3)'s 5,449.
-BLOCK_KEYS_TILE = (16, 3)
+# int4b (keys dequantized per element with each block's per-channel pairs) takes one-warp tiles of BLOCK_KEYS_TILE
+# (keys, stages) wherever one warp holds a decode tile (head_dim 65..128, 16-bit queries, GQA groups up to 16), at
+# every batch size: at block_size 16 one block per tile index, the full blocks taken BLOCK_GROUP at a time
+# (_block_keys). Wider tiles spread each block's pairs over its keys by a reshape: H200, 32 / 8 heads x 128, fp16, HND,
+# 64 x 16k, one block a step: (16, 3) 1,235-1,242 us, (32, 3) 1,625, (64, 2) 3,694. With groups of two, (16, 2) /
+# (16, 3) / (16, 4): 64 x 1k 100 / 126 / 123 us, 64 x 16k 1,032 / 1,134 / 1,159 (fp16; bf16 989 / 1,062 / 1,076).
+# Few programs took int4's 4-warp 128-key tiles before: 4 x 16k ran 404 / 335 us (fp16 / bf16), 200 / 140 now.
+BLOCK_KEYS_TILE = (16, 2)
 LONG_MIN_KV = 4096
 LONG_MIN_PROGRAMS = 2
 LONG_SPLITS = 8
@@ -212,8 +213,8 @@ def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, n
         if long_tiles or few_tiles:
             table = DECODE_TILE_WAVE if wave_tiles else DECODE_TILE_LONG if long_tiles else DECODE_TILE_FEW
             (block_n, stages), warps, warp_split = table[kv_dtype], 1, False
-            if block_keys:
-                block_n, stages = BLOCK_KEYS_TILE
+        if block_keys and one_warp:
+            (block_n, stages), warps, warp_split = BLOCK_KEYS_TILE, 1, False
         elif warps == 1 and (q_bytes > 2 or block_q * g > 16):
             warps, stages = 4, 2  # one warp cannot hold float32 queries' or GQA groups over 16's tiles (spills)
     else:

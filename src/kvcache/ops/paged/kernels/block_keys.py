@@ -102,14 +102,26 @@ def _fp16_pair(lo, hi):
 
 
 @triton.jit
+def _int8_rows(k_lo, k_hi, ok, row_ok, kplane, nplane, kw, kz_w, LIBDEVICE: tl.constexpr):
+    # key rows of a block that stays partial: int8 codes per row, halves in its own and the next block's key plane,
+    # the row's (scale, zero) in its key-area words
+    c_lo, c_hi, ks, kz = _row_codes(k_lo, k_hi, ok, 255.0, LIBDEVICE)
+    tl.store(kplane, c_lo.to(tl.uint8), mask=ok)
+    tl.store(nplane, c_hi.to(tl.uint8), mask=ok)
+    tl.store(kw, ks, mask=row_ok)
+    tl.store(kz_w, kz, mask=row_ok)
+
+
+@triton.jit
 def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0, start, n, g, stride_kn, stride_vn,
                  bt_stride, table_width, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
                  ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                  NUM_BLOCKS: tl.constexpr, WK: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
                  P_TOK: tl.constexpr, P_HEAD: tl.constexpr, STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr, ROWS: tl.constexpr):
     # the rows of sequence b (n rows from position start, input rows q0 ..) that fall in its table's block bi,
-    # heads g * BLOCK_H ..: nothing for an out-of-range block, or a partial block without the next one
+    # heads g * BLOCK_H ..: nothing for an out-of-range block, or a partial block without the next one. ROWS: BS
+    # (the block's slots as one tile), or 1 for a call that writes one row and leaves its block partial (slot o0)
     o0 = tl.maximum(start - bi * BS, 0)
     o1 = tl.minimum(start + n - bi * BS, BS)
     blk = tl.load(block_tables + b * bt_stride + bi, mask=bi < table_width, other=-1).to(tl.int64)
@@ -121,7 +133,10 @@ def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0,
     P_BLK: tl.constexpr = BS * H * (2 + WK)
     if (o0 < o1) & (blk >= 0) & (blk < NUM_BLOCKS) & (((o0 == 0) & fills) | has_nxt):
         nxt = tl.where(has_nxt, nxt, 0)
-        tt = tl.arange(0, BS)[:, None, None]
+        if ROWS == 1:
+            tt = o0 + tl.zeros([1, 1, 1], tl.int64)
+        else:
+            tt = tl.arange(0, BS)[:, None, None]
         hh = (g * BLOCK_H + tl.arange(0, BLOCK_H))[None, :, None]
         dd = tl.arange(0, BLOCK_D2)[None, None, :]
         hm = hh < H
@@ -151,7 +166,9 @@ def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0,
         pk = qparams + blk * P_BLK + hh * P_HEAD
         kw = pk + _area(2 * tt, WK, P_TOK)
         kz_w = pk + _area(2 * tt + 1, WK, P_TOK)  # the next slot's when WK is odd
-        if fills:
+        if ROWS == 1:
+            _int8_rows(k_lo, k_hi, ok & new, hm & new, kplane, nplane, kw, kz_w, LIBDEVICE)
+        elif fills:
             old = (tt < o0) & ok
             q_lo = tl.load(kplane, mask=old, other=0).to(tl.float32)
             q_hi = tl.load(nplane, mask=old, other=0).to(tl.float32)
@@ -170,11 +187,7 @@ def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0,
             tl.store(pw + _area(dd, WK, P_TOK), w_lo, mask=ok)
             tl.store(pw + _area(HALF + dd, WK, P_TOK), w_hi, mask=ok)
         else:
-            c_lo, c_hi, ks, kz = _row_codes(k_lo, k_hi, ok & new, 255.0, LIBDEVICE)
-            tl.store(kplane, c_lo.to(tl.uint8), mask=ok & new)
-            tl.store(nplane, c_hi.to(tl.uint8), mask=ok & new)
-            tl.store(kw, ks, mask=hm & new)
-            tl.store(kz_w, kz, mask=hm & new)
+            _int8_rows(k_lo, k_hi, ok & new, hm & new, kplane, nplane, kw, kz_w, LIBDEVICE)
 
 
 @kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "seq0", "n_progs"))
@@ -206,14 +219,20 @@ def _int4b_append_kernel(
     first = start // BS
     n_blk = tl.where(n > 0, (start + n - 1) // BS - first + 1, 0)  # blocks the call's rows touch
     if c == 0:
-        _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
-                     stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS, WK,
-                     S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE)
+        if (n == 1) & ((start + 1) % BS != 0):
+            # a decode row that leaves its block partial: that slot's row only (an int8 key row, an int4 value row)
+            _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
+                         stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS,
+                         WK, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE, 1)
+        else:
+            _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
+                         stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS,
+                         WK, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE, BS)
         tl.debug_barrier()  # the first block's reads of the second's key plane end before any thread writes it
     for s in range(1 + c, n_blk, n_progs):
         _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, first + s, q0, start, n, g, stride_kn,
                      stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS, WK,
-                     S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE)
+                     S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE, BS)
 
 
 @kernel(ints=("sk_b", "sk_h", "sk_s", "sv_b", "sv_h", "sv_s", "bt_stride", "table_width", "s_out"))
