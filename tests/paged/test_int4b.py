@@ -399,30 +399,62 @@ def test_attention_drops_partial_keys_whose_next_block_is_past_the_table_as_the_
     assert not torch.allclose(full, ref)  # the partial block's keys do count when they can be read
 
 
-@pytest.mark.parametrize("dtype,opts", [(torch.float16, {}), (torch.bfloat16, {"softcap": 5.0}),
-                                        (torch.float16, {"num_splits": 3}), (torch.bfloat16, {"window": 40})])
-def test_decode_over_many_full_blocks_equals_the_torch_path_within_four_ulps(dtype, opts):
+@pytest.mark.parametrize("dtype,opts,case", [
+    (torch.float16, {}, "rows"), (torch.float16, {}, "hole"), (torch.bfloat16, {"softcap": 5.0}, ""),
+    (torch.float16, {"num_splits": 3}, ""), (torch.bfloat16, {"window": 40}, ""), (torch.bfloat16, {}, "tiny")])
+def test_decode_over_many_full_blocks_equals_the_torch_path_within_four_ulps(dtype, opts, case):
     # head_dim 128, GQA 4, 16-bit queries, block 16: one-warp decode tiles of one block per tile index, whose full
     # blocks the kernel takes two at a time (one online-softmax step a pair), the rest one by one: sequences with an
-    # odd and an even number of full blocks, none, and partial last blocks of 1, 5 and 15 keys
-    h, hq, d, bs, nb = 2, 8, 128, 16, 40
+    # odd and an even number of full blocks, none, a length of whole blocks, and partial last blocks. "rows": a
+    # sequence decoding 3 rows (causal inside the tile); "hole": a block id outside the pool among a sequence's full
+    # blocks (its keys dropped, as the torch path drops them); "tiny": bfloat16 values of 1e-36 (V scales far below
+    # 2^-64)
+    h, hq, d, bs, nb = 2, 8, 128, 16, 48
     cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=h, head_dim=d, block_size=bs, num_blocks=nb,
                                      dtype=dtype, kv_dtype="int4b", layout="HND", device="cpu"))
     g = torch.Generator().manual_seed(11)
-    tables = torch.randperm(nb, generator=g)[:36].view(4, 9).to(torch.int32)
-    lens = [7 * bs + 4, 4 * bs, 3 * bs - 2, 9]
+    tables = torch.randperm(nb, generator=g)[:45].view(5, 9).to(torch.int32)
+    lens = [7 * bs + 4, 4 * bs - 1, 3 * bs - 2, 9, 6 * bs]
+    vmul = 1e-36 if case == "tiny" else 1.0
+    kmul = 0.01 if case == "hole" else 1.0  # scores near 0: a block of zero keys would weigh as much as any
     n = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    plan = cache.plan(tables, cu, torch.zeros(4, dtype=torch.int32))
-    cache.append(0, (torch.randn(n, h, d, generator=g) * torch.linspace(0.3, 6, d)).to(dtype),
-                 torch.randn(n, h, d, generator=g).to(dtype), plan)
-    plan = cache.plan(tables, torch.arange(5, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), **opts)
-    cache.append(0, (torch.randn(4, h, d, generator=g) * 3).to(dtype), torch.randn(4, h, d, generator=g).to(dtype),
-                 plan)
-    q = torch.randn(4, hq, d, generator=g).to(dtype)
+    plan = cache.plan(tables, cu, torch.zeros(5, dtype=torch.int32))
+    cache.append(0, (torch.randn(n, h, d, generator=g) * torch.linspace(0.3, 6, d) * kmul).to(dtype),
+                 (torch.randn(n, h, d, generator=g) * vmul).to(dtype), plan)
+    rows = [1, 3, 1, 1, 1] if case == "rows" else [1] * 5
+    if case == "hole":
+        tables[0, 1] = -1
+    cu = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+    plan = cache.plan(tables, cu, torch.tensor(lens, dtype=torch.int32), **opts)
+    m = sum(rows)
+    k, v = torch.randn(m, h, d, generator=g) * 3 * kmul, torch.randn(m, h, d, generator=g) * vmul
+    cache.append(0, k.to(dtype), v.to(dtype), plan)
+    q = torch.randn(m, hq, d, generator=g).to(dtype)
     ref = cache.attention(0, q, plan).float()
     with force_interpreter():
         got = cache.attention(0, q, plan).float()
+    assert torch.isfinite(ref).all()
     bits = 7 if dtype == torch.bfloat16 else 10
     ulp = 2.0 ** (math.floor(math.log2(ref.abs().max().item())) - bits)
     assert (got - ref).abs().max().item() <= 4 * ulp
+
+
+def test_a_decode_row_whose_next_block_is_missing_is_written_as_the_torch_path_writes_it():
+    # the one-row append of a block that stays partial: with the next block in the table, and without it (the row
+    # is not written, by either path)
+    out = []
+    for interpret in (False, True):
+        cache = _cache("HND")
+        k, v = _keys(BS + 5, seed=3)
+        _append(cache, [3, 1, 4], 0, k[:BS + 3], v[:BS + 3])
+        for table, start in (([3, 1], BS + 3), ([3, 1, -1], BS + 4), ([3, 1, 4], BS + 4)):
+            plan = cache.plan(torch.tensor([table], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                              torch.tensor([start], dtype=torch.int32))
+            if interpret:
+                with force_interpreter():
+                    cache.append(0, k[start:start + 1], v[start:start + 1], plan)
+            else:
+                cache.append(0, k[start:start + 1], v[start:start + 1], plan)
+        out.append((cache.pool(0).clone(), cache.params(0).view(torch.int32).clone()))
+    assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])

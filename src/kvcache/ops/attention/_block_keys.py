@@ -24,9 +24,9 @@ from ._convert import u4_fma
 from ._loads import LOG2E, PV_RANGE, _load_kv, _load_params
 
 # Full blocks per online-softmax step of int4b's one-block decode tiles (block_group_tile). H200, 32 / 8 heads x 128,
-# HND, 16-key tiles of two stages, fp16 / bf16 queries: 64 x 16k 1,003 / 859 us with 2, 990 / 1,035 with 4; 256 x 2k
-# 500 / 480 with 2, 560 / 652 with 4 (a group of 4 holds 31 KB of shared memory a program against 18 KB); one block a
-# step (three stages) ran 1,239 / 1,261 and 615 / 726.
+# HND, 16-key tiles of two stages, fp16 / bf16 queries, one run: 64 x 16k 1,003 / 859 us in pairs, 990 / 1,035 in
+# fours; 256 x 2k 500 / 480 in pairs, 560 / 652 in fours (a group of four holds 31 KB of shared memory a program, a
+# pair 18 KB). One block a step measured 1,239 / 1,261 at 64 x 16k (BENCHMARKS.md has the current figures).
 BLOCK_GROUP = tl.constexpr(2)
 
 
@@ -118,13 +118,13 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
 
 
 @triton.jit
-def _full_block(i, t, q_lo, q_hi, offs_n, j_hi, b, bt_row, n_blocks, kvh, pool, qparams, dd, ok_lo, ok_hi,
+def _full_block(i, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qparams, dd, ok_lo, ok_hi,
                 H1: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr, S_TOK: tl.constexpr,
                 S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
                 WK: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr, INTERP: tl.constexpr,
                 VDT: tl.constexpr):
-    # block t + i of a group (a full block): its raw scores [M, BS], V halves as exact codes in VDT and its
-    # tokens' V (scale, zero); an id outside the pool reads zeros, as the one-block tiles do
+    # block t + i of a group (a full block): its raw scores [M, BS], V halves as exact codes in VDT, its tokens' V
+    # (scale, zero) and whether its keys exist (a block id outside the pool reads zeros: the caller drops its keys)
     HALF_P: tl.constexpr = dd.shape[0]
     bb = tl.load(bt_row + t + i)
     ok_b = ((t + i) * BS < j_hi) & (bb >= 0) & (bb < n_blocks)
@@ -155,7 +155,7 @@ def _full_block(i, t, q_lo, q_hi, offs_n, j_hi, b, bt_row, n_blocks, kvh, pool, 
     v_lo, v_hi = _load_kv(pool, v_off, ok_n[:, None] & ok_lo[None, :], ok_n[:, None] & ok_hi[None, :], H1, 3, VDT,
                           False, INTERP, False)
     vs, vz = _load_params(qparams, pb + offs_n * P_TOK, ok_n)
-    return s, v_lo, v_hi, vs, vz
+    return s, v_lo, v_hi, vs, vz, ok_n
 
 
 @triton.jit
@@ -166,7 +166,7 @@ def _softcapped(s, qk_scale, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def block_group_tile(
-    t, m_i, l_i, acc_lo, acc_hi, zacc, a_sc, q_lo, q_hi, qk_scale, pool, qparams, bt_row, b, kvh, j_hi, n_blocks,
+    t, m_i, l_i, acc_lo, acc_hi, zacc, a_sc, q_lo, q_hi, qk_scale, pool, qparams, bt_row, kvh, j_hi, n_blocks,
     offs_n, dd, ok_lo, ok_hi,
     SOFTCAP: tl.constexpr, H1: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
@@ -182,30 +182,35 @@ def block_group_tile(
         VDT: tl.constexpr = tl.float32
     else:
         VDT: tl.constexpr = tl.float16
-    s0, v0_lo, v0_hi, vs0, vz0 = _full_block(0, t, q_lo, q_hi, offs_n, j_hi, b, bt_row, n_blocks, kvh, pool, qparams,
-                                             dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_TOK,
-                                             P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
-    s1, v1_lo, v1_hi, vs1, vz1 = _full_block(1, t, q_lo, q_hi, offs_n, j_hi, b, bt_row, n_blocks, kvh, pool, qparams,
-                                             dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK, P_TOK,
-                                             P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
+    s0, v0_lo, v0_hi, vs0, vz0, ok0 = _full_block(
+        0, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV,
+        S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
+    s1, v1_lo, v1_hi, vs1, vz1, ok1 = _full_block(
+        1, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV,
+        S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
     if SOFTCAP > 0:
         s0 = _softcapped(s0, qk_scale, SOFTCAP)
         s1 = _softcapped(s1, qk_scale, SOFTCAP)
         row = tl.full([], 1.0, tl.float32)
     else:
         row = qk_scale
+    # keys of a block id outside the pool take no weight, as the torch path drops them
+    s0 = tl.where(ok0[None, :], s0, float("-inf"))
+    s1 = tl.where(ok1[None, :], s1, float("-inf"))
     mx = tl.maximum(tl.max(s0, 1), tl.max(s1, 1))
     vs_max = tl.maximum(tl.max(vs0, 0), tl.max(vs1, 0))
     if GROUP == 4:
-        s2, v2_lo, v2_hi, vs2, vz2 = _full_block(2, t, q_lo, q_hi, offs_n, j_hi, b, bt_row, n_blocks, kvh, pool,
-                                                 qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK,
-                                                 P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
-        s3, v3_lo, v3_hi, vs3, vz3 = _full_block(3, t, q_lo, q_hi, offs_n, j_hi, b, bt_row, n_blocks, kvh, pool,
-                                                 qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV, S_TOK, S_HEAD, P_BLK,
-                                                 P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
+        s2, v2_lo, v2_hi, vs2, vz2, ok2 = _full_block(
+            2, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK,
+            S_KV, S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
+        s3, v3_lo, v3_hi, vs3, vz3, ok3 = _full_block(
+            3, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK,
+            S_KV, S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
         if SOFTCAP > 0:
             s2 = _softcapped(s2, qk_scale, SOFTCAP)
             s3 = _softcapped(s3, qk_scale, SOFTCAP)
+        s2 = tl.where(ok2[None, :], s2, float("-inf"))
+        s3 = tl.where(ok3[None, :], s3, float("-inf"))
         mx = tl.maximum(mx, tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
         vs_max = tl.maximum(vs_max, tl.maximum(tl.max(vs2, 0), tl.max(vs3, 0)))
     # the scores' maxima times the score scale (> 0) are the scaled scores' maxima (as _tile's LATE form)
@@ -226,19 +231,19 @@ def block_group_tile(
     vs_max = tl.where((vs_max > 0.0) & (vs_max < float("inf")), vs_max, a_sc)
     up = tl.where(vs_max < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
     rcp = 1.0 / (vs_max * up)
-    unit = up * (PV_RANGE * rcp)
+    unit = PV_RANGE * rcp  # the P operand (vs * up) * unit stays <= R: R / vs_max alone overflows below 2^-113
     f = alpha * tl.minimum((a_sc * rcp) * up, 3.0e38)
-    pv = (p0 * (vs0 * unit)[None, :]).to(VDT)
+    pv = (p0 * ((vs0 * up) * unit)[None, :]).to(VDT)
     acc_lo = tl.dot(pv, v0_lo, acc=acc_lo * f[:, None], input_precision=PRECISION)
     acc_hi = tl.dot(pv, v0_hi, acc=acc_hi * f[:, None], input_precision=PRECISION)
-    pv = (p1 * (vs1 * unit)[None, :]).to(VDT)
+    pv = (p1 * ((vs1 * up) * unit)[None, :]).to(VDT)
     acc_lo = tl.dot(pv, v1_lo, acc=acc_lo, input_precision=PRECISION)
     acc_hi = tl.dot(pv, v1_hi, acc=acc_hi, input_precision=PRECISION)
     if GROUP == 4:
-        pv = (p2 * (vs2 * unit)[None, :]).to(VDT)
+        pv = (p2 * ((vs2 * up) * unit)[None, :]).to(VDT)
         acc_lo = tl.dot(pv, v2_lo, acc=acc_lo, input_precision=PRECISION)
         acc_hi = tl.dot(pv, v2_hi, acc=acc_hi, input_precision=PRECISION)
-        pv = (p3 * (vs3 * unit)[None, :]).to(VDT)
+        pv = (p3 * ((vs3 * up) * unit)[None, :]).to(VDT)
         acc_lo = tl.dot(pv, v3_lo, acc=acc_lo, input_precision=PRECISION)
         acc_hi = tl.dot(pv, v3_hi, acc=acc_hi, input_precision=PRECISION)
     zacc = zacc * alpha + z_sum

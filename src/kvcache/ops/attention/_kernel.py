@@ -461,7 +461,7 @@ def _attention_kernel(
             for i in range(0, n_grp):
                 m_i, l_i, acc_lo, acc_hi, zacc, a_sc = block_group_tile(
                     u_lo + i * BLOCK_GROUP, m_i, l_i, acc_lo, acc_hi, zacc, a_sc, q_lo, q_hi, qk_scale, pool,
-                    qparams, bt_row, b, kvh, j_hi, n_blocks, offs_n, dd, ok_lo, ok_hi, SOFTCAP, H1, BS, S_BLK, S_KV,
+                    qparams, bt_row, kvh, j_hi, n_blocks, offs_n, dd, ok_lo, ok_hi, SOFTCAP, H1, BS, S_BLK, S_KV,
                     S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, BLOCK_GROUP, PRECISION,
                     not INTERP and q_lo.dtype == tl.float16, INTERP)
             u_lo = u_lo + n_grp * BLOCK_GROUP

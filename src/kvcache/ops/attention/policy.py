@@ -63,9 +63,9 @@ DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5), "k8v4": (32
 # (keys, stages) wherever one warp holds a decode tile (head_dim 65..128, 16-bit queries, GQA groups up to 16), at
 # every batch size: at block_size 16 one block per tile index, the full blocks taken BLOCK_GROUP at a time
 # (_block_keys). Wider tiles spread each block's pairs over its keys by a reshape: H200, 32 / 8 heads x 128, fp16, HND,
-# 64 x 16k, one block a step: (16, 3) 1,235-1,242 us, (32, 3) 1,625, (64, 2) 3,694. With groups of two, (16, 2) /
-# (16, 3) / (16, 4): 64 x 1k 100 / 126 / 123 us, 64 x 16k 1,032 / 1,134 / 1,159 (fp16; bf16 989 / 1,062 / 1,076).
-# Few programs took int4's 4-warp 128-key tiles before: 4 x 16k ran 404 / 335 us (fp16 / bf16), 200 / 140 now.
+# 64 x 16k, one block a step: (16, 3) 1,235-1,242 us, (32, 3) 1,625, (64, 2) 3,694; int4's 4-warp 128-key tiles at
+# 4 x 16k 404 / 335 us (fp16 / bf16). In pairs, one run: (16, 2) / (16, 3) / (16, 4) 64 x 1k 100 / 126 / 123 us,
+# 64 x 16k 1,032 / 1,134 / 1,159 (bf16 989 / 1,062 / 1,076). BENCHMARKS.md has the current figures.
 BLOCK_KEYS_TILE = (16, 2)
 LONG_MIN_KV = 4096
 LONG_MIN_PROGRAMS = 2
