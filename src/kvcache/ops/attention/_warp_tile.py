@@ -5,7 +5,7 @@ states are merged once, after the KV loop, by log-sum-exp (:func:`_merge_warps`)
 
 Tensors carry a leading warp dimension: scores ``[W, M, BLOCK_N / W]``, accumulators ``[W, M, HALF_P]``, row
 state ``[W, M]``; the dots are batched over it (the batch dimension of a 3-D ``tl.dot`` is spread over the warps).
-int8 / int4 caches only: numerics are those of the decode tiles of :func:`._kernel._tile` (codes in the dots,
+int8 / int4 caches only: numerics are those of the decode tiles of :func:`._tile._tile` (codes in the dots,
 the same scores and masks, the V fold over each warp's keys).
 """
 
