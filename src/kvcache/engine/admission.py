@@ -14,9 +14,9 @@ copies (:mod:`kvcache.paged.tiers`), which delays a request's finish by the step
 ``ratio`` starts at 1.0: with no evidence every request may use its whole budget, and nothing the scheduler admits
 is preempted while requests run to ``max_tokens`` (TensorRT-LLM's guaranteed-no-evict). It then follows the finished
 requests: an exponential average (weight 1/8) of ``num_generated / max_tokens``, so requests that stop early (EOS, a
-stop string) let more of them in, the way SGLang's new-token ratio does. A preemption shows the estimate ran short: ``ratio`` moves halfway back to 1.0.
-It never drops below 0.05. ``LLM(decode_reserve=r)`` fixes it instead: 1.0 never preempts, 0.0 reserves nothing (a
-request is admitted while its next chunk fits: vLLM's policy).
+stop string) let more of them in, the way SGLang's new-token ratio does. A preemption shows the estimate ran short:
+``ratio`` moves halfway back to 1.0. It never drops below 0.05. ``LLM(decode_reserve=r)`` fixes it instead: 1.0
+never preempts, 0.0 reserves nothing (a request is admitted while its next chunk fits: vLLM's policy).
 
 A preempted request is recomputed from its tokens (prompt and generated), a prefill of everything it held. Admitting
 by the pool's free blocks alone (``decode_reserve=0``) refills the pool with the prompts of new requests

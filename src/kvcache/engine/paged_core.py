@@ -21,14 +21,14 @@ from __future__ import annotations
 import torch
 
 from .._validate import cdiv
-from ..paged import BlockAllocator, PagedConfig, PagedKVCache, cache_block_bytes
 from ..ops.paged.format import kv_format
+from ..paged import BlockAllocator, PagedConfig, PagedKVCache, cache_block_bytes
 from ..paged.events import KVEventLog
+from ..paged.groups import LayerGroup, layer_groups, split_blocks
 from ..paged.tiers import TieredCache, TierStats, tiers_block_bytes, weights_identity
+from ..support import model_windows
 from .config import EngineConfig, check_config
 from .core import EngineStats, FinishReason, Progress
-from ..paged.groups import LayerGroup, layer_groups, split_blocks
-from ..support import model_windows
 from .model import LlamaForward
 from .paged_loop import PagedLoop
 from .paged_runner import PagedRunner

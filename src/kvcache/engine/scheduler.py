@@ -38,8 +38,8 @@ from collections.abc import Sequence as Seq
 from .._validate import cdiv
 from ..ops.paged.block_keys import blocks_for_tokens
 from ..paged import BlockAllocator
-from ..paged.tiers import TieredCache
 from ..paged.groups import first_live_block, match_groups, peak_blocks
+from ..paged.tiers import TieredCache
 from .admission import DecodeReserve
 from .sequence import ScheduledBatch, Sequence, SequenceStatus
 

@@ -22,8 +22,8 @@ from transformers.cache_utils import Cache
 
 from .._validate import cdiv
 from ..ops.paged.block_keys import blocks_for_tokens
-from ..paged import BlockAllocator, PagedConfig, PagedKVCache, StepPlan
 from ..ops.paged.format import kv_format
+from ..paged import BlockAllocator, PagedConfig, PagedKVCache, StepPlan
 from ..paged.config import KV_FORMATS, LAYOUTS
 from ..support import check_supported, layer_window
 from ._common import CacheCapacity, LayerView, ModelShape, tokens_to_keep

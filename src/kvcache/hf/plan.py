@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from .._validate import cdiv
-from ..paged.groups import blocks_per_seq, layer_groups
-from ..support import model_windows
 from ..ops.paged.format import KV_FORMATS, kv_format
 from ..paged import cache_block_bytes
+from ..paged.groups import blocks_per_seq, layer_groups
+from ..support import model_windows
 from ._common import ModelShape
 
 __all__ = ["PlanRow", "parse_memory", "load_model_config", "plan", "describe_windows"]
