@@ -41,7 +41,7 @@ def correctness(layouts=("NHD", "HND")):
             perm = torch.randperm(nb, generator=g)
             tables = perm[:2 * 12].reshape(2, 12).to(torch.int32)
             lens = [0, 0]
-            for step in ([37, 50], [1, 1], [1, 1], [1, 1], [20, 1], [12, 14], [1, 1]):
+            for step in ([37, 46], [1, 1], [1, 1], [1, 1], [20, 1], [12, 14], [1, 1]):
                 n = sum(step)
                 cu = torch.tensor([0, step[0], n], dtype=torch.int32)
                 kvl = torch.tensor(lens, dtype=torch.int32)

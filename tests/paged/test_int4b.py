@@ -263,6 +263,35 @@ def test_the_triton_append_of_a_skewed_batch_with_a_wrong_decode_hint_writes_the
     assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])
 
 
+def test_a_batch_of_as_many_rows_as_sequences_in_any_split_writes_the_bytes_of_the_torch_path():
+    # rows == sequences takes the decode launches (one-row sequences that stay partial, then the rest): a sequence of
+    # two rows over a block boundary, one without rows, one row that fills its block, one that leaves it partial, and
+    # one at a block's first slot
+    rows, starts = [2, 0, 1, 1, 1], [BS - 1, 4, BS - 1, 5, BS]
+    tables = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12], [13, 14, 15]], dtype=torch.int32)
+    out = []
+    for interpret in (False, True):
+        cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=16,
+                                         dtype=torch.float32, kv_dtype="int4b", device="cpu"))
+        g = torch.Generator().manual_seed(5)
+        first = torch.randn(BS, H, D, generator=g)
+        for b, st in enumerate(starts):
+            pre = cache.plan(tables[b: b + 1], torch.tensor([0, st], dtype=torch.int32),
+                             torch.zeros(1, dtype=torch.int32))
+            cache.append(0, first[:st], first[:st], pre)
+        k, v = _keys(sum(rows), seed=13)
+        cu = torch.tensor([0] + rows, dtype=torch.int32).cumsum(0).to(torch.int32)
+        plan = cache.plan(tables, cu, torch.tensor(starts, dtype=torch.int32))
+        if interpret:
+            with force_interpreter():
+                cache.append(0, k, v, plan)
+        else:
+            cache.append(0, k, v, plan)
+        out.append((cache.pool(0).clone(), cache.params(0).view(torch.int32).clone()))
+    assert out[0][0].any()
+    assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])
+
+
 def test_an_odd_number_of_key_area_words_per_slot_puts_a_rows_zero_in_the_next_slot_in_every_path():
     # head_dim 80, block 16: 5 words per slot, so row 2's (scale, zero) are words 4 (slot 0) and 5 (slot 1)
     out = []

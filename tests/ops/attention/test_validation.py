@@ -192,15 +192,17 @@ def test_plan_long_context_one_warp_tiles():
         assert pre.num_warps >= 4 and pre.block_m(32, 8) >= 64
     for fmt in ("auto", "fp8", "fp8k"):
         assert attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype=fmt).num_warps == 4
-    # int4b: one block per one-warp tile (16 keys at block_size 16), two stages, int4's splits, never a warp split,
-    # at every batch size where one warp holds the tile; float32 queries keep int4's 4-warp tiles
+    # int4b: one block per one-warp tile (16 keys at block_size 16), two stages, int4's splits for full batches and
+    # four programs an SM for the others, never a warp split, at every batch size where one warp holds the tile;
+    # float32 queries keep int4's 4-warp tiles
     plan = attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype="int4b")
     assert (plan.block_n, plan.num_warps, plan.num_stages, plan.num_splits, plan.warp_split) == (16, 1, 2, 8, False)
     few = attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=4, num_seqs=4, head_dim=128, max_kv_len=16384,
                          kv_dtype="int4b", num_sms=132)
     assert (few.block_n, few.num_warps, few.warp_split) == (16, 1, False)
-    assert few.num_splits == attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=4, num_seqs=4, head_dim=128,
-                                            max_kv_len=16384, kv_dtype="int4", num_sms=132).num_splits
+    assert few.num_splits == 17  # ceil(4 * 132 / 32 programs)
+    assert attention_plan(num_q_heads=32, num_kv_heads=8, n_tokens=4, num_seqs=4, head_dim=128, max_kv_len=16384,
+                          kv_dtype="int4", num_sms=132).num_splits == 9  # int4: two an SM
     assert attention_plan(**kw, head_dim=128, max_kv_len=16384, kv_dtype="int4b", q_bytes=4).num_warps == 4
     # 2..4 programs per SM: int8 / k8v4 take five-stage 32-key tiles, unsplit at every length; int4 its long tiles;
     # fp8 / fp8k their 4-warp tiles

@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..paged.kernels.block_keys import key_area_word
 from ._convert import u4_fma
 from ._loads import LOG2E, PV_RANGE, _load_kv, _load_params
 
@@ -41,8 +42,22 @@ def _pairs(qparams, word_off, mask):
 
 @triton.jit
 def _word(qparams, pbase, w, WK: tl.constexpr, P_TOK: tl.constexpr, mask):
-    # key-area word w of the block at pbase (slot w // WK, word 2 + w % WK)
-    return tl.load(qparams + pbase + (w // WK) * P_TOK + 2 + w % WK, mask=mask, other=0.0)
+    # key-area word w of the block at pbase
+    return tl.load(qparams + pbase + key_area_word(w, WK, P_TOK), mask=mask, other=0.0)
+
+
+@triton.jit
+def _dequant(raw, s_lo, z_lo, s_hi, z_hi, DT: tl.constexpr):
+    # int4 byte rows times their channels' scale plus zero, in DT by Triton's ops: float16 operands in float16 (the
+    # codes and the stored fp16 scales exact), bfloat16 in float32 with one rounding to the operand (bfloat16 would
+    # round the scale and then the product)
+    if DT == tl.float16:
+        MATH: tl.constexpr = tl.float16
+    else:
+        MATH: tl.constexpr = tl.float32
+    k_lo = ((raw & 15).to(MATH) * s_lo.to(MATH) + z_lo.to(MATH)).to(DT)
+    k_hi = ((raw >> 4).to(MATH) * s_hi.to(MATH) + z_hi.to(MATH)).to(DT)
+    return k_lo, k_hi
 
 
 @triton.jit
@@ -75,28 +90,19 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
         bb = tl.load(bt_row + jb // BS, mask=ok_b, other=0)
         ok_b = ok_b & (bb >= 0) & (bb < n_blocks)
         pbase = bb.to(tl.int64)[None, :] * P_BLK + kvh * P_HEAD  # [1, NB]
-        c = dd[:, None]
-        s_lo, z_lo = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_b[None, :] & ok_lo[:, None])
-        c = H1 + dd[:, None]
-        s_hi, z_hi = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_b[None, :] & ok_hi[:, None])
+        s_lo, z_lo = _pairs(qparams, pbase + key_area_word(dd[:, None], WK, P_TOK), ok_b[None, :] & ok_lo[:, None])
+        s_hi, z_hi = _pairs(qparams, pbase + key_area_word(H1 + dd[:, None], WK, P_TOK),
+                            ok_b[None, :] & ok_hi[:, None])
         s_lo = _spread(s_lo, HALF_P, NB, BS)
         z_lo = _spread(z_lo, HALF_P, NB, BS)
         s_hi = _spread(s_hi, HALF_P, NB, BS)
         z_hi = _spread(z_hi, HALF_P, NB, BS)
     else:
         pbase = blk[None, :] * P_BLK + kvh * P_HEAD  # [1, N]
-        c = dd[:, None]
-        s_lo, z_lo = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_n[None, :] & ok_lo[:, None])
-        c = H1 + dd[:, None]
-        s_hi, z_hi = _pairs(qparams, pbase + (c // WK) * P_TOK + 2 + c % WK, ok_n[None, :] & ok_hi[:, None])
-    # float16 operands: the products in float16 (codes and the stored fp16 scales exact); bfloat16: in float32, one
-    # rounding to the operand (bfloat16 would round the scale and then the product)
-    if DT == tl.float16:
-        MATH: tl.constexpr = tl.float16
-    else:
-        MATH: tl.constexpr = tl.float32
-    k_lo = ((raw & 15).to(MATH) * s_lo.to(MATH) + z_lo.to(MATH)).to(DT)
-    k_hi = ((raw >> 4).to(MATH) * s_hi.to(MATH) + z_hi.to(MATH)).to(DT)
+        s_lo, z_lo = _pairs(qparams, pbase + key_area_word(dd[:, None], WK, P_TOK), ok_n[None, :] & ok_lo[:, None])
+        s_hi, z_hi = _pairs(qparams, pbase + key_area_word(H1 + dd[:, None], WK, P_TOK),
+                            ok_n[None, :] & ok_hi[:, None])
+    k_lo, k_hi = _dequant(raw, s_lo, z_lo, s_hi, z_hi, DT)
     part = ok_n & (j >= full_end)
     if tl.max(part.to(tl.int32), 0) > 0:  # the tile reaches the partial block: its int8 rows
         has = part & (j // BS + 1 < table_width)
@@ -134,8 +140,8 @@ def _full_block(i, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qpa
     raw = tl.load(pool + base[None, :] + dd[:, None], mask=ok_n[None, :] & ok_lo[:, None], other=0)
     pb = bb * P_BLK + kvh * P_HEAD
     ok_d = tl.where(ok_b, dd, -1) >= 0  # [HALF_P]
-    s_lo, z_lo = _pairs(qparams, pb + (dd // WK) * P_TOK + 2 + dd % WK, ok_d & ok_lo)
-    s_hi, z_hi = _pairs(qparams, pb + ((H1 + dd) // WK) * P_TOK + 2 + (H1 + dd) % WK, ok_d & ok_hi)
+    s_lo, z_lo = _pairs(qparams, pb + key_area_word(dd, WK, P_TOK), ok_d & ok_lo)
+    s_hi, z_hi = _pairs(qparams, pb + key_area_word(H1 + dd, WK, P_TOK), ok_d & ok_hi)
     s_lo = tl.broadcast_to(s_lo[:, None], (HALF_P, BS))
     z_lo = tl.broadcast_to(z_lo[:, None], (HALF_P, BS))
     s_hi = tl.broadcast_to(s_hi[:, None], (HALF_P, BS))
@@ -143,12 +149,7 @@ def _full_block(i, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qpa
     if PACKED:
         k_lo, k_hi = u4_fma(raw, s_lo, s_hi, z_lo, z_hi)
     else:
-        if q_lo.dtype == tl.float16:
-            MATH: tl.constexpr = tl.float16
-        else:
-            MATH: tl.constexpr = tl.float32
-        k_lo = ((raw & 15).to(MATH) * s_lo.to(MATH) + z_lo.to(MATH)).to(q_lo.dtype)
-        k_hi = ((raw >> 4).to(MATH) * s_hi.to(MATH) + z_hi.to(MATH)).to(q_lo.dtype)
+        k_lo, k_hi = _dequant(raw, s_lo, z_lo, s_hi, z_hi, q_lo.dtype)
     s = tl.dot(q_lo, k_lo, input_precision=PRECISION)
     s = tl.dot(q_hi, k_hi, acc=s, input_precision=PRECISION)
     v_off = (base + S_KV)[:, None] + dd[None, :]

@@ -67,6 +67,11 @@ DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5), "k8v4": (32
 # 4 x 16k 404 / 335 us (fp16 / bf16). In pairs, one run: (16, 2) / (16, 3) / (16, 4) 64 x 1k 100 / 126 / 123 us,
 # 64 x 16k 1,032 / 1,134 / 1,159 (bf16 989 / 1,062 / 1,076). BENCHMARKS.md has the current figures.
 BLOCK_KEYS_TILE = (16, 2)
+# int4b's one-warp tiles split a batch of fewer programs than SMs for four programs an SM (int4's tiles: two). H200,
+# 32 / 8 heads x 128, HND, fp16 / bf16: 4 x 16k 17 splits 105-111 / 112 us against 9 splits' 136-137 / 140-141,
+# 8 x 16k 9 splits 178 / 184-196 against 5 splits' 244 / 236; 64 x 1k (3.9 programs an SM, unsplit) was slower split
+# (2 splits 157.8 / 112.7 against 88.9 / 96.3)
+BLOCK_KEYS_PROGRAMS_PER_SM = 4
 LONG_MIN_KV = 4096
 LONG_MIN_PROGRAMS = 2
 LONG_SPLITS = 8
@@ -152,7 +157,7 @@ def attention_plan(
         Streaming multiprocessors of the device (132 on an H100 SXM).
     num_splits : int, optional
         Force the KV split (1 = none); default: the heuristic below.
-    kv_dtype : {"auto", "fp8", "int8", "int4", "k8v4", "fp8k"}
+    kv_dtype : {"auto", "fp8", "int8", "int4", "k8v4", "fp8k", "int4b"}
         Stored format of the cache (decode tiles depend on it).
     q_bytes : int
         Bytes per query element (2 for fp16 / bf16, 4 for fp32: prefill tiles of fp32 queries are halved to fit
@@ -245,6 +250,8 @@ def _choose(num_q_heads: int, num_kv_heads: int, head_dim: int, n_tokens: int, n
             num_splits = min(cdiv(FEW_PROGRAMS_PER_SM * num_sms, programs), max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS)
         elif decode and programs < num_sms:
             per_sm = PROGRAMS_PER_SM_QUANT if kv_dtype != "auto" and head_dim > 64 else PROGRAMS_PER_SM
+            if block_keys and one_warp:
+                per_sm = BLOCK_KEYS_PROGRAMS_PER_SM
             target = cdiv(per_sm * num_sms, programs)
             num_splits = max(1, min(target, max_kv_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
     check_int("num_splits", num_splits, 1, 1024)

@@ -82,8 +82,10 @@ def _channel_codes(lo, ok, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _area(w, WK: tl.constexpr, P_TOK: tl.constexpr):
-    # offset of key-area word w from its block's (and head's) first params word: slot w // WK, word 2 + w % WK
+def key_area_word(w, WK: tl.constexpr, P_TOK: tl.constexpr):
+    """Offset of key-area word ``w`` (int tensor) from its block's and head's first params word: slot ``w // WK``,
+    word ``2 + w % WK`` (words 0 and 1 of a slot hold its value row's (scale, zero)); the append, the gather and the
+    attention kernels all address the key area by it."""
     return (w // WK) * P_TOK + 2 + w % WK
 
 
@@ -110,6 +112,18 @@ def _int8_rows(k_lo, k_hi, ok, row_ok, kplane, nplane, kw, kz_w, LIBDEVICE: tl.c
     tl.store(nplane, c_hi.to(tl.uint8), mask=ok)
     tl.store(kw, ks, mask=row_ok)
     tl.store(kz_w, kz, mask=row_ok)
+
+
+@triton.jit
+def _fill_half(x, plane, old, os, oz, rows, words, ok, LIBDEVICE: tl.constexpr):
+    # one half (x: its new rows, float32) of a block that fills: the rows before the call read back from their int8
+    # codes in plane, then int4 codes per channel (returned, int32) with the channels' fp16 (scale, zero) words
+    # stored at words (word c: scale in the low half, zero in the high half)
+    q = tl.load(plane, mask=old & ok, other=0).to(tl.float32)
+    x = tl.where(old, _mul_add(q, os, oz, LIBDEVICE), x)
+    c, s, z = _channel_codes(x, rows, LIBDEVICE)
+    tl.store(words, _fp16_pair(s, z), mask=ok)
+    return c
 
 
 @triton.jit
@@ -164,28 +178,23 @@ def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0,
         nplane = pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd
         # key-area word 2 t / 2 t + 1: the (scale, zero) of int8 row t (slot (2 t) // WK, word 2 + (2 t) % WK)
         pk = qparams + blk * P_BLK + hh * P_HEAD
-        kw = pk + _area(2 * tt, WK, P_TOK)
-        kz_w = pk + _area(2 * tt + 1, WK, P_TOK)  # the next slot's when WK is odd
+        kw = pk + key_area_word(2 * tt, WK, P_TOK)
+        kz_w = pk + key_area_word(2 * tt + 1, WK, P_TOK)  # the next slot's when WK is odd
         if ROWS == 1:
             _int8_rows(k_lo, k_hi, ok & new, hm & new, kplane, nplane, kw, kz_w, LIBDEVICE)
         elif fills:
-            old = (tt < o0) & ok
-            q_lo = tl.load(kplane, mask=old, other=0).to(tl.float32)
-            q_hi = tl.load(nplane, mask=old, other=0).to(tl.float32)
-            os = tl.load(kw, mask=hm & (tt < o0), other=0.0)
-            oz = tl.load(kz_w, mask=hm & (tt < o0), other=0.0)
-            k_lo = tl.where(tt < o0, _mul_add(q_lo, os, oz, LIBDEVICE), k_lo)
-            k_hi = tl.where(tt < o0, _mul_add(q_hi, os, oz, LIBDEVICE), k_hi)
+            # one half at a time (its earlier int8 rows read back, its channels' codes and (scale, zero) words: both
+            # halves at once held 235 registers a thread on sm_90 against 168, four programs an SM against six), the
+            # bytes once both halves' codes are known. The rows' (scale, zero) share the key-area words the channels'
+            # pairs replace: every thread has used them before the first reduction's barrier
+            old = tt < o0
+            os = tl.load(kw, mask=hm & old, other=0.0)
+            oz = tl.load(kz_w, mask=hm & old, other=0.0)
             rows = ok & (tt < BS)
-            c_lo, s_lo, z_lo = _channel_codes(k_lo, rows, LIBDEVICE)
-            c_hi, s_hi, z_hi = _channel_codes(k_hi, rows, LIBDEVICE)
-            tl.store(kplane, (c_lo | (c_hi << 4)).to(tl.uint8), mask=rows)
-            # word c (channel c): slot c // WK, word 2 + c % WK; fp16 scale in the low half, zero in the high half
-            w_lo = _fp16_pair(s_lo, z_lo)
-            w_hi = _fp16_pair(s_hi, z_hi)
             pw = qwords + blk * P_BLK + hh * P_HEAD
-            tl.store(pw + _area(dd, WK, P_TOK), w_lo, mask=ok)
-            tl.store(pw + _area(HALF + dd, WK, P_TOK), w_hi, mask=ok)
+            c_lo = _fill_half(k_lo, kplane, old, os, oz, rows, pw + key_area_word(dd, WK, P_TOK), ok, LIBDEVICE)
+            c_hi = _fill_half(k_hi, nplane, old, os, oz, rows, pw + key_area_word(HALF + dd, WK, P_TOK), ok, LIBDEVICE)
+            tl.store(kplane, (c_lo | (c_hi << 4)).to(tl.uint8), mask=rows)
         else:
             _int8_rows(k_lo, k_hi, ok & new, hm & new, kplane, nplane, kw, kz_w, LIBDEVICE)
 
@@ -276,17 +285,17 @@ def _int4b_gather_kernel(
     pb = qparams + blk * P_BLK + hh * P_HEAD
     if full:
         raw = tl.load(kplane, mask=lane & live, other=0).to(tl.int32)
-        s_lo, z_lo = _fp16_halves(tl.load(pb + _area(dd, WK, P_TOK), mask=lane & okv, other=0.0).to(tl.int32,
-                                                                                                      bitcast=True))
-        s_hi, z_hi = _fp16_halves(tl.load(pb + _area(HALF + dd, WK, P_TOK), mask=lane & okv,
-                                          other=0.0).to(tl.int32, bitcast=True))
+        w_lo = tl.load(pb + key_area_word(dd, WK, P_TOK), mask=lane & okv, other=0.0)
+        w_hi = tl.load(pb + key_area_word(HALF + dd, WK, P_TOK), mask=lane & okv, other=0.0)
+        s_lo, z_lo = _fp16_halves(w_lo.to(tl.int32, bitcast=True))
+        s_hi, z_hi = _fp16_halves(w_hi.to(tl.int32, bitcast=True))
         k_lo = _mul_add((raw & 15).to(tl.float32), s_lo, z_lo, LIBDEVICE)
         k_hi = _mul_add(((raw >> 4) & 15).to(tl.float32), s_hi, z_hi, LIBDEVICE)
     else:
         q_lo = tl.load(kplane, mask=lane & live, other=0).to(tl.float32)
         q_hi = tl.load(pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd, mask=lane & live, other=0)
-        rs = tl.load(pb + _area(2 * tt, WK, P_TOK), mask=(hh < H) & live, other=0.0)
-        rz = tl.load(pb + _area(2 * tt + 1, WK, P_TOK), mask=(hh < H) & live, other=0.0)
+        rs = tl.load(pb + key_area_word(2 * tt, WK, P_TOK), mask=(hh < H) & live, other=0.0)
+        rz = tl.load(pb + key_area_word(2 * tt + 1, WK, P_TOK), mask=(hh < H) & live, other=0.0)
         k_lo = _mul_add(q_lo, rs, rz, LIBDEVICE)
         k_hi = _mul_add(q_hi.to(tl.float32), rs, rz, LIBDEVICE)
     k_lo = tl.where(live, k_lo, 0.0)
