@@ -263,10 +263,12 @@ def test_the_triton_append_of_a_skewed_batch_with_a_wrong_decode_hint_writes_the
     assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])
 
 
-def test_a_batch_of_as_many_rows_as_sequences_in_any_split_writes_the_bytes_of_the_torch_path():
-    # rows == sequences takes the decode launches (one-row sequences that stay partial, then the rest): a sequence of
-    # two rows over a block boundary, one without rows, one row that fills its block, one that leaves it partial, and
-    # one at a block's first slot
+@pytest.mark.parametrize("num_decode", [0, 2])
+def test_a_decode_sized_batch_of_fills_partial_rows_and_a_two_row_sequence_writes_the_bytes_of_the_torch_path(
+        num_decode):
+    # as many rows as sequences: a sequence of two rows over a block boundary, one without rows, one row that fills
+    # its block, one that leaves it partial, and one at a block's first slot; in one launch, or split by the decode
+    # hint after the second sequence (whose "decode" part then holds a two-row and an empty sequence)
     rows, starts = [2, 0, 1, 1, 1], [BS - 1, 4, BS - 1, 5, BS]
     tables = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12], [13, 14, 15]], dtype=torch.int32)
     out = []
@@ -281,7 +283,7 @@ def test_a_batch_of_as_many_rows_as_sequences_in_any_split_writes_the_bytes_of_t
             cache.append(0, first[:st], first[:st], pre)
         k, v = _keys(sum(rows), seed=13)
         cu = torch.tensor([0] + rows, dtype=torch.int32).cumsum(0).to(torch.int32)
-        plan = cache.plan(tables, cu, torch.tensor(starts, dtype=torch.int32))
+        plan = cache.plan(tables, cu, torch.tensor(starts, dtype=torch.int32), num_decode=num_decode)
         if interpret:
             with force_interpreter():
                 cache.append(0, k, v, plan)

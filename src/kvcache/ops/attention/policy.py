@@ -69,8 +69,7 @@ DECODE_TILE_FEW = {"fp8": (32, 5), "int8": (32, 5), "int4": (32, 5), "k8v4": (32
 BLOCK_KEYS_TILE = (16, 2)
 # int4b's one-warp tiles split a batch of fewer programs than SMs for four programs an SM (int4's tiles: two). H200,
 # 32 / 8 heads x 128, HND, fp16 / bf16: 4 x 16k 17 splits 105-111 / 112 us against 9 splits' 136-137 / 140-141,
-# 8 x 16k 9 splits 178 / 184-196 against 5 splits' 244 / 236; 64 x 1k (3.9 programs an SM, unsplit) was slower split
-# (2 splits 157.8 / 112.7 against 88.9 / 96.3)
+# 8 x 16k 9 splits 178 / 184-196 against 5 splits' 244 / 236 (docs/format-quality.md)
 BLOCK_KEYS_PROGRAMS_PER_SM = 4
 LONG_MIN_KV = 4096
 LONG_MIN_PROGRAMS = 2

@@ -185,11 +185,12 @@ def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0,
         elif fills:
             # one half at a time (its earlier int8 rows read back, its channels' codes and (scale, zero) words: both
             # halves at once held 235 registers a thread on sm_90 against 168, four programs an SM against six), the
-            # bytes once both halves' codes are known. The rows' (scale, zero) share the key-area words the channels'
-            # pairs replace: every thread has used them before the first reduction's barrier
+            # bytes once both halves' codes are known. The rows' (scale, zero) sit in the key-area words the
+            # channels' pairs replace: every thread reads its rows' before the barrier, any thread writes after it
             old = tt < o0
             os = tl.load(kw, mask=hm & old, other=0.0)
             oz = tl.load(kz_w, mask=hm & old, other=0.0)
+            tl.debug_barrier()
             rows = ok & (tt < BS)
             pw = qwords + blk * P_BLK + hh * P_HEAD
             c_lo = _fill_half(k_lo, kplane, old, os, oz, rows, pw + key_area_word(dd, WK, P_TOK), ok, LIBDEVICE)
