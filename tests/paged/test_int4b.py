@@ -231,6 +231,30 @@ def test_the_triton_append_writes_the_bytes_of_the_torch_path(layout, chunks):
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (dtype, nan)
 
 
+def _batch_bytes(tables: torch.Tensor, rows: list[int], starts: list[int], num_decode: int, seed: int,
+                 interpret: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool and params (as int32) after one append of ``rows[b]`` rows to each sequence ``b`` of ``tables``, which
+    held ``starts[b]`` rows before it (written first, one sequence at a time); torch path or the Triton kernel
+    interpreted."""
+    cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=16,
+                                     dtype=torch.float32, kv_dtype="int4b", device="cpu"))
+    first = torch.randn(BS, H, D, generator=torch.Generator().manual_seed(seed))
+    for b, st in enumerate(starts):
+        if st:
+            pre = cache.plan(tables[b: b + 1], torch.tensor([0, st], dtype=torch.int32),
+                             torch.zeros(1, dtype=torch.int32))
+            cache.append(0, first[:st], first[:st], pre)
+    k, v = _keys(sum(rows), seed=seed + 8)
+    cu = torch.tensor([0] + rows, dtype=torch.int32).cumsum(0).to(torch.int32)
+    plan = cache.plan(tables, cu, torch.tensor(starts, dtype=torch.int32), num_decode=num_decode)
+    if interpret:
+        with force_interpreter():
+            cache.append(0, k, v, plan)
+    else:
+        cache.append(0, k, v, plan)
+    return cache.pool(0).clone(), cache.params(0).view(torch.int32).clone()
+
+
 def test_the_triton_append_of_a_skewed_batch_with_a_wrong_decode_hint_writes_the_bytes_of_the_torch_path():
     # 30 sequences: two "decode" rows by the hint, of which one holds 3 rows and fills a block; 27 without rows; one
     # of 43 rows from position 5 over six blocks (more than the launch's programs per sequence: they loop)
@@ -240,27 +264,10 @@ def test_the_triton_append_of_a_skewed_batch_with_a_wrong_decode_hint_writes_the
     tables[0, :2] = torch.tensor([1, 2])
     tables[1, :3] = torch.tensor([3, 4, 13])
     tables[29] = torch.arange(5, 13)
-    out = []
-    for interpret in (False, True):
-        cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=16,
-                                         dtype=torch.float32, kv_dtype="int4b", device="cpu"))
-        g = torch.Generator().manual_seed(3)
-        first = torch.randn(BS, H, D, generator=g)  # what the sequences held before: rows 0 .. start - 1
-        for b in (0, 1, 29):
-            pre = cache.plan(tables[b: b + 1], torch.tensor([0, starts[b]], dtype=torch.int32),
-                             torch.zeros(1, dtype=torch.int32))
-            cache.append(0, first[: starts[b]], first[: starts[b]], pre)
-        k, v = _keys(sum(rows), seed=11)
-        cu = torch.tensor([0] + rows, dtype=torch.int32).cumsum(0).to(torch.int32)
-        plan = cache.plan(tables, cu, torch.tensor(starts, dtype=torch.int32), num_decode=2)
-        if interpret:
-            with force_interpreter():
-                cache.append(0, k, v, plan)
-        else:
-            cache.append(0, k, v, plan)
-        out.append((cache.pool(0).clone(), cache.params(0).view(torch.int32).clone()))
-    assert out[0][0].any()
-    assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])
+    ref = _batch_bytes(tables, rows, starts, 2, 3, False)
+    got = _batch_bytes(tables, rows, starts, 2, 3, True)
+    assert ref[0].any()
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
 @pytest.mark.parametrize("num_decode", [0, 2])
@@ -271,27 +278,10 @@ def test_a_decode_sized_batch_of_fills_partial_rows_and_a_two_row_sequence_write
     # hint after the second sequence (whose "decode" part then holds a two-row and an empty sequence)
     rows, starts = [2, 0, 1, 1, 1], [BS - 1, 4, BS - 1, 5, BS]
     tables = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12], [13, 14, 15]], dtype=torch.int32)
-    out = []
-    for interpret in (False, True):
-        cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=16,
-                                         dtype=torch.float32, kv_dtype="int4b", device="cpu"))
-        g = torch.Generator().manual_seed(5)
-        first = torch.randn(BS, H, D, generator=g)
-        for b, st in enumerate(starts):
-            pre = cache.plan(tables[b: b + 1], torch.tensor([0, st], dtype=torch.int32),
-                             torch.zeros(1, dtype=torch.int32))
-            cache.append(0, first[:st], first[:st], pre)
-        k, v = _keys(sum(rows), seed=13)
-        cu = torch.tensor([0] + rows, dtype=torch.int32).cumsum(0).to(torch.int32)
-        plan = cache.plan(tables, cu, torch.tensor(starts, dtype=torch.int32), num_decode=num_decode)
-        if interpret:
-            with force_interpreter():
-                cache.append(0, k, v, plan)
-        else:
-            cache.append(0, k, v, plan)
-        out.append((cache.pool(0).clone(), cache.params(0).view(torch.int32).clone()))
-    assert out[0][0].any()
-    assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])
+    ref = _batch_bytes(tables, rows, starts, num_decode, 5, False)
+    got = _batch_bytes(tables, rows, starts, num_decode, 5, True)
+    assert ref[0].any()
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
 def test_an_odd_number_of_key_area_words_per_slot_puts_a_rows_zero_in_the_next_slot_in_every_path():
