@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..paged.kernels.block_keys import key_area_word
 from ._convert import u4_fma
-from ._loads import LOG2E, PV_RANGE, _load_kv, _load_params
+from ._loads import PV_RANGE, _load_kv, _load_params, _softcapped
 
 # Full blocks per online-softmax step of int4b's one-block decode tiles (block_group_tile). H200, 32 / 8 heads x 128,
 # HND, 16-key tiles of two stages, fp16 / bf16 queries, one run: 64 x 16k 1,003 / 859 us in pairs, 990 / 1,035 in
@@ -157,12 +157,6 @@ def _full_block(i, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qpa
                           False, INTERP, False)
     vs, vz = _load_params(qparams, pb + offs_n * P_TOK, ok_n)
     return s, v_lo, v_hi, vs, vz, ok_n
-
-
-@triton.jit
-def _softcapped(s, qk_scale, SOFTCAP: tl.constexpr):
-    # softcap * tanh(x) in base 2, as the attention kernel's tiles
-    return (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
 
 
 @triton.jit

@@ -87,6 +87,12 @@ def _load_kv(pool, off, m_lo, m_hi, HI: tl.constexpr, QUANT: tl.constexpr, DT: t
 
 
 @triton.jit
+def _softcapped(s, qk_scale, SOFTCAP: tl.constexpr):
+    # softcap * tanh(s * scale) in base 2 (times log2(e)): tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
+    return (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
+
+
+@triton.jit
 def _load_params(qparams, pbase, ok_n):
     """(scale, zero) of each token of a tile (``pbase`` of any shape): one 8-byte load per token, split in
     registers."""

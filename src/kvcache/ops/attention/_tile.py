@@ -8,7 +8,7 @@ import triton.language as tl
 
 from ._block_keys import block_key_tile
 from ._convert import dequant
-from ._loads import LOG2E, PV_RANGE, _key_rows, _load_kv, _load_params
+from ._loads import PV_RANGE, _key_rows, _load_kv, _load_params, _softcapped
 
 
 @triton.jit
@@ -64,8 +64,7 @@ def _tile(
         if Q_RESCALE and not LATE:
             s = s * q_inv[:, None]  # the rows' 1 / r (rescaled bfloat16 queries)
     if SOFTCAP > 0:
-        # softcap * tanh(x) in base 2: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations
-        s = (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
+        s = _softcapped(s, qk_scale, SOFTCAP)
     elif not LATE:
         s = s * qk_scale
     if MASK:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._loads import LOG2E, PV_RANGE, _key_rows, _load_kv, _load_params
+from ._loads import PV_RANGE, _key_rows, _load_kv, _load_params, _softcapped
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _tile_w(
     if Q_RESCALE:
         s = s * q_inv[None, :, None]  # the rows' 1 / r (rescaled bfloat16 queries)
     if SOFTCAP > 0:
-        s = (1.0 - 2.0 / (tl.exp2((s * qk_scale) * (2.0 * LOG2E)) + 1.0)) * (SOFTCAP * LOG2E)
+        s = _softcapped(s, qk_scale, SOFTCAP)
     else:
         s = s * qk_scale
     if MASK:
