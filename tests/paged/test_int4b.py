@@ -61,11 +61,11 @@ def test_a_full_block_stores_int4_codes_per_channel_with_fp16_scale_and_zero(lay
     _append(cache, [4, 7], 0, k, v)  # one whole block: quantized per channel at once
     codes = _heads(cache.pool(0), 4, 0, layout)  # [H, BS, D / 2]
     words = _heads(cache.params(0), 4, 0, layout)[..., 2:].reshape(H, -1)[:, :D]  # [H, D] words
-    pairs = words.contiguous().view(torch.float16).reshape(H, D, 2).float()
+    halves = words.contiguous().view(torch.float16).float()  # [H, 2 D]: the channels' scales, then their zeros
     x = k.transpose(0, 1)  # [H, BS, D]
     scale = ((x.amax(1) - x.amin(1)) / 15).half().float()
     zero = x.amin(1).half().float()
-    assert torch.equal(pairs[..., 0], scale) and torch.equal(pairs[..., 1], zero)
+    assert torch.equal(halves[:, :D], scale) and torch.equal(halves[:, D:], zero)
     q = torch.round((x - zero[:, None]) * (1 / scale)[:, None]).clamp(0, 15).to(torch.int32)
     assert torch.equal(codes, (q[..., : D // 2] | (q[..., D // 2:] << 4)).to(torch.uint8))
     kg, _ = _gather(cache, [4, 7], BS)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..paged.kernels.block_keys import key_area_word
+from ..paged.kernels.block_keys import halves_of, key_area_half, key_area_word
 from ._convert import u4_fma
 from ._loads import PV_RANGE, _load_kv, _load_params, _softcapped
 
@@ -32,11 +32,12 @@ BLOCK_GROUP = tl.constexpr(2)
 
 
 @triton.jit
-def _pairs(qparams, word_off, mask):
-    # float16 (scale, zero) from the pairs packed in float32 words (scale in the low half)
-    w = tl.load(qparams + word_off, mask=mask, other=0.0).to(tl.int32, bitcast=True)
-    s = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-    z = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+def _scale_zero(qparams, pbase, c, D: tl.constexpr, WK: tl.constexpr, P_TOK: tl.constexpr, mask):
+    # float16 (scale, zero) of channels c of the full blocks whose params start at word pbase: the scales and the
+    # zeros sit apart in the key area, two channels a word, so that the loads hand them to a packed fma as they are
+    ph = halves_of(qparams) + 2 * pbase
+    s = tl.load(ph + key_area_half(c, WK, P_TOK), mask=mask, other=0.0)
+    z = tl.load(ph + key_area_half(D + c, WK, P_TOK), mask=mask, other=0.0)
     return s, z
 
 
@@ -90,18 +91,16 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
         bb = tl.load(bt_row + jb // BS, mask=ok_b, other=0)
         ok_b = ok_b & (bb >= 0) & (bb < n_blocks)
         pbase = bb.to(tl.int64)[None, :] * P_BLK + kvh * P_HEAD  # [1, NB]
-        s_lo, z_lo = _pairs(qparams, pbase + key_area_word(dd[:, None], WK, P_TOK), ok_b[None, :] & ok_lo[:, None])
-        s_hi, z_hi = _pairs(qparams, pbase + key_area_word(H1 + dd[:, None], WK, P_TOK),
-                            ok_b[None, :] & ok_hi[:, None])
+        s_lo, z_lo = _scale_zero(qparams, pbase, dd[:, None], 2 * H1, WK, P_TOK, ok_b[None, :] & ok_lo[:, None])
+        s_hi, z_hi = _scale_zero(qparams, pbase, H1 + dd[:, None], 2 * H1, WK, P_TOK, ok_b[None, :] & ok_hi[:, None])
         s_lo = _spread(s_lo, HALF_P, NB, BS)
         z_lo = _spread(z_lo, HALF_P, NB, BS)
         s_hi = _spread(s_hi, HALF_P, NB, BS)
         z_hi = _spread(z_hi, HALF_P, NB, BS)
     else:
         pbase = blk[None, :] * P_BLK + kvh * P_HEAD  # [1, N]
-        s_lo, z_lo = _pairs(qparams, pbase + key_area_word(dd[:, None], WK, P_TOK), ok_n[None, :] & ok_lo[:, None])
-        s_hi, z_hi = _pairs(qparams, pbase + key_area_word(H1 + dd[:, None], WK, P_TOK),
-                            ok_n[None, :] & ok_hi[:, None])
+        s_lo, z_lo = _scale_zero(qparams, pbase, dd[:, None], 2 * H1, WK, P_TOK, ok_n[None, :] & ok_lo[:, None])
+        s_hi, z_hi = _scale_zero(qparams, pbase, H1 + dd[:, None], 2 * H1, WK, P_TOK, ok_n[None, :] & ok_hi[:, None])
     k_lo, k_hi = _dequant(raw, s_lo, z_lo, s_hi, z_hi, DT)
     part = ok_n & (j >= full_end)
     if tl.max(part.to(tl.int32), 0) > 0:  # the tile reaches the partial block: its int8 rows
@@ -139,9 +138,9 @@ def _full_block(i, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qpa
     ok_n = tl.where(ok_b, offs_n, BS) < BS  # [BS]: every key of a valid block
     raw = tl.load(pool + base[None, :] + dd[:, None], mask=ok_n[None, :] & ok_lo[:, None], other=0)
     pb = bb * P_BLK + kvh * P_HEAD
-    ok_d = tl.where(ok_b, dd, -1) >= 0  # [HALF_P]
-    s_lo, z_lo = _pairs(qparams, pb + key_area_word(dd, WK, P_TOK), ok_d & ok_lo)
-    s_hi, z_hi = _pairs(qparams, pb + key_area_word(H1 + dd, WK, P_TOK), ok_d & ok_hi)
+    ok_d = (dd * 0 + ok_b.to(tl.int32)) != 0  # [HALF_P], constant along the channels (vector loads)
+    s_lo, z_lo = _scale_zero(qparams, pb, dd, 2 * H1, WK, P_TOK, ok_d & ok_lo)
+    s_hi, z_hi = _scale_zero(qparams, pb, H1 + dd, 2 * H1, WK, P_TOK, ok_d & ok_hi)
     s_lo = tl.broadcast_to(s_lo[:, None], (HALF_P, BS))
     z_lo = tl.broadcast_to(z_lo[:, None], (HALF_P, BS))
     s_hi = tl.broadcast_to(s_hi[:, None], (HALF_P, BS))
@@ -162,17 +161,20 @@ def _full_block(i, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qpa
 @triton.jit
 def block_group_tile(
     t, m_i, l_i, acc_lo, acc_hi, zacc, a_sc, q_lo, q_hi, qk_scale, pool, qparams, bt_row, kvh, j_hi, n_blocks,
-    offs_n, dd, ok_lo, ok_hi,
+    offs_n, dd, ok_lo, ok_hi, q_inv,
     SOFTCAP: tl.constexpr, H1: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
-    WK: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr, INTERP: tl.constexpr,
+    WK: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr, Q_RESCALE: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """``GROUP`` (2 or 4) full blocks ``t .. t + GROUP - 1`` of an int4b decode tile (one block per tile index, every
     key visible to every row: the unmasked range below the sequence's last full block) in one online-softmax step:
     each block's keys dequantized with its channels' (scale, zero), its own QK^T dot, then one running maximum,
     one rescale of the accumulators and one V unit (the group's largest V scale) for the group, as ``_tile`` does
-    for one tile of V folded per token. Returns (m_i, l_i, acc_lo, acc_hi, zacc, a_sc)."""
+    for one tile of V folded per token. ``Q_RESCALE``: the queries' rows were scaled by powers of two into float16
+    (``_kernel``), their scores take ``q_inv`` [M] back. Returns (m_i, l_i, acc_lo, acc_hi, zacc, a_sc)."""
     tl.static_assert(GROUP == 2 or GROUP == 4, "block_group_tile: groups of 2 or 4 blocks")
+    M: tl.constexpr = q_lo.shape[0]
     if q_lo.dtype == tl.float32:
         VDT: tl.constexpr = tl.float32
     else:
@@ -184,11 +186,16 @@ def block_group_tile(
         1, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV,
         S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
     if SOFTCAP > 0:
+        if Q_RESCALE:
+            s0 = s0 * q_inv[:, None]
+            s1 = s1 * q_inv[:, None]
         s0 = _softcapped(s0, qk_scale, SOFTCAP)
         s1 = _softcapped(s1, qk_scale, SOFTCAP)
-        row = tl.full([], 1.0, tl.float32)
+        row = tl.full([M], 1.0, tl.float32)
+    elif Q_RESCALE:
+        row = q_inv * qk_scale  # [M]
     else:
-        row = qk_scale
+        row = tl.full([M], 1.0, tl.float32) * qk_scale
     # keys of a block id outside the pool take no weight, as the torch path drops them
     s0 = tl.where(ok0[None, :], s0, float("-inf"))
     s1 = tl.where(ok1[None, :], s1, float("-inf"))
@@ -202,6 +209,9 @@ def block_group_tile(
             3, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK,
             S_KV, S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
         if SOFTCAP > 0:
+            if Q_RESCALE:
+                s2 = s2 * q_inv[:, None]
+                s3 = s3 * q_inv[:, None]
             s2 = _softcapped(s2, qk_scale, SOFTCAP)
             s3 = _softcapped(s3, qk_scale, SOFTCAP)
         s2 = tl.where(ok2[None, :], s2, float("-inf"))
@@ -212,13 +222,13 @@ def block_group_tile(
     m_new = tl.maximum(m_i, mx * row)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p0 = tl.exp2(s0 * row - m_safe[:, None])
-    p1 = tl.exp2(s1 * row - m_safe[:, None])
+    p0 = tl.exp2(s0 * row[:, None] - m_safe[:, None])
+    p1 = tl.exp2(s1 * row[:, None] - m_safe[:, None])
     l_sum = tl.sum(p0, 1) + tl.sum(p1, 1)
     z_sum = tl.sum(p0 * vz0[None, :], 1) + tl.sum(p1 * vz1[None, :], 1)
     if GROUP == 4:
-        p2 = tl.exp2(s2 * row - m_safe[:, None])
-        p3 = tl.exp2(s3 * row - m_safe[:, None])
+        p2 = tl.exp2(s2 * row[:, None] - m_safe[:, None])
+        p3 = tl.exp2(s3 * row[:, None] - m_safe[:, None])
         l_sum += tl.sum(p2, 1) + tl.sum(p3, 1)
         z_sum += tl.sum(p2 * vz2[None, :], 1) + tl.sum(p3 * vz3[None, :], 1)
     l_i = l_i * alpha + l_sum

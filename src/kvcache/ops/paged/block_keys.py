@@ -7,7 +7,9 @@ The byte format (one layer; ``bs`` = block_size, ``D`` = head_dim, ``W = ceil(D 
   zero) (``int4``'s value rows), words ``2 ..`` the key area. Across a block's ``bs`` slots a head's key area is
   ``bs * W >= D`` words, read in slot order.
 * A **full** block (its sequence holds all ``bs`` of its tokens): key plane = int4 codes (planar nibbles as
-  ``int4``), key area word ``c < D`` = channel ``c``'s fp16 (scale, zero) pair (scale in the low half). Over the
+  ``int4``), the key area's first ``D`` words read as ``2 D`` float16 values: ``[0, D)`` the channels' scales,
+  ``[D, 2 D)`` their zeros (value ``2 w`` in the low half of word ``w``), so that two channels' scales (or zeros)
+  sit in one word, the operand of a packed ``fma.f16x2`` as loaded. Over the
   block's ``bs`` keys (after RoPE) of one head: ``scale = fp16((max - min) / 15)``, ``zero = fp16(min)`` per
   channel, ``q = clamp(round_half_even((x - zero) * (1 / scale)), 0, 15)`` with the stored fp16 values (``q = 0``
   where ``scale == 0``), read back as ``q * scale + zero``.
@@ -70,7 +72,8 @@ def _set_key_area(params: torch.Tensor, blk: int, layout: str, area: torch.Tenso
 
 def encode_full_block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A full block's keys ``x`` ``[bs, H, D]`` (float32, after RoPE) as stored: (codes uint8 ``[H, bs, D / 2]``,
-    the key area's first ``D`` words, float32 ``[H, D]``: word ``c`` the fp16 (scale, zero) of channel ``c``)."""
+    the key area's first ``D`` words, float32 ``[H, D]``: as float16 ``[H, 2 D]``, the channels' scales then their
+    zeros)."""
     x = x.float().transpose(0, 1)  # [H, bs, D]
     h, _, _ = x.shape
     bad = ~torch.isfinite(x).all(dim=1)  # [H, D]
@@ -84,15 +87,15 @@ def encode_full_block(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(ok, 1.0 / torch.where(ok, scale, torch.ones_like(scale)), torch.zeros_like(scale))
     q = torch.round((xf - torch.where(ok, zero, torch.zeros_like(zero))[:, None]) * inv[:, None]).clamp(0, 15)
     codes = pack_codes("int4", 0, q.to(torch.int32))[0]
-    pairs = torch.stack([scale.half(), zero.half()], dim=-1).contiguous()  # [H, D, 2] fp16
-    return codes, pairs.view(torch.float32)[..., 0]
+    halves = torch.cat([scale.half(), zero.half()], dim=-1).contiguous()  # [H, 2 D] fp16
+    return codes, halves.view(torch.float32)
 
 
 def decode_full_block(codes: torch.Tensor, area: torch.Tensor, head_dim: int) -> torch.Tensor:
     """float32 keys ``[bs, H, D]`` of a full block from its codes ``[H, bs, D / 2]`` and key area ``[H, >= D]``."""
     q = unpack_codes("int4", 0, [codes]).float()  # [H, bs, D]
-    pairs = area[:, :head_dim].contiguous().view(torch.float16).reshape(area.shape[0], head_dim, 2).float()
-    return (q * pairs[:, None, :, 0] + pairs[:, None, :, 1]).transpose(0, 1)
+    halves = area[:, :head_dim].contiguous().view(torch.float16).float()  # [H, 2 D]: scales, zeros
+    return (q * halves[:, None, :head_dim] + halves[:, None, head_dim:]).transpose(0, 1)
 
 
 def _int8_rows(pool: torch.Tensor, blk: int, nxt: int, n: int, area: torch.Tensor, layout: str) -> torch.Tensor:
@@ -167,9 +170,9 @@ def write_sequence(pool: torch.Tensor, params: torch.Tensor, layout: str, table:
             full = k[rows].float()
             if o0:
                 full = torch.cat([_int8_rows(pool, blk, nxt, o0, area, layout), full], dim=0)
-            codes, pairs = encode_full_block(full)
+            codes, words = encode_full_block(full)
             _plane(pool, blk, 0, layout).copy_(codes)
-            area[:, :d] = pairs  # (the words past D, if any, are not read)
+            area[:, :d] = words  # (the words past D, if any, are not read)
         else:  # int8 rows, halves in this block's and the next block's key plane
             q, s, z = _rows8(k[rows])  # [n, H, D], [n, H]
             _plane(pool, blk, 0, layout)[:, o0:o1] = q[..., :half].transpose(0, 1)

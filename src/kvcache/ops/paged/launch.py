@@ -109,7 +109,7 @@ def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: Ste
         n_progs = max(1, min(later, cdiv(_INT4B_APPEND_PROGRAMS, (s1 - s0) * groups)))
         _int4b_append_kernel.launch(
             layer.device, (s1 - s0, n_progs, groups),
-            k, v, layer.pool, layer.params, layer.params.view(torch.int32), bt, cu_q, lens,
+            k, v, layer.pool, layer.params, bt, cu_q, lens,
             layer.pool if inv_freq is None else inv_freq,
             k.stride(0), v.stride(0), bt.stride(0), bt.shape[1], s0, n_progs,  # type: ignore[union-attr]
             MODE=mode.value, ROPE=has_rope, ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, H=H, D=D, BS=bs,

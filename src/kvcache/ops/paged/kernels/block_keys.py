@@ -90,17 +90,17 @@ def key_area_word(w, WK: tl.constexpr, P_TOK: tl.constexpr):
 
 
 @triton.jit
-def _fp16_halves(w):
-    # the two float16 values of int32 words (low half first) as float32
-    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
+def key_area_half(c, WK: tl.constexpr, P_TOK: tl.constexpr):
+    """Offset, in float16 values, of key-area value ``c`` (int tensor) from the block's and head's first params word
+    (``2 * key_area_word(c // 2) + c % 2``): a full block's channel ``c`` has its fp16 scale at ``c`` and its fp16
+    zero at ``D + c``, so a word holds two channels' scales (or zeros), as a packed ``fma.f16x2`` takes them."""
+    return (c // (2 * WK)) * (2 * P_TOK) + 4 + c % (2 * WK)
 
 
 @triton.jit
-def _fp16_pair(lo, hi):
-    # int32 words holding two float16 values, lo in the low half
-    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+def halves_of(qparams):
+    """The float32 params pool's pointer as float16 values (the full blocks' key areas)."""
+    return qparams.to(tl.pointer_type(tl.float16))
 
 
 @triton.jit
@@ -115,19 +115,20 @@ def _int8_rows(k_lo, k_hi, ok, row_ok, kplane, nplane, kw, kz_w, LIBDEVICE: tl.c
 
 
 @triton.jit
-def _fill_half(x, plane, old, os, oz, rows, words, ok, LIBDEVICE: tl.constexpr):
+def _fill_half(x, plane, old, os, oz, rows, scales, zeros, ok, LIBDEVICE: tl.constexpr):
     # one half (x: its new rows, float32) of a block that fills: the rows before the call read back from their int8
-    # codes in plane, then int4 codes per channel (returned, int32) with the channels' fp16 (scale, zero) words
-    # stored at words (word c: scale in the low half, zero in the high half)
+    # codes in plane, then int4 codes per channel (returned, int32) with the channels' fp16 scales and zeros stored
+    # at the float16 pointers scales and zeros
     q = tl.load(plane, mask=old & ok, other=0).to(tl.float32)
     x = tl.where(old, _mul_add(q, os, oz, LIBDEVICE), x)
     c, s, z = _channel_codes(x, rows, LIBDEVICE)
-    tl.store(words, _fp16_pair(s, z), mask=ok)
+    tl.store(scales, s, mask=ok)
+    tl.store(zeros, z, mask=ok)
     return c
 
 
 @triton.jit
-def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0, start, n, g, stride_kn, stride_vn,
+def _write_block(k, v, pool, qparams, block_tables, inv_freq, b, bi, q0, start, n, g, stride_kn, stride_vn,
                  bt_stride, table_width, ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
                  ATTN_SCALE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                  NUM_BLOCKS: tl.constexpr, WK: tl.constexpr, S_TOK: tl.constexpr, S_HEAD: tl.constexpr,
@@ -183,18 +184,21 @@ def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0,
         if ROWS == 1:
             _int8_rows(k_lo, k_hi, ok & new, hm & new, kplane, nplane, kw, kz_w, LIBDEVICE)
         elif fills:
-            # one half at a time (its earlier int8 rows read back, its channels' codes and (scale, zero) words: both
+            # one half at a time (its earlier int8 rows read back, its channels' codes, fp16 scales and zeros: both
             # halves at once held 235 registers a thread on sm_90 against 168, four programs an SM against six), the
             # bytes once both halves' codes are known. The rows' (scale, zero) sit in the key-area words the
-            # channels' pairs replace: every thread reads its rows' before the barrier, any thread writes after it
+            # channels' scales and zeros replace: every thread reads its rows' before the barrier, any thread writes
+            # after it
             old = tt < o0
             os = tl.load(kw, mask=hm & old, other=0.0)
             oz = tl.load(kz_w, mask=hm & old, other=0.0)
             tl.debug_barrier()
             rows = ok & (tt < BS)
-            pw = qwords + blk * P_BLK + hh * P_HEAD
-            c_lo = _fill_half(k_lo, kplane, old, os, oz, rows, pw + key_area_word(dd, WK, P_TOK), ok, LIBDEVICE)
-            c_hi = _fill_half(k_hi, nplane, old, os, oz, rows, pw + key_area_word(HALF + dd, WK, P_TOK), ok, LIBDEVICE)
+            ph = halves_of(qparams) + 2 * (blk * P_BLK + hh * P_HEAD)
+            c_lo = _fill_half(k_lo, kplane, old, os, oz, rows, ph + key_area_half(dd, WK, P_TOK),
+                              ph + key_area_half(D + dd, WK, P_TOK), ok, LIBDEVICE)
+            c_hi = _fill_half(k_hi, nplane, old, os, oz, rows, ph + key_area_half(HALF + dd, WK, P_TOK),
+                              ph + key_area_half(D + HALF + dd, WK, P_TOK), ok, LIBDEVICE)
             tl.store(kplane, (c_lo | (c_hi << 4)).to(tl.uint8), mask=rows)
         else:
             _int8_rows(k_lo, k_hi, ok & new, hm & new, kplane, nplane, kw, kz_w, LIBDEVICE)
@@ -203,7 +207,7 @@ def _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, bi, q0,
 @kernel(ints=("stride_kn", "stride_vn", "bt_stride", "table_width", "seq0", "n_progs"))
 def _int4b_append_kernel(
     k, v,  # model dtype [N, H, D], head_dim contiguous, heads STRIDE_H apart
-    pool, qparams, qwords,  # uint8 pool; float32 params and the same memory as int32 (the fp16 pairs)
+    pool, qparams,  # uint8 pool; float32 params (the full blocks' key areas read as float16)
     block_tables, cu_q_lens, k_lens, inv_freq,
     stride_kn, stride_vn, bt_stride, table_width, seq0, n_progs,
     MODE: tl.constexpr,  # 0: kv_lens [B] (tokens before the step), 1: cu_k_lens [B + 1] (after it)
@@ -231,16 +235,16 @@ def _int4b_append_kernel(
     if c == 0:
         if (n == 1) & ((start + 1) % BS != 0):
             # a decode row that leaves its block partial: that slot's row only (an int8 key row, an int4 value row)
-            _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
+            _write_block(k, v, pool, qparams, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
                          stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS,
                          WK, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE, 1)
         else:
-            _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
+            _write_block(k, v, pool, qparams, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
                          stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS,
                          WK, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE, BS)
         tl.debug_barrier()  # the first block's reads of the second's key plane end before any thread writes it
     for s in range(1 + c, n_blk, n_progs):
-        _write_block(k, v, pool, qparams, qwords, block_tables, inv_freq, b, first + s, q0, start, n, g, stride_kn,
+        _write_block(k, v, pool, qparams, block_tables, inv_freq, b, first + s, q0, start, n, g, stride_kn,
                      stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS, WK,
                      S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE, BS)
 
@@ -286,10 +290,11 @@ def _int4b_gather_kernel(
     pb = qparams + blk * P_BLK + hh * P_HEAD
     if full:
         raw = tl.load(kplane, mask=lane & live, other=0).to(tl.int32)
-        w_lo = tl.load(pb + key_area_word(dd, WK, P_TOK), mask=lane & okv, other=0.0)
-        w_hi = tl.load(pb + key_area_word(HALF + dd, WK, P_TOK), mask=lane & okv, other=0.0)
-        s_lo, z_lo = _fp16_halves(w_lo.to(tl.int32, bitcast=True))
-        s_hi, z_hi = _fp16_halves(w_hi.to(tl.int32, bitcast=True))
+        ph = halves_of(qparams) + 2 * (blk * P_BLK + hh * P_HEAD)
+        s_lo = tl.load(ph + key_area_half(dd, WK, P_TOK), mask=lane & okv, other=0.0).to(tl.float32)
+        s_hi = tl.load(ph + key_area_half(HALF + dd, WK, P_TOK), mask=lane & okv, other=0.0).to(tl.float32)
+        z_lo = tl.load(ph + key_area_half(D + dd, WK, P_TOK), mask=lane & okv, other=0.0).to(tl.float32)
+        z_hi = tl.load(ph + key_area_half(D + HALF + dd, WK, P_TOK), mask=lane & okv, other=0.0).to(tl.float32)
         k_lo = _mul_add((raw & 15).to(tl.float32), s_lo, z_lo, LIBDEVICE)
         k_hi = _mul_add(((raw >> 4) & 15).to(tl.float32), s_hi, z_hi, LIBDEVICE)
     else:
