@@ -215,7 +215,7 @@ def _int4b_append_kernel(
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_BLOCKS: tl.constexpr, WK: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
     STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK_H: tl.constexpr, H_P: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     # grid (B, n_progs, cdiv(H, BLOCK_H)): program (b, c, g) writes heads g * BLOCK_H .. of sequence seq0 + b's
     # blocks 1 + c, 1 + c + n_progs, .. of those the call reaches, and program c = 0 its first block before them. The
@@ -234,10 +234,15 @@ def _int4b_append_kernel(
     n_blk = tl.where(n > 0, (start + n - 1) // BS - first + 1, 0)  # blocks the call's rows touch
     if c == 0:
         if (n == 1) & ((start + 1) % BS != 0):
-            # a decode row that leaves its block partial: that slot's row only (an int8 key row, an int4 value row)
-            _write_block(k, v, pool, qparams, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
-                         stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS,
-                         WK, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, BLOCK_H, BLOCK_D2, LIBDEVICE, 1)
+            # a decode row that leaves its block partial: that slot's row only (an int8 key row, an int4 value row),
+            # every head in the first head group's program (the others exit): a row is little work, and a launch
+            # whose every (row, head) is a program of this kernel's registers takes waves (H200, 256 rows x 8
+            # heads: 11-13 us)
+            if g == 0:
+                _write_block(k, v, pool, qparams, block_tables, inv_freq, b, first, q0, start, n, 0, stride_kn,
+                             stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS,
+                             NUM_BLOCKS, WK, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, H_P, BLOCK_D2,
+                             LIBDEVICE, 1)
         else:
             _write_block(k, v, pool, qparams, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
                          stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS,
