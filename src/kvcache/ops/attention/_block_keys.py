@@ -161,20 +161,17 @@ def _full_block(i, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qpa
 @triton.jit
 def block_group_tile(
     t, m_i, l_i, acc_lo, acc_hi, zacc, a_sc, q_lo, q_hi, qk_scale, pool, qparams, bt_row, kvh, j_hi, n_blocks,
-    offs_n, dd, ok_lo, ok_hi, q_inv,
+    offs_n, dd, ok_lo, ok_hi,
     SOFTCAP: tl.constexpr, H1: tl.constexpr, BS: tl.constexpr, S_BLK: tl.constexpr, S_KV: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_BLK: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
-    WK: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr, Q_RESCALE: tl.constexpr,
-    INTERP: tl.constexpr,
+    WK: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr, PACKED: tl.constexpr, INTERP: tl.constexpr,
 ):
     """``GROUP`` (2 or 4) full blocks ``t .. t + GROUP - 1`` of an int4b decode tile (one block per tile index, every
     key visible to every row: the unmasked range below the sequence's last full block) in one online-softmax step:
     each block's keys dequantized with its channels' (scale, zero), its own QK^T dot, then one running maximum,
     one rescale of the accumulators and one V unit (the group's largest V scale) for the group, as ``_tile`` does
-    for one tile of V folded per token. ``Q_RESCALE``: the queries' rows were scaled by powers of two into float16
-    (``_kernel``), their scores take ``q_inv`` [M] back. Returns (m_i, l_i, acc_lo, acc_hi, zacc, a_sc)."""
+    for one tile of V folded per token. Returns (m_i, l_i, acc_lo, acc_hi, zacc, a_sc)."""
     tl.static_assert(GROUP == 2 or GROUP == 4, "block_group_tile: groups of 2 or 4 blocks")
-    M: tl.constexpr = q_lo.shape[0]
     if q_lo.dtype == tl.float32:
         VDT: tl.constexpr = tl.float32
     else:
@@ -186,16 +183,11 @@ def block_group_tile(
         1, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK, S_KV,
         S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
     if SOFTCAP > 0:
-        if Q_RESCALE:
-            s0 = s0 * q_inv[:, None]
-            s1 = s1 * q_inv[:, None]
         s0 = _softcapped(s0, qk_scale, SOFTCAP)
         s1 = _softcapped(s1, qk_scale, SOFTCAP)
-        row = tl.full([M], 1.0, tl.float32)
-    elif Q_RESCALE:
-        row = q_inv * qk_scale  # [M]
+        row = tl.full([], 1.0, tl.float32)
     else:
-        row = tl.full([M], 1.0, tl.float32) * qk_scale
+        row = qk_scale
     # keys of a block id outside the pool take no weight, as the torch path drops them
     s0 = tl.where(ok0[None, :], s0, float("-inf"))
     s1 = tl.where(ok1[None, :], s1, float("-inf"))
@@ -209,9 +201,6 @@ def block_group_tile(
             3, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qparams, dd, ok_lo, ok_hi, H1, BS, S_BLK,
             S_KV, S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, PRECISION, PACKED, INTERP, VDT)
         if SOFTCAP > 0:
-            if Q_RESCALE:
-                s2 = s2 * q_inv[:, None]
-                s3 = s3 * q_inv[:, None]
             s2 = _softcapped(s2, qk_scale, SOFTCAP)
             s3 = _softcapped(s3, qk_scale, SOFTCAP)
         s2 = tl.where(ok2[None, :], s2, float("-inf"))
@@ -222,13 +211,13 @@ def block_group_tile(
     m_new = tl.maximum(m_i, mx * row)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p0 = tl.exp2(s0 * row[:, None] - m_safe[:, None])
-    p1 = tl.exp2(s1 * row[:, None] - m_safe[:, None])
+    p0 = tl.exp2(s0 * row - m_safe[:, None])
+    p1 = tl.exp2(s1 * row - m_safe[:, None])
     l_sum = tl.sum(p0, 1) + tl.sum(p1, 1)
     z_sum = tl.sum(p0 * vz0[None, :], 1) + tl.sum(p1 * vz1[None, :], 1)
     if GROUP == 4:
-        p2 = tl.exp2(s2 * row[:, None] - m_safe[:, None])
-        p3 = tl.exp2(s3 * row[:, None] - m_safe[:, None])
+        p2 = tl.exp2(s2 * row - m_safe[:, None])
+        p3 = tl.exp2(s3 * row - m_safe[:, None])
         l_sum += tl.sum(p2, 1) + tl.sum(p3, 1)
         z_sum += tl.sum(p2 * vz2[None, :], 1) + tl.sum(p3 * vz3[None, :], 1)
     l_i = l_i * alpha + l_sum

@@ -192,12 +192,10 @@ def _attention_kernel(
         q_sum = tl.zeros([BLOCK_Q * G_P], tl.float32)  # unused
     q_inv = tl.full([BLOCK_Q * G_P], 1.0, tl.float32)
     if Q_RESCALE:
-        # bfloat16 queries over int8 codes or int4b's keys (decode tiles): QK^T runs in float16, whose int8 code
-        # conversion is 2.5x cheaper than bfloat16's and whose int4b keys take one packed fma per two codes (float32
-        # math per element in bfloat16: 104 -> 92 us at 96 x 768 tokens, H200). Each row is scaled by a power of
-        # two r that brings its largest |q| into [2^14, 2^15), exact (bfloat16's 8 significant bits fit float16's
-        # 11) for every element above 2^-28 of the row's largest; scores are multiplied by 1 / r and sum(q) by r
-        # (the zero term)
+        # bfloat16 queries over int8 codes (decode tiles): QK^T runs in float16, whose code conversion is 2.5x
+        # cheaper than bfloat16's. Each row is scaled by a power of two r that brings its largest |q| into
+        # [2^14, 2^15), exact (bfloat16's 8 significant bits fit float16's 11) for every element above 2^-28 of
+        # the row's largest; scores are multiplied by 1 / r and sum(q) by r (the zero term)
         amax = tl.maximum(tl.max(tl.abs(q_lo.to(tl.float32)), 1), tl.max(tl.abs(q_hi.to(tl.float32)), 1))
         e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
         k = tl.minimum(tl.maximum(268 - e, 1), 253)
@@ -339,9 +337,9 @@ def _attention_kernel(
             for i in range(0, n_grp):
                 m_i, l_i, acc_lo, acc_hi, zacc, a_sc = block_group_tile(
                     u_lo + i * BLOCK_GROUP, m_i, l_i, acc_lo, acc_hi, zacc, a_sc, q_lo, q_hi, qk_scale, pool,
-                    qparams, bt_row, kvh, j_hi, n_blocks, offs_n, dd, ok_lo, ok_hi, q_inv, SOFTCAP, H1, BS, S_BLK,
-                    S_KV, S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, BLOCK_GROUP, PRECISION,
-                    not INTERP and q_lo.dtype == tl.float16, Q_RESCALE, INTERP)
+                    qparams, bt_row, kvh, j_hi, n_blocks, offs_n, dd, ok_lo, ok_hi, SOFTCAP, H1, BS, S_BLK, S_KV,
+                    S_TOK, S_HEAD, P_BLK, P_TOK, P_HEAD, WK, BLOCK_GROUP, PRECISION,
+                    not INTERP and q_lo.dtype == tl.float16, INTERP)
             u_lo = u_lo + n_grp * BLOCK_GROUP
         for t in range(u_lo, u_hi):
             m_i, l_i, acc_lo, acc_hi, zacc, pvs, a_sc = _tile(

@@ -167,7 +167,7 @@ def _launch(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, sinks:
         LINEAR=linear, LOG_B=_search_steps(n_seqs), HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None, HAS_LSE=lse is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or dot_f32 else None, DOT_F32=dot_f32,
-        V_FOLD=v_fold, Q_RESCALE=v_fold and quant in (2, 4, 6) and q.dtype == torch.bfloat16,  # int8 keys, int4b
+        V_FOLD=v_fold, Q_RESCALE=v_fold and quant in (2, 4) and q.dtype == torch.bfloat16,  # int8 keys
         WARPS_K=plan.num_warps if plan.warp_split else 1, HEADS_INNER=plan.block_q * next_pow2(g) <= 16,
         MIN_SPLIT_TILES=max(1, plan.min_split_keys // plan.block_n), INTERP=dev.type != "cuda",
         Q_ROPE=q_rope is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,

@@ -63,8 +63,6 @@ def _tile(
         s = s * ks[None, :] + q_sum[:, None] * kz[None, :]
         if Q_RESCALE and not LATE:
             s = s * q_inv[:, None]  # the rows' 1 / r (rescaled bfloat16 queries)
-    elif QK == 6 and Q_RESCALE and not LATE:
-        s = s * q_inv[:, None]
     if SOFTCAP > 0:
         s = _softcapped(s, qk_scale, SOFTCAP)
     elif not LATE:
