@@ -6,8 +6,9 @@ the model dtype at the largest output. ``--speed``: decode attention (64 x 1k / 
 32 / 8 heads x 128, fp16 and bf16 queries, random blocks, L2 flushed, the median of 30 calls; HND fp16 rows with the
 same-condition ceiling of reading the same blocks: the faster of a contiguous and a same-blocks copy), decode append
 (256 x 1 token, one layer: random lengths, rows that leave their block partial, rows that fill it) and prefill
-append (8 x 2,048 tokens), in us. ``--tiles``: int4b's one-warp decode tiles (keys, stages) swept. ``--layouts``:
-NHD, HND or both (default).
+append (8 x 2,048 tokens), in us. ``--tiles``: int4b's one-warp decode tiles (keys, stages) swept. ``--ratios``:
+int4b / int4 decode attention with both caches timed alternating in one process (and 96 x 768 tokens).
+``--layouts``: NHD, HND or both (default).
 
     python benchmarks/block_keys_gpu.py --check --speed --tiles
 """
@@ -193,11 +194,33 @@ def speed(tiles, layouts=("NHD", "HND")):
         print("prefill append 8 x 2048", layout, " | ".join(row), flush=True)
 
 
+def ratios(rounds=2):
+    """int4b / int4 decode attention with both caches built at once and timed alternating in this process (HND, the
+    shapes of ``speed`` and 96 x 768, the engine's decode batches at the fixed budget): the ratio without the spread
+    between runs. Run it in several processes to see the rest of the spread."""
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+    for n_seqs, seq in ((64, 1024), (64, 16384), (4, 16384), (256, 2048), (96, 768)):
+        for qdt in (torch.float16, torch.bfloat16):
+            runs = {}
+            for kv in ("int4", "int4b"):
+                cache, _, plan = _decode_cache(kv, "HND", n_seqs, seq, qdt)
+                q = torch.randn(n_seqs, HQ, D, dtype=qdt, device=dev)
+                cache.attention(0, q, plan)
+                runs[kv] = lambda c=cache, q=q, p=plan: c.attention(0, q, p)
+            for _ in range(rounds):
+                a, b = timed(runs["int4"], flush), timed(runs["int4b"], flush)
+                print(f"int4b / int4 HND {str(qdt)[6:]} {n_seqs} x {seq}: int4 {a:.1f} | int4b {b:.1f} | "
+                      f"{b / a:.3f}", flush=True)
+            del runs
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--speed", action="store_true")
     ap.add_argument("--tiles", action="store_true", help="with --speed: int4b's one-warp decode tiles swept")
+    ap.add_argument("--ratios", action="store_true", help="int4b / int4 decode attention timed alternating")
     ap.add_argument("--layouts", default="NHD,HND", help="the layouts checked and timed")
     args = ap.parse_args()
     t0 = time.time()
@@ -205,4 +228,6 @@ if __name__ == "__main__":
         correctness(tuple(args.layouts.split(",")))
     if args.speed:
         speed(args.tiles, tuple(args.layouts.split(",")))
+    if args.ratios:
+        ratios()
     print(f"{time.time() - t0:.0f} s", flush=True)

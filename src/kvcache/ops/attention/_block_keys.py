@@ -5,8 +5,9 @@ row); the byte format of :mod:`kvcache.ops.paged.block_keys`.
 Two forms: :func:`block_key_tile` dequantizes any tile's keys (full blocks, the partial one, prefill tiles);
 :func:`block_group_tile` runs decode tiles over full blocks only, ``BLOCK_GROUP`` blocks per online-softmax step
 (each block's own QK^T dot, one running maximum, one accumulator rescale and one V unit for the group), with the
-block's id, addresses and (scale, zero) rows per block rather than per key and, for float16 queries, codes times
-scale plus zero in one packed asm per four bytes in the load's register layout (:func:`._convert.u4_fma`). The
+block's id, addresses, scales and zeros per block rather than per key and, for float16 queries, codes times
+scale plus zero in one packed asm per four bytes in the load's register layout (:func:`._convert.u4_fma`, its
+operands two channels' scales or zeros a word, loaded as the key area stores them). The
 attention kernel takes the group form for the full blocks of a decode tile's unmasked range at one block per tile
 index and the one-block form for the rest (the last full blocks and the partial one).
 
@@ -27,7 +28,9 @@ from ._loads import PV_RANGE, _load_kv, _load_params, _softcapped
 # Full blocks per online-softmax step of int4b's one-block decode tiles (block_group_tile). H200, 32 / 8 heads x 128,
 # HND, 16-key tiles of two stages, fp16 / bf16 queries, one run: 64 x 16k 1,003 / 859 us in pairs, 990 / 1,035 in
 # fours; 256 x 2k 500 / 480 in pairs, 560 / 652 in fours (a group of four holds 31 KB of shared memory a program, a
-# pair 18 KB). One block a step measured 1,239 / 1,261 at 64 x 16k (BENCHMARKS.md has the current figures).
+# pair 18 KB). One block a step measured 1,239 / 1,261 at 64 x 16k (BENCHMARKS.md has the current figures). With the
+# key area's scales and zeros apart, int4b / int4 in one process, fp16: 256 x 2k 1.42-1.51x in fours against
+# 1.21-1.29x in pairs, 64 x 16k 1.36-1.39x against 1.34-1.35x.
 BLOCK_GROUP = tl.constexpr(2)
 
 

@@ -157,8 +157,9 @@ def kv_format(kv_dtype: object, name: str = "kv_dtype") -> KVFormat:
 
 def block_key_words(head_dim: int, block_size: int) -> int:
     """int4b: float32 words of the key area per (token slot, head), ``ceil(head_dim / block_size)``: a block's
-    ``block_size`` slots hold ``head_dim`` words per head, one fp16 (scale, zero) pair per channel (a full block) or
-    a float32 (scale, zero) per int8 row (the partial block: ``2 * block_size <= head_dim`` words)."""
+    ``block_size`` slots hold ``head_dim`` words per head, the channels' fp16 scales then their fp16 zeros, two
+    channels a word (a full block), or a float32 (scale, zero) per int8 row (the partial block: ``2 * block_size <=
+    head_dim`` words)."""
     return -(-head_dim // block_size)
 
 
