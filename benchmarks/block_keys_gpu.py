@@ -194,7 +194,7 @@ def speed(tiles, layouts=("NHD", "HND")):
         print("prefill append 8 x 2048", layout, " | ".join(row), flush=True)
 
 
-def ratios(rounds=2):
+def ratios(repeats=2):
     """int4b / int4 decode attention with both caches built at once and timed alternating in this process (HND, the
     shapes of ``speed`` and 96 x 768, the engine's decode batches at the fixed budget): the ratio without the spread
     between runs. Run it in several processes to see the rest of the spread."""
@@ -207,7 +207,7 @@ def ratios(rounds=2):
                 q = torch.randn(n_seqs, HQ, D, dtype=qdt, device=dev)
                 cache.attention(0, q, plan)
                 runs[kv] = lambda c=cache, q=q, p=plan: c.attention(0, q, p)
-            for _ in range(rounds):
+            for _ in range(repeats):
                 a, b = timed(runs["int4"], flush), timed(runs["int4b"], flush)
                 print(f"int4b / int4 HND {str(qdt)[6:]} {n_seqs} x {seq}: int4 {a:.1f} | int4b {b:.1f} | "
                       f"{b / a:.3f}", flush=True)

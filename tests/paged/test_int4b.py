@@ -284,6 +284,22 @@ def test_a_decode_sized_batch_of_fills_partial_rows_and_a_two_row_sequence_write
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
+@pytest.mark.parametrize("heads,block", [(5, 4), (3, 8)])
+def test_decode_rows_of_more_heads_than_one_program_writes_store_the_bytes_of_the_torch_path(heads, block):
+    # a decode row that leaves its block partial is written up to block_size heads a program: 5 heads over blocks of
+    # 4 take two programs (heads 0-3, then 4 with three masked lanes), 3 heads over 8 one (one masked lane)
+    out = []
+    for interpret in (False, True):
+        cache = PagedKVCache(PagedConfig(num_layers=1, num_kv_heads=heads, head_dim=16, block_size=block,
+                                         num_blocks=12, dtype=torch.float32, kv_dtype="int4b", device="cpu"))
+        g = torch.Generator().manual_seed(heads)
+        k, v = torch.randn(11, heads, 16, generator=g) * 3, torch.randn(11, heads, 16, generator=g)
+        _append_chunks(cache, torch.tensor([[6, 2, 9, 4]], dtype=torch.int32), [1] * 11, k, v, interpret, False)
+        out.append((cache.pool(0).clone(), cache.params(0).view(torch.int32).clone()))
+    assert out[0][0].any()
+    assert torch.equal(out[1][0], out[0][0]) and torch.equal(out[1][1], out[0][1])
+
+
 def test_an_odd_number_of_key_area_words_per_slot_puts_a_rows_zero_in_the_next_slot_in_every_path():
     # head_dim 80, block 16: 5 words per slot, so row 2's (scale, zero) are words 4 (slot 0) and 5 (slot 1)
     out = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..paged.kernels.block_keys import halves_of, key_area_half, key_area_word
+from ..paged.kernels.block_keys import channel_scale_zero, key_area_word
 from ._convert import u4_fma
 from ._loads import PV_RANGE, _load_kv, _load_params, _softcapped
 
@@ -29,19 +29,10 @@ from ._loads import PV_RANGE, _load_kv, _load_params, _softcapped
 # HND, 16-key tiles of two stages, fp16 / bf16 queries, one run: 64 x 16k 1,003 / 859 us in pairs, 990 / 1,035 in
 # fours; 256 x 2k 500 / 480 in pairs, 560 / 652 in fours (a group of four holds 31 KB of shared memory a program, a
 # pair 18 KB). One block a step measured 1,239 / 1,261 at 64 x 16k (BENCHMARKS.md has the current figures). With the
-# key area's scales and zeros apart, int4b / int4 in one process, fp16: 256 x 2k 1.42-1.51x in fours against
-# 1.21-1.29x in pairs, 64 x 16k 1.36-1.39x against 1.34-1.35x.
+# key area's scales and zeros apart, int4b / int4 with fp16 queries (both timed in one process; fours in one, pairs
+# in four of the same hour): 256 x 2k 1.42-1.43x in fours against 1.18-1.29x in pairs, 64 x 16k 1.36-1.39x against
+# 1.31-1.35x, 96 x 768 1.48-1.59x against 1.13-1.36x.
 BLOCK_GROUP = tl.constexpr(2)
-
-
-@triton.jit
-def _scale_zero(qparams, pbase, c, D: tl.constexpr, WK: tl.constexpr, P_TOK: tl.constexpr, mask):
-    # float16 (scale, zero) of channels c of the full blocks whose params start at word pbase: the scales and the
-    # zeros sit apart in the key area, two channels a word, so that the loads hand them to a packed fma as they are
-    ph = halves_of(qparams) + 2 * pbase
-    s = tl.load(ph + key_area_half(c, WK, P_TOK), mask=mask, other=0.0)
-    z = tl.load(ph + key_area_half(D + c, WK, P_TOK), mask=mask, other=0.0)
-    return s, z
 
 
 @triton.jit
@@ -83,7 +74,7 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
     """Key halves ``[HALF_P, BLOCK_N]`` (channels down, keys across) of tile ``t`` of an int4b pool in ``DT`` (the
     dots' operand dtype; full blocks dequantized in it, the partial block's int8 rows in float32): ``raw`` the int4
     byte rows (uint8, as loaded for int4), keys ``j`` below ``full_end`` in full blocks, the rest in the partial
-    one. A tile of whole blocks loads each block's (scale, zero) row once and spreads it over its keys. Returns
+    one. A tile of whole blocks loads each block's scales and zeros once and spreads them over its keys. Returns
     (k_lo, k_hi, ok_n): a partial block's key whose next block is past the table or the pool is dropped from
     ``ok_n`` (not read), as the torch path drops it."""
     HALF_P: tl.constexpr = dd.shape[0]
@@ -94,16 +85,20 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
         bb = tl.load(bt_row + jb // BS, mask=ok_b, other=0)
         ok_b = ok_b & (bb >= 0) & (bb < n_blocks)
         pbase = bb.to(tl.int64)[None, :] * P_BLK + kvh * P_HEAD  # [1, NB]
-        s_lo, z_lo = _scale_zero(qparams, pbase, dd[:, None], 2 * H1, WK, P_TOK, ok_b[None, :] & ok_lo[:, None])
-        s_hi, z_hi = _scale_zero(qparams, pbase, H1 + dd[:, None], 2 * H1, WK, P_TOK, ok_b[None, :] & ok_hi[:, None])
+        s_lo, z_lo = channel_scale_zero(qparams, pbase, dd[:, None], 2 * H1, WK, P_TOK,
+                                        ok_b[None, :] & ok_lo[:, None])
+        s_hi, z_hi = channel_scale_zero(qparams, pbase, H1 + dd[:, None], 2 * H1, WK, P_TOK,
+                                        ok_b[None, :] & ok_hi[:, None])
         s_lo = _spread(s_lo, HALF_P, NB, BS)
         z_lo = _spread(z_lo, HALF_P, NB, BS)
         s_hi = _spread(s_hi, HALF_P, NB, BS)
         z_hi = _spread(z_hi, HALF_P, NB, BS)
     else:
         pbase = blk[None, :] * P_BLK + kvh * P_HEAD  # [1, N]
-        s_lo, z_lo = _scale_zero(qparams, pbase, dd[:, None], 2 * H1, WK, P_TOK, ok_n[None, :] & ok_lo[:, None])
-        s_hi, z_hi = _scale_zero(qparams, pbase, H1 + dd[:, None], 2 * H1, WK, P_TOK, ok_n[None, :] & ok_hi[:, None])
+        s_lo, z_lo = channel_scale_zero(qparams, pbase, dd[:, None], 2 * H1, WK, P_TOK,
+                                        ok_n[None, :] & ok_lo[:, None])
+        s_hi, z_hi = channel_scale_zero(qparams, pbase, H1 + dd[:, None], 2 * H1, WK, P_TOK,
+                                        ok_n[None, :] & ok_hi[:, None])
     k_lo, k_hi = _dequant(raw, s_lo, z_lo, s_hi, z_hi, DT)
     part = ok_n & (j >= full_end)
     if tl.max(part.to(tl.int32), 0) > 0:  # the tile reaches the partial block: its int8 rows
@@ -142,8 +137,8 @@ def _full_block(i, t, q_lo, q_hi, offs_n, j_hi, bt_row, n_blocks, kvh, pool, qpa
     raw = tl.load(pool + base[None, :] + dd[:, None], mask=ok_n[None, :] & ok_lo[:, None], other=0)
     pb = bb * P_BLK + kvh * P_HEAD
     ok_d = (dd * 0 + ok_b.to(tl.int32)) != 0  # [HALF_P], constant along the channels (vector loads)
-    s_lo, z_lo = _scale_zero(qparams, pb, dd, 2 * H1, WK, P_TOK, ok_d & ok_lo)
-    s_hi, z_hi = _scale_zero(qparams, pb, H1 + dd, 2 * H1, WK, P_TOK, ok_d & ok_hi)
+    s_lo, z_lo = channel_scale_zero(qparams, pb, dd, 2 * H1, WK, P_TOK, ok_d & ok_lo)
+    s_hi, z_hi = channel_scale_zero(qparams, pb, H1 + dd, 2 * H1, WK, P_TOK, ok_d & ok_hi)
     s_lo = tl.broadcast_to(s_lo[:, None], (HALF_P, BS))
     z_lo = tl.broadcast_to(z_lo[:, None], (HALF_P, BS))
     s_hi = tl.broadcast_to(s_hi[:, None], (HALF_P, BS))

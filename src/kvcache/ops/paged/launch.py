@@ -87,8 +87,8 @@ _INT4B_APPEND_PROGRAMS = 8192
 def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: StepPlan) -> None:
     """int4b's append kernel (:mod:`.kernels.block_keys`): programs per (sequence, chunk, head) sharing the blocks
     each sequence's rows reach. ``plan.num_decode`` (a host hint, as for the attention) splits a mixed batch into a
-    launch of its decode rows and one of the rest, so the decode rows take one program each; every split is
-    correct."""
+    launch of its decode rows and one of the rest, so the decode rows take one program each (a row that leaves its
+    block partial: up to ``block_size`` heads in one); every split is correct."""
     nb, bs, H, D = layer.geometry[:4]
     wk, strides = _int4b_strides(layer)
     b = plan.num_seqs
@@ -114,7 +114,7 @@ def _append_int4b(k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, plan: Ste
             k.stride(0), v.stride(0), bt.stride(0), bt.shape[1], s0, n_progs,  # type: ignore[union-attr]
             MODE=mode.value, ROPE=has_rope, ROT=rot, INTERLEAVED=inter, ATTN_SCALE=attn_scale, H=H, D=D, BS=bs,
             NUM_BLOCKS=nb, WK=wk, **strides, STRIDE_KH=k.stride(1), STRIDE_VH=v.stride(1), BLOCK_H=heads,
-            H_P=next_pow2(H),
+            ROW_HEADS=min(next_pow2(H), 1 << (bs.bit_length() - 1)),
             BLOCK_D2=max(2, next_pow2(D // 2)), LIBDEVICE=layer.device.type == "cuda", num_warps=2,
         )
 

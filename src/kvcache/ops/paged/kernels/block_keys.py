@@ -98,9 +98,20 @@ def key_area_half(c, WK: tl.constexpr, P_TOK: tl.constexpr):
 
 
 @triton.jit
-def halves_of(qparams):
-    """The float32 params pool's pointer as float16 values (the full blocks' key areas)."""
-    return qparams.to(tl.pointer_type(tl.float16))
+def _halves(qparams, pbase):
+    # the float32 params pool as float16 values, from word pbase (a block's and head's first)
+    return qparams.to(tl.pointer_type(tl.float16)) + 2 * pbase
+
+
+@triton.jit
+def channel_scale_zero(qparams, pbase, c, D: tl.constexpr, WK: tl.constexpr, P_TOK: tl.constexpr, mask):
+    """float16 (scale, zero) of channels ``c`` (int tensor) of the full blocks whose head's params start at word
+    ``pbase``: two channels' scales (or zeros) a word, loaded as a packed fma takes them; 0 where not ``mask``. The
+    gather and the attention kernels read a full block's key area by it."""
+    ph = _halves(qparams, pbase)
+    s = tl.load(ph + key_area_half(c, WK, P_TOK), mask=mask, other=0.0)
+    z = tl.load(ph + key_area_half(D + c, WK, P_TOK), mask=mask, other=0.0)
+    return s, z
 
 
 @triton.jit
@@ -194,7 +205,7 @@ def _write_block(k, v, pool, qparams, block_tables, inv_freq, b, bi, q0, start, 
             oz = tl.load(kz_w, mask=hm & old, other=0.0)
             tl.debug_barrier()
             rows = ok & (tt < BS)
-            ph = halves_of(qparams) + 2 * (blk * P_BLK + hh * P_HEAD)
+            ph = _halves(qparams, blk * P_BLK + hh * P_HEAD)
             c_lo = _fill_half(k_lo, kplane, old, os, oz, rows, ph + key_area_half(dd, WK, P_TOK),
                               ph + key_area_half(D + dd, WK, P_TOK), ok, LIBDEVICE)
             c_hi = _fill_half(k_hi, nplane, old, os, oz, rows, ph + key_area_half(HALF + dd, WK, P_TOK),
@@ -215,12 +226,14 @@ def _int4b_append_kernel(
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NUM_BLOCKS: tl.constexpr, WK: tl.constexpr,
     S_TOK: tl.constexpr, S_HEAD: tl.constexpr, P_TOK: tl.constexpr, P_HEAD: tl.constexpr,
     STRIDE_KH: tl.constexpr, STRIDE_VH: tl.constexpr,
-    BLOCK_H: tl.constexpr, H_P: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK_H: tl.constexpr, ROW_HEADS: tl.constexpr, BLOCK_D2: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    # grid (B, n_progs, cdiv(H, BLOCK_H)): program (b, c, g) writes heads g * BLOCK_H .. of sequence seq0 + b's
-    # blocks 1 + c, 1 + c + n_progs, .. of those the call reaches, and program c = 0 its first block before them. The
+    # grid (B, n_progs, H) (one head a program, BLOCK_H = 1): program (b, c, g) writes head g of sequence seq0 + b's
+    # blocks 1 + c, 1 + c + n_progs, .. of those the call reaches, and program c = 0 its first block before them (a
+    # decode row that leaves its block partial: heads g .. g + ROW_HEADS - 1 when ROW_HEADS divides g). The
     # first block may read the second's key plane (its earlier int8 rows' second halves), which the second block's
     # write replaces: one program writes both, in that order. No other block reads a block the call writes.
+    tl.static_assert(BLOCK_H == 1, "int4b append: one head a program")
     b = tl.program_id(0).to(tl.int64) + seq0
     c = tl.program_id(1)
     g = tl.program_id(2)
@@ -235,14 +248,14 @@ def _int4b_append_kernel(
     if c == 0:
         if (n == 1) & ((start + 1) % BS != 0):
             # a decode row that leaves its block partial: that slot's row only (an int8 key row, an int4 value row),
-            # every head in the first head group's program (the others exit): a row is little work, and a launch
-            # whose every (row, head) is a program of this kernel's registers takes waves (H200, 256 rows x 8
-            # heads: 11-13 us)
-            if g == 0:
-                _write_block(k, v, pool, qparams, block_tables, inv_freq, b, first, q0, start, n, 0, stride_kn,
-                             stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS,
-                             NUM_BLOCKS, WK, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, H_P, BLOCK_D2,
-                             LIBDEVICE, 1)
+            # ROW_HEADS heads from the program of the first (the others exit; ROW_HEADS <= BS keeps the tile within
+            # the fill's): a row is little work, and a launch whose every (row, head) is a program of this kernel's
+            # registers takes waves (H200, 256 rows x 8 heads: 11.4-13.0 us, 10.6 in one program a row)
+            if g % ROW_HEADS == 0:
+                _write_block(k, v, pool, qparams, block_tables, inv_freq, b, first, q0, start, n, g // ROW_HEADS,
+                             stride_kn, stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D,
+                             BS, NUM_BLOCKS, WK, S_TOK, S_HEAD, P_TOK, P_HEAD, STRIDE_KH, STRIDE_VH, ROW_HEADS,
+                             BLOCK_D2, LIBDEVICE, 1)
         else:
             _write_block(k, v, pool, qparams, block_tables, inv_freq, b, first, q0, start, n, g, stride_kn,
                          stride_vn, bt_stride, table_width, ROPE, ROT, INTERLEAVED, ATTN_SCALE, H, D, BS, NUM_BLOCKS,
@@ -295,13 +308,10 @@ def _int4b_gather_kernel(
     pb = qparams + blk * P_BLK + hh * P_HEAD
     if full:
         raw = tl.load(kplane, mask=lane & live, other=0).to(tl.int32)
-        ph = halves_of(qparams) + 2 * (blk * P_BLK + hh * P_HEAD)
-        s_lo = tl.load(ph + key_area_half(dd, WK, P_TOK), mask=lane & okv, other=0.0).to(tl.float32)
-        s_hi = tl.load(ph + key_area_half(HALF + dd, WK, P_TOK), mask=lane & okv, other=0.0).to(tl.float32)
-        z_lo = tl.load(ph + key_area_half(D + dd, WK, P_TOK), mask=lane & okv, other=0.0).to(tl.float32)
-        z_hi = tl.load(ph + key_area_half(D + HALF + dd, WK, P_TOK), mask=lane & okv, other=0.0).to(tl.float32)
-        k_lo = _mul_add((raw & 15).to(tl.float32), s_lo, z_lo, LIBDEVICE)
-        k_hi = _mul_add(((raw >> 4) & 15).to(tl.float32), s_hi, z_hi, LIBDEVICE)
+        s_lo, z_lo = channel_scale_zero(qparams, blk * P_BLK + hh * P_HEAD, dd, D, WK, P_TOK, lane & okv)
+        s_hi, z_hi = channel_scale_zero(qparams, blk * P_BLK + hh * P_HEAD, HALF + dd, D, WK, P_TOK, lane & okv)
+        k_lo = _mul_add((raw & 15).to(tl.float32), s_lo.to(tl.float32), z_lo.to(tl.float32), LIBDEVICE)
+        k_hi = _mul_add(((raw >> 4) & 15).to(tl.float32), s_hi.to(tl.float32), z_hi.to(tl.float32), LIBDEVICE)
     else:
         q_lo = tl.load(kplane, mask=lane & live, other=0).to(tl.float32)
         q_hi = tl.load(pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd, mask=lane & live, other=0)
