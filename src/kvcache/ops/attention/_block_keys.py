@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..paged.kernels.block_keys import channel_scale_zero, key_area_word
+from ..paged.kernels.block_keys import channel_scale_zero, row_scale_zero
 from ._convert import u4_fma
 from ._loads import PV_RANGE, _load_kv, _load_params, _softcapped
 
@@ -33,12 +33,6 @@ from ._loads import PV_RANGE, _load_kv, _load_params, _softcapped
 # in four of the same hour): 256 x 2k 1.42-1.43x in fours against 1.18-1.29x in pairs, 64 x 16k 1.36-1.39x against
 # 1.31-1.35x, 96 x 768 1.48-1.59x against 1.13-1.36x.
 BLOCK_GROUP = tl.constexpr(2)
-
-
-@triton.jit
-def _word(qparams, pbase, w, WK: tl.constexpr, P_TOK: tl.constexpr, mask):
-    # key-area word w of the block at pbase
-    return tl.load(qparams + pbase + key_area_word(w, WK, P_TOK), mask=mask, other=0.0)
 
 
 @triton.jit
@@ -113,8 +107,7 @@ def block_key_tile(raw, t, j, ok_n, blk, tok, kvh, bt_row, j_hi, n_blocks, full_
         q_hi = tl.load(pool + (nxt * S_BLK + row)[None, :] + dd[:, None], mask=ok8[None, :] & ok_hi[:, None],
                        other=0).to(tl.float32)
         pb = blk * P_BLK + kvh * P_HEAD
-        rs = _word(qparams, pb, 2 * tok, WK, P_TOK, ok8)
-        rz = _word(qparams, pb, 2 * tok + 1, WK, P_TOK, ok8)
+        rs, rz = row_scale_zero(qparams, pb, tok, WK, P_TOK, ok8)
         k_lo = tl.where(part[None, :], (q_lo * rs[None, :] + rz[None, :]).to(DT), k_lo)
         k_hi = tl.where(part[None, :], (q_hi * rs[None, :] + rz[None, :]).to(DT), k_hi)
     return k_lo, k_hi, ok_n

@@ -98,6 +98,16 @@ def key_area_half(c, WK: tl.constexpr, P_TOK: tl.constexpr):
 
 
 @triton.jit
+def row_scale_zero(qparams, pbase, r, WK: tl.constexpr, P_TOK: tl.constexpr, mask):
+    """float32 (scale, zero) of int8 rows ``r`` (int tensor) of the partial blocks whose head's params start at word
+    ``pbase``: key-area words ``2 r`` and ``2 r + 1``; 0 where not ``mask``. The gather and the attention kernels
+    read a partial block's rows by it."""
+    s = tl.load(qparams + pbase + key_area_word(2 * r, WK, P_TOK), mask=mask, other=0.0)
+    z = tl.load(qparams + pbase + key_area_word(2 * r + 1, WK, P_TOK), mask=mask, other=0.0)
+    return s, z
+
+
+@triton.jit
 def _halves(qparams, pbase):
     # the float32 params pool as float16 values, from word pbase (a block's and head's first)
     return qparams.to(tl.pointer_type(tl.float16)) + 2 * pbase
@@ -305,18 +315,17 @@ def _int4b_gather_kernel(
     live = (tt < n) & okv  # [BS, H, 1]
     out_ok = lane & (t < s_out)
     kplane = pool + blk * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd
-    pb = qparams + blk * P_BLK + hh * P_HEAD
+    pbase = blk * P_BLK + hh * P_HEAD
     if full:
         raw = tl.load(kplane, mask=lane & live, other=0).to(tl.int32)
-        s_lo, z_lo = channel_scale_zero(qparams, blk * P_BLK + hh * P_HEAD, dd, D, WK, P_TOK, lane & okv)
-        s_hi, z_hi = channel_scale_zero(qparams, blk * P_BLK + hh * P_HEAD, HALF + dd, D, WK, P_TOK, lane & okv)
+        s_lo, z_lo = channel_scale_zero(qparams, pbase, dd, D, WK, P_TOK, lane & okv)
+        s_hi, z_hi = channel_scale_zero(qparams, pbase, HALF + dd, D, WK, P_TOK, lane & okv)
         k_lo = _mul_add((raw & 15).to(tl.float32), s_lo.to(tl.float32), z_lo.to(tl.float32), LIBDEVICE)
         k_hi = _mul_add(((raw >> 4) & 15).to(tl.float32), s_hi.to(tl.float32), z_hi.to(tl.float32), LIBDEVICE)
     else:
         q_lo = tl.load(kplane, mask=lane & live, other=0).to(tl.float32)
         q_hi = tl.load(pool + nxt * (2 * S_KV) + tt * S_TOK + hh * S_HEAD + dd, mask=lane & live, other=0)
-        rs = tl.load(pb + key_area_word(2 * tt, WK, P_TOK), mask=(hh < H) & live, other=0.0)
-        rz = tl.load(pb + key_area_word(2 * tt + 1, WK, P_TOK), mask=(hh < H) & live, other=0.0)
+        rs, rz = row_scale_zero(qparams, pbase, tt, WK, P_TOK, (hh < H) & live)
         k_lo = _mul_add(q_lo, rs, rz, LIBDEVICE)
         k_hi = _mul_add(q_hi.to(tl.float32), rs, rz, LIBDEVICE)
     k_lo = tl.where(live, k_lo, 0.0)
