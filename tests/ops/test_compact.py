@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import reference as ref
 from kvcache.ops import build_batch_mapping, compact_batch, compact_kv_layer, compact_kv_layers
+from sweeps import named, pairwise
 
 KV_DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 DTYPE_IDS = ["fp16", "bf16", "fp8"]
@@ -250,10 +251,9 @@ LAYERS_MASKS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", KV_DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("alloc", ["separate", "arena"])
-@pytest.mark.parametrize("finished", LAYERS_MASKS, ids=mask_id)
-@pytest.mark.parametrize("dst_mode", ["none", "alias", "separate"])
+@pytest.mark.parametrize(("dtype", "alloc", "finished", "dst_mode"), pairwise(
+    named(KV_DTYPES, DTYPE_IDS), ["separate", "arena"], named(LAYERS_MASKS, [mask_id(m) for m in LAYERS_MASKS]),
+    ["none", "alias", "separate"]))
 def test_compact_kv_layers(device, dtype, alloc, finished, dst_mode):
     b = 5
     old_active = len(finished)

@@ -16,6 +16,7 @@ import torch
 
 from kvcache.ops import append_paged_kv
 from kvcache.rope import RopeConfig, apply_rope_reference
+from sweeps import each_value, named, pairwise
 
 from . import launches as la
 from . import paged_reference as pr
@@ -46,9 +47,7 @@ def _ragged_case(device, gen, H, D, bs, q_lens, kv_lens, dtype, *, nb=16, extra=
 # ragged batches
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("case", RAGGED)
+@pytest.mark.parametrize(("case", "layout", "dtype"), pairwise(RAGGED, ["NHD", "HND"], named(DTYPES, DTYPE_IDS)))
 def test_ragged_append_bit_exact(device, case, layout, dtype):
     H, D, bs, q_lens, kv_lens = case
     gen = pr.generator(sum(q_lens) * 31 + D)
@@ -177,8 +176,8 @@ def test_no_tokens_is_a_no_op(device):
     pr.assert_bits_equal(cache.buffer, before, "pool")
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"])
-@pytest.mark.parametrize("split", [False, True], ids=["per-row", "split"])
+@pytest.mark.parametrize(("split", "kv_dtype"), each_value(
+    named([False, True], ["per-row", "split"]), ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"]))
 def test_rows_outside_the_block_table_are_skipped_without_check(device, split, kv_dtype):
     """Without check=True, rows whose block index is past the table, or whose block id is -1 or past the
     pool, are skipped on the device; the other rows are written. Both launch shapes: one program per row
@@ -240,9 +239,9 @@ def test_slot_mapping_with_padding(device, layout, slot_dtype):
     pr.assert_append_matches(cache.pool(0), None, exp, kv_dtype="auto", layout=layout)
 
 
-@pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"])
-@pytest.mark.parametrize("split", [False, True], ids=["per-row", "split"])
+@pytest.mark.parametrize(("split", "kv_dtype", "use_rope"), pairwise(
+    named([False, True], ["per-row", "split"]), ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"],
+    named([False, True], ["no-rope", "rope"])))
 def test_slot_mapping_past_the_pool_is_skipped_without_check(device, split, kv_dtype, use_rope):
     """Slots -1 and past the pool write nothing, in both launch shapes and every format (see above), with RoPE
     too (quantized split launches with RoPE keep the branch on the row's validity: rope_select)."""
@@ -385,8 +384,7 @@ ROPE_CASES = ["default", "interleaved", "partial", "partial-interleaved", "linea
               "dynamic"]
 
 
-@pytest.mark.parametrize("rope_case", ROPE_CASES)
-@pytest.mark.parametrize("D", [64, 80])
+@pytest.mark.parametrize(("D", "rope_case"), each_value([64, 80], ROPE_CASES))
 def test_append_with_rope(device, rope_case, D):
     H, bs = 2, 4
     rope, seq_len = _rope(rope_case, D)

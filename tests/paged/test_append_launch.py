@@ -25,15 +25,12 @@ from kvcache.ops.paged.kernels.lookup import _GUESS_ONE, _GUESS_SHIFT, _guess_mu
 from kvcache.ops.paged.kernels.numerics import _SINCOS_MAX
 from kvcache.ops.paged.launch import pdl_supported, ptx
 from kvcache.rope import RopeConfig
+from sweeps import each_value, named, pairwise
 
 from . import launches as la
 from . import paged_reference as pr
 
 FORMATS = ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"]
-# the widest sweeps run fp8k compiled on a GPU (and with --run-slow): under the interpreter they would add ~20 s to
-# the CPU suite, and its launch shapes are covered there by test_slot_mapping_launch_variants (every shape, RoPE),
-# test_cache_append_with_metadata_ready (index-first decode) and tests/paged/test_fp8k.py
-FORMATS_FP8K_SLOW = [*FORMATS[:-1], pytest.param("fp8k", marks=pytest.mark.slow)]
 
 # (q_lens, kv_lens, padding rows): the guess hits (decode, equal prefills), misses (mixed), padding past cu_q
 BATCHES = [
@@ -61,9 +58,8 @@ def shape(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
-@pytest.mark.parametrize("kv_dtype", FORMATS_FP8K_SLOW)
-@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize(("shape", "batch", "kv_dtype", "use_rope"),
+                         pairwise(la.SHAPES, BATCHES, FORMATS, named([False, True], ["no-rope", "rope"])))
 def test_ragged_launch_variants(device, shape, batch, kv_dtype, use_rope):
     q_lens, kv_lens, pad = batch
     gen = pr.generator(7 * len(q_lens) + pad + la.SHAPES.index(shape))
@@ -123,7 +119,7 @@ def test_cu_k_lens_launch_variants(device, shape, kv_dtype):
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="HND")
 
 
-@pytest.mark.parametrize("kv_dtype", FORMATS)
+@pytest.mark.parametrize(("shape", "kv_dtype"), each_value(la.SHAPES, FORMATS))
 def test_slot_mapping_launch_variants(device, shape, kv_dtype):
     H, D, bs, nb = 2, 16, 4, 8
     gen = pr.generator(53 + la.SHAPES.index(shape))
@@ -205,7 +201,7 @@ def test_pdl_needs_hopper(device):
     pr.assert_bits_equal(cache.buffer, before, "pool")
 
 
-@pytest.mark.parametrize("kv_dtype", FORMATS)
+@pytest.mark.parametrize(("shape", "kv_dtype"), each_value(la.SHAPES, FORMATS))
 def test_odd_strides_take_scalar_loads(device, shape, kv_dtype):
     """k / v rows whose strides are odd element counts (vector width 1) and rows at an odd element offset
     (unaligned pointer) are read correctly."""
@@ -224,9 +220,8 @@ def test_odd_strides_take_scalar_loads(device, shape, kv_dtype):
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD")
 
 
-@pytest.mark.parametrize("ready", [False, True], ids=["no-promise", "metadata-ready"])
-@pytest.mark.parametrize("mode", ["ragged", "slots"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int4"])
+@pytest.mark.parametrize(("kv_dtype", "mode", "ready"), pairwise(
+    ["auto", "fp8", "int4"], ["ragged", "slots"], named([False, True], ["no-promise", "metadata-ready"])))
 def test_repeated_appends_reuse_prepared_launches(device, kv_dtype, mode, ready):
     """Decode steps over several layers through PagedKVCache.append with one plan per step: after the plan's first
     append of a kind of layer, the others launch its prepared launch (CUDA) with raw pointers. Every step, every
@@ -288,9 +283,9 @@ ROPES = {
 }
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("rope_name", list(ROPES))
+@pytest.mark.parametrize(("shape", "rope_name", "dtype", "kv_dtype"), pairwise(
+    la.SHAPES, list(ROPES), named([torch.float16, torch.bfloat16, torch.float32], ["fp16", "bf16", "fp32"]),
+    ["auto", "int8"]))
 def test_rope_pairings_and_dtypes(device, shape, rope_name, dtype, kv_dtype):
     """Every RoPE pairing (rotate-half, interleaved, partial) and model dtype, in the HND layout: V stays
     bit-exact where it passes through float32 (split programs)."""
@@ -310,8 +305,7 @@ def test_rope_pairings_and_dtypes(device, shape, rope_name, dtype, kv_dtype):
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="HND", rope=rope)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int4"])
-@pytest.mark.parametrize("rope_name", list(ROPES))
+@pytest.mark.parametrize(("shape", "rope_name", "kv_dtype"), pairwise(la.SHAPES, list(ROPES), ["auto", "fp8", "int4"]))
 def test_rope_pairings_by_slot_mapping(device, shape, rope_name, kv_dtype):
     """Every RoPE pairing by slot mapping, positions up to 9000 and padding rows; split launches of quantized
     formats rotate in K and V programs and keep V's row (rope_select), fp16 ones branch."""
@@ -365,9 +359,9 @@ def test_c_entry_point_gets_what_the_launcher_object_forwards(monkeypatch, pdl):
     assert log[2] == log[0]
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
-@pytest.mark.parametrize("base", [10000.0, 0.5], ids=["base1e4", "base0.5"])
-@pytest.mark.parametrize("known_max", [True, False], ids=["max-known", "max-unknown"])
+@pytest.mark.parametrize(("kv_dtype", "base", "known_max"), pairwise(
+    ["auto", "fp8", "int8", "int4"], named([10000.0, 0.5], ["base1e4", "base0.5"]),
+    named([True, False], ["max-known", "max-unknown"])))
 def test_rope_positions_on_both_sides_of_the_fast_trig_range(device, kv_dtype, base, known_max):
     """The append computes cos / sin with the short polynomial while a row's largest angle (position x
     ``RopeKernelParams.max_inv_freq``: above 1 when base < 1) is at most 1e5 radians, with the full-range
@@ -440,9 +434,8 @@ def test_check_true_rejects_a_bound_below_the_frequencies(device):
     assert torch.equal(pr.bits(cache.pool(0)), before)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
-@pytest.mark.parametrize("split_launch", [False, True], ids=["per-row", "split"])
-@pytest.mark.parametrize("early", [False, True], ids=["late", "early"])
+@pytest.mark.parametrize(("kv_dtype", "split_launch", "early"), pairwise(
+    ["auto", "int8", "int4"], named([False, True], ["per-row", "split"]), named([False, True], ["late", "early"])))
 def test_early_and_late_order_in_both_launch_shapes(device, kv_dtype, split_launch, early):
     """The early order (RoPE / quantization before the block-table load returns, stores predicated) and the
     late one write the same rows in both launch shapes, defaults or not (the policy pairs early with split
@@ -469,8 +462,8 @@ def test_early_and_late_order_in_both_launch_shapes(device, kv_dtype, split_laun
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
-@pytest.mark.parametrize("masked", [False, True], ids=["branch", "masked"])
+@pytest.mark.parametrize(("kv_dtype", "masked"), each_value(
+    ["auto", "fp8", "int8", "int4"], named([False, True], ["branch", "masked"])))
 def test_masked_and_branching_stores_skip_the_same_rows(device, kv_dtype, masked):
     """Early launches store either predicated on the row's validity (masked) or behind a branch on it: rows
     past the block table, with block id -1 or past the pool, and padding rows write nothing either way."""
@@ -642,11 +635,9 @@ def index_first_launch(k: torch.Tensor, *, kv_dtype: str, n_seqs: int | None, ro
     return dataclasses.replace(plan, pdl=pdl_on(k.device), cs_first=cs_first and rope is not None)
 
 
-@pytest.mark.parametrize("cs_first", [False, True], ids=["cs-after", "cs-first"])
-@pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
-@pytest.mark.parametrize("kv_dtype", FORMATS_FP8K_SLOW)
-@pytest.mark.parametrize("split", [True, False], ids=["split", "per-row"])
-@pytest.mark.parametrize("batch", [BATCHES[0], BATCHES[2], BATCHES[3]])
+@pytest.mark.parametrize(("batch", "split", "kv_dtype", "use_rope", "cs_first"), pairwise(
+    [BATCHES[0], BATCHES[2], BATCHES[3]], named([True, False], ["split", "per-row"]), FORMATS,
+    named([False, True], ["no-rope", "rope"]), named([False, True], ["cs-after", "cs-first"])))
 def test_index_first_launches_match_the_reference(device, batch, split, kv_dtype, use_rope, cs_first):
     """The lookup (and RoPE's cos / sin) before the wait for the previous kernel (``index_first``, what
     ``metadata_ready`` selects for decode-sized appends), in both launch shapes, with the decode / mixed /
@@ -677,8 +668,7 @@ def test_metadata_ready_must_be_a_bool(device):
     assert torch.equal(cache.pool(0).view(torch.uint8), before.view(torch.uint8))
 
 
-@pytest.mark.parametrize("kv_dtype", FORMATS)
-@pytest.mark.parametrize("mode", ["ragged", "slots"])
+@pytest.mark.parametrize(("mode", "kv_dtype"), each_value(["ragged", "slots"], FORMATS))
 def test_cache_append_with_metadata_ready(device, mode, kv_dtype):
     """``metadata_ready=True`` on a decode batch with the cache's RoPE, against the reference, twice (on a GPU
     the generic launch, then the prepared one). Through ``PagedKVCache.append`` (on a GPU with PDL: the

@@ -25,6 +25,7 @@ from kvcache.ops.paged import append_paged_kv
 from kvcache.ops.paged.kernels import append as append_kernel_module
 from kvcache.ops.paged.kernels.lookup import _spec_same
 from kvcache.rope import RopeConfig
+from sweeps import named, pairwise
 
 from . import launches as la
 from . import paged_reference as pr
@@ -70,11 +71,9 @@ def _always_same(n, cu_q, k_lens, slots, positions, n_seqs, guess_mul, hit, a, b
     return same | (n >= 0)
 
 
-@pytest.mark.parametrize("changed", [False, True], ids=["unchanged", "changed"])
-@pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
-@pytest.mark.parametrize("kv_dtype", FORMATS)
-@pytest.mark.parametrize("shape", ["split", "per-row"])
-@pytest.mark.parametrize("batch", [BATCHES[0], BATCHES[2], BATCHES[3]])
+@pytest.mark.parametrize(("batch", "shape", "kv_dtype", "use_rope", "changed"), pairwise(
+    [BATCHES[0], BATCHES[2], BATCHES[3]], ["split", "per-row"], FORMATS, named([False, True], ["no-rope", "rope"]),
+    named([False, True], ["unchanged", "changed"])))
 def test_speculative_launches_match_the_reference(device, monkeypatch, batch, shape, kv_dtype, use_rope, changed):
     """The speculative lookup (``speculate``, the default for decode-sized appends with PDL and no promise):
     the first guess (and cos / sin) before the wait, every value it read checked after it. Rows whose guess

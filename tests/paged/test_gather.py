@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvcache.ops import gather_paged_kv
 from kvcache.rope import RopeConfig, apply_rope_reference
+from sweeps import each_value, named, pairwise
 
 from . import paged_reference as pr
 
@@ -53,10 +54,9 @@ def _seq_out(base, permuted: bool):  # type: ignore[no-untyped-def]
 # round trips
 
 
-@pytest.mark.parametrize("permuted", [False, True], ids=["contiguous-out", "permuted-out"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("D", [8, 80])
+@pytest.mark.parametrize(("D", "layout", "dtype", "permuted"), pairwise(
+    [8, 80], ["NHD", "HND"], named([torch.float16, torch.bfloat16], ["fp16", "bf16"]),
+    named([False, True], ["contiguous-out", "permuted-out"])))
 def test_auto_round_trip_bit_exact(device, D, layout, dtype, permuted):
     H, bs = 3, 4
     lens = [9, 1, 0, 14]
@@ -165,8 +165,7 @@ GATHER_ROPES = {
 }
 
 
-@pytest.mark.parametrize("rope_case", list(GATHER_ROPES))
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+@pytest.mark.parametrize(("kv_dtype", "rope_case"), each_value(["auto", "int8"], list(GATHER_ROPES)))
 def test_gather_applies_rope_to_unrotated_keys(device, kv_dtype, rope_case):
     """Keys appended without RoPE and gathered with rope=...: equal apply_rope_reference of the stored keys at
     positions 0..len-1 (within one ulp + the float32 RoPE slack); values untouched by RoPE."""
@@ -220,8 +219,7 @@ def test_append_with_rope_then_gather_round_trip(device):
 # context parallel
 
 
-@pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
-@pytest.mark.parametrize("cp_size", [2, 3])
+@pytest.mark.parametrize(("cp_size", "use_rope"), each_value([2, 3], named([False, True], ["no-rope", "rope"])))
 def test_context_parallel_gather_reconstructs_sequences(device, cp_size, use_rope):
     """Each rank gathers its local tokens (ceil((len - rank) / cp_size) of them); interleaving the ranks'
     outputs (token p from rank p % cp_size, index p // cp_size) gives the whole sequence. With rope=..., the
@@ -279,8 +277,10 @@ def _ragged_batches(draw):  # type: ignore[no-untyped-def]
     return bs, kv_lens, q_lens, layout, heads, head_dim, padding, seed
 
 
+# 25 random batches where the kernels are compiled, 6 on the CPU (each takes seconds under Triton's interpreter)
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25 if torch.cuda.is_available() else 6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=_ragged_batches())
 def test_random_ragged_append_then_gather(device, kv_dtype, case):
     bs, kv_lens, q_lens, layout, H, D, padding, seed = case

@@ -20,6 +20,7 @@ import torch
 from kvcache import PagedConfig, PagedKVCache, RopeConfig, cache_block_bytes
 from kvcache._backend import force_interpreter
 from kvcache.ops.paged.block_keys import blocks_for_tokens
+from sweeps import each_value, named
 
 H, D, BS, NB = 2, 32, 8, 12
 LAYOUTS = ["NHD", "HND"]
@@ -222,8 +223,8 @@ def _append_chunks(cache: PagedKVCache, table: torch.Tensor, chunks: list[int], 
     return pos
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("chunks", [[BS], [1] * (BS + 1), [3, 1, 4], [5, 2 * BS + 1, 1, 6]])
+@pytest.mark.parametrize(("layout", "chunks"), each_value(LAYOUTS, named(
+    [[BS], [1] * (BS + 1), [3, 1, 4], [5, 2 * BS + 1, 1, 6]], ["one-block", "decode", "small", "mixed"])))
 def test_the_triton_append_writes_the_bytes_of_the_torch_path(layout, chunks):
     for dtype, nan in ((torch.float32, False), (torch.bfloat16, True)):
         ref = _stored(layout, chunks, False, dtype=dtype, nan=nan)
@@ -334,8 +335,9 @@ def test_the_triton_append_with_rope_reads_back_as_the_torch_path_within_rope_ro
     torch.testing.assert_close(out[1][1], out[0][1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("opts", [{}, {"window": 7}, {"softcap": 5.0}, {"num_splits": 3}, {"sinks": True}])
+@pytest.mark.parametrize(("layout", "opts"), each_value(LAYOUTS, named(
+    [{}, {"window": 7}, {"softcap": 5.0}, {"num_splits": 3}, {"sinks": True}],
+    ["plain", "window", "softcap", "splits", "sinks"])))
 def test_the_triton_attention_equals_the_torch_path(layout, opts):
     opts = dict(opts)
     hq = 2 * H

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvcache import PagedConfig, PagedKVCache, RopeConfig
+from sweeps import pairwise
 
 H, D, BS = 3, 16, 4
 BAD = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
@@ -32,9 +33,8 @@ def _roundtrip(device: torch.device, kv_dtype: str, layout: str, x: torch.Tensor
     return k[0].transpose(0, 1).float().cpu(), v[0].transpose(0, 1).float().cpu(), cache
 
 
-@pytest.mark.parametrize("bad", list(BAD))
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"])
+@pytest.mark.parametrize(("kv_dtype", "layout", "bad"), pairwise(
+    ["auto", "fp8", "int8", "int4", "k8v4", "fp8k"], ["NHD", "HND"], list(BAD)))
 def test_nonfinite_values_stay_visible(device, kv_dtype, layout, bad):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, H, D, generator=gen) * 2

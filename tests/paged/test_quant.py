@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvcache.rope import RopeConfig
+from sweeps import each_value, named, pairwise
 
 from . import paged_reference as pr
 
@@ -71,9 +72,7 @@ def _check_quant_properties(cache, exp, kv_dtype, layout, rope):  # type: ignore
 # int8 / int4 append
 
 
-@pytest.mark.parametrize("use_rope", [False, True], ids=["no-rope", "rope"])
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kv_dtype", ALL_INT_DTYPES)
+@pytest.mark.parametrize(("kv_dtype", "shape", "use_rope"), pairwise(ALL_INT_DTYPES, SHAPES, named([False, True], ["no-rope", "rope"])))
 def test_int_append(device, kv_dtype, shape, use_rope):
     """Without RoPE: codes, scale and zero bit-exact against the reference's float32 formula. With RoPE
     (partial rotary on the padded shapes): within the derived bounds. Both: the documented properties."""
@@ -304,8 +303,7 @@ def test_fp8_rounding_edge_values(device):
 # gather of quantized pools
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4", "fp8", "fp8k"])
+@pytest.mark.parametrize(("kv_dtype", "layout"), each_value(["int8", "int4", "k8v4", "fp8", "fp8k"], ["NHD", "HND"]))
 def test_quantized_gather(device, kv_dtype, layout):
     """Gather dequantizes: fp8 bit-exact (x * scale, one float32 product), int8 / int4 within one ulp of the
     model dtype of q * scale + zero, and within scale / 2 (+ one model-dtype rounding) of what was appended;

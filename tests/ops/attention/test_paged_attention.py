@@ -13,6 +13,7 @@ import torch
 
 from kvcache.ops import merge_attention_states, paged_attention
 from kvcache.ops.attention import attention_plan
+from sweeps import each_value, named, pairwise
 
 from .attn_reference import assert_attn_close, dequantized, i32, make_paged, paged_expected
 
@@ -39,8 +40,7 @@ def _q(n, hq, d, dtype, device, seed=1):  # type: ignore[no-untyped-def]
     return torch.randn((n, hq, d), generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_dtype", FORMATS)
+@pytest.mark.parametrize(("kv_dtype", "layout"), each_value(FORMATS, ["NHD", "HND"]))
 def test_formats_mixed_batch(device, kv_dtype, layout):
     """Prefill chunk, decode rows, an extend chunk and an empty sequence in one batch, GQA 6 / 2, D 80."""
     H, hq, D, bs = 2, 6, 80, 16
@@ -189,9 +189,10 @@ def test_heuristic_split_of_short_sequences(device, kv_dtype):
     assert_attn_close(out, lse, eo, el, torch.float16, what=f"heuristic split {kv_dtype}")
 
 
-@pytest.mark.parametrize("opts", [{}, {"num_splits": 1}, {"window": 70, "num_splits": 3}, {"softcap": 5.0}],
-                         ids=["plain", "one-split", "window-splits", "softcap"])
-@pytest.mark.parametrize("qdt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("opts", "qdt"), each_value(
+    named([{}, {"num_splits": 1}, {"window": 70, "num_splits": 3}, {"softcap": 5.0}],
+          ["plain", "one-split", "window-splits", "softcap"]),
+    named([torch.float16, torch.bfloat16], ["fp16", "bf16"])))
 def test_int4_warp_split_decode(device, opts, qdt):
     """int4 decode at head_dim 128 over block tables of 4096+ tokens takes the warp-split tiles (each warp its own
     keys of a tile, the warps' states merged after the KV loop): the reference's result for lengths ending inside
@@ -254,8 +255,9 @@ def test_edge_cases(device):
     assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8"])
-@pytest.mark.parametrize("q_lens", [[1] * 13, [1, 1, 0, 3, 1, 2, 1, 1, 0, 1, 4, 1, 1], [0] * 5 + [1] * 8])
+@pytest.mark.parametrize(("q_lens", "kv_dtype"), each_value(
+    named([[1] * 13, [1, 1, 0, 3, 1, 2, 1, 1, 0, 1, 4, 1, 1], [0] * 5 + [1] * 8], ["decode", "mixed", "empty-first"]),
+    ["auto", "fp8", "int8"]))
 def test_decode_tiles_find_their_sequence(device, q_lens, kv_dtype):
     """Decode tiles (<= 4 rows per sequence) over 13 sequences: one row each (each tile's sequence taken from its
     index, spare tiles between them), rows of 0-4 per sequence, and five empty sequences first (the guess lands past
@@ -295,10 +297,10 @@ def test_decode_tiles_random_ragged_batches(device, seed):
     assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
 
 
-# fp8k here runs on a GPU (and with --run-slow): ~20 s under the interpreter; its decode and prefill tiles in one
-# launch are test_formats_mixed_batch's
-@pytest.mark.parametrize("kv_dtype", [*FORMATS[:-1], pytest.param("fp8k", marks=pytest.mark.slow)])
-def test_num_decode_split_launch(device, kv_dtype):
+@pytest.mark.parametrize(("kv_dtype", "hint"), each_value(FORMATS, named(
+    [(4, {}), (2, {}), (5, {}), (4, {"num_splits": 3}), (4, {"window": 9})],
+    ["true", "short", "covers-a-chunk", "forced-splits", "window"])))
+def test_num_decode_split_launch(device, kv_dtype, hint):
     """A mixed batch (decode rows first, then chunks) launched as decode tiles + prefill tiles (num_decode): the
     reference's answer for a true hint, a hint short of the decode rows, one that covers a 30-row chunk, forced
     splits (the decode launch's merge must not touch the other launch's rows) and a window; padding rows stay
@@ -308,12 +310,12 @@ def test_num_decode_split_launch(device, kv_dtype):
     cache, bt, _ = make_paged(device, kv_dtype=kv_dtype, layout="NHD", H=H, D=D, bs=bs, lens=kv_lens)
     n_real = sum(q_lens)
     q = _q(n_real + 2, hq, D, torch.float16, device)  # 2 padding rows
-    for nd, kw in [(4, {}), (2, {}), (5, {}), (4, {"num_splits": 3}), (4, {"window": 9})]:
-        out, lse = _run(cache, bt, q, q_lens, kv_lens, device, num_decode=nd, **kw)
-        eo, el = paged_expected(q[:n_real].cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D),
-                                window=kw.get("window"))
-        assert_attn_close(out[:n_real], lse[:n_real], eo, el, torch.float16, what=f"{kv_dtype} num_decode {nd} {kw}")
-        assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
+    nd, kw = hint
+    out, lse = _run(cache, bt, q, q_lens, kv_lens, device, num_decode=nd, **kw)
+    eo, el = paged_expected(q[:n_real].cpu(), cache, bt, q_lens, kv_lens, scale=1 / math.sqrt(D),
+                            window=kw.get("window"))
+    assert_attn_close(out[:n_real], lse[:n_real], eo, el, torch.float16, what=f"{kv_dtype} num_decode {nd} {kw}")
+    assert (out[n_real:] == 7.0).all() and (lse[n_real:] == 7.0).all()
     for bad in (-1, len(q_lens) + 1):
         with pytest.raises(ValueError, match="num_decode"):
             _run(cache, bt, q, q_lens, kv_lens, device, num_decode=bad)
@@ -413,12 +415,11 @@ def test_quantized_v_scales_spanning_1000x(device, kv_dtype):
     assert_attn_close(out, lse, eo, el, torch.float16, what=kv_dtype)
 
 
-@pytest.mark.parametrize("opts", [{}, {"num_splits": 3, "window": 100, "sinks": True}, {"softcap": 5.0}],
-                         ids=["plain", "splits-window-sinks", "softcap"])
-@pytest.mark.parametrize("offset", [0.0, 4.0], ids=["centred", "offset"])
-@pytest.mark.parametrize("qdt", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("D", [80, 128])
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "k8v4"])
+@pytest.mark.parametrize(("kv_dtype", "D", "qdt", "offset", "opts"), pairwise(
+    ["int8", "int4", "k8v4"], [80, 128], named([torch.float16, torch.bfloat16], ["fp16", "bf16"]),
+    named([0.0, 4.0], ["centred", "offset"]),
+    named([{}, {"num_splits": 3, "window": 100, "sinks": True}, {"softcap": 5.0}], ["plain", "splits-window-sinks",
+                                                                                   "softcap"])))
 def test_quantized_decode_wide_rows(device, kv_dtype, D, qdt, offset, opts):
     """Decode rows at head_dims over 64, K / V centred or offset from zero (mean ``offset``), ragged lengths with
     partial tiles, alone, with splits + window + sinks, or softcap, against the reference over the dequantized cache.
@@ -459,10 +460,8 @@ def test_quantized_decode_queries_with_a_mean(device, kv_dtype):
     assert_attn_close(out, lse, eo, el, torch.float16, what=f"{kv_dtype} queries with a mean")
 
 
-@pytest.mark.parametrize("splits", [None, 3])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("dtype", "kv_dtype", "D", "splits"), pairwise(
+    [torch.bfloat16, torch.float16], ["int8", "int4"], [64, 128], [None, 3]))
 def test_quantized_decode_v_scales_vary_by_tile(device, kv_dtype, D, splits, dtype):
     """V magnitudes that change by up to 10^10 (bf16; 10^7 for fp16) from one KV tile to the next, in runs of 24
     tokens: the decode tiles keep their accumulators in units of each tile's largest V scale and rescale them tile by

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvcache.ops import paged_attention
+from sweeps import named, pairwise
 
 from .attn_reference import assert_attn_close, i32, make_paged, paged_expected
 
@@ -49,9 +50,8 @@ def _attend(cache, bt, q, q_lens, kv_lens, device, **kw):  # type: ignore[no-unt
                            kv_lens=i32(list(kv_lens), device), **kw)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("batch", ["decode", "mixed"])
+@pytest.mark.parametrize(("batch", "dtype", "kv_dtype"), pairwise(
+    ["decode", "mixed"], named([torch.bfloat16, torch.float16], ["bf16", "fp16"]), ["auto", "fp8", "int8", "int4"]))
 def test_fused_query_rope_equals_rotated_queries(device, kv_dtype, dtype, batch):
     H, hq, D, bs = 2, 8, 64, 16
     if batch == "decode":  # decode tiles (one row per sequence), an empty sequence among them
