@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh, with the default model: the hf tests run it) and run the test suite. Without a
 # GPU every kernel runs twice: through its pure-torch reference and through Triton's interpreter. Long
-# sweeps, and the combinations of a kernel sweep outside its pairwise cover (tests/sweeps.py), are marked `slow`
+# sweeps, and the combinations of a kernel sweep outside its cover (tests/sweeps.py), are marked `slow`
 # and skipped here unless KVCACHE_TEST_SLOW=1 (scripts/gpu_check.sh sets it). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,10 +1,12 @@
-"""Parameter sweeps that run whole on a GPU and as a pairwise cover on the CPU.
+"""Parameter sweeps that run whole on a GPU and as a cover of their values on the CPU.
 
 A kernel test over several axes (batch shapes x launch shapes x formats x RoPE ...) runs every combination where
-the kernels are compiled, and under Triton's interpreter only a subset in which every pair of values of any two
-axes occurs at least once: 144 combinations of 3 x 2 x 6 x 2 x 2 values become 18-20. The rest are marked
-``slow`` (run on a GPU, or on the CPU with ``--run-slow`` / ``KVCACHE_TEST_SLOW=1``), which keeps the CPU suite
-within its time budget while every value, and every interaction of two, is still exercised there.
+the kernels are compiled, and in the default CPU suite only a cover: a subset in which every pair of values of any
+two axes occurs at least once (:func:`pairwise`: 144 combinations of 3 x 2 x 6 x 2 x 2 values become 15), or every
+value of every axis (:func:`each_value`: 6, for sweeps whose cases take seconds each under the interpreter). The
+rest are marked ``slow`` (run on a GPU, or on the CPU with ``--run-slow`` / ``KVCACHE_TEST_SLOW=1``), which keeps
+the CPU suite within its time budget while every value (and with ``pairwise`` every interaction of two) is still
+exercised there.
 
 Example::
 

@@ -59,7 +59,7 @@ def shape(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.mark.parametrize(("shape", "batch", "kv_dtype", "use_rope"),
-                         pairwise(la.SHAPES, BATCHES, FORMATS, named([False, True], ["no-rope", "rope"])))
+                         each_value(la.SHAPES, BATCHES, FORMATS, named([False, True], ["no-rope", "rope"])))
 def test_ragged_launch_variants(device, shape, batch, kv_dtype, use_rope):
     q_lens, kv_lens, pad = batch
     gen = pr.generator(7 * len(q_lens) + pad + la.SHAPES.index(shape))
@@ -159,10 +159,9 @@ def _append_slots_and_compare(cache, k, v, slots: list[int], positions: list[int
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD", rope=rope)
 
 
-# the fallback is the same code in every launch shape; on the interpreter each shape costs 20-40 s (1,470 rows), so
-# CI runs one shape and the GPU (slow included) all three
-@pytest.mark.parametrize("shape", [pytest.param(s, marks=[] if s == "per-row" else [pytest.mark.slow])
-                                   for s in la.SHAPES])
+# 1,100 sequences: 40-45 s a shape under the interpreter, so it runs compiled on a GPU (and with --run-slow)
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", la.SHAPES)
 def test_many_sequences_binary_search_fallback(device, shape):
     """More than 1024 sequences: the lookup's fallback is a binary search (the guess misses on ragged rows)."""
     B = 1100
@@ -220,7 +219,7 @@ def test_odd_strides_take_scalar_loads(device, shape, kv_dtype):
     pr.assert_append_matches(cache.pool(0), cache.params(0), exp, kv_dtype=kv_dtype, layout="NHD")
 
 
-@pytest.mark.parametrize(("kv_dtype", "mode", "ready"), pairwise(
+@pytest.mark.parametrize(("kv_dtype", "mode", "ready"), each_value(
     ["auto", "fp8", "int4"], ["ragged", "slots"], named([False, True], ["no-promise", "metadata-ready"])))
 def test_repeated_appends_reuse_prepared_launches(device, kv_dtype, mode, ready):
     """Decode steps over several layers through PagedKVCache.append with one plan per step: after the plan's first
@@ -635,7 +634,7 @@ def index_first_launch(k: torch.Tensor, *, kv_dtype: str, n_seqs: int | None, ro
     return dataclasses.replace(plan, pdl=pdl_on(k.device), cs_first=cs_first and rope is not None)
 
 
-@pytest.mark.parametrize(("batch", "split", "kv_dtype", "use_rope", "cs_first"), pairwise(
+@pytest.mark.parametrize(("batch", "split", "kv_dtype", "use_rope", "cs_first"), each_value(
     [BATCHES[0], BATCHES[2], BATCHES[3]], named([True, False], ["split", "per-row"]), FORMATS,
     named([False, True], ["no-rope", "rope"]), named([False, True], ["cs-after", "cs-first"])))
 def test_index_first_launches_match_the_reference(device, batch, split, kv_dtype, use_rope, cs_first):

@@ -25,7 +25,7 @@ from kvcache.ops.paged import append_paged_kv
 from kvcache.ops.paged.kernels import append as append_kernel_module
 from kvcache.ops.paged.kernels.lookup import _spec_same
 from kvcache.rope import RopeConfig
-from sweeps import named, pairwise
+from sweeps import each_value, named
 
 from . import launches as la
 from . import paged_reference as pr
@@ -71,7 +71,7 @@ def _always_same(n, cu_q, k_lens, slots, positions, n_seqs, guess_mul, hit, a, b
     return same | (n >= 0)
 
 
-@pytest.mark.parametrize(("batch", "shape", "kv_dtype", "use_rope", "changed"), pairwise(
+@pytest.mark.parametrize(("batch", "shape", "kv_dtype", "use_rope", "changed"), each_value(
     [BATCHES[0], BATCHES[2], BATCHES[3]], ["split", "per-row"], FORMATS, named([False, True], ["no-rope", "rope"]),
     named([False, True], ["unchanged", "changed"])))
 def test_speculative_launches_match_the_reference(device, monkeypatch, batch, shape, kv_dtype, use_rope, changed):

@@ -72,7 +72,8 @@ def _check_quant_properties(cache, exp, kv_dtype, layout, rope):  # type: ignore
 # int8 / int4 append
 
 
-@pytest.mark.parametrize(("kv_dtype", "shape", "use_rope"), pairwise(ALL_INT_DTYPES, SHAPES, named([False, True], ["no-rope", "rope"])))
+@pytest.mark.parametrize(("kv_dtype", "shape", "use_rope"),
+                         pairwise(ALL_INT_DTYPES, SHAPES, named([False, True], ["no-rope", "rope"])))
 def test_int_append(device, kv_dtype, shape, use_rope):
     """Without RoPE: codes, scale and zero bit-exact against the reference's float32 formula. With RoPE
     (partial rotary on the padded shapes): within the derived bounds. Both: the documented properties."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvcache.ops import paged_attention
-from sweeps import named, pairwise
+from sweeps import each_value, named
 
 from .attn_reference import assert_attn_close, i32, make_paged, paged_expected
 
@@ -50,7 +50,7 @@ def _attend(cache, bt, q, q_lens, kv_lens, device, **kw):  # type: ignore[no-unt
                            kv_lens=i32(list(kv_lens), device), **kw)
 
 
-@pytest.mark.parametrize(("batch", "dtype", "kv_dtype"), pairwise(
+@pytest.mark.parametrize(("batch", "dtype", "kv_dtype"), each_value(
     ["decode", "mixed"], named([torch.bfloat16, torch.float16], ["bf16", "fp16"]), ["auto", "fp8", "int8", "int4"]))
 def test_fused_query_rope_equals_rotated_queries(device, kv_dtype, dtype, batch):
     H, hq, D, bs = 2, 8, 64, 16
