@@ -11,6 +11,9 @@ Which one runs is decided per call by the device of the tensors:
 The interpreter is used in-process next to the compiled path: :class:`Kernel` keeps both forms of a
 kernel, and while a kernel is interpreted, ``@triton.jit`` helpers that it calls (``tl.sum``,
 ``tl.cumsum``, ...) are routed through the interpreter as well.
+
+The library's environment is read here only: the two variables above, ``KVCACHE_PDL`` and ``XDG_CACHE_HOME``
+(:func:`user_cache_dir`).
 """
 
 from __future__ import annotations
@@ -253,3 +256,10 @@ def kernel(fn: Callable[..., Any] | None = None, *, ints: tuple[str, ...] = ()) 
     if fn is None:
         return lambda f: Kernel(f, ints=ints)
     return Kernel(fn, ints=ints)
+
+
+def user_cache_dir() -> str:
+    """Where kvcache keeps what it can rebuild (a GGUF file's conversion): ``$XDG_CACHE_HOME/kvcache``, or
+    ``~/.cache/kvcache`` where the variable is unset or empty. Read per call; nothing is created."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "kvcache")

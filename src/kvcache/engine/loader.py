@@ -165,12 +165,13 @@ def _converted_folder(path: str, dtype: torch.dtype) -> str:
     """Where the conversion of the GGUF file ``path`` to ``dtype`` is kept (it may not exist yet)."""
     import transformers
 
+    from kvcache._backend import user_cache_dir
+
     st = os.stat(path)
     ident = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{transformers.__version__}"
     digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     stem = os.path.basename(path).removesuffix(".gguf")
-    return os.path.join(root, "kvcache", "gguf", f"{stem}-{str(dtype).removeprefix('torch.')}-{digest}")
+    return os.path.join(user_cache_dir(), "gguf", f"{stem}-{str(dtype).removeprefix('torch.')}-{digest}")
 
 
 def _save_converted(hf_model: Any, tokenizer: Any, folder: str) -> None:
