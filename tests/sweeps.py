@@ -55,8 +55,7 @@ def _entries(axis: Sequence[Any]) -> list[tuple[tuple[Any, ...], str, tuple[Any,
 
 
 def _is_slow(marks: tuple[Any, ...]) -> bool:
-    return any(getattr(m, "name", None) == "slow" or getattr(getattr(m, "mark", None), "name", None) == "slow"
-               for m in marks)
+    return any(m.name == "slow" for m in marks)  # pytest's Mark and MarkDecorator both carry the name
 
 
 def pairwise(*axes: Sequence[Any]) -> list[ParameterSet]:
